@@ -1,0 +1,10 @@
+"""Ember: fast PyTorch training behind a Lightning-compatible Module and Trainer."""
+
+__version__ = "0.1.0"
+
+from ember.module import DataModule, Module
+from ember.rank_zero import rank_zero_only
+from ember.seed import seed_everything
+from ember.trainer import Trainer
+
+__all__ = ["DataModule", "Module", "Trainer", "__version__", "rank_zero_only", "seed_everything"]

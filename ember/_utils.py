@@ -1,0 +1,117 @@
+"""Small helpers shared across the package."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+class AttributeDict(dict):
+    """A ``dict`` whose keys are also attributes: ``hparams.lr`` reads ``hparams["lr"]``."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as err:
+            raise AttributeError(f"no hyperparameter named {key!r}") from err
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in nested lists, tuples, named tuples, dicts and dataclasses."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, (list, tuple)):
+        items = [apply_to_tensors(item, fn) for item in data]
+        if hasattr(data, "_fields"):  # named tuple
+            return type(data)(*items)
+        return type(data)(items)
+    if isinstance(data, Mapping):
+        return type(data)({key: apply_to_tensors(value, fn) for key, value in data.items()})
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        changes = {
+            field.name: apply_to_tensors(getattr(data, field.name), fn)
+            for field in dataclasses.fields(data)
+            if field.init
+        }
+        return dataclasses.replace(data, **changes)
+    return data
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move a batch to ``device`` without blocking the host (pinned source memory makes it asynchronous).
+
+    Objects that are not containers but have a ``to(device)`` method (for example a tokenizer's
+    ``BatchEncoding``) are moved with it.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):  # the common case, kept free of the generic walk
+        if type(batch) in (list, tuple):
+            return type(batch)(move_to_device(item, device) for item in batch)
+        return apply_to_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True))
+    if isinstance(batch, Mapping) or dataclasses.is_dataclass(batch):
+        return apply_to_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True))
+    to = getattr(batch, "to", None)
+    if callable(to):
+        return to(device)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """The size of the first dimension of the first tensor found in ``batch`` (1 if there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        batch = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = batch_size_of(item)
+            if size != 1 or isinstance(item, torch.Tensor):
+                return size
+    return 1
+
+
+def is_overridden(name: str, instance: object, base: type) -> bool:
+    """Whether ``instance`` (its class, or the instance itself) defines ``name`` differently from ``base``."""
+    if name in getattr(instance, "__dict__", {}):
+        return True
+    own = getattr(type(instance), name, None)
+    return own is not None and own is not getattr(base, name, None)
+
+
+_TIME_PATTERN = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
+
+
+def parse_max_time(value: str | timedelta | Mapping[str, int] | None) -> float | None:
+    """``max_time`` as seconds: "DD:HH:MM:SS", a ``timedelta`` or a dict of ``timedelta`` arguments."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, Mapping):
+        try:
+            seconds = timedelta(**value).total_seconds()
+        except TypeError as err:
+            raise ValueError(
+                f"max_time={dict(value)!r}: a dict takes timedelta's keys (days, hours, minutes, seconds)"
+            ) from err
+    elif isinstance(value, str) and (match := _TIME_PATTERN.match(value.strip())):
+        days, hours, minutes, secs = (int(part) for part in match.groups())
+        seconds = timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
+    else:
+        raise ValueError(
+            f"max_time={value!r}: expected 'DD:HH:MM:SS', a datetime.timedelta or a dict such as {{'hours': 2}}"
+        )
+    if seconds <= 0:
+        raise ValueError(f"max_time={value!r}: the time limit must be positive")
+    return seconds

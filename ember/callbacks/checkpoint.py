@@ -1,0 +1,266 @@
+"""``ModelCheckpoint``: save the run every N steps, epochs or minutes, keeping the best or latest files."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ember import checkpoint as checkpoint_io
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.module import Module
+    from ember.trainer import Trainer
+
+_PLACEHOLDER = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+
+
+class ModelCheckpoint(Callback):
+    """Write checkpoints during ``fit``; only the global-zero process writes, each file atomically.
+
+    Args:
+        dirpath: directory for the files (default: ``<log_dir>/checkpoints``).
+        filename: a format such as ``"{epoch}-{val_loss:.3f}"``; ``epoch``, ``step`` and logged metrics
+            can be used (default ``"epoch={epoch}-step={step}"``).
+        monitor: metric that ranks checkpoints; without it the latest ones are kept.
+        mode: ``"min"`` or ``"max"``: which direction of ``monitor`` is better.
+        save_top_k: how many files to keep (-1 all, 0 none besides ``last``).
+        save_last: also keep ``last.ckpt``, always the newest complete checkpoint.
+        every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of them;
+            default every epoch).
+        save_weights_only: write only the module's weights.
+        auto_insert_metric_name: ``"{epoch}"`` becomes ``"epoch=3"`` in file names.
+    """
+
+    reads_epoch_metrics = True
+    FILE_EXTENSION = ".ckpt"
+    LAST_NAME = "last"
+    _TIME_CHECK_EVERY = 10
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        save_top_k: int = 1,
+        save_last: bool | None = None,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        train_time_interval: timedelta | None = None,
+        save_weights_only: bool = False,
+        auto_insert_metric_name: bool = True,
+        verbose: bool = False,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint(mode={mode!r}): choose 'min' or 'max'")
+        if not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k!r}): use -1 (all), 0, or a positive count")
+        for flag, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"ModelCheckpoint({flag}={value!r}) must be a non-negative int")
+        triggers = [every_n_train_steps, every_n_epochs, train_time_interval]
+        if sum(trigger is not None for trigger in triggers) > 1:
+            raise ValueError(
+                "ModelCheckpoint: give only one of every_n_train_steps, every_n_epochs and train_time_interval"
+            )
+        self.dirpath = os.fspath(dirpath) if dirpath is not None else None
+        self.filename = filename
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.every_n_train_steps = every_n_train_steps or 0
+        self.train_time_interval = train_time_interval
+        no_trigger = every_n_train_steps is None and train_time_interval is None
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (1 if no_trigger else 0)
+        self.save_weights_only = save_weights_only
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.verbose = verbose
+
+        self.best_k_models: dict[str, float] = {}
+        self.best_model_path = ""
+        self.best_model_score: float | None = None
+        self.last_model_path = ""
+        self._latest_paths: list[str] = []  # without a monitor: newest last
+        self._last_saved_step: int | None = None
+        self._last_time_save = time.monotonic()
+        self._batches_since_time_check = 0
+
+    @property
+    def state_key(self) -> str:
+        return (
+            f"ModelCheckpoint{{monitor={self.monitor!r}, mode={self.mode!r}, "
+            f"every_n_train_steps={self.every_n_train_steps}, every_n_epochs={self.every_n_epochs}, "
+            f"train_time_interval={self.train_time_interval}}}"
+        )
+
+    # -------------------------------------------------------------------------------- hooks
+    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.dirpath is None:
+            base = trainer.log_dir or trainer.default_root_dir
+            # Every rank must write to (and later resolve) the same directory as rank zero.
+            self.dirpath = trainer.strategy.broadcast(os.path.join(base, "checkpoints"))
+        self._last_time_save = time.monotonic()
+
+    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.every_n_train_steps:
+            if step > 0 and step % self.every_n_train_steps == 0:
+                self._save(trainer)
+        elif self.train_time_interval is not None:
+            # Every rank must take the same decision (saving involves all of them), so rank zero's
+            # clock decides; it is consulted every few batches to keep the communication rare.
+            self._batches_since_time_check += 1
+            if self._batches_since_time_check < self._TIME_CHECK_EVERY:
+                return
+            self._batches_since_time_check = 0
+            elapsed = time.monotonic() - self._last_time_save
+            if trainer.strategy.broadcast(elapsed >= self.train_time_interval.total_seconds()):
+                self._save(trainer)
+                self._last_time_save = time.monotonic()
+
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._save(trainer)
+
+    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+        # A validation in the middle of an epoch (val_check_interval < 1) can produce a new best.
+        if (
+            self.monitor is not None
+            and self.every_n_epochs
+            and trainer.stage == "fit"
+            and not trainer.sanity_checking
+            and not trainer._at_epoch_end
+        ):
+            self._save(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "monitor": self.monitor,
+            "dirpath": self.dirpath,
+            "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score,
+            "best_k_models": dict(self.best_k_models),
+            "last_model_path": self.last_model_path,
+            "latest_paths": list(self._latest_paths),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("dirpath") != self.dirpath:
+            return  # a different directory: its bookkeeping does not describe ours
+        self.best_model_path = state["best_model_path"]
+        self.best_model_score = state["best_model_score"]
+        self.best_k_models = dict(state["best_k_models"])
+        self.last_model_path = state["last_model_path"]
+        self._latest_paths = list(state.get("latest_paths", []))
+
+    # ------------------------------------------------------------------------------- saving
+    def _save(self, trainer: Trainer) -> None:
+        if self._last_saved_step == trainer.global_step:
+            return  # nothing trained since the last save (accumulating micro-batches share a step)
+        self._last_saved_step = trainer.global_step
+        metrics = trainer.callback_metrics
+        written = None
+        if self.monitor is not None:
+            if self.monitor not in metrics:
+                raise KeyError(
+                    f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name was logged; "
+                    f"logged metrics are {sorted(metrics)}"
+                )
+            score = float(metrics[self.monitor])
+            if self.save_top_k and self._is_top_k(score):
+                written = self._write(trainer, metrics)
+                self._record_top_k(trainer, written, score)
+        elif self.save_top_k:
+            written = self._write(trainer, metrics)
+            self.best_model_path = written  # without a monitor, the newest is the best we know
+            self._latest_paths = [path for path in self._latest_paths if path != written] + [written]
+            if self.save_top_k != -1:
+                while len(self._latest_paths) > self.save_top_k:
+                    self._remove(trainer, self._latest_paths.pop(0))
+        if self.save_last:
+            last = os.path.join(self.dirpath or ".", self.LAST_NAME + self.FILE_EXTENSION)
+            if written is not None:
+                if trainer.is_global_zero:
+                    checkpoint_io.link(written, last)
+            else:
+                trainer.save_checkpoint(last, weights_only=self.save_weights_only)
+            self.last_model_path = last
+        trainer.strategy.barrier()
+
+    def _write(self, trainer: Trainer, metrics: dict[str, torch.Tensor]) -> str:
+        path = os.path.join(self.dirpath or ".", self._format_name(trainer, metrics) + self.FILE_EXTENSION)
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only)
+        if self.verbose:
+            trainer.print(f"ModelCheckpoint: saved {path}")
+        return path
+
+    def _format_name(self, trainer: Trainer, metrics: dict[str, torch.Tensor]) -> str:
+        template = self.filename or "{epoch}-{step}"
+        values: dict[str, Any] = {}
+
+        def substitute(match: re.Match) -> str:
+            name, spec = match.group(1), match.group(2) or ""
+            if name == "epoch":
+                value: Any = trainer.current_epoch
+            elif name == "step":
+                value = trainer.global_step
+            elif name in metrics:
+                value = float(metrics[name])
+            else:
+                raise KeyError(
+                    f"ModelCheckpoint(filename={template!r}): {name!r} is not epoch, step or a logged "
+                    f"metric (logged: {sorted(metrics)})"
+                )
+            key = f"_{len(values)}"
+            values[key] = value
+            prefix = f"{name}=" if self.auto_insert_metric_name else ""
+            return prefix + "{" + key + spec + "}"
+
+        return _PLACEHOLDER.sub(substitute, template).format(**values).replace(os.sep, "_")
+
+    def _is_top_k(self, score: float) -> bool:
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            return True
+        return self._better(score, self._worst_kept()[1])
+
+    def _better(self, score: float, other: float) -> bool:
+        if math.isnan(score):
+            return False
+        if math.isnan(other):
+            return True
+        return score < other if self.mode == "min" else score > other
+
+    def _worst_kept(self) -> tuple[str, float]:
+        worst = None
+        for path, score in self.best_k_models.items():
+            if worst is None or self._better(worst[1], score):
+                worst = (path, score)
+        assert worst is not None
+        return worst
+
+    def _record_top_k(self, trainer: Trainer, path: str, score: float) -> None:
+        self.best_k_models[path] = score
+        if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
+            evicted, _ = self._worst_kept()
+            del self.best_k_models[evicted]
+            self._remove(trainer, evicted)
+        best_path = path
+        for candidate, candidate_score in self.best_k_models.items():
+            if self._better(candidate_score, self.best_k_models[best_path]):
+                best_path = candidate
+        self.best_model_path = best_path
+        self.best_model_score = self.best_k_models[best_path]
+
+    def _remove(self, trainer: Trainer, path: str) -> None:
+        if trainer.is_global_zero and os.path.exists(path) and path != self.best_model_path:
+            os.remove(path)

@@ -1,0 +1,127 @@
+"""``EarlyStopping``: stop fitting when a monitored metric stops improving."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.module import Module
+    from ember.trainer import Trainer
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved by more than ``min_delta`` for ``patience`` checks.
+
+    The check runs after each validation, or at the end of each training epoch when the run has
+    no validation (or ``check_on_train_epoch_end=True``). Every rank takes the same decision.
+    """
+
+    reads_epoch_metrics = True
+
+    def __init__(
+        self,
+        monitor: str,
+        min_delta: float = 0.0,
+        patience: int = 3,
+        mode: Literal["min", "max"] = "min",
+        strict: bool = True,
+        check_finite: bool = True,
+        stopping_threshold: float | None = None,
+        divergence_threshold: float | None = None,
+        check_on_train_epoch_end: bool | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping(mode={mode!r}): choose 'min' or 'max'")
+        if not isinstance(patience, int) or patience < 0:
+            raise ValueError(f"EarlyStopping(patience={patience!r}) must be a non-negative int")
+        self.monitor = monitor
+        self.min_delta = abs(min_delta)
+        self.patience = patience
+        self.mode = mode
+        self.strict = strict
+        self.check_finite = check_finite
+        self.stopping_threshold = stopping_threshold
+        self.divergence_threshold = divergence_threshold
+        self.check_on_train_epoch_end = check_on_train_epoch_end
+        self.verbose = verbose
+        self.wait_count = 0
+        self.stopped_epoch = 0
+        self.best_score = math.inf if mode == "min" else -math.inf
+        self.stopping_reason: str | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"EarlyStopping{{monitor={self.monitor!r}, mode={self.mode!r}}}"
+
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if self._checks_on_train_epoch_end(trainer):
+            self._check(trainer)
+
+    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+        if trainer.stage == "fit" and not trainer.sanity_checking and not self._checks_on_train_epoch_end(trainer):
+            self._check(trainer)
+
+    def _checks_on_train_epoch_end(self, trainer: Trainer) -> bool:
+        if self.check_on_train_epoch_end is not None:
+            return self.check_on_train_epoch_end
+        return not trainer.validation_enabled
+
+    def _check(self, trainer: Trainer) -> None:
+        metrics = trainer.callback_metrics
+        if self.monitor not in metrics:
+            if self.strict:
+                raise KeyError(
+                    f"EarlyStopping(monitor={self.monitor!r}): no metric of that name was logged; "
+                    f"logged metrics are {sorted(metrics)} (pass strict=False to skip the check instead)"
+                )
+            return
+        score = float(metrics[self.monitor])
+        reason = self._stopping_reason(score)
+        # The same decision on every rank, or some would leave the loop while others wait for them.
+        stop = bool(trainer.strategy.reduce(torch.tensor(float(reason is not None)), "max"))
+        if stop:
+            self.stopped_epoch = trainer.current_epoch
+            self.stopping_reason = reason or "another rank decided to stop"
+            trainer.should_stop = True
+            if self.verbose:
+                trainer.print(f"EarlyStopping: {self.stopping_reason}")
+
+    def _stopping_reason(self, score: float) -> str | None:
+        better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
+        if self.check_finite and not math.isfinite(score):
+            return f"{self.monitor} = {score} is not finite"
+        if self.stopping_threshold is not None and better(score, self.stopping_threshold):
+            return f"{self.monitor} = {score:.6g} reached stopping_threshold={self.stopping_threshold}"
+        if self.divergence_threshold is not None and better(self.divergence_threshold, score):
+            return f"{self.monitor} = {score:.6g} is past divergence_threshold={self.divergence_threshold}"
+        margin = -self.min_delta if self.mode == "min" else self.min_delta
+        if better(score, self.best_score + margin):
+            self.best_score = score
+            self.wait_count = 0
+            return None
+        self.wait_count += 1
+        if self.wait_count >= self.patience:
+            return (
+                f"{self.monitor} did not improve by more than {self.min_delta} for {self.wait_count} "
+                f"checks; best {self.best_score:.6g}"
+            )
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "wait_count": self.wait_count,
+            "stopped_epoch": self.stopped_epoch,
+            "best_score": self.best_score,
+            "patience": self.patience,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.wait_count = state["wait_count"]
+        self.stopped_epoch = state["stopped_epoch"]
+        self.best_score = state["best_score"]

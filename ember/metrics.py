@@ -1,0 +1,240 @@
+"""Values logged with ``self.log``: kept detached on the device, reduced across ranks, read at log time.
+
+Nothing here calls ``.item()`` per step: step values are the latest detached tensor, epoch values
+are running sums on the device, and both become Python numbers only when a logger writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+
+from ember._utils import batch_size_of
+
+ReduceFx = Literal["mean", "sum", "max", "min"]
+_REDUCE_FX = frozenset(("mean", "sum", "max", "min"))
+Number = torch.Tensor | float
+
+
+def _is_metric_object(value: Any) -> bool:
+    """A ``torchmetrics.Metric``-like object: it updates per batch and computes its own (synced) value."""
+    return callable(getattr(value, "compute", None)) and callable(getattr(value, "reset", None))
+
+
+class _Logged:
+    """One logged name: its options, latest step value and running epoch aggregate."""
+
+    __slots__ = (
+        "metric",
+        "on_epoch",
+        "on_step",
+        "prog_bar",
+        "reduce_fx",
+        "step_fresh",
+        "step_value",
+        "sync_dist",
+        "to_logger",
+        "total",
+        "weight",
+    )
+
+    def __init__(self) -> None:
+        self.step_value: Number | None = None
+        self.step_fresh = False
+        self.total: Number | None = None
+        self.weight = 0
+        self.metric: Any = None
+
+
+class MetricStore:
+    """What one stage (fit's training, validation, test) has logged since its epoch began."""
+
+    def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor]) -> None:
+        self._reduce = reduce
+        self._entries: dict[str, _Logged] = {}
+        # Steps log per step by default; validation and epoch-end hooks log per epoch.
+        self.default_on_step = False
+        self.name_suffix = ""  # "/dataloader_idx_N" when several eval loaders run
+        #: The batch being processed; its size is inferred only if a per-epoch mean needs it.
+        self.batch: Any = None
+        self._sized_batch: Any = None
+        self._batch_size = 1
+
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool,
+        logger: bool,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        reduce_fx: ReduceFx,
+        sync_dist: bool,
+        batch_size: int | None,
+    ) -> None:
+        """Record one ``self.log`` call (arguments as ``Module.log`` documents them).
+
+        Called per step, possibly several times: the common case (a scalar tensor) takes the
+        shortest path.
+        """
+        if reduce_fx not in _REDUCE_FX:
+            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): choose one of {sorted(_REDUCE_FX)}")
+        if on_step is None:
+            on_step = self.default_on_step
+        if on_epoch is None:
+            on_epoch = not self.default_on_step
+        key = name + self.name_suffix if self.name_suffix else name
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Logged()
+        entry.on_step, entry.on_epoch, entry.prog_bar, entry.to_logger = on_step, on_epoch, prog_bar, logger
+        entry.reduce_fx, entry.sync_dist = reduce_fx, sync_dist
+
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"self.log({name!r}, ...) takes a single number; got a tensor of shape {tuple(value.shape)}"
+                )
+            value = value.detach()  # logging must never keep the autograd graph alive
+        elif _is_metric_object(value):
+            entry.metric = value  # computed, synced and reset by itself at epoch end
+            if on_step:
+                cached = getattr(value, "_forward_cache", None)
+                if cached is not None:
+                    entry.step_value, entry.step_fresh = _as_number(name, cached), True
+            return
+        else:
+            value = _as_number(name, value)
+        if on_step:
+            entry.step_value, entry.step_fresh = value, True
+        if on_epoch:
+            if reduce_fx == "mean":
+                if batch_size is None:
+                    if self._sized_batch is not self.batch:
+                        self._sized_batch, self._batch_size = self.batch, batch_size_of(self.batch)
+                    batch_size = self._batch_size
+                entry.total = _accumulate(entry.total, value, reduce_fx, batch_size)
+                entry.weight += batch_size
+            else:
+                entry.total = _accumulate(entry.total, value, reduce_fx, 1)
+
+    # ------------------------------------------------------------------------------ reading
+    def step_values(self, *, fresh_only: bool, for_logger: bool = False) -> dict[str, Number]:
+        """The latest per-step values, named ``name`` (or ``name_step`` when also logged per epoch)."""
+        values = {}
+        for key, entry in self._entries.items():
+            if entry.step_value is None or (fresh_only and not entry.step_fresh):
+                continue
+            if for_logger and not entry.to_logger:
+                continue
+            values[_step_name(key, entry)] = entry.step_value
+            if fresh_only:
+                entry.step_fresh = False
+        return values
+
+    def prog_bar_step_values(self) -> dict[str, Number]:
+        return {
+            _step_name(key, entry): entry.step_value
+            for key, entry in self._entries.items()
+            if entry.prog_bar and entry.step_value is not None
+        }
+
+    def epoch_values(self) -> dict[str, tuple[Number, _Logged]]:
+        """Reduce every per-epoch value (across ranks where ``sync_dist``) and reset the aggregates."""
+        values = {}
+        for key, entry in self._entries.items():
+            if not entry.on_epoch:
+                continue
+            if entry.metric is not None:
+                value = entry.metric.compute()  # a metric object syncs across ranks itself
+                entry.metric.reset()
+                entry.metric = None
+            elif entry.total is None:
+                continue
+            else:
+                value = self._reduce_epoch(entry)
+            entry.total, entry.weight = None, 0
+            values[key] = (value, entry)
+        return values
+
+    def _reduce_epoch(self, entry: _Logged) -> Number:
+        total = entry.total
+        if not entry.sync_dist:
+            return total / entry.weight if entry.reduce_fx == "mean" else total
+        device = total.device if isinstance(total, torch.Tensor) else None
+        if entry.reduce_fx == "mean":
+            # The global mean weighs each rank by the number of samples it saw.
+            pair = torch.stack([torch.as_tensor(total, dtype=torch.float32, device=device).reshape(()),
+                                torch.tensor(float(entry.weight), device=device)])  # fmt: skip
+            pair = self._reduce(pair, "sum")
+            return pair[0] / pair[1]
+        return self._reduce(torch.as_tensor(total, dtype=torch.float32, device=device), entry.reduce_fx)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _step_name(key: str, entry: _Logged) -> str:
+    return _suffixed(key, "_step") if entry.on_epoch else key
+
+
+def epoch_name(key: str, entry: _Logged) -> str:
+    return _suffixed(key, "_epoch") if entry.on_step else key
+
+
+def _suffixed(key: str, suffix: str) -> str:
+    # "loss/dataloader_idx_1" becomes "loss_step/dataloader_idx_1"
+    name, separator, loader = key.partition("/dataloader_idx_")
+    return name + suffix + separator + loader
+
+
+def _as_number(name: str, value: Any) -> Number:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"self.log({name!r}, ...) takes a single number; got a tensor of shape {tuple(value.shape)}"
+            )
+        return value.detach()  # logging must never keep the autograd graph alive
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(
+        f"self.log({name!r}, ...) takes a number, a one-element tensor or a torchmetrics Metric; "
+        f"got {type(value).__name__}"
+    )
+
+
+def _accumulate(total: Number | None, value: Number, reduce_fx: ReduceFx, weight: int) -> Number:
+    if total is None:
+        if isinstance(value, torch.Tensor):
+            # A copy: the running total is updated in place and must not alias the logged tensor.
+            return value.to(torch.float32, copy=True).reshape(()) * (weight if reduce_fx == "mean" else 1)
+        return value * weight if reduce_fx == "mean" else value
+    if isinstance(value, torch.Tensor) and not isinstance(total, torch.Tensor):
+        total = torch.tensor(total, dtype=torch.float32, device=value.device)
+    if isinstance(total, torch.Tensor):
+        if reduce_fx == "mean":
+            return total.add_(value.reshape(()) if isinstance(value, torch.Tensor) else value, alpha=weight)
+        if reduce_fx == "sum":
+            return total.add_(value.reshape(()) if isinstance(value, torch.Tensor) else value)
+        value = torch.as_tensor(value, dtype=total.dtype, device=total.device).reshape(())
+        return torch.maximum(total, value) if reduce_fx == "max" else torch.minimum(total, value)
+    if reduce_fx == "mean":
+        return total + value * weight
+    if reduce_fx == "sum":
+        return total + value
+    return max(total, value) if reduce_fx == "max" else min(total, value)
+
+
+def to_floats(values: Mapping[str, Number]) -> dict[str, float]:
+    """Python floats for ``values``, with one host-device transfer per device instead of one per value."""
+    floats = {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(name)
+    for names in by_device.values():
+        stacked = torch.stack([values[name].detach().float().reshape(()) for name in names])
+        floats.update(zip(names, stacked.tolist()))
+    return {name: floats[name] for name in values}

@@ -1,0 +1,268 @@
+"""``Module`` (the model and its steps) and ``DataModule`` (the data and its loaders)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from ember import checkpoint as checkpoint_io
+from ember._utils import AttributeDict
+from ember.metrics import ReduceFx
+
+if TYPE_CHECKING:
+    from ember.trainer import Trainer
+
+
+class _HyperparametersMixin:
+    """``save_hyperparameters()`` and ``hparams``, shared by ``Module`` and ``DataModule``."""
+
+    _hparams: AttributeDict
+
+    def save_hyperparameters(
+        self, *args: Any, ignore: Sequence[str] | str | None = None, frame: FrameType | None = None
+    ) -> None:
+        """Record the arguments of ``__init__`` (or the names or dict given) in ``self.hparams``.
+
+        They are written to the logger and the checkpoint, and ``load_from_checkpoint`` rebuilds
+        the object from them.
+        """
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            chosen = dict(args[0])
+        elif len(args) == 1 and hasattr(args[0], "__dict__") and not isinstance(args[0], str):
+            chosen = dict(vars(args[0]))  # an argparse.Namespace
+        else:
+            init_args = _init_arguments(frame or inspect.currentframe().f_back)  # type: ignore[union-attr]
+            missing = [name for name in args if name not in init_args]
+            if missing:
+                raise ValueError(
+                    f"save_hyperparameters{tuple(args)}: {missing} are not arguments of __init__ "
+                    f"(it has {sorted(init_args)})"
+                )
+            chosen = {name: init_args[name] for name in args} if args else init_args
+        self._hparams = AttributeDict({k: v for k, v in chosen.items() if k not in ignored})
+
+    @property
+    def hparams(self) -> AttributeDict:
+        if not hasattr(self, "_hparams"):
+            self._hparams = AttributeDict()
+        return self._hparams
+
+
+def _init_arguments(frame: FrameType) -> dict[str, Any]:
+    """The arguments the caller's ``__init__`` received (``*args`` excluded, ``**kwargs`` flattened)."""
+    code = frame.f_code
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    arguments = {name: frame.f_locals[name] for name in names if name != "self" and name in frame.f_locals}
+    has_varargs = bool(code.co_flags & inspect.CO_VARARGS)
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        kwargs_name = code.co_varnames[len(names) + has_varargs]
+        arguments.update(frame.f_locals.get(kwargs_name, {}))
+    return arguments
+
+
+class Module(_HyperparametersMixin, nn.Module):
+    """A ``torch.nn.Module`` that also says how to train, validate, test and predict with it.
+
+    Define ``training_step(batch, batch_idx)`` (returning the loss, a dict with ``"loss"``, or None
+    to skip the batch) and ``configure_optimizers()``; optionally ``validation_step``,
+    ``test_step``, ``predict_step``, the ``*_dataloader`` methods and the hooks below.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: False to step optimizers yourself with ``self.optimizers()`` and ``self.manual_backward``.
+        self.automatic_optimization = True
+        self._trainer: Trainer | None = None
+
+    # --------------------------------------------------------------------------- the trainer
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
+        return self._trainer
+
+    @property
+    def device(self) -> torch.device:
+        if self._trainer is not None:
+            return self._trainer.strategy.root_device
+        for tensor in self.parameters():
+            return tensor.device
+        for tensor in self.buffers():
+            return tensor.device
+        return torch.device("cpu")
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def global_rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles of the module (EMA copies, spawned workers) must not drag the Trainer along.
+        state = self.__dict__.copy()
+        state["_trainer"] = None
+        return state
+
+    # -------------------------------------------------------------------------------- logging
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: ReduceFx = "mean",
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
+        """Log a number, a one-element tensor or a torchmetrics ``Metric`` under ``name``.
+
+        In ``training_step`` values are logged per step by default, elsewhere per epoch (the
+        batch-size-weighted mean unless ``reduce_fx`` says otherwise). Values stay on the device,
+        detached, until a logger writes them. ``sync_dist=True`` reduces epoch values across ranks.
+        """
+        trainer = self._trainer
+        if trainer is not None:
+            trainer._results.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
+
+    def log_dict(self, dictionary: Mapping[str, Any], **options: Any) -> None:
+        """``self.log`` for each item of ``dictionary``, with the same options."""
+        for name, value in dictionary.items():
+            self.log(name, value, **options)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print from the global-zero process only."""
+        if self._trainer is not None:
+            self._trainer.print(*args, **kwargs)
+        else:
+            print(*args, **kwargs)
+
+    # ------------------------------------------------------------------ manual optimization
+    def optimizers(self) -> Any:
+        """The optimizer (or list of them) from ``configure_optimizers``; ``step()`` goes through the precision."""
+        optimizers = self.trainer._manual_optimizers
+        return optimizers[0] if len(optimizers) == 1 else optimizers
+
+    def lr_schedulers(self) -> Any:
+        """The scheduler (or list of them) from ``configure_optimizers``, or None."""
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        if not schedulers:
+            return None
+        return schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` as the strategy and precision need it (loss scaling, gradient sync)."""
+        self.trainer.strategy.backward(loss)
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+    ) -> None:
+        """Clip the gradients of ``optimizer``'s parameters (unscaled first under 16-bit mixed precision)."""
+        strategy = self.trainer.strategy
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        strategy.unscale_gradients(optimizer)
+        strategy.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    # ---------------------------------------------------------------------------- the steps
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """By default, the forward pass on the batch."""
+        return self(batch)
+
+    # ------------------------------------------------------------------------------- hooks
+    def setup(self, stage: str) -> None:
+        """Called at the start of fit, validate, test and predict, on every process."""
+
+    def teardown(self, stage: str) -> None:
+        """Called at the end of fit, validate, test and predict."""
+
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """Return -1 to skip the rest of this epoch."""
+        return None
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called with gradients accumulated and unscaled, before clipping and the step."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add to or change the checkpoint before it is written."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read what ``on_save_checkpoint`` added, before the state is restored."""
+
+    # -------------------------------------------------------------------------- checkpoints
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str,
+        map_location: Any = "cpu",
+        strict: bool = True,
+        weights_only: bool = True,
+        **init_overrides: Any,
+    ) -> Module:
+        """Build the module from the hyperparameters saved in a checkpoint and load its weights."""
+        checkpoint = checkpoint_io.load(checkpoint_path, map_location, trust_pickles=not weights_only)
+        init_args = {**checkpoint.get("hyper_parameters", {}), **init_overrides}
+        module = cls(**init_args)
+        module.on_load_checkpoint(checkpoint)
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        return module
+
+
+class DataModule(_HyperparametersMixin):
+    """The data side of a run: download once (``prepare_data``), build datasets (``setup``), hand out loaders.
+
+    Define any of ``train_dataloader``, ``val_dataloader``, ``test_dataloader`` and ``predict_dataloader``.
+    """
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+
+    def prepare_data(self) -> None:
+        """Called once per machine (on local rank zero) before ``setup``: download, tokenize to disk."""
+
+    def setup(self, stage: str) -> None:
+        """Called on every process with "fit", "validate", "test" or "predict"."""
+
+    def teardown(self, stage: str) -> None:
+        """Called at the end of each stage."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the data module needs to resume; saved in checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,166 @@
+"""Numerical precision: one small class per ``precision=`` mode.
+
+Each class owns the autocast context of the forward pass, how the loss is backpropagated, how the
+optimizer steps, and its own state (the fp16 ``GradScaler``'s scale goes into checkpoints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember._utils import apply_to_tensors
+
+# Every spelling users pass, mapped to the canonical name.
+_ALIASES: dict[str | int, str] = {
+    "32-true": "32-true", "32": "32-true", 32: "32-true",
+    "64-true": "64-true", "64": "64-true", 64: "64-true",
+    "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed",
+    "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
+    "16-true": "16-true", "bf16-true": "bf16-true",
+}  # fmt: skip
+
+
+def canonical_precision(flag: str | int) -> str:
+    """The canonical name of a ``precision=`` value, or a ``ValueError`` that lists the accepted ones."""
+    name = _ALIASES.get(flag) if isinstance(flag, (str, int)) else None
+    if name is None:
+        accepted = ", ".join(repr(key) for key in _ALIASES)
+        raise ValueError(f"precision={flag!r} is not supported; choose one of {accepted}")
+    return name
+
+
+# Reusable: entering it allocates nothing, which matters once per step.
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+class Precision:
+    """Full float32 precision ("32-true"): the forward runs as written, gradients are not scaled."""
+
+    name = "32-true"
+    #: Whether ``convert_input`` changes batches (the loop skips the call otherwise).
+    converts_input = False
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        return data
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return _NO_CONTEXT
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients to their true scale before they are clipped or inspected."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class TruePrecision(Precision):
+    """Parameters, inputs and new tensors in one dtype: "64-true", "16-true" or "bf16-true"."""
+
+    converts_input = True
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name = name
+        self.dtype = dtype
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=self.dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        return apply_to_tensors(data, self._cast)
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        # Tensors created inside the step (torch.zeros(...), masks) get the module's dtype too.
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+
+class MixedPrecision(Precision):
+    """Autocast to float16 ("16-mixed", with a ``GradScaler``) or bfloat16 ("bf16-mixed", no scaler)."""
+
+    def __init__(self, name: str, dtype: torch.dtype, device_type: str) -> None:
+        self.name = name
+        self.dtype = dtype
+        self.device_type = device_type
+        # float16's narrow range makes small gradients underflow; the scaler multiplies the loss up,
+        # divides the gradients back, and skips steps whose gradients overflowed.
+        self.scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)  # skipped when the gradients hold inf or NaN
+        self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def build_precision(flag: str | int, device: torch.device) -> Precision:
+    """The precision plugin for ``flag`` on ``device``, refusing modes the device cannot run."""
+    name = canonical_precision(flag)
+    if name == "16-mixed" and device.type == "cpu":
+        warnings.warn(
+            "precision='16-mixed' needs a GPU (float16 autocast with a GradScaler); "
+            "on CPU Ember uses precision='bf16-mixed' instead",
+            stacklevel=3,
+        )
+        name = "bf16-mixed"
+    if name.startswith("bf16") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"precision={flag!r}: {torch.cuda.get_device_name(device)} has no bfloat16 support; "
+            "use precision='16-mixed' instead"
+        )
+    if name == "32-true":
+        return Precision()
+    if name == "64-true":
+        return TruePrecision(name, torch.float64)
+    if name == "16-true":
+        return TruePrecision(name, torch.float16)
+    if name == "bf16-true":
+        return TruePrecision(name, torch.bfloat16)
+    dtype = torch.float16 if name == "16-mixed" else torch.bfloat16
+    return MixedPrecision(name, dtype, device.type)

@@ -1,0 +1,110 @@
+"""Strategies: how a run is laid out over devices and processes, chosen from the Trainer's flags."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ember.strategies.single import SingleDeviceStrategy
+from ember.strategies.strategy import Strategy
+
+__all__ = ["SingleDeviceStrategy", "Strategy", "select_strategy"]
+
+_ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+
+
+def _device_type(accelerator: str) -> str:
+    if accelerator not in _ACCELERATORS:
+        raise ValueError(f"accelerator={accelerator!r} is not supported; choose one of {_ACCELERATORS}")
+    if accelerator == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    if accelerator == "gpu":
+        return "cuda"
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise ValueError("accelerator='cuda': no CUDA device is available on this machine")
+    if accelerator == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("accelerator='mps': no Apple MPS device is available on this machine")
+    return accelerator
+
+
+def _parse_devices(devices: int | str | Sequence[int], device_type: str) -> list[torch.device]:
+    """The devices of this node: "auto", a count, -1 (all), a list of indices or "0,2"."""
+    import os
+
+    available = {
+        "cuda": torch.cuda.device_count() if device_type == "cuda" else 0,
+        "mps": 1,
+        "cpu": os.cpu_count() or 1,
+    }[device_type]
+    what = {"cuda": "CUDA devices", "mps": "MPS device", "cpu": "CPU cores"}[device_type]
+    if devices == "auto":
+        devices = -1 if device_type == "cuda" else 1
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text.lstrip("-").isdigit():
+            devices = int(text)
+        else:
+            try:
+                devices = [int(part) for part in text.split(",") if part.strip()]
+            except ValueError:
+                raise ValueError(
+                    f"devices={devices!r}: use 'auto', a count, -1 for all, or indices like '0,1'"
+                ) from None
+    if isinstance(devices, bool) or not isinstance(devices, (int, Sequence)):
+        raise ValueError(f"devices={devices!r}: use 'auto', a count, -1 for all, or a list of indices")
+    if isinstance(devices, int):
+        if devices == -1:
+            devices = available if device_type != "cpu" else 1
+        if devices < 1:
+            raise ValueError(f"devices={devices}: at least one device is needed (-1 means all)")
+        if devices > available:
+            raise ValueError(f"devices={devices}, but this machine has {available} {what}")
+        indices = list(range(devices))
+    else:
+        indices = list(devices)
+        if not indices or len(set(indices)) != len(indices):
+            raise ValueError(f"devices={devices!r}: give a non-empty list of distinct indices")
+        bad = [index for index in indices if not isinstance(index, int) or not 0 <= index < available]
+        if bad:
+            raise ValueError(f"devices={devices!r}: {bad} out of range; this machine has {available} {what}")
+    if device_type == "cpu":
+        return [torch.device("cpu")] * len(indices)
+    return [torch.device(device_type, index) for index in indices]
+
+
+def select_strategy(
+    *,
+    accelerator: str,
+    devices: int | str | Sequence[int],
+    num_nodes: int,
+    strategy: str | Strategy,
+    precision: str | int,
+    sync_batchnorm: bool,
+) -> Strategy:
+    """Turn the Trainer's layout flags into one configured ``Strategy`` (the only place they are decided)."""
+    device_type = _device_type(accelerator)
+    parallel_devices = _parse_devices(devices, device_type)
+    if isinstance(strategy, Strategy):
+        chosen = strategy
+    elif strategy in ("auto", "single_device"):
+        processes = len(parallel_devices) * num_nodes
+        if strategy == "single_device" and processes > 1:
+            raise ValueError(f"strategy='single_device' runs one process, but devices x num_nodes = {processes}")
+        if processes > 1:
+            raise ValueError(f"{processes} processes need a parallel strategy, which this build does not have yet")
+        chosen = SingleDeviceStrategy()
+    else:
+        raise ValueError(f"strategy={strategy!r} is not supported; choose 'auto' or 'single_device'")
+    chosen.configure(
+        device_type=device_type,
+        parallel_devices=parallel_devices,
+        num_nodes=num_nodes,
+        precision=precision,
+        sync_batchnorm=sync_batchnorm,
+    )
+    return chosen

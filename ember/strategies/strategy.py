@@ -1,0 +1,187 @@
+"""The Strategy base class: how a module is placed, stepped, synchronised and saved."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from ember import checkpoint as checkpoint_io
+from ember._utils import move_to_device
+from ember.precision import Precision, build_precision
+
+if TYPE_CHECKING:
+    from ember.module import Module
+
+ReduceOp = Literal["mean", "sum", "max", "min"]
+_NO_CONTEXT = contextlib.nullcontext()  # reusable, so entering it per step allocates nothing
+
+
+class Strategy:
+    """Runs the module on one device. Parallel strategies subclass it and override what differs.
+
+    The Trainer hands the strategy its devices and precision once (``configure``); the loop then
+    only calls the methods below and never asks which strategy it has.
+    """
+
+    name = "single_device"
+
+    def __init__(self) -> None:
+        self.device_type = "cpu"
+        self.parallel_devices: list[torch.device] = [torch.device("cpu")]
+        self.num_nodes = 1
+        self.sync_batchnorm = False
+        self.precision: Precision = Precision()
+        self._module: Module | None = None
+        # What the steps run through: the module itself, or a wrapper around it (DDP, DataParallel).
+        self.model: nn.Module | None = None
+        self._batch_device: torch.device | None = None
+
+    # ----------------------------------------------------------------------------------- layout
+    def configure(
+        self,
+        *,
+        device_type: str,
+        parallel_devices: Sequence[torch.device],
+        num_nodes: int,
+        precision: str | int,
+        sync_batchnorm: bool,
+    ) -> None:
+        """Receive the Trainer's resolved flags; called once, before anything runs."""
+        self.device_type = device_type
+        self.parallel_devices = list(parallel_devices)
+        self.num_nodes = num_nodes
+        self.sync_batchnorm = sync_batchnorm
+        self.precision = build_precision(precision, self.root_device)
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0]
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        """``num_replicas`` and ``rank`` when each process must read its own shard of the data."""
+        return None
+
+    # ------------------------------------------------------------------------------- lifecycle
+    def launch(self) -> None:
+        """Start the other processes of the job if this one was not started by a launcher."""
+
+    def setup_environment(self) -> None:
+        """Select this process's device (and, for parallel strategies, join the process group)."""
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+
+    def setup_module(self, module: Module) -> None:
+        """Place the module on its device in the precision's dtype; wrap it if the strategy needs to."""
+        self._module = module
+        # CPU batches stay where the loader made them: a copy to the same device would cost per step.
+        self._batch_device = self.root_device if self.root_device.type != "cpu" else None
+        module.to(self.root_device)
+        self.precision.convert_module(module)
+        self.model = module
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Adjust optimizers after they were built on the placed module (a no-op on one device)."""
+
+    def teardown(self) -> None:
+        """Release what ``setup_environment`` acquired."""
+
+    # ------------------------------------------------------------------------------ the steps
+    def batch_to_device(self, batch: Any) -> Any:
+        if self._batch_device is not None:
+            batch = move_to_device(batch, self._batch_device)
+        if self.precision.converts_input:
+            batch = self.precision.convert_input(batch)
+        return batch
+
+    def step(self, name: str, *args: Any) -> Any:
+        """Run ``module.<name>(*args)`` (training_step, validation_step, ...) in the precision's context."""
+        with self.precision.forward_context():
+            return getattr(self._module, name)(*args)
+
+    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
+        """While active, backward passes accumulate gradients locally without communicating."""
+        return _NO_CONTEXT
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        self.precision.unscale_gradients(optimizer)
+
+    def clip_gradients(
+        self, optimizer: torch.optim.Optimizer, max_value: float, algorithm: Literal["norm", "value"]
+    ) -> torch.Tensor | None:
+        """Clip the gradients of ``optimizer``'s parameters; return the total norm when clipping by norm."""
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == "norm":
+            return torch.nn.utils.clip_grad_norm_(parameters, max_value)
+        torch.nn.utils.clip_grad_value_(parameters, max_value)
+        return None
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.precision.optimizer_step(optimizer)
+
+    # ------------------------------------------------------------------------- communication
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stack ``tensor`` from every rank along a new first dimension."""
+        return tensor.unsqueeze(0)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def module_state_dict(self) -> dict[str, Any]:
+        assert self._module is not None
+        return self._module.state_dict()
+
+    def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        assert self._module is not None
+        self._module.load_state_dict(state, strict=strict)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Write ``checkpoint`` atomically; only the global-zero process writes."""
+        if self.is_global_zero:
+            checkpoint_io.save(checkpoint, path)
+
+    def load_checkpoint(self, path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
+        return checkpoint_io.load(path, map_location=self.root_device, trust_pickles=trust_pickles)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(devices={[str(d) for d in self.parallel_devices]})"

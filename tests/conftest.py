@@ -1,0 +1,78 @@
+"""Shared fixtures: a tiny regression module, data, and a working directory per test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs in its own directory, so default logs and checkpoints land there."""
+    monkeypatch.chdir(tmp_path)
+
+
+def make_data(n: int = 64, features: int = 4, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=generator)
+    y = x @ torch.arange(1.0, features + 1) + 0.1 * torch.randn(n, generator=generator)
+    return TensorDataset(x, y.unsqueeze(1))
+
+
+def make_loader(n: int = 64, batch_size: int = 8, **kwargs: Any) -> DataLoader:
+    return DataLoader(make_data(n), batch_size=batch_size, **kwargs)
+
+
+class Regressor(ember.Module):
+    """A linear regression with SGD: small, deterministic, and easy to reason about."""
+
+    def __init__(self, lr: float = 0.05, features: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(features, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def quiet_trainer(**flags: Any) -> ember.Trainer:
+    """A Trainer without progress output, for tests that do not look at it."""
+    defaults: dict[str, Any] = dict(accelerator="cpu", enable_progress_bar=False, num_sanity_val_steps=0)
+    return ember.Trainer(**{**defaults, **flags})
+
+
+def parameters_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [parameter.detach().clone() for parameter in module.parameters()]

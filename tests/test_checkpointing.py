@@ -1,0 +1,175 @@
+"""ModelCheckpoint, EarlyStopping, atomic writes, safe loading and resuming from ckpt_path."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, parameters_of, quiet_trainer
+
+from ember import checkpoint as checkpoint_io
+from ember.callbacks import EarlyStopping, ModelCheckpoint
+
+
+class _Scripted(Regressor):
+    """Logs a scripted validation score per epoch, so checkpoint choices are known in advance."""
+
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("score", self.scores[self.current_epoch])
+
+
+def _files(directory: str) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def test_top_k_by_monitor_and_last(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", mode="max", save_top_k=2, save_last=True,
+                                 filename="{epoch}-{score:.1f}")  # fmt: skip
+    trainer = quiet_trainer(max_epochs=5, callbacks=[checkpoint], logger=False)
+    trainer.fit(_Scripted([0.1, 0.5, 0.3, 0.9, 0.2]), make_loader(16), make_loader(8))
+    assert _files(str(tmp_path)) == ["epoch=1-score=0.5.ckpt", "epoch=3-score=0.9.ckpt", "last.ckpt"]
+    assert checkpoint.best_model_path.endswith("epoch=3-score=0.9.ckpt")
+    assert checkpoint.best_model_score == pytest.approx(0.9)
+    last = checkpoint_io.load(checkpoint.last_model_path)
+    assert last["epoch"] == 4 and last["global_step"] == 10
+
+
+def test_latest_files_without_monitor_and_step_trigger(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3, save_top_k=2)
+    trainer = quiet_trainer(max_epochs=2, callbacks=[checkpoint], logger=False)
+    trainer.fit(Regressor(), make_loader(64))  # 16 steps: saves at 3, 6, ..., 15
+    assert _files(str(tmp_path)) == ["epoch=1-step=12.ckpt", "epoch=1-step=15.ckpt"]
+
+
+def test_default_checkpoint_lives_in_the_logger_directory() -> None:
+    trainer = quiet_trainer(max_epochs=2)
+    trainer.fit(Regressor(), make_loader(16))
+    directory = os.path.join(trainer.log_dir, "checkpoints")
+    assert _files(directory) == ["epoch=1-step=4.ckpt"]  # the latest only
+
+
+def test_checkpoint_holds_the_training_state() -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(Regressor(lr=0.03), make_loader(16))
+    state = checkpoint_io.load(trainer.checkpoint_callback.best_model_path)
+    assert {"state_dict", "optimizer_states", "lr_schedulers", "callbacks", "hyper_parameters", "position",
+            "ember_version", "torch_version", "epoch", "global_step"} <= set(state)  # fmt: skip
+    assert state["hyper_parameters"] == {"lr": 0.03, "features": 4}
+    assert state["position"] == {"epoch": 1, "batches_done": 0}
+
+
+def test_resume_continues_where_the_run_stopped(tmp_path: Any) -> None:
+    class Momentum(Regressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)]
+
+    uninterrupted = Momentum()
+    quiet_trainer(max_epochs=4, logger=False, enable_checkpointing=False).fit(uninterrupted, make_loader(32))
+
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    first = Momentum()
+    quiet_trainer(max_epochs=2, logger=False, callbacks=[checkpoint]).fit(first, make_loader(32))
+    resumed = Momentum()
+    trainer = quiet_trainer(max_epochs=4, logger=False, enable_checkpointing=False)
+    trainer.fit(resumed, make_loader(32), ckpt_path=checkpoint.last_model_path)
+    assert trainer.global_step == 16 and trainer.current_epoch == 4
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.02 * 0.7**4)
+    for a, b in zip(parameters_of(resumed), parameters_of(uninterrupted), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_weights_only_checkpoint_cannot_resume_but_loads_into_a_module(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), save_weights_only=True)
+    trained = Regressor(lr=0.07)
+    quiet_trainer(max_epochs=1, logger=False, callbacks=[checkpoint]).fit(trained, make_loader(16))
+    with pytest.raises(ValueError, match="holds weights only"):
+        quiet_trainer(max_epochs=2, logger=False).fit(Regressor(), make_loader(16), ckpt_path=checkpoint.best_model_path)
+    loaded = Regressor.load_from_checkpoint(checkpoint.best_model_path)
+    assert loaded.hparams.lr == 0.07
+    for a, b in zip(parameters_of(loaded), parameters_of(trained), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_atomic_save_replaces_the_file_and_leaves_no_temporary(tmp_path: Any) -> None:
+    path = tmp_path / "a.ckpt"
+    checkpoint_io.save({"x": torch.ones(2)}, path)
+    checkpoint_io.save({"x": torch.zeros(2)}, path)
+    assert os.listdir(tmp_path) == ["a.ckpt"]
+    assert torch.equal(checkpoint_io.load(path)["x"], torch.zeros(2))
+    path.write_bytes(path.read_bytes()[:20])  # a truncated file
+    with pytest.raises(checkpoint_io.CheckpointError, match="not a readable checkpoint"):
+        checkpoint_io.load(path)
+
+
+class _Payload:
+    """Pickling this object makes loading it run code: what a malicious checkpoint does."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (open, (self.marker, "w"))
+
+
+def test_pickled_objects_are_refused_and_never_run(tmp_path: Any) -> None:
+    marker = tmp_path / "payload-ran"
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": _Payload(str(marker))}, path)
+    with pytest.raises(checkpoint_io.CheckpointError, match="it references io.open"):
+        checkpoint_io.load(path)
+    with pytest.raises(checkpoint_io.CheckpointError, match="weights_only=False"):
+        quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), make_loader(), ckpt_path=str(path))
+    assert not marker.exists()
+
+
+def test_unstorable_hyperparameters_are_left_out_with_a_warning() -> None:
+    class WithObject(Regressor):
+        def __init__(self, lr: float = 0.05, loss_fn: Any = None) -> None:
+            super().__init__(lr)
+            self.save_hyperparameters()
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    with pytest.warns(UserWarning, match=r"hyper_parameters\['loss_fn'\] is a MSELoss"):
+        trainer.fit(WithObject(loss_fn=torch.nn.MSELoss()), make_loader(16))
+    assert checkpoint_io.load(trainer.checkpoint_callback.best_model_path)["hyper_parameters"] == {"lr": 0.05}
+
+
+def test_early_stopping_stops_after_patience_and_saves_its_state(tmp_path: Any) -> None:
+    stopper = EarlyStopping(monitor="score", mode="max", patience=2)
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    trainer = quiet_trainer(max_epochs=10, callbacks=[stopper, checkpoint], logger=False)
+    trainer.fit(_Scripted([0.1, 0.5, 0.4, 0.45, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]), make_loader(16), make_loader(8))
+    assert trainer.current_epoch == 4 and stopper.stopped_epoch == 3 and trainer.should_stop
+    state = checkpoint_io.load(checkpoint.last_model_path)["callbacks"][stopper.state_key]
+    assert state["wait_count"] == 2 and state["best_score"] == pytest.approx(0.5)
+
+
+def test_monitoring_a_metric_that_was_never_logged_is_a_clear_error() -> None:
+    with pytest.raises(KeyError, match=r"monitor='nope'.*logged metrics are \['score'"):
+        quiet_trainer(max_epochs=1, callbacks=[EarlyStopping("nope")], logger=False).fit(
+            _Scripted([0.1]), make_loader(16), make_loader(8)
+        )
+    with pytest.raises(KeyError, match="ModelCheckpoint"):
+        quiet_trainer(max_epochs=1, callbacks=[ModelCheckpoint(monitor="nope")], logger=False).fit(
+            _Scripted([0.1]), make_loader(16), make_loader(8)
+        )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mode": "avg"}, "mode='avg'"),
+        ({"save_top_k": -2}, "save_top_k=-2"),
+        ({"every_n_train_steps": 2, "every_n_epochs": 1}, "only one of"),
+    ],
+)
+def test_bad_model_checkpoint_options(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelCheckpoint(**options)

@@ -1,0 +1,152 @@
+"""Bad input gets a clear error that names the flag or value and what is allowed."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, quiet_trainer
+from torch.utils.data import DataLoader
+
+import ember
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"precision": "17"}, r"precision='17' is not supported; choose one of .*'bf16-mixed'"),
+        ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of"),
+        ({"max_epochs": -5}, r"max_epochs=-5: expected -1 \(no limit\) or a non-negative int"),
+        ({"max_steps": -3}, r"max_steps=-3"),
+        ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0: expected an int >= 1"),
+        ({"devices": (os.cpu_count() or 1) + 1, "accelerator": "cpu"}, r"devices=\d+, but this machine has \d+ CPU cores"),
+        ({"devices": 0}, r"devices=0: at least one device"),
+        ({"devices": "two"}, r"devices='two'"),
+        ({"limit_train_batches": 1.5}, r"limit_train_batches=1.5: an int counts batches"),
+        ({"limit_val_batches": -1}, r"limit_val_batches=-1"),
+        ({"val_check_interval": 0.0}, r"val_check_interval=0.0"),
+        ({"gradient_clip_algorithm": "l3"}, r"gradient_clip_algorithm='l3': choose 'norm' or 'value'"),
+        ({"gradient_clip_val": -1.0}, r"gradient_clip_val=-1.0"),
+        ({"log_every_n_steps": 0}, r"log_every_n_steps=0"),
+        ({"deterministic": "yes"}, r"deterministic='yes'"),
+        ({"gpus": 1, "devices": 2}, r"gpus= is the older spelling"),
+        ({"max_time": "1 hour"}, r"max_time='1 hour': expected 'DD:HH:MM:SS'"),
+        ({"strategy": "horovod"}, r"strategy='horovod' is not supported"),
+    ],
+)
+def test_bad_flags_name_the_flag(flags: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ember.Trainer(**flags)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_a_gpu_is_refused() -> None:
+    with pytest.raises(ValueError, match="accelerator='cuda': no CUDA device"):
+        ember.Trainer(accelerator="cuda")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        ember.Trainer(gpus=1)
+
+
+def test_older_gpus_flag_zero_means_cpu() -> None:
+    assert ember.Trainer(gpus=0).strategy.root_device.type == "cpu"
+
+
+class _Returns(Regressor):
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.value(self, batch) if callable(self.value) else self.value
+
+
+@pytest.mark.parametrize(
+    ("returned", "error", "message"),
+    [
+        ("a string", TypeError, r"training_step must return the loss tensor.*it returned str"),
+        ({"logits": torch.ones(1)}, TypeError, r"a dict with a 'loss' tensor.*without a 'loss' key \(keys: \['logits'\]\)"),
+        (lambda self, batch: self(batch[0]).sum(dim=1), ValueError, r"returned a loss of shape \(8,\); reduce it"),
+        (torch.tensor(1.0), ValueError, "does not require grad"),
+    ],
+)
+def test_unusable_training_step_results(returned: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        quiet_trainer(max_steps=1, logger=False).fit(_Returns(returned), make_loader())
+
+
+class _Optimizers(Regressor):
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def configure_optimizers(self) -> Any:
+        return self.make(self)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda self: "adam", TypeError, r"configure_optimizers\(\) returned str 'adam'; it must return an optimizer"),
+        (lambda self: {"lr_scheduler": None}, TypeError, r'no "optimizer" key'),
+        (lambda self: [torch.optim.SGD(self.parameters(), lr=0.1)] * 2, ValueError, "returned 2 optimizers"),
+        (lambda self: None, ValueError, "returned 0 optimizers"),
+        (
+            lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
+                          "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1), "interval": "batch"}},
+            ValueError, 'interval=\'batch\'; use "step" or "epoch"',
+        ),
+        (
+            lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
+                          "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(o)},
+            ValueError, "ReduceLROnPlateau needs a metric to watch",
+        ),
+    ],
+)  # fmt: skip
+def test_unusable_configure_optimizers(make: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        quiet_trainer(max_steps=1, logger=False).fit(_Optimizers(make), make_loader())
+
+
+def test_empty_train_dataloader() -> None:
+    with pytest.raises(ValueError, match="the train dataloader is empty"):
+        quiet_trainer(max_steps=1, logger=False).fit(Regressor(), DataLoader(make_loader(0).dataset, batch_size=4))
+
+
+def test_missing_training_step_and_missing_data() -> None:
+    class NoStep(ember.Module):
+        def configure_optimizers(self) -> Any:
+            return None
+
+    with pytest.raises(NotImplementedError, match="needs NoStep to define training_step"):
+        quiet_trainer().fit(NoStep(), make_loader())
+    with pytest.raises(ValueError, match="no train data: pass dataloaders"):
+        quiet_trainer().fit(Regressor())
+    with pytest.raises(TypeError, match="needs an ember.Module; got Linear"):
+        quiet_trainer().fit(torch.nn.Linear(2, 2), make_loader())  # type: ignore[arg-type]
+
+
+def test_checkpoint_path_that_does_not_exist_loses_nothing(tmp_path: Any) -> None:
+    model = Regressor()
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(FileNotFoundError, match="ckpt_path='missing.ckpt': no such checkpoint file"):
+        quiet_trainer(max_steps=1, logger=False).fit(model, make_loader(), ckpt_path="missing.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not os.listdir(tmp_path)  # nothing was written
+
+
+def test_fraction_of_a_loader_without_length() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Any:
+            return iter(make_loader(16).dataset)
+
+    with pytest.raises(ValueError, match="limit_train_batches=0.5 is a fraction, but the dataloader has no length"):
+        quiet_trainer(max_epochs=1, limit_train_batches=0.5).fit(Regressor(), DataLoader(Stream(), batch_size=4))
+    with pytest.raises(ValueError, match="val_check_interval=0.5 is a fraction of an epoch"):
+        quiet_trainer(max_epochs=1, val_check_interval=0.5).fit(Regressor(), DataLoader(Stream(), batch_size=4))
+
+
+def test_val_check_interval_longer_than_an_epoch() -> None:
+    with pytest.raises(ValueError, match="val_check_interval=20 is more than the 8 training batches"):
+        quiet_trainer(max_epochs=1, val_check_interval=20).fit(Regressor(), make_loader(), make_loader())

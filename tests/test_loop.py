@@ -1,0 +1,334 @@
+"""The training loop: steps, accumulation, schedulers, stopping, validation scheduling, hooks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Regressor, make_data, make_loader, parameters_of, quiet_trainer
+from torch.utils.data import DataLoader, IterableDataset
+
+import ember
+from ember.callbacks import Callback
+
+
+def test_fit_trains_and_counts_optimizer_steps() -> None:
+    model = Regressor()
+    trainer = quiet_trainer(max_epochs=3)
+    before = trainer.validate(model, make_loader(), verbose=False)[0]["val_loss"]
+    trainer.fit(model, make_loader(), make_loader())
+    assert trainer.global_step == 3 * 8 and trainer.current_epoch == 3
+    assert trainer.callback_metrics["val_loss"] < before / 2
+
+
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_accumulated_micro_batches_equal_one_large_batch(accumulate: int) -> None:
+    small = Regressor()
+    quiet_trainer(max_epochs=2, accumulate_grad_batches=accumulate, logger=False).fit(
+        small, make_loader(64, batch_size=4)
+    )
+    large = Regressor()
+    quiet_trainer(max_epochs=2, logger=False).fit(large, make_loader(64, batch_size=4 * accumulate))
+    for a, b in zip(parameters_of(small), parameters_of(large), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Batches(torch.utils.data.Sampler[list[int]]):
+    """Yields index batches of the given sizes, in order."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __iter__(self) -> Any:
+        start = 0
+        for size in self.sizes:
+            yield list(range(start, start + size))
+            start += size
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+class _Unsized(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.data = make_data(n)
+
+    def __iter__(self) -> Any:
+        return iter(self.data)
+
+
+def test_short_last_window_still_steps_and_averages_over_its_own_size() -> None:
+    # 5 batches of 4 with accumulation 2: windows of 2, 2 and 1 micro-batches.
+    accumulated = Regressor()
+    trainer = quiet_trainer(max_epochs=1, accumulate_grad_batches=2, logger=False)
+    trainer.fit(accumulated, make_loader(20, batch_size=4))
+    assert trainer.global_step == 3
+    reference = Regressor()
+    quiet_trainer(max_epochs=1, logger=False).fit(
+        reference, DataLoader(make_data(20), batch_sampler=_Batches([8, 8, 4]))
+    )
+    for a, b in zip(parameters_of(accumulated), parameters_of(reference), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_short_last_window_of_a_loader_without_length() -> None:
+    accumulated = Regressor()
+    trainer = quiet_trainer(max_epochs=1, accumulate_grad_batches=3, logger=False)
+    trainer.fit(accumulated, DataLoader(_Unsized(20), batch_size=4))  # windows of 3 and 2 batches
+    assert trainer.global_step == 2
+    reference = Regressor()
+    quiet_trainer(max_epochs=1, logger=False).fit(
+        reference, DataLoader(make_data(20), batch_sampler=_Batches([12, 8]))
+    )
+    for a, b in zip(parameters_of(accumulated), parameters_of(reference), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Scheduled(Regressor):
+    def __init__(self, interval: str, frequency: int = 1) -> None:
+        super().__init__()
+        self.interval, self.frequency = interval, frequency
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": self.interval, "frequency": self.frequency},
+        }
+
+
+def test_step_scheduler_steps_once_per_optimizer_step() -> None:
+    model = _Scheduled("step")
+    trainer = quiet_trainer(max_epochs=1, accumulate_grad_batches=2, logger=False)
+    trainer.fit(model, make_loader(64, batch_size=8))  # 8 batches -> 4 optimizer steps
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5**4)
+
+
+def test_epoch_scheduler_respects_frequency() -> None:
+    model = _Scheduled("epoch", frequency=2)
+    trainer = quiet_trainer(max_epochs=4, logger=False)
+    trainer.fit(model, make_loader(16, batch_size=8))
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5**2)
+
+
+class _Plateau(Regressor):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=1e-3)
+        # No change of val_loss counts as an improvement: every epoch after the first lowers the LR.
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, patience=0, factor=0.1, threshold=1e6, threshold_mode="abs"
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
+
+
+def test_reduce_on_plateau_reads_the_monitored_metric() -> None:
+    trainer = quiet_trainer(max_epochs=3, logger=False)
+    trainer.fit(_Plateau(), make_loader(), make_loader())
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-5)
+
+
+def test_max_steps_limit_batches_and_max_time() -> None:
+    trainer = quiet_trainer(max_steps=5, logger=False)
+    trainer.fit(Regressor(), make_loader(64, batch_size=4))
+    assert trainer.global_step == 5
+
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=3, logger=False)
+    trainer.fit(Regressor(), make_loader(64, batch_size=4))
+    assert trainer.global_step == 6
+
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=0.5, logger=False)
+    trainer.fit(Regressor(), make_loader(64, batch_size=4))
+    assert trainer.global_step == 8
+
+    trainer = quiet_trainer(max_time={"seconds": 1}, logger=False)
+    slow = Regressor()
+    slow.on_train_batch_end = lambda *args: __import__("time").sleep(0.05)  # type: ignore[method-assign]
+    trainer.fit(slow, make_loader(64, batch_size=4))
+    assert 5 < trainer.global_step < 40
+
+
+class _ValidationCounter(Callback):
+    def __init__(self) -> None:
+        self.at: list[tuple[int, int]] = []
+
+    def on_validation_end(self, trainer: ember.Trainer, module: ember.Module) -> None:
+        if not trainer.sanity_checking:
+            trainer_position = trainer._position
+            self.at.append(trainer_position)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({}, [(0, 8), (1, 8)]),
+        ({"val_check_interval": 0.5}, [(0, 4), (0, 8), (1, 4), (1, 8)]),
+        ({"val_check_interval": 3}, [(0, 3), (0, 6), (1, 3), (1, 6)]),
+        ({"val_check_interval": 5, "check_val_every_n_epoch": None}, [(0, 5), (1, 2), (1, 7)]),
+        ({"check_val_every_n_epoch": 2}, [(1, 8)]),
+    ],
+)
+def test_validation_scheduling(flags: dict[str, Any], expected: list[tuple[int, int]]) -> None:
+    counter = _ValidationCounter()
+    trainer = quiet_trainer(max_epochs=2, callbacks=[counter], logger=False, **flags)
+    trainer.fit(Regressor(), make_loader(64), make_loader(16))
+    assert counter.at == expected
+
+
+def test_sanity_check_runs_validation_before_training_without_recording_it() -> None:
+    calls: list[int] = []
+
+    class Counting(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            calls.append(self.global_step)
+            super().validation_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_epochs=1, num_sanity_val_steps=2, logger=False)
+    trainer.fit(Counting(), make_loader(32), make_loader(32))
+    assert calls[:2] == [0, 0] and len(calls) == 2 + 4
+
+
+def test_gradient_clipping_by_value_and_norm() -> None:
+    for algorithm, bound in (("value", 0.01), ("norm", 0.01)):
+        model = Regressor(lr=1.0)
+        before = parameters_of(model)
+        quiet_trainer(max_steps=1, gradient_clip_val=bound, gradient_clip_algorithm=algorithm, logger=False).fit(
+            model, make_loader(8, batch_size=8)
+        )
+        changes = torch.cat([(a - b).flatten() for a, b in zip(parameters_of(model), before, strict=True)])
+        if algorithm == "value":
+            assert changes.abs().max() <= bound + 1e-7
+        else:
+            assert changes.norm() <= bound + 1e-6
+
+
+class _Manual(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        first, second = self.optimizers()
+        x, y = batch
+        for optimizer, layer in ((first, self.layer), (second, self.other)):
+            optimizer.zero_grad()
+            loss = F.mse_loss(layer(x), y)
+            self.manual_backward(loss)
+            optimizer.step()
+        self.lr_schedulers().step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        first = torch.optim.SGD(self.layer.parameters(), lr=0.05)
+        second = torch.optim.SGD(self.other.parameters(), lr=0.05)
+        return [first, second], [torch.optim.lr_scheduler.StepLR(first, step_size=1, gamma=0.9)]
+
+
+def test_manual_optimization_with_two_optimizers() -> None:
+    model = _Manual()
+    before = parameters_of(model)
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(model, make_loader(32, batch_size=8))
+    assert trainer.global_step == 2 * 4  # each optimizer step counts, as in Lightning
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9**4)
+    assert all(not torch.equal(a, b) for a, b in zip(parameters_of(model), before, strict=True))
+
+
+def test_returning_none_skips_the_batch_and_minus_one_ends_the_epoch() -> None:
+    class Skipping(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+            return -1 if batch_idx == 6 else None
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(Skipping(), make_loader(64, batch_size=8))
+    assert trainer.global_step == 3  # batches 0, 2 and 4 stepped; 6 ended the epoch
+
+
+def test_hooks_run_in_order() -> None:
+    calls: list[str] = []
+    names = [
+        "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start", "on_before_optimizer_step",
+        "on_train_batch_end", "on_validation_epoch_start", "on_validation_epoch_end", "on_train_epoch_end",
+        "on_train_end", "on_fit_end",
+    ]  # fmt: skip
+
+    class Recording(Regressor):
+        pass
+
+    for name in names:
+        setattr(Recording, name, lambda self, *args, _name=name: calls.append(_name))
+
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=1, logger=False)
+    trainer.fit(Recording(), make_loader(), make_loader())
+    assert calls == names
+
+
+def test_validate_test_predict_return_values() -> None:
+    model = Regressor()
+    trainer = quiet_trainer(logger=False)
+    results = trainer.validate(model, [make_loader(16), make_loader(32)], verbose=False)
+    assert len(results) == 2
+    assert set(results[0]) == {"val_loss/dataloader_idx_0"} and set(results[1]) == {"val_loss/dataloader_idx_1"}
+    assert trainer.test(model, make_loader(), verbose=False)[0]["test_loss"] > 0
+    predictions = trainer.predict(model, DataLoader(torch.randn(10, 4), batch_size=4))
+    assert [tuple(p.shape) for p in predictions] == [(4, 1), (4, 1), (2, 1)]
+    several = trainer.predict(model, [DataLoader(torch.randn(4, 4)), DataLoader(torch.randn(2, 4))])
+    assert [len(outputs) for outputs in several] == [4, 2]
+
+
+def test_datamodule_supplies_data_and_gets_its_hooks_called() -> None:
+    stages: list[str] = []
+
+    class Data(ember.DataModule):
+        def prepare_data(self) -> None:
+            stages.append("prepare")
+
+        def setup(self, stage: str) -> None:
+            stages.append(stage)
+
+        def train_dataloader(self) -> DataLoader:
+            return make_loader(16)
+
+        def val_dataloader(self) -> DataLoader:
+            return make_loader(16)
+
+        def test_dataloader(self) -> DataLoader:
+            return make_loader(16)
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    data = Data()
+    trainer.fit(Regressor(), datamodule=data)
+    trainer.test(Regressor(), datamodule=data, verbose=False)
+    assert stages == ["prepare", "fit", "prepare", "test"]
+    assert trainer.global_step == 2
+
+
+def test_module_dataloader_hooks_are_used() -> None:
+    class WithData(Regressor):
+        def train_dataloader(self) -> DataLoader:
+            return make_loader(24)
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(WithData())
+    assert trainer.global_step == 3
+
+
+def test_model_is_placed_once_and_estimated_steps_are_known_early() -> None:
+    seen: list[float] = []
+
+    class Planning(Regressor):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            seen.append(self.trainer.estimated_stepping_batches)
+            return super().configure_optimizers()
+
+    trainer = quiet_trainer(max_epochs=3, accumulate_grad_batches=2, logger=False)
+    trainer.fit(Planning(), make_loader(40, batch_size=8))  # 5 batches -> 3 steps per epoch
+    assert seen == [9] and trainer.global_step == 9
+    assert math.isinf(quiet_trainer(max_time="00:00:01:00").estimated_stepping_batches)
