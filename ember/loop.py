@@ -50,7 +50,6 @@ def fit(trainer: Trainer, train_loader: Iterable, val_loaders: list[Iterable], c
     trainer.optimizers, trainer.lr_scheduler_configs = optimizers, scheduler_configs
     trainer._manual_optimizers = [_ManualOptimizer(optimizer, trainer) for optimizer in optimizers]
 
-
     trainer.should_stop = False
     if ckpt_path is not None:
         trainer._restore(ckpt_path, weights_only)

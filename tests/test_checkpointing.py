@@ -90,7 +90,9 @@ def test_weights_only_checkpoint_cannot_resume_but_loads_into_a_module(tmp_path:
     trained = Regressor(lr=0.07)
     quiet_trainer(max_epochs=1, logger=False, callbacks=[checkpoint]).fit(trained, make_loader(16))
     with pytest.raises(ValueError, match="holds weights only"):
-        quiet_trainer(max_epochs=2, logger=False).fit(Regressor(), make_loader(16), ckpt_path=checkpoint.best_model_path)
+        quiet_trainer(max_epochs=2, logger=False).fit(
+            Regressor(), make_loader(16), ckpt_path=checkpoint.best_model_path
+        )
     loaded = Regressor.load_from_checkpoint(checkpoint.best_model_path)
     assert loaded.hparams.lr == 0.07
     for a, b in zip(parameters_of(loaded), parameters_of(trained), strict=True):

@@ -21,7 +21,10 @@ import ember
         ({"max_epochs": -5}, r"max_epochs=-5: expected -1 \(no limit\) or a non-negative int"),
         ({"max_steps": -3}, r"max_steps=-3"),
         ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0: expected an int >= 1"),
-        ({"devices": (os.cpu_count() or 1) + 1, "accelerator": "cpu"}, r"devices=\d+, but this machine has \d+ CPU cores"),
+        (
+            {"devices": (os.cpu_count() or 1) + 1, "accelerator": "cpu"},
+            r"devices=\d+, but this machine has \d+ CPU cores",
+        ),
         ({"devices": 0}, r"devices=0: at least one device"),
         ({"devices": "two"}, r"devices='two'"),
         ({"limit_train_batches": 1.5}, r"limit_train_batches=1.5: an int counts batches"),
@@ -66,7 +69,11 @@ class _Returns(Regressor):
     ("returned", "error", "message"),
     [
         ("a string", TypeError, r"training_step must return the loss tensor.*it returned str"),
-        ({"logits": torch.ones(1)}, TypeError, r"a dict with a 'loss' tensor.*without a 'loss' key \(keys: \['logits'\]\)"),
+        (
+            {"logits": torch.ones(1)},
+            TypeError,
+            r"a dict with a 'loss' tensor.*without a 'loss' key \(keys: \['logits'\]\)",
+        ),
         (lambda self, batch: self(batch[0]).sum(dim=1), ValueError, r"returned a loss of shape \(8,\); reduce it"),
         (torch.tensor(1.0), ValueError, "does not require grad"),
     ],

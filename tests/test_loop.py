@@ -80,9 +80,7 @@ def test_short_last_window_of_a_loader_without_length() -> None:
     trainer.fit(accumulated, DataLoader(_Unsized(20), batch_size=4))  # windows of 3 and 2 batches
     assert trainer.global_step == 2
     reference = Regressor()
-    quiet_trainer(max_epochs=1, logger=False).fit(
-        reference, DataLoader(make_data(20), batch_sampler=_Batches([12, 8]))
-    )
+    quiet_trainer(max_epochs=1, logger=False).fit(reference, DataLoader(make_data(20), batch_sampler=_Batches([12, 8])))
     for a, b in zip(parameters_of(accumulated), parameters_of(reference), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
