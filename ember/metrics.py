@@ -122,16 +122,23 @@ class MetricStore:
 
     # ------------------------------------------------------------------------------ reading
     def step_values(self, *, fresh_only: bool, for_logger: bool = False) -> dict[str, Number]:
-        """The latest per-step values, named ``name`` (or ``name_step`` when also logged per epoch)."""
+        """The latest per-step values, named ``name`` (or ``name_step`` when also logged per epoch).
+
+        ``fresh_only`` takes the values logged since the last such call and, being called at the same
+        step on every rank, reduces those logged with ``sync_dist`` across ranks.
+        """
         values = {}
         for key, entry in self._entries.items():
             if entry.step_value is None or (fresh_only and not entry.step_fresh):
                 continue
             if for_logger and not entry.to_logger:
                 continue
-            values[_step_name(key, entry)] = entry.step_value
             if fresh_only:
                 entry.step_fresh = False
+                if entry.sync_dist:
+                    reduced = torch.as_tensor(entry.step_value, dtype=torch.float32).reshape(())
+                    entry.step_value = self._reduce(reduced, entry.reduce_fx)
+            values[_step_name(key, entry)] = entry.step_value
         return values
 
     def prog_bar_step_values(self) -> dict[str, Number]:

@@ -232,10 +232,8 @@ class Trainer:
 
     @property
     def log_dir(self) -> str | None:
-        """The first logger's run directory, the same on every rank."""
-        if not self.loggers or self.loggers[0].log_dir is None:
-            return None
-        return self.strategy.broadcast(self.loggers[0].log_dir if self.is_global_zero else None)
+        """The first logger's run directory (the same on every rank once a stage has started)."""
+        return self.loggers[0].log_dir if self.loggers else None
 
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
@@ -456,6 +454,9 @@ class Trainer:
         if not self._environment_ready:
             self.strategy.setup_environment()
             self._environment_ready = True
+            if self.world_size > 1:
+                for logger in self.loggers:  # rank zero picks the run's version; the others follow it
+                    logger.use_version(self.strategy.broadcast(logger.version if self.is_global_zero else None))
         if self.max_time is not None:
             self._deadline = time.monotonic() + self.max_time
         if datamodule is not None:
@@ -466,8 +467,7 @@ class Trainer:
         module.setup(stage)
         for callback in self.callbacks:
             callback.setup(self, module, stage)
-        if self.strategy._module is not module:
-            self.strategy.setup_module(module)
+        self.strategy.setup_module(module, training=stage == "fit")
         status = "failed"
         try:
             with torch.autograd.set_detect_anomaly(self.detect_anomaly):
@@ -513,7 +513,7 @@ class Trainer:
             raise ValueError(f"fit() trains on one dataloader; got {len(loaders)}")
         from ember.data import prepare_loader
 
-        return [prepare_loader(loader, self.strategy) for loader in loaders]
+        return [prepare_loader(loader, self.strategy, shard=self.use_distributed_sampler) for loader in loaders]
 
     def _require_module(self) -> Module:
         if self.module is None:

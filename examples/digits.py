@@ -1,6 +1,8 @@
 """Train a small CNN on scikit-learn's handwritten digits (8x8 images, shipped with the package).
 
-    python examples/digits.py [--max-epochs 20] [--batch-size 64] [--precision bf16-mixed] ...
+    python examples/digits.py [--max-epochs 15] [--batch-size 64] [--precision bf16-mixed] ...
+    python examples/digits.py --devices 2 --strategy ddp       # two processes, started by the Trainer
+    ember run --nproc-per-node 2 examples/digits.py            # the same, started by the launcher
 
 It prints progress, writes metrics (CSV) and checkpoints under --root-dir, and exits with status 1
 if the best validation accuracy is below --target: the example doubles as a convergence test.
@@ -97,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--accelerator", default="auto", help="auto, cpu, cuda or mps")
-    parser.add_argument("--devices", default="1", help="how many devices (processes) to use")
+    parser.add_argument("--devices", default="auto", help="devices (one process each); 'auto' follows the launcher")
+    parser.add_argument("--strategy", default="auto", help="auto, ddp, dp, ...")
     parser.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, 16-mixed, ...")
     parser.add_argument("--root-dir", default="runs/digits", help="where logs and checkpoints go")
     parser.add_argument("--seed", type=int, default=0)
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         max_epochs=args.max_epochs,
         accelerator=args.accelerator,
         devices=args.devices,
+        strategy=args.strategy,
         precision=args.precision,
         default_root_dir=args.root_dir,
         callbacks=[checkpoint],

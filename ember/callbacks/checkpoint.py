@@ -106,9 +106,7 @@ class ModelCheckpoint(Callback):
         if stage != "fit":
             return
         if self.dirpath is None:
-            base = trainer.log_dir or trainer.default_root_dir
-            # Every rank must write to (and later resolve) the same directory as rank zero.
-            self.dirpath = trainer.strategy.broadcast(os.path.join(base, "checkpoints"))
+            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
         self._last_time_save = time.monotonic()
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:

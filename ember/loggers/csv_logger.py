@@ -44,6 +44,9 @@ class CSVLogger(Logger):
             self._version = next_version(os.path.join(self._save_dir, self._name))
         return self._version
 
+    def use_version(self, version: int | str) -> None:
+        self._version = version
+
     @property
     def save_dir(self) -> str:
         return self._save_dir

@@ -29,6 +29,9 @@ class Logger:
         """This run's directory (checkpoints go under it by default)."""
         return None
 
+    def use_version(self, version: int | str) -> None:
+        """Adopt ``version`` (rank zero's choice), so that every rank names the same run directory."""
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         raise NotImplementedError
 

@@ -6,10 +6,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ember.launch import ClusterEnvironment, detect_environment
+from ember.strategies.ddp import DDPStrategy
+from ember.strategies.dp import DataParallelStrategy
 from ember.strategies.single import SingleDeviceStrategy
 from ember.strategies.strategy import Strategy
 
-__all__ = ["SingleDeviceStrategy", "Strategy", "select_strategy"]
+__all__ = ["DDPStrategy", "DataParallelStrategy", "SingleDeviceStrategy", "Strategy", "select_strategy"]
 
 _ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 
@@ -32,7 +35,9 @@ def _device_type(accelerator: str) -> str:
     return accelerator
 
 
-def _parse_devices(devices: int | str | Sequence[int], device_type: str) -> list[torch.device]:
+def _parse_devices(
+    devices: int | str | Sequence[int], device_type: str, limit_to_cores: bool = True
+) -> list[torch.device]:
     """The devices of this node: "auto", a count, -1 (all), a list of indices or "0,2"."""
     import os
 
@@ -62,7 +67,7 @@ def _parse_devices(devices: int | str | Sequence[int], device_type: str) -> list
             devices = available if device_type != "cpu" else 1
         if devices < 1:
             raise ValueError(f"devices={devices}: at least one device is needed (-1 means all)")
-        if devices > available:
+        if devices > available and (device_type != "cpu" or limit_to_cores):
             raise ValueError(f"devices={devices}, but this machine has {available} {what}")
         indices = list(range(devices))
     else:
@@ -87,24 +92,52 @@ def select_strategy(
     sync_batchnorm: bool,
 ) -> Strategy:
     """Turn the Trainer's layout flags into one configured ``Strategy`` (the only place they are decided)."""
+    environment = detect_environment()
     device_type = _device_type(accelerator)
-    parallel_devices = _parse_devices(devices, device_type)
+    if environment is not None and devices == "auto":
+        devices = environment.local_world_size  # one device per process the launcher started here
+    # A launcher already chose how many processes run here; the machine's core count is its business.
+    parallel_devices = _parse_devices(devices, device_type, limit_to_cores=environment is None)
+    if environment is not None:
+        _check_against_launcher(environment, len(parallel_devices), num_nodes)
+    processes = len(parallel_devices) * num_nodes
     if isinstance(strategy, Strategy):
         chosen = strategy
-    elif strategy in ("auto", "single_device"):
-        processes = len(parallel_devices) * num_nodes
-        if strategy == "single_device" and processes > 1:
-            raise ValueError(f"strategy='single_device' runs one process, but devices x num_nodes = {processes}")
-        if processes > 1:
-            raise ValueError(f"{processes} processes need a parallel strategy, which this build does not have yet")
-        chosen = SingleDeviceStrategy()
+    elif strategy == "auto":
+        chosen = DDPStrategy() if processes > 1 else SingleDeviceStrategy()
+    elif strategy in _STRATEGIES:
+        chosen = _STRATEGIES[strategy]()
     else:
-        raise ValueError(f"strategy={strategy!r} is not supported; choose 'auto' or 'single_device'")
+        raise ValueError(f"strategy={strategy!r} is not supported; choose one of {['auto', *_STRATEGIES]}")
+    if isinstance(chosen, SingleDeviceStrategy) and processes > 1:
+        raise ValueError(f"strategy='single_device' runs one process, but devices x num_nodes = {processes}; use 'ddp'")
     chosen.configure(
         device_type=device_type,
         parallel_devices=parallel_devices,
         num_nodes=num_nodes,
         precision=precision,
         sync_batchnorm=sync_batchnorm,
+        environment=environment,
     )
     return chosen
+
+
+_STRATEGIES: dict[str, type[Strategy]] = {
+    "single_device": SingleDeviceStrategy,
+    "ddp": DDPStrategy,
+    "dp": DataParallelStrategy,
+}
+
+
+def _check_against_launcher(environment: ClusterEnvironment, devices: int, num_nodes: int) -> None:
+    if environment.num_nodes != num_nodes:
+        raise ValueError(
+            f"num_nodes={num_nodes}, but {environment.launcher} started this job on {environment.num_nodes} "
+            f"node(s) ({environment.world_size} processes, {environment.local_world_size} per node); "
+            f"pass num_nodes={environment.num_nodes}"
+        )
+    if environment.local_world_size != devices:
+        raise ValueError(
+            f"devices={devices}, but {environment.launcher} started {environment.local_world_size} processes "
+            "on this node; one process drives one device, so pass devices='auto' or the same count"
+        )

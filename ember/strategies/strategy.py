@@ -14,6 +14,7 @@ from ember._utils import move_to_device
 from ember.precision import Precision, build_precision
 
 if TYPE_CHECKING:
+    from ember.launch import ClusterEnvironment
     from ember.module import Module
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
@@ -34,6 +35,7 @@ class Strategy:
         self.parallel_devices: list[torch.device] = [torch.device("cpu")]
         self.num_nodes = 1
         self.sync_batchnorm = False
+        self.environment: ClusterEnvironment | None = None
         self.precision: Precision = Precision()
         self._module: Module | None = None
         # What the steps run through: the module itself, or a wrapper around it (DDP, DataParallel).
@@ -49,12 +51,14 @@ class Strategy:
         num_nodes: int,
         precision: str | int,
         sync_batchnorm: bool,
+        environment: ClusterEnvironment | None,
     ) -> None:
-        """Receive the Trainer's resolved flags; called once, before anything runs."""
+        """Receive the Trainer's resolved flags and the launcher's description of this process; called once."""
         self.device_type = device_type
         self.parallel_devices = list(parallel_devices)
         self.num_nodes = num_nodes
         self.sync_batchnorm = sync_batchnorm
+        self.environment = environment
         self.precision = build_precision(precision, self.root_device)
 
     @property
@@ -95,8 +99,11 @@ class Strategy:
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
 
-    def setup_module(self, module: Module) -> None:
-        """Place the module on its device in the precision's dtype; wrap it if the strategy needs to."""
+    def setup_module(self, module: Module, training: bool) -> None:
+        """Place the module on its device in the precision's dtype (once); parallel strategies also wrap
+        it for training."""
+        if module is self._module:
+            return
         self._module = module
         # CPU batches stay where the loader made them: a copy to the same device would cost per step.
         self._batch_device = self.root_device if self.root_device.type != "cpu" else None

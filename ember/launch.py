@@ -1,0 +1,289 @@
+"""Where a job's processes come from: launcher detection, and ``ember run``, a front to torchrun.
+
+Processes are started by PyTorch's elastic agent (``torch.distributed.run``, the engine behind
+``torchrun``), by SLURM's ``srun`` or by ``mpirun``; Ember only reads what they set. A plain
+``python script.py`` with ``Trainer(devices=2)`` re-executes itself under ``ember run``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+_LOCAL_RANK_FLAG = re.compile(r"^--local[-_]rank(?:=(\d+))?$")
+
+
+@dataclass(frozen=True)
+class ClusterEnvironment:
+    """How this process sits in a job, as its launcher described it."""
+
+    launcher: str  # "torchelastic", "slurm" or "mpi"
+    world_size: int
+    global_rank: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    main_address: str
+    main_port: int
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    @property
+    def single_machine(self) -> bool:
+        return self.num_nodes == 1
+
+
+def detect_environment() -> ClusterEnvironment | None:
+    """The launcher this process was started by, or None for a plain process."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env or all(
+        name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    ):
+        world_size = int(env["WORLD_SIZE"])
+        return ClusterEnvironment(
+            launcher="torchelastic",
+            world_size=world_size,
+            global_rank=int(env["RANK"]),
+            local_rank=int(env["LOCAL_RANK"]),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            node_rank=int(env.get("GROUP_RANK", 0)),
+            main_address=env["MASTER_ADDR"],
+            main_port=int(env["MASTER_PORT"]),
+        )
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        world_size = int(env["SLURM_NTASKS"])
+        nodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
+        job_id = int(env.get("SLURM_JOB_ID", "0"))
+        nodelist = env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        return ClusterEnvironment(
+            launcher="slurm",
+            world_size=world_size,
+            global_rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            local_world_size=world_size // max(1, nodes),
+            node_rank=int(env.get("SLURM_NODEID", "0")),
+            main_address=env.get("MASTER_ADDR", first_host(nodelist)),
+            # the same on every task of the job, and different between jobs sharing a node
+            main_port=int(env.get("MASTER_PORT", 10000 + job_id % 20000)),
+        )
+    for size, rank, local_rank, local_size in (
+        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ):
+        if int(env.get(size, "1")) > 1:
+            world_size, global_rank = int(env[size]), int(env[rank])
+            local_world_size = int(env.get(local_size, world_size))
+            if "MASTER_ADDR" not in env and local_world_size != world_size:
+                raise RuntimeError(
+                    "mpirun started processes on several machines, but MASTER_ADDR is not set: export the "
+                    "address of rank 0's machine to every rank (mpirun -x MASTER_ADDR=host -x MASTER_PORT=port)"
+                )
+            return ClusterEnvironment(
+                launcher="mpi",
+                world_size=world_size,
+                global_rank=global_rank,
+                local_rank=int(env.get(local_rank, global_rank)),
+                local_world_size=local_world_size,
+                node_rank=global_rank // local_world_size,
+                main_address=env.get("MASTER_ADDR", "127.0.0.1"),
+                main_port=int(env.get("MASTER_PORT", "29500")),
+            )
+    return None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list such as ``gpu[03-05,09],cpu1``."""
+    depth, end = 0, len(nodelist)
+    for index, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = index
+            break
+    first = nodelist[:end]
+    match = re.match(r"^([^\[]*)\[([^\],-]+)[^\]]*\](.*)$", first)
+    return match.group(1) + match.group(2) + match.group(3) if match else first
+
+
+def strip_local_rank_argument() -> None:
+    """Remove the ``--local-rank=N`` that the legacy ``torch.distributed.launch`` appends to argv.
+
+    Scripts then parse their own arguments unchanged; the rank is kept in ``LOCAL_RANK``.
+    """
+    argv = sys.argv
+    for index, argument in enumerate(argv[1:], start=1):
+        match = _LOCAL_RANK_FLAG.match(argument)
+        if not match:
+            continue
+        value = match.group(1)
+        if value is None and index + 1 < len(argv) and argv[index + 1].isdigit():
+            value = argv.pop(index + 1)
+        del argv[index]
+        if value is not None:
+            os.environ.setdefault("LOCAL_RANK", value)
+        return
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this worker if its launcher dies, so that no orphaned process survives it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if parent == 1:  # the launcher died before the request was registered
+        os._exit(1)
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in names if name.startswith("lo")), None)
+
+
+def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``host`` and listening: a store served from it is reachable there only."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
+
+
+# ------------------------------------------------------------------------------- ember run
+def processes_per_node(value: str) -> int:
+    """``--nproc-per-node``: a count, or "auto" for one per GPU (one on a machine without GPUs)."""
+    if value == "auto":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--nproc-per-node={value!r}: give a positive count or 'auto'")
+    return int(value)
+
+
+def run(
+    *,
+    nproc_per_node: str,
+    nnodes: int,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    rdzv_id: str,
+    max_restarts: int,
+    module: bool,
+    script: str,
+    script_args: list[str],
+) -> int:
+    """Start ``script`` in ``nproc_per_node`` processes with torch's elastic agent; return the exit status."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if nnodes < 1:
+        raise ValueError(f"--nnodes={nnodes}: at least one node is needed")
+    argv = ["--nproc-per-node", str(processes_per_node(nproc_per_node)), "--nnodes", str(nnodes)]
+    argv += ["--max-restarts", str(max_restarts)]
+    if nnodes == 1 and rdzv_endpoint is None:
+        # One machine: every socket of the job listens on 127.0.0.1 only.
+        server = listening_socket("127.0.0.1")
+        _register_loopback_rendezvous(server)
+        argv += ["--rdzv-backend", _LOOPBACK_BACKEND, "--rdzv-endpoint", f"127.0.0.1:{server.getsockname()[1]}"]
+        interface = loopback_interface()
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # inherited by the workers
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT, reachable from every node")
+        if node_rank is not None:
+            host, _, port = rdzv_endpoint.rpartition(":")
+            if not (host and port.isdigit()):
+                raise ValueError(f"--rdzv-endpoint={rdzv_endpoint!r}: expected HOST:PORT")
+            argv += ["--node-rank", str(node_rank), "--master-addr", host, "--master-port", port]
+        else:
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    if module:
+        argv.append("--module")
+    argv += [script, *script_args]
+    try:
+        torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError as failure:
+        print(failure.format_msg(), file=sys.stderr)
+        return 1
+    except SignalException as interrupted:
+        print(f"ember run: stopped by {interrupted.sigval.name}; all workers were ended", file=sys.stderr)
+        return 128 + int(interrupted.sigval)
+    return 0
+
+
+_LOOPBACK_BACKEND = "ember-loopback"
+
+
+def _register_loopback_rendezvous(server: socket.socket) -> None:
+    """A static rendezvous whose store is served from ``server``, a socket bound to 127.0.0.1.
+
+    torchrun's own store would listen on every interface of the machine.
+    """
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousInfo,
+        RendezvousParameters,
+        rendezvous_handler_registry,
+    )
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return _LOOPBACK_BACKEND
+
+        def next_rendezvous(self) -> RendezvousInfo:
+            if self._store is None:
+                self._store = TCPStore(
+                    self.master_addr, self.master_port, self.world_size, True, self.timeout,
+                    multi_tenant=True, master_listen_fd=server.fileno(),
+                )  # fmt: skip
+            return super().next_rendezvous()
+
+    def create(params: RendezvousParameters) -> StaticTCPRendezvous:
+        port = server.getsockname()[1]
+        return LoopbackRendezvous("127.0.0.1", port, rank=0, world_size=1, run_id=params.run_id, timeout=600)
+
+    rendezvous_handler_registry.register(_LOOPBACK_BACKEND, create)
+
+
+def relaunch(nproc_per_node: int) -> None:
+    """Replace this process with ``ember run --nproc-per-node N`` running the same script and arguments.
+
+    The workers re-run the script with the rank environment, exactly as if ``ember run`` had started it.
+    """
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if spec is not None and spec.name != "__main__":
+        target = ["-m", spec.name]  # started as python -m package.module
+    elif getattr(__main__, "__file__", None) and sys.argv[0] not in ("", "-c"):
+        target = [os.path.abspath(sys.argv[0])]
+    else:
+        raise RuntimeError(
+            f"devices={nproc_per_node} starts one process per device by re-running the script, but this "
+            "process has no script to re-run (an interactive session or python -c); put the code in a "
+            "file, or start it with: ember run --nproc-per-node N script.py"
+        )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", str(nproc_per_node), *target, *sys.argv[1:]]
+    os.execv(sys.executable, command)

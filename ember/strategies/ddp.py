@@ -1,0 +1,224 @@
+"""Distributed data parallel: one process per device, gradients averaged by ``DistributedDataParallel``."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ember.launch import ClusterEnvironment, die_with_parent, listening_socket, loopback_interface, relaunch
+from ember.strategies.strategy import _NO_CONTEXT, ReduceOp, Strategy
+
+if TYPE_CHECKING:
+    from ember.module import Module
+
+
+class _StepRunner(nn.Module):
+    """Makes a wrapper's ``forward`` run one of the module's steps.
+
+    DDP averages gradients through hooks it arms in its own ``forward``; a training step called on
+    the bare module would silently train each rank on its own gradients.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, step_name: str, *args: Any) -> Any:
+        return getattr(self.module, step_name)(*args)
+
+
+class DDPStrategy(Strategy):
+    """One process per device on one or more machines; NCCL between GPUs, Gloo between CPU processes.
+
+    Args:
+        find_unused_parameters: let DDP cope with parameters that get no gradient in some steps (slower).
+        static_graph: promise that the set of used parameters never changes (enables optimizations).
+        gradient_as_bucket_view: gradients share memory with the communication buckets (saves memory).
+        bucket_cap_mb: size of the gradient buckets that are all-reduced together.
+        process_group_backend: "nccl", "gloo", ... (default: NCCL on CUDA, Gloo on CPU).
+        timeout: how long a collective may wait for the other ranks before failing.
+    """
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        super().__init__()
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.bucket_cap_mb = bucket_cap_mb
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout
+
+    # ----------------------------------------------------------------------------- layout
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def world_size(self) -> int:
+        if self.environment is not None:
+            return self.environment.world_size
+        return self.num_nodes * len(self.parallel_devices)
+
+    @property
+    def global_rank(self) -> int:
+        return self.environment.global_rank if self.environment is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.environment.local_rank if self.environment is not None else 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.environment.node_rank if self.environment is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # -------------------------------------------------------------------------- lifecycle
+    def launch(self) -> None:
+        if self.environment is not None or self.world_size == 1:
+            return
+        if self.num_nodes > 1:
+            raise RuntimeError(
+                f"num_nodes={self.num_nodes}: start a multi-node job with a launcher on every node "
+                "(ember run --nnodes N --node-rank R --rdzv-endpoint HOST:PORT script.py, or srun)"
+            )
+        relaunch(len(self.parallel_devices))
+
+    def setup_environment(self) -> None:
+        import torch.distributed as dist
+
+        environment = self.environment
+        if environment is None:
+            raise RuntimeError("the DDP strategy runs in processes started by a launcher; call launch() first")
+        if environment.launcher == "torchelastic":
+            die_with_parent()
+        super().setup_environment()
+        if dist.is_initialized():
+            return
+        backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        if environment.single_machine and environment.main_address in ("127.0.0.1", "localhost"):
+            interface = loopback_interface()
+            if interface is not None:  # the process group's own sockets listen on 127.0.0.1 too
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        options: dict[str, Any] = {"backend": backend, "timeout": self.timeout}
+        if backend == "nccl":
+            options["device_id"] = self.root_device
+        if environment.launcher == "torchelastic":
+            dist.init_process_group(**options)  # rendezvous through the agent's store (env://)
+        else:
+            store = _make_store(environment, self.timeout)
+            dist.init_process_group(
+                store=store, rank=environment.global_rank, world_size=environment.world_size, **options
+            )
+        atexit.register(_destroy_process_group)
+
+    def setup_module(self, module: Module, training: bool) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().setup_module(module, training)
+        if not training or isinstance(self.model, DistributedDataParallel):
+            return
+        if self.sync_batchnorm:
+            nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        options: dict[str, Any] = {}
+        if self.bucket_cap_mb is not None:
+            options["bucket_cap_mb"] = self.bucket_cap_mb
+        self.model = DistributedDataParallel(
+            _StepRunner(module),
+            device_ids=[self.root_device.index] if self.root_device.type == "cuda" else None,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            **options,
+        )
+
+    # ------------------------------------------------------------------------------ steps
+    def step(self, name: str, *args: Any) -> Any:
+        with self.precision.forward_context():
+            if self.model is self._module:
+                return getattr(self._module, name)(*args)
+            return self.model(name, *args)  # through DDP, which arms the gradient all-reduce
+
+    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
+        if skip_gradient_sync and self.model is not self._module:
+            return self.model.no_sync()
+        return _NO_CONTEXT
+
+    # ---------------------------------------------------------------------- communication
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        import torch.distributed as dist
+
+        reduced = torch.as_tensor(tensor, device=self.root_device).detach().clone()
+        dist_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                   "min": dist.ReduceOp.MIN}[op]  # fmt: skip
+        dist.all_reduce(reduced, op=dist_op)
+        return reduced / self.world_size if op == "mean" else reduced
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        tensor = torch.as_tensor(tensor, device=self.root_device).contiguous()
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor)
+        return torch.stack(gathered)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        import torch.distributed as dist
+
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src, device=self.root_device)
+        return holder[0]
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.root_device.type == "cuda":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+
+def _make_store(environment: ClusterEnvironment, timeout: timedelta) -> Any:
+    """The rendezvous store of a job started by SLURM or mpirun: rank zero serves it, the others connect."""
+    from torch.distributed import TCPStore
+
+    is_server = environment.global_rank == 0
+    options: dict[str, Any] = {}
+    if is_server and environment.single_machine:
+        # Served from a socket bound to the loopback address: nothing outside the machine can reach it.
+        server = listening_socket("127.0.0.1", environment.main_port)
+        options["master_listen_fd"] = server.fileno()
+        _keep_alive.append(server)
+    return TCPStore(
+        environment.main_address, environment.main_port, environment.world_size, is_server, timeout, **options
+    )
+
+
+_keep_alive: list[Any] = []
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

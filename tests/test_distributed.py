@@ -1,0 +1,383 @@
+"""Data parallel on CPU with Gloo on 127.0.0.1: launch ways, equivalence, communication, failures.
+
+Every test that starts processes has a timeout, so that a hang fails fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+from conftest import quiet_trainer
+from torch.utils.data import DataLoader
+
+import ember
+from ember.launch import detect_environment, first_host, strip_local_rank_argument
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "train_ddp.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+import train_ddp  # noqa: E402
+
+
+def _start(command: list[str], out: str, **kwargs: Any) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        command, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, **kwargs,
+    )  # fmt: skip
+
+
+def _run(command: list[str], out: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    process = _start(command, out)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _results(out: str, world_size: int) -> list[tuple[list[torch.Tensor], dict[str, Any]]]:
+    results = []
+    for rank in range(world_size):
+        with open(os.path.join(out, f"rank{rank}.json")) as file:
+            results.append((torch.load(os.path.join(out, f"rank{rank}.pt")), json.load(file)))
+    return results
+
+
+def _single_process_parameters(batch_size: int, accumulate: int = 1) -> list[torch.Tensor]:
+    model = train_ddp.Regressor()
+    quiet_trainer(max_epochs=2, logger=False, accumulate_grad_batches=accumulate, enable_checkpointing=False).fit(
+        model, DataLoader(train_ddp.dataset(), batch_size=batch_size)
+    )
+    return [p.detach() for p in model.parameters()]
+
+
+def _assert_ranks_agree_with(reference: list[torch.Tensor], out: str) -> list[dict[str, Any]]:
+    results = _results(out, 2)
+    for parameters, _ in results:
+        for got, expected in zip(parameters, reference, strict=True):
+            assert (got - expected).abs().max() < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0], strict=True))
+    return [summary for _, summary in results]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+LAUNCHES = {
+    "plain python, devices=2": lambda: [sys.executable, SCRIPT, "--devices", "2"],
+    "ember run": lambda: [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", SCRIPT],
+    "torchrun": lambda: [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT,
+    ],
+    "legacy torch.distributed.launch": lambda: [
+        sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(_free_port()), SCRIPT,
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_two_ranks_equal_one_process_with_twice_the_batch(launch: str, tmp_path: Any) -> None:
+    out = str(tmp_path)
+    result = _run([*LAUNCHES[launch](), "--out", out], out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = _assert_ranks_agree_with(_single_process_parameters(batch_size=8), out)
+    assert [s["world_size"] for s in summaries] == [2, 2] and summaries[0]["global_step"] == 16
+    # validation metrics logged with sync_dist are reduced: the same on every rank
+    assert summaries[0]["metrics"]["val_rank"] == summaries[1]["metrics"]["val_rank"] == 0.5
+    assert summaries[0]["log_dir"] == summaries[1]["log_dir"]
+    assert result.stdout.count("done") == 1  # trainer.print writes from rank zero only
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_accumulation_all_reduces_only_on_the_stepping_micro_batch(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    command = [*LAUNCHES["ember run"](), "--out", out, "--accumulate", "2", "--count-comms"]
+    result = _run(command, out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = _assert_ranks_agree_with(_single_process_parameters(batch_size=16), out)
+    # 8 micro-batches per epoch and rank, 2 per step, 2 epochs: 8 steps, one gradient bucket each
+    assert [s["global_step"] for s in summaries] == [8, 8]
+    assert [s["comms"] for s in summaries] == [8, 8]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_nodes_on_one_machine_train_together(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [
+        _start(
+            [
+                sys.executable,
+                "-m",
+                "ember",
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--rdzv-endpoint",
+                endpoint,
+                SCRIPT,
+                "--out",
+                out,
+                "--num-nodes",
+                "2",
+            ],
+            out,
+        )
+        for rank in (0, 1)
+    ]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=120)
+        assert node.returncode == 0, stderr[-3000:]
+    summaries = _assert_ranks_agree_with(_single_process_parameters(batch_size=8), out)
+    assert [s["world_size"] for s in summaries] == [2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_failing_rank_ends_the_job_quickly_with_its_traceback(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    started = time.monotonic()
+    result = _run([*LAUNCHES["ember run"](), "--out", out, "--fail-rank", "1", "--fail-step", "3"], out, timeout=60)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert "RuntimeError: boom on rank 1" in result.stderr
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end"
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as file:
+                    parent = int(file.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _listening_addresses(pids: list[int]) -> set[str]:
+    """The local addresses of the TCP sockets these processes listen on (from /proc)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    addresses = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as file:
+            for line in file.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # state 0A is LISTEN
+                    address = fields[1].split(":")[0]
+                    addresses.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]) if len(address) == 8 else address)
+    return addresses
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for_workers(process: subprocess.Popen, count: int) -> list[int]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        workers = [pid for pid in _descendants(process.pid) if "train_ddp" in _cmdline(pid)]
+        if len(workers) >= count:
+            time.sleep(4)  # let them reach the training loop
+            return workers
+        time.sleep(0.2)
+    pytest.fail("the workers did not start")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as file:
+            return file.read()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_ends_every_rank_and_the_job_listens_on_loopback_only(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    job = _start([*LAUNCHES["ember run"](), "--out", out, "--epochs", "1000", "--sleep", "0.01"], out)
+    workers = _wait_for_workers(job, 2)
+    addresses = _listening_addresses([job.pid, *workers])
+    assert addresses and addresses <= {"127.0.0.1"}, addresses
+    os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    job.communicate(timeout=30)
+    assert job.returncode != 0
+    time.sleep(1)
+    assert not [pid for pid in workers if _alive(pid)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses the parent-death signal")
+def test_workers_do_not_outlive_a_killed_launcher(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    job = _start([*LAUNCHES["ember run"](), "--out", out, "--epochs", "1000", "--sleep", "0.01"], out)
+    workers = _wait_for_workers(job, 2)
+    os.kill(job.pid, signal.SIGKILL)  # the launcher dies without a chance to stop its workers
+    job.communicate(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.2)
+    assert not [pid for pid in workers if _alive(pid)], "orphaned workers survived"
+
+
+# ------------------------------------------------------------------------- without processes
+class _TwoRanks:
+    """Just enough of a strategy for prepare_loader: the layout of one rank of two."""
+
+    def __init__(self, rank: int) -> None:
+        self.distributed_sampler_kwargs = {"num_replicas": 2, "rank": rank}
+        self.root_device = torch.device("cpu")
+        self.global_rank = rank
+
+
+def test_each_rank_reads_its_own_shard_and_shuffles_per_epoch() -> None:
+    from ember.data import epoch_batches, prepare_loader
+
+    loader = DataLoader(list(range(20)), batch_size=5, shuffle=True)
+    shards = [prepare_loader(loader, _TwoRanks(rank)) for rank in (0, 1)]  # type: ignore[arg-type]
+    epochs = []
+    for epoch in (0, 1):
+        seen = [torch.cat(list(epoch_batches(shard, epoch, skip=0))).tolist() for shard in shards]
+        assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(20))
+        epochs.append(seen[0])
+    assert epochs[0] != epochs[1]
+    ordered = DataLoader(list(range(20)), batch_size=5)
+    assert torch.cat(list(prepare_loader(ordered, _TwoRanks(1)))).tolist() == list(range(1, 20, 2))  # type: ignore[arg-type]
+    mine = DataLoader(list(range(20)), sampler=torch.utils.data.DistributedSampler(list(range(20)), 2, 0))
+    assert prepare_loader(mine, _TwoRanks(1)) is mine  # type: ignore[arg-type]
+    assert prepare_loader(ordered, _TwoRanks(1), shard=False) is ordered  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+          "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "x"},
+         ("torchelastic", 4, 3, 1, 2, 1, "10.0.0.1", 1234)),
+        ({"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+          "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123", "SLURM_JOB_NAME": "train"},
+         ("slurm", 8, 5, 1, 4, 1, "gpu07", 10123)),
+        ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+         ("mpi", 2, 1, 1, 2, 0, "127.0.0.1", 29500)),
+        ({"PMI_SIZE": "4", "PMI_RANK": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2",
+          "MASTER_ADDR": "node1", "MASTER_PORT": "4000"},
+         ("mpi", 4, 2, 0, 2, 1, "node1", 4000)),
+    ],
+)  # fmt: skip
+def test_cluster_environments_are_read_from_their_variables(
+    variables: dict[str, str], expected: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    env = detect_environment()
+    assert env is not None
+    got = (env.launcher, env.world_size, env.global_rank, env.local_rank, env.local_world_size, env.node_rank,
+           env.main_address, env.main_port)  # fmt: skip
+    assert got == expected
+
+
+def test_mpi_across_machines_needs_a_main_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set"):
+        detect_environment()
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "host"),
+    [("node1", "node1"), ("gpu[03-05,09],cpu1", "gpu03"), ("a1,b[1-2]", "a1"), ("n[1-2]-ib", "n1-ib")],
+)
+def test_first_host_of_a_slurm_node_list(nodelist: str, host: str) -> None:
+    assert first_host(nodelist) == host
+
+
+def test_layout_must_match_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"num_nodes=2, but torchelastic started this job on 1 node"):
+        ember.Trainer(accelerator="cpu", num_nodes=2)
+    with pytest.raises(ValueError, match=r"devices=3, but torchelastic started 2 processes on this node"):
+        ember.Trainer(accelerator="cpu", devices=3)
+    trainer = ember.Trainer(accelerator="cpu")
+    assert (trainer.world_size, trainer.strategy.name) == (2, "ddp")
+
+
+def test_legacy_local_rank_argument_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--local-rank=1", "--lr", "0.1"])
+    strip_local_rank_argument()
+    assert sys.argv == ["train.py", "--lr", "0.1"] and os.environ["LOCAL_RANK"] == "1"
+    monkeypatch.setattr(sys, "argv", ["train.py", "--local_rank", "0"])
+    strip_local_rank_argument()
+    assert sys.argv == ["train.py"]
+
+
+def test_data_parallel_needs_cuda_and_multi_node_needs_a_launcher() -> None:
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="strategy='dp' splits each batch across GPUs.*use strategy='ddp'"):
+            ember.Trainer(accelerator="cpu", strategy="dp")
+    trainer = ember.Trainer(accelerator="cpu", devices=1, num_nodes=2, logger=False)
+    with pytest.raises(RuntimeError, match="num_nodes=2: start a multi-node job with a launcher"):
+        trainer.fit(train_ddp.Regressor(), DataLoader(train_ddp.dataset(), batch_size=4))
+
+
+def test_ember_run_help_explains_every_flag() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ember", "run", "--help"], capture_output=True, text=True, timeout=60
+    )
+    for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts",
+                 "--module"):  # fmt: skip
+        assert flag in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "ember", "run", "--nproc-per-node", "zero", "x.py"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--nproc-per-node='zero'" in bad.stderr
