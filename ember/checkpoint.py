@@ -10,9 +10,15 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ember.data import loader_state, restore_loader_state, why_not_resumable
+from ember.seed import random_state
+
+if TYPE_CHECKING:
+    from ember.trainer import Trainer
 
 
 class CheckpointError(RuntimeError):
@@ -125,3 +131,163 @@ def _fsync_directory(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------------- the training state
+def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True) -> dict[str, Any]:
+    """Everything the next step depends on, as a checkpoint dict (weights and hyperparameters only with
+    ``weights_only``).
+
+    Parameters, optimizers, schedulers and loop counters are the same on every rank; what differs
+    per rank (random generators, a stateful loader's position, gradients of an unfinished
+    accumulation window) is gathered from all ranks, or taken from this rank only with ``gather=False``.
+    """
+    import ember
+
+    module = trainer._require_module()
+    strategy = trainer.strategy
+    checkpoint: dict[str, Any] = {
+        "ember_version": ember.__version__,
+        "torch_version": str(torch.__version__),  # a str subclass that weights_only loading refuses
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "state_dict": strategy.module_state_dict(),
+        "hyper_parameters": plain_values(dict(module.hparams), "hyper_parameters"),
+    }
+    if weights_only:
+        return checkpoint
+    own = {
+        "random_state": random_state(),
+        "loader_state": loader_state(trainer.train_dataloader) if trainer.train_dataloader is not None else None,
+        "accumulated_gradients": _unfinished_window_gradients(trainer),
+    }
+    checkpoint.update(
+        loops={
+            "epoch": trainer._position[0],
+            "batches_done": trainer._position[1],
+            "total_train_batches": trainer._total_train_batches,
+        },
+        optimizer_states=[strategy.optimizer_state_dict(optimizer) for optimizer in trainer.optimizers],
+        lr_schedulers=[config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        precision=strategy.precision.state_dict(),
+        callbacks={callback.state_key: callback.state_dict() for callback in trainer.callbacks},
+        loggers=[{"version": logger.version} for logger in trainer.loggers],
+        data={"seed": trainer._data_seed},
+        ranks=dict(enumerate(strategy.all_gather_object(own))) if gather else {trainer.global_rank: own},
+    )
+    if trainer.datamodule is not None:
+        checkpoint["datamodule"] = trainer.datamodule.state_dict()
+        checkpoint["datamodule_hyper_parameters"] = plain_values(
+            dict(trainer.datamodule.hparams), "datamodule hyper_parameters"
+        )
+    module.on_save_checkpoint(checkpoint)
+    for callback in trainer.callbacks:
+        callback.on_save_checkpoint(trainer, module, checkpoint)
+    return checkpoint
+
+
+def _unfinished_window_gradients(trainer: Trainer) -> list[torch.Tensor | None] | None:
+    """The gradients accumulated so far in an accumulation window that has not stepped yet.
+
+    After each optimizer step gradients are set to None, so gradients at a batch boundary belong to
+    micro-batches whose step is still to come; a resumed run must start from them.
+    """
+    module = trainer.module
+    if module is None or not module.automatic_optimization:
+        return None
+    gradients = [parameter.grad for parameter in module.parameters()]
+    return gradients if any(gradient is not None for gradient in gradients) else None
+
+
+def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
+    """Put the trainer, module, optimizers, callbacks, loggers and data where ``checkpoint`` says."""
+    module = trainer._require_module()
+    strategy = trainer.strategy
+    if "optimizer_states" not in checkpoint:
+        raise ValueError(
+            f"ckpt_path={path!r} holds weights only (save_weights_only=True), so training cannot resume "
+            "from it; load the weights into the module with Module.load_from_checkpoint instead"
+        )
+    module.on_load_checkpoint(checkpoint)
+    strategy.load_module_state_dict(checkpoint["state_dict"])
+    saved_optimizers = checkpoint["optimizer_states"]
+    if len(saved_optimizers) != len(trainer.optimizers):
+        raise ValueError(
+            f"ckpt_path={path!r} holds {len(saved_optimizers)} optimizer states, but "
+            f"configure_optimizers() returned {len(trainer.optimizers)} optimizers"
+        )
+    for optimizer, state in zip(trainer.optimizers, saved_optimizers):
+        strategy.load_optimizer_state_dict(optimizer, state)
+    for config, state in zip(trainer.lr_scheduler_configs, checkpoint["lr_schedulers"]):
+        config.scheduler.load_state_dict(state)
+    strategy.precision.load_state_dict(checkpoint.get("precision", {}))
+    saved_callbacks = checkpoint.get("callbacks", {})
+    for callback in trainer.callbacks:
+        callback.on_load_checkpoint(trainer, module, checkpoint)
+        if callback.state_key in saved_callbacks:
+            callback.load_state_dict(saved_callbacks[callback.state_key])
+    for logger, saved in zip(trainer.loggers, checkpoint.get("loggers", [])):
+        logger.use_version(saved["version"])  # the resumed run keeps writing to the same run directory
+    if trainer.datamodule is not None and "datamodule" in checkpoint:
+        trainer.datamodule.load_state_dict(checkpoint["datamodule"])
+
+    loops = checkpoint["loops"]
+    trainer.global_step = checkpoint["global_step"]
+    trainer.current_epoch = loops["epoch"]
+    trainer._position = (loops["epoch"], loops["batches_done"])
+    trainer._total_train_batches = loops["total_train_batches"]
+    trainer._data_seed = checkpoint["data"]["seed"]
+    own = checkpoint["ranks"].get(trainer.global_rank)
+    if own is None or len(checkpoint["ranks"]) != trainer.world_size:
+        warnings.warn(
+            f"ckpt_path={path!r} was written by {len(checkpoint['ranks'])} process(es) and is resumed by "
+            f"{trainer.world_size}: the weights and loop position carry over, the random state and data "
+            "order of each rank start afresh",
+            stacklevel=3,
+        )
+        own = None
+    if own is not None:
+        trainer._pending_random_state = own["random_state"]  # applied when training resumes
+        restore_loader_state(trainer.train_dataloader, own["loader_state"])
+        _restore_gradients(module, own["accumulated_gradients"])
+    batches_done = trainer._position[1]
+    reason = why_not_resumable(trainer.train_dataloader) if batches_done else None
+    if reason is not None and own is not None and own["loader_state"] is None:
+        warnings.warn(
+            f"resuming at the start of epoch {trainer.current_epoch + 1} instead of batch {batches_done} of "
+            f"epoch {trainer.current_epoch}: the train dataloader cannot skip to a batch because {reason}",
+            stacklevel=3,
+        )
+        trainer.current_epoch += 1
+        trainer._position = (trainer.current_epoch, 0)
+
+
+def _restore_gradients(module: torch.nn.Module, gradients: list[torch.Tensor | None] | None) -> None:
+    if gradients is None:
+        return
+    for parameter, gradient in zip(module.parameters(), gradients, strict=True):
+        parameter.grad = None if gradient is None else gradient.to(parameter.device)
+
+
+# ---------------------------------------------------------------------- finding checkpoints
+def find_checkpoint(trainer: Trainer, which: str) -> str | None:
+    """The newest complete checkpoint ("last") or the best one ("best") of this run's directories."""
+    if which == "best":
+        callback = trainer.checkpoint_callback
+        if callback is not None and callback.best_model_path:
+            return callback.best_model_path
+        newest = find_checkpoint(trainer, "last")
+        if newest is None:
+            return None
+        saved = load(newest, trust_pickles=False).get("callbacks", {})
+        paths = [state.get("best_model_path") for key, state in saved.items() if key.startswith("ModelCheckpoint")]
+        return next((path for path in paths if path and os.path.exists(path)), None)
+    roots = [trainer.default_root_dir] + [c.dirpath for c in trainer.checkpoint_callbacks if c.dirpath]
+    candidates = []
+    for root in roots:
+        for directory, subdirectories, files in os.walk(root):
+            for name in files + subdirectories:
+                # Files being written are hidden temporaries; only complete checkpoints carry the name.
+                if name.endswith(".ckpt") and not name.startswith("."):
+                    candidates.append(os.path.join(directory, name))
+    return max(candidates, key=os.path.getmtime, default=None)

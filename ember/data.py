@@ -1,14 +1,20 @@
-"""DataLoaders as the Trainer uses them: prepared for the device and the process layout, counted, iterated."""
+"""DataLoaders as the Trainer uses them: prepared for the device and the process layout, counted, iterated,
+and able to resume in the middle of an epoch.
+
+The order of a training epoch depends only on a data seed (drawn once per run and saved in its
+checkpoints) and the epoch number, never on the global random state. A resumed run can therefore
+skip exactly the batches its predecessor consumed by skipping their indices, without reading them.
+"""
 
 from __future__ import annotations
 
 import copy
 import math
-import os
+import random
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import (
@@ -17,42 +23,104 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
+    Sampler,
     SequentialSampler,
 )
 
-from ember.strategies.strategy import Strategy
+if TYPE_CHECKING:
+    from ember.strategies.strategy import Strategy
 
 
-def prepare_loader(loader: Iterable, strategy: Strategy, shard: bool = True) -> Iterable:
+class _SeededRandomSampler(Sampler[int]):
+    """A random permutation per epoch, drawn from ``seed + epoch``: any epoch can be drawn again."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+        self.seed = 0
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class _ShardSampler(DistributedSampler):
+    """A ``DistributedSampler`` whose seed the Trainer sets: the run's data seed, shared by all ranks."""
+
+
+class _Skippable(Sampler[Any]):
+    """Yields what ``inner`` yields, leaving out the first ``skip`` items (in a resumed run's first epoch,
+    the batches its predecessor already consumed); only indices are skipped, no data is read.
+
+    ``skip`` is set at the start of every epoch: a DataLoader with workers iterates its sampler twice
+    when it starts, so the skip must hold for the whole epoch rather than for one iteration.
+    """
+
+    def __init__(self, inner: Iterable[Any]) -> None:
+        self.inner = inner
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return islice(iter(self.inner), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Code that inspects loader.batch_sampler (.batch_size, .sampler, ...) sees the wrapped sampler's.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: bool = True) -> Iterable:
     """A copy of ``loader`` as the run needs it; the user's loader itself is not changed.
 
     - with several processes, each reads its own shard: the sampler becomes a ``DistributedSampler``
       (shuffling as the loader did, the seed shared by all ranks); ``shard=False`` opts out;
-    - batches bound for a GPU are pinned in host memory, so copies to the device run asynchronously;
-    - workers are seeded from the global seed, the rank and their id after ``seed_everything(workers=True)``.
+    - a training loader's order comes from the run's data seed and the epoch, and it can skip
+      batches, so that a resumed run continues where its predecessor stopped;
+    - workers are seeded from that seed too (never from the global random state, which the loader
+      would otherwise advance each time it is iterated);
+    - batches bound for a GPU are pinned in host memory, so copies to the device run asynchronously.
     """
-    if not isinstance(loader, DataLoader):
-        return loader
-    sampler = _distributed_sampler(loader, strategy) if shard else None
-    pin = strategy.root_device.type == "cuda" and not loader.pin_memory
-    seed_workers = loader.num_workers > 0 and loader.worker_init_fn is None and _workers_seeded()
-    if sampler is None and not pin and not seed_workers:
+    if not isinstance(loader, DataLoader) or _is_stateful(loader):
         return loader
     prepared = copy.copy(loader)
-    # A loader with persistent workers keeps its iterator; the copy must start its own.
-    object.__setattr__(prepared, "_iterator", None)
+    object.__setattr__(prepared, "_iterator", None)  # a loader with persistent workers keeps its iterator
+    sampler = _shard_sampler(loader, strategy) if shard else None
+    if sampler is None and train and _plain_shuffle(loader.sampler):
+        sampler = _SeededRandomSampler(len(loader.dataset))  # type: ignore[arg-type]
+    # DataLoader forbids assigning samplers after construction; the copy is not shared with anyone.
     if sampler is not None:
-        # DataLoader forbids assigning samplers after construction; the copy is not shared with anyone.
         object.__setattr__(prepared, "sampler", sampler)
-        object.__setattr__(prepared, "batch_sampler", BatchSampler(sampler, loader.batch_size, loader.drop_last))
-    if pin:
+        if loader.batch_sampler is not None:
+            object.__setattr__(prepared, "batch_sampler", BatchSampler(sampler, loader.batch_size, loader.drop_last))
+    if train:
+        if prepared.batch_sampler is not None:
+            object.__setattr__(prepared, "batch_sampler", _Skippable(prepared.batch_sampler))
+        else:
+            object.__setattr__(prepared, "sampler", _Skippable(prepared.sampler))
+    prepared.generator = torch.Generator().manual_seed(0)  # reseeded per epoch for training
+    if strategy.root_device.type == "cuda" and not loader.pin_memory:
         prepared.pin_memory = True
-    if seed_workers:
-        prepared.worker_init_fn = _WorkerSeeder(int(os.environ["EMBER_GLOBAL_SEED"]), strategy.global_rank)
+    if loader.num_workers > 0 and loader.worker_init_fn is None:
+        prepared.worker_init_fn = _seed_worker
     return prepared
 
 
-def _distributed_sampler(loader: DataLoader, strategy: Strategy) -> DistributedSampler | None:
+def _plain_shuffle(sampler: Sampler) -> bool:
+    """A ``RandomSampler`` that draws a permutation (not with replacement, not a subset)."""
+    return isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None
+
+
+def _shard_sampler(loader: DataLoader, strategy: Strategy) -> DistributedSampler | None:
     """The sampler that gives this rank its shard of ``loader``'s data, or None if it needs none."""
     options = strategy.distributed_sampler_kwargs
     if options is None or isinstance(loader.sampler, DistributedSampler):
@@ -69,15 +137,29 @@ def _distributed_sampler(loader: DataLoader, strategy: Strategy) -> DistributedS
             "the batch sampler shards them (use_distributed_sampler=False silences this)"
         )
         return None
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+    if not (isinstance(loader.sampler, SequentialSampler) or _plain_shuffle(loader.sampler)):
         _warn_once(
             f"a DataLoader with a {type(loader.sampler).__name__} is left as it is: every rank draws from the "
             "whole dataset; give it a DistributedSampler of your own to shard it"
         )
         return None
-    shuffle = isinstance(loader.sampler, RandomSampler)
-    seed = int(os.environ.get("EMBER_GLOBAL_SEED", "0"))  # the same on every rank, so shards never overlap
-    return DistributedSampler(loader.dataset, shuffle=shuffle, seed=seed, **options)
+    return _ShardSampler(loader.dataset, shuffle=isinstance(loader.sampler, RandomSampler), **options)
+
+
+def _seed_worker(worker_id: int) -> None:
+    """Seed Python's and NumPy's generators in a worker from its torch seed.
+
+    The DataLoader gives each worker the torch seed base_seed + worker_id, and the base seed comes
+    from the loader's generator, which the Trainer seeds from the run's data seed, the epoch and
+    the rank: workers are seeded the same way again when a run resumes.
+    """
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
 
 
 _warned: set[str] = set()
@@ -87,31 +169,6 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, stacklevel=4)
-
-
-def _workers_seeded() -> bool:
-    return os.environ.get("EMBER_SEED_WORKERS") == "1" and "EMBER_GLOBAL_SEED" in os.environ
-
-
-class _WorkerSeeder:
-    """Seeds Python, NumPy and torch in each worker from the global seed, the rank and the worker id."""
-
-    def __init__(self, seed: int, rank: int) -> None:
-        self.seed = seed
-        self.rank = rank
-
-    def __call__(self, worker_id: int) -> None:
-        import random
-
-        sequence = torch.Generator().manual_seed(self.seed ^ (self.rank << 16) ^ worker_id)
-        seed = int(torch.randint(0, 2**32 - 1, (1,), generator=sequence))
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy
-        except ImportError:
-            return
-        numpy.random.seed(seed)
 
 
 def count_batches(loader: Iterable, limit: int | float | None, flag: str) -> float:
@@ -133,15 +190,71 @@ def count_batches(loader: Iterable, limit: int | float | None, flag: str) -> flo
     return max(1, int(available * limit)) if limit > 0 else 0
 
 
-def epoch_batches(loader: Iterable, epoch: int, skip: int) -> Iterator[Any]:
-    """Iterate ``loader`` for ``epoch`` (samplers reshuffle per epoch), leaving out the first ``skip`` batches."""
-    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        set_epoch = getattr(sampler, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-            break
+# ----------------------------------------------------------------------------- epochs and resuming
+def epoch_batches(loader: Iterable, epoch: int, skip: int, seed: int, rank: int) -> Iterator[Any]:
+    """Iterate ``loader`` for ``epoch``, leaving out its first ``skip`` batches.
+
+    ``seed`` is the run's data seed: it sets the order of the training loaders the Trainer prepared,
+    and the seeds of their workers, for this epoch and rank.
+    """
+    if isinstance(loader, DataLoader):
+        sampler = _unwrapped(loader.sampler)
+        index_sampler = _unwrapped(loader.batch_sampler) if loader.batch_sampler is not None else sampler
+        if isinstance(sampler, (_SeededRandomSampler, _ShardSampler)):
+            sampler.seed = seed
+        for candidate in (sampler, getattr(index_sampler, "sampler", None)):
+            if callable(getattr(candidate, "set_epoch", None)):
+                candidate.set_epoch(epoch)
+                break
+        if loader.generator is not None and not _is_stateful(loader):
+            # Persistent workers keep the seeds of the epoch that started them, in a resumed run too.
+            worker_epoch = 0 if loader.persistent_workers else epoch
+            loader.generator.manual_seed((seed * 1_000_003 + worker_epoch * 10_007 + rank) % 2**63)
+        skipper = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+        if isinstance(skipper, _Skippable):
+            skipper.skip, skip = skip, 0
     iterator = iter(loader)
-    return islice(iterator, skip, None) if skip else iterator
+    return islice(iterator, skip, None) if skip and isinstance(loader, Sequence) else iterator
+
+
+def _unwrapped(sampler: Any) -> Any:
+    return sampler.inner if isinstance(sampler, _Skippable) else sampler
+
+
+def _is_stateful(loader: Any) -> bool:
+    """A loader that saves and restores its own position (torchdata's ``StatefulDataLoader``, ...)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def loader_state(loader: Iterable) -> dict[str, Any] | None:
+    """What a stateful loader needs to continue where it is (None for the others)."""
+    return loader.state_dict() if _is_stateful(loader) else None  # type: ignore[attr-defined]
+
+
+def restore_loader_state(loader: Iterable, state: dict[str, Any] | None) -> None:
+    if state is not None and _is_stateful(loader):
+        loader.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+def why_not_resumable(loader: Iterable) -> str | None:
+    """Why ``loader`` cannot continue exactly in the middle of an epoch, or None if it can."""
+    if _is_stateful(loader) or isinstance(loader, Sequence):
+        return None
+    if not isinstance(loader, DataLoader):
+        return f"a {type(loader).__name__} can only be replayed from its start"
+    if isinstance(loader.dataset, IterableDataset):
+        return (
+            "an IterableDataset yields in its own order; a loader with state_dict/load_state_dict "
+            "(torchdata's StatefulDataLoader) can resume it"
+        )
+    index_sampler = _unwrapped(loader.batch_sampler if loader.batch_sampler is not None else loader.sampler)
+    sampler = _unwrapped(loader.sampler)
+    deterministic = (SequentialSampler, _SeededRandomSampler, DistributedSampler)
+    if loader.batch_sampler is not None and type(index_sampler) is not BatchSampler:
+        return f"its {type(index_sampler).__name__} may order batches differently each time it is iterated"
+    if not isinstance(sampler, deterministic):
+        return f"its {type(sampler).__name__} may draw a different order each time it is iterated"
+    return None
 
 
 def with_last_flag(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:

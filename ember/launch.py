@@ -199,9 +199,8 @@ def run(
     argv += ["--max-restarts", str(max_restarts)]
     if nnodes == 1 and rdzv_endpoint is None:
         # One machine: every socket of the job listens on 127.0.0.1 only.
-        server = listening_socket("127.0.0.1")
-        _register_loopback_rendezvous(server)
-        argv += ["--rdzv-backend", _LOOPBACK_BACKEND, "--rdzv-endpoint", f"127.0.0.1:{server.getsockname()[1]}"]
+        _register_loopback_rendezvous()
+        argv += ["--rdzv-backend", _LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0"]
         interface = loopback_interface()
         if interface is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # inherited by the workers
@@ -231,13 +230,13 @@ def run(
 
 
 _LOOPBACK_BACKEND = "ember-loopback"
+_earlier_stores: list[tuple[socket.socket, object]] = []
 
 
-def _register_loopback_rendezvous(server: socket.socket) -> None:
-    """A static rendezvous whose store is served from ``server``, a socket bound to 127.0.0.1.
-
-    torchrun's own store would listen on every interface of the machine.
-    """
+def _register_loopback_rendezvous() -> None:
+    """A single-machine rendezvous whose store listens on 127.0.0.1 only (torchrun's own listens on every
+    interface). Each attempt (the first and every restart) gets a fresh store, so that restarted workers
+    never read the addresses their predecessors published."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import (
         RendezvousInfo,
@@ -251,16 +250,18 @@ def _register_loopback_rendezvous(server: socket.socket) -> None:
             return _LOOPBACK_BACKEND
 
         def next_rendezvous(self) -> RendezvousInfo:
-            if self._store is None:
-                self._store = TCPStore(
-                    self.master_addr, self.master_port, self.world_size, True, self.timeout,
-                    multi_tenant=True, master_listen_fd=server.fileno(),
-                )  # fmt: skip
+            server = listening_socket("127.0.0.1")
+            self.master_port = server.getsockname()[1]
+            self._store = TCPStore(
+                self.master_addr, self.master_port, self.world_size, True, self.timeout,
+                multi_tenant=True, master_listen_fd=server.fileno(),
+            )  # fmt: skip
+            # Earlier attempts' stores stay alive: destroying a store server the agent used aborts it.
+            _earlier_stores.append((server, self._store))
             return super().next_rendezvous()
 
     def create(params: RendezvousParameters) -> StaticTCPRendezvous:
-        port = server.getsockname()[1]
-        return LoopbackRendezvous("127.0.0.1", port, rank=0, world_size=1, run_id=params.run_id, timeout=600)
+        return LoopbackRendezvous("127.0.0.1", 0, rank=0, world_size=1, run_id=params.run_id, timeout=600)
 
     rendezvous_handler_registry.register(_LOOPBACK_BACKEND, create)
 

@@ -6,8 +6,13 @@ stay on it, detached, and are read only when logs are written (every ``log_every
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import os
+import signal
+import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice, repeat
@@ -20,6 +25,7 @@ from ember.data import count_batches, epoch_batches, with_last_flag
 from ember.metrics import MetricStore, epoch_name, to_floats
 from ember.module import Module
 from ember.optim import parse_optimizers
+from ember.seed import set_random_state
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -50,11 +56,13 @@ def fit(trainer: Trainer, train_loader: Iterable, val_loaders: list[Iterable], c
     trainer.optimizers, trainer.lr_scheduler_configs = optimizers, scheduler_configs
     trainer._manual_optimizers = [_ManualOptimizer(optimizer, trainer) for optimizer in optimizers]
 
-    trainer.should_stop = False
-    if ckpt_path is not None:
-        trainer._restore(ckpt_path, weights_only)
+    trainer.should_stop = trainer.preempted = False
+    # The order of the training data follows from this seed (the same on every rank) and the epoch.
+    trainer._data_seed = strategy.broadcast(torch.initial_seed() % 2**63)
     for optimizer in optimizers:
         optimizer.zero_grad(set_to_none=True)
+    if ckpt_path is not None:
+        trainer._restore(ckpt_path, weights_only)  # may bring the gradients of an unfinished window
     hyperparameters = {**module.hparams, **(trainer.datamodule.hparams if trainer.datamodule else {})}
     if hyperparameters and trainer.is_global_zero:
         for logger in trainer.loggers:
@@ -64,8 +72,9 @@ def fit(trainer: Trainer, train_loader: Iterable, val_loaders: list[Iterable], c
     if trainer.validation_enabled and trainer.num_sanity_val_steps:
         _sanity_check(trainer, val_loaders, val_counts)
     trainer._call_hook("on_train_start")
-    while trainer.num_training_batches and not _fit_done(trainer):
-        _train_epoch(trainer, train_loader, val_loaders, val_counts, val_every)
+    with _preemption_signals(trainer):
+        while trainer.num_training_batches and not _fit_done(trainer):
+            _train_epoch(trainer, train_loader, val_loaders, val_counts, val_every)
     trainer._call_hook("on_train_end")
     trainer._call_hook("on_fit_end")
 
@@ -88,7 +97,6 @@ def _train_epoch(trainer: Trainer, loader: Iterable, val_loaders: list[Iterable]
     # by its own size. (Without a known length it is found by looking one batch ahead, see below.)
     last_window_start = num_batches - num_batches % accumulate if known_length else math.inf
     max_steps = trainer.max_steps if trainer.max_steps != -1 else math.inf
-    timed = not math.isinf(trainer._deadline)
     # Hooks nobody overrides are not called at all: this loop runs per batch and must stay lean.
     batch_start_hooks = trainer._hooks("on_train_batch_start", include_module=False)
     batch_end_hooks = trainer._hooks("on_train_batch_end")
@@ -102,7 +110,11 @@ def _train_epoch(trainer: Trainer, loader: Iterable, val_loaders: list[Iterable]
     module.train()
     trainer._call_hook("on_train_epoch_start")
 
-    batches = epoch_batches(loader, epoch, skip=first_batch)
+    batches = epoch_batches(loader, epoch, first_batch, trainer._data_seed, trainer.global_rank)
+    if trainer._pending_random_state is not None:
+        # A resumed run continues the random streams (dropout, ...) exactly where its predecessor stopped.
+        set_random_state(trainer._pending_random_state)
+        trainer._pending_random_state = None
     pairs = zip(batches, repeat(False)) if known_length else with_last_flag(batches)
     completed = first_batch >= num_batches
     window_has_grad = False
@@ -156,7 +168,12 @@ def _train_epoch(trainer: Trainer, loader: Iterable, val_loaders: list[Iterable]
         if validate_this_epoch and _validation_due(trainer, val_every, batch_idx, is_last):
             _validate(trainer, val_loaders, val_counts, at_epoch_end=is_last)
         completed = is_last
-        if is_last or trainer.should_stop or trainer.global_step >= max_steps or (timed and _out_of_time(trainer)):
+        if is_last or trainer.should_stop or trainer.global_step >= max_steps:
+            break
+        if (trainer._stepped or not automatic) and _interrupted(trainer):  # at a step boundary
+            if trainer.preempted:
+                _save_for_preemption(trainer)
+                return  # the process exits when fit returns: no end-of-epoch work for half an epoch
             break
     else:
         if not trained_a_batch and first_batch == 0:
@@ -265,19 +282,66 @@ def _fit_done(trainer: Trainer) -> bool:
         trainer.should_stop
         or (trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps)
         or (trainer.max_epochs != -1 and trainer.current_epoch >= trainer.max_epochs)
-        or _out_of_time(trainer)
     )
 
 
-def _out_of_time(trainer: Trainer) -> bool:
-    if math.isinf(trainer._deadline):
-        return False
-    if trainer.world_size == 1:
-        return time.monotonic() >= trainer._deadline
-    # Every rank must stop at the same batch: rank zero's clock decides, asked every few batches.
-    if trainer._total_train_batches % 10:
-        return False
-    return bool(trainer.strategy.broadcast(time.monotonic() >= trainer._deadline))
+# Ranks agree on stopping every this many steps: an agreement costs a collective (and, on a GPU, a sync).
+_AGREE_EVERY = 10
+
+
+def _interrupted(trainer: Trainer) -> bool:
+    """Whether training must stop now for ``max_time`` or a preemption signal (then ``preempted`` is set).
+
+    Every rank must stop at the same step, or the others would wait forever in their next
+    collective; with several processes the ranks agree on it every few steps.
+    """
+    signal_received = trainer._signal_received is not None
+    out_of_time = time.monotonic() >= trainer._deadline
+    if trainer.world_size > 1:
+        trainer._steps_since_agreement += 1
+        if trainer._steps_since_agreement < _AGREE_EVERY:
+            return False
+        trainer._steps_since_agreement = 0
+        flags = trainer.strategy.reduce(torch.tensor([float(signal_received), float(out_of_time)]), "max")
+        signal_received, out_of_time = bool(flags[0]), bool(flags[1])
+    if signal_received:
+        trainer.preempted = True
+    trainer.should_stop = trainer.should_stop or signal_received or out_of_time
+    return signal_received or out_of_time
+
+
+@contextlib.contextmanager
+def _preemption_signals(trainer: Trainer) -> Iterator[None]:
+    """While training, SIGTERM (and SIGUSR1, SLURM's warning before preemption) ask for a checkpoint and a
+    clean exit at the next step boundary instead of killing the process mid-step."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python handles signals in the main thread only
+        return
+    names = ["SIGTERM"] + (["SIGUSR1"] if "SLURM_JOB_ID" in os.environ else [])
+    numbers = [getattr(signal, name) for name in names if hasattr(signal, name)]
+
+    def remember(number: int, frame: object) -> None:
+        trainer._signal_received = number
+
+    previous = {number: signal.signal(number, remember) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _save_for_preemption(trainer: Trainer) -> None:
+    """Save where "last" finds it first, and ask SLURM to requeue the job when the Trainer was told to."""
+    callback = trainer.checkpoint_callback
+    directory = callback.dirpath if callback is not None and callback.dirpath else None
+    directory = directory or os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+    path = os.path.join(directory, "last.ckpt")
+    trainer.save_checkpoint(path)
+    trainer.strategy.barrier()
+    trainer.print(f"preemption signal received: saved {path} at global step {trainer.global_step}")
+    if trainer.slurm_requeue and trainer.is_global_zero and "SLURM_JOB_ID" in os.environ:
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
 
 
 def _write_step_logs(trainer: Trainer) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+from typing import Any
 
 import torch
 
@@ -16,8 +18,9 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     """Seed Python's ``random``, NumPy (when installed) and torch on every device; return the seed.
 
     Without ``seed`` one is read from ``EMBER_GLOBAL_SEED`` or drawn at random (and printed, so the
-    run can be repeated). ``workers=True`` makes the Trainer give each DataLoader worker a seed
-    derived from this one, its rank and its worker id.
+    run can be repeated). The Trainer derives its data order and DataLoader workers' seeds from the
+    seed as well, so ``workers`` (kept for Lightning compatibility) changes nothing: workers are
+    always seeded.
     """
     if seed is None:
         env_seed = os.environ.get("EMBER_GLOBAL_SEED")
@@ -27,7 +30,6 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     if not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed_everything(seed={seed}): the seed must be between 0 and {_MAX_SEED}")
     os.environ["EMBER_GLOBAL_SEED"] = str(seed)
-    os.environ["EMBER_SEED_WORKERS"] = "1" if workers else "0"
     random.seed(seed)
     torch.manual_seed(seed)  # seeds CUDA generators as well
     try:
@@ -37,3 +39,35 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     else:
         numpy.random.seed(seed)
     return seed
+
+
+def random_state() -> dict[str, Any]:
+    """This process's random generators (Python, NumPy if imported, torch CPU and CUDA), as plain values."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys, position, has_gauss, cached = numpy.random.get_state()
+        # A NumPy array is not among what weights_only loading accepts; a tensor is.
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), position, has_gauss, cached)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_random_state(state: dict[str, Any]) -> None:
+    """Restore what ``random_state`` captured."""
+    random.setstate(_as_python_state(state["python"]))
+    torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state:
+        import numpy
+
+        kind, keys, position, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype("uint32"), position, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([generator.cpu() for generator in state["cuda"]])
+
+
+def _as_python_state(state: Any) -> tuple:
+    # random.setstate wants tuples; a state that went through a checkpoint may hold lists.
+    version, internal, gauss = state
+    return version, tuple(internal), gauss

@@ -17,11 +17,10 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
-import ember
+from ember import checkpoint as checkpoint_io
 from ember import loop
 from ember._utils import is_overridden, parse_max_time
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
-from ember.checkpoint import plain_values
 from ember.loggers import CSVLogger, Logger
 from ember.metrics import MetricStore, Number, to_floats
 from ember.module import DataModule, Module
@@ -44,6 +43,9 @@ class Trainer:
     is a fraction of the loader). Validation: ``val_check_interval`` (fraction of an epoch or every N
     batches), ``check_val_every_n_epoch``, ``num_sanity_val_steps``. Optimization:
     ``accumulate_grad_batches``, ``gradient_clip_val``/``gradient_clip_algorithm``.
+
+    On SIGTERM (and SIGUSR1 under SLURM) ``fit`` saves ``last.ckpt`` at the next step boundary and exits;
+    ``slurm_requeue=True`` also requeues the SLURM job. Resume with ``fit(ckpt_path="last")``.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Trainer:
         detect_anomaly: bool = False,
         use_distributed_sampler: bool = True,
         sync_batchnorm: bool = False,
+        slurm_requeue: bool = False,
         gpus: int | str | Sequence[int] | None = None,
     ) -> None:
         if gpus is not None:
@@ -145,6 +148,7 @@ class Trainer:
         self.inference_mode = inference_mode
         self.detect_anomaly = detect_anomaly
         self.use_distributed_sampler = use_distributed_sampler
+        self.slurm_requeue = slurm_requeue
         _set_determinism(deterministic, benchmark)
 
         self.loggers: list[Logger] = _build_loggers(logger, self.default_root_dir)
@@ -179,6 +183,13 @@ class Trainer:
         self._at_epoch_end = False  # whether the running validation is the epoch's last one
         self._position = (0, 0)  # (epoch, batches done in it): where a resumed run continues
         self._deadline = math.inf
+        self._data_seed = 0  # the order of training data; set at fit start, saved in checkpoints
+        self._pending_random_state: dict[str, Any] | None = None  # restored when a resumed run starts
+        self._signal_received: int | None = None
+        self._steps_since_agreement = 0
+        #: True once a preemption signal made ``fit`` save a checkpoint and stop.
+        self.preempted = False
+        self.train_dataloader: Iterable | None = None
         self._environment_ready = False
         self._hook_cache: dict[tuple[str, bool], list[Callable[..., Any]]] = {}
 
@@ -293,15 +304,17 @@ class Trainer:
         if isinstance(train_dataloaders, DataModule):
             datamodule, train_dataloaders = train_dataloaders, None
         _check_module(model, "fit")
-        if ckpt_path is not None:
-            ckpt_path = os.fspath(ckpt_path)
-            if not os.path.isfile(ckpt_path):
-                raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file")
+        if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            ckpt_path = "last"  # restarted by the elastic agent after a failure: continue the run
+        ckpt_path = _checked_path(ckpt_path)
         self.strategy.launch()
         with self._stage("fit", model, datamodule):
-            train_loader = self._loaders("train", train_dataloaders, required=True)[0]
+            self.train_dataloader = self._loaders("train", train_dataloaders, required=True)[0]
             val_loaders = self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
-            loop.fit(self, train_loader, val_loaders, ckpt_path, weights_only)
+            loop.fit(self, self.train_dataloader, val_loaders, self._resolve_checkpoint(ckpt_path), weights_only)
+        if self.preempted:
+            self.print("stopped by a preemption signal after saving a checkpoint; exiting")
+            raise SystemExit(0)
 
     def validate(
         self,
@@ -341,9 +354,10 @@ class Trainer:
             datamodule, dataloaders = dataloaders, None
         _check_module(model, "predict")
         self.strategy.launch()
+        ckpt_path = _checked_path(ckpt_path)
         with self._stage("predict", model, datamodule):
             loaders = self._loaders("predict", dataloaders, required=True)
-            self._load_weights(ckpt_path, weights_only)
+            self._load_weights(self._resolve_checkpoint(ckpt_path), weights_only)
             return loop.predict(self, loaders, return_predictions)
 
     def _evaluate(
@@ -360,9 +374,10 @@ class Trainer:
             datamodule, dataloaders = dataloaders, None
         _check_module(model, stage)
         self.strategy.launch()
+        ckpt_path = _checked_path(ckpt_path)
         with self._stage(stage, model, datamodule):
             loaders = self._loaders("val" if stage == "validate" else "test", dataloaders, required=True)
-            self._load_weights(ckpt_path, weights_only)
+            self._load_weights(self._resolve_checkpoint(ckpt_path), weights_only)
             results = loop.evaluate(self, stage, loaders)
             if verbose and self.is_global_zero:
                 _print_results(stage, results)
@@ -371,71 +386,35 @@ class Trainer:
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:
         """Write the training state (or only the weights) to ``filepath``; call it on every rank."""
-        module = self._require_module()
-        checkpoint: dict[str, Any] = {
-            "ember_version": ember.__version__,
-            "torch_version": str(torch.__version__),  # a str subclass that weights_only loading refuses
-            "epoch": self.current_epoch,
-            "global_step": self.global_step,
-            "state_dict": self.strategy.module_state_dict(),
-            "hyper_parameters": plain_values(dict(module.hparams), "hyper_parameters"),
-        }
-        if not weights_only:
-            checkpoint.update(
-                position={"epoch": self._position[0], "batches_done": self._position[1]},
-                optimizer_states=[self.strategy.optimizer_state_dict(opt) for opt in self.optimizers],
-                lr_schedulers=[config.scheduler.state_dict() for config in self.lr_scheduler_configs],
-                precision=self.strategy.precision.state_dict(),
-                callbacks={callback.state_key: callback.state_dict() for callback in self.callbacks},
-            )
-            if self.datamodule is not None:
-                checkpoint["datamodule"] = self.datamodule.state_dict()
-                checkpoint["datamodule_hyper_parameters"] = plain_values(
-                    dict(self.datamodule.hparams), "datamodule hyper_parameters"
-                )
-            module.on_save_checkpoint(checkpoint)
-            for callback in self.callbacks:
-                callback.on_save_checkpoint(self, module, checkpoint)
+        loop.check_losses(self)  # a NaN loss must never be saved over a good checkpoint
+        checkpoint = checkpoint_io.training_state(self, weights_only=weights_only)
         self.strategy.save_checkpoint(checkpoint, os.fspath(filepath))
 
     def _restore(self, path: str, weights_only: bool) -> None:
         """Continue from a checkpoint written by ``save_checkpoint``: weights, optimizers, loop position."""
-        module = self._require_module()
         checkpoint = self.strategy.load_checkpoint(path, trust_pickles=not weights_only)
-        if "optimizer_states" not in checkpoint:
-            raise ValueError(
-                f"ckpt_path={path!r} holds weights only (save_weights_only=True), so training cannot resume "
-                "from it; load the weights into the module with Module.load_from_checkpoint instead"
-            )
-        module.on_load_checkpoint(checkpoint)
-        self.strategy.load_module_state_dict(checkpoint["state_dict"])
-        saved_optimizers = checkpoint["optimizer_states"]
-        if len(saved_optimizers) != len(self.optimizers):
-            raise ValueError(
-                f"ckpt_path={path!r} holds {len(saved_optimizers)} optimizer states, but "
-                f"configure_optimizers() returned {len(self.optimizers)} optimizers"
-            )
-        for optimizer, state in zip(self.optimizers, saved_optimizers):
-            self.strategy.load_optimizer_state_dict(optimizer, state)
-        for config, state in zip(self.lr_scheduler_configs, checkpoint["lr_schedulers"]):
-            config.scheduler.load_state_dict(state)
-        self.strategy.precision.load_state_dict(checkpoint.get("precision", {}))
-        saved_callbacks = checkpoint.get("callbacks", {})
-        for callback in self.callbacks:
-            callback.on_load_checkpoint(self, module, checkpoint)
-            if callback.state_key in saved_callbacks:
-                callback.load_state_dict(saved_callbacks[callback.state_key])
-        if self.datamodule is not None and "datamodule" in checkpoint:
-            self.datamodule.load_state_dict(checkpoint["datamodule"])
-        self.global_step = checkpoint["global_step"]
-        position = checkpoint["position"]
-        self._position = (position["epoch"], position["batches_done"])
-        self.current_epoch = position["epoch"]
+        checkpoint_io.restore_training_state(self, checkpoint, path)
 
-    def _load_weights(self, ckpt_path: str | os.PathLike | None, weights_only: bool) -> None:
+    def _resolve_checkpoint(self, ckpt_path: str | None) -> str | None:
+        """An explicit path as it is; "last" and "best" looked up (by rank zero, for every rank)."""
+        if ckpt_path not in ("last", "best"):
+            return ckpt_path
+        found = self.strategy.broadcast(checkpoint_io.find_checkpoint(self, ckpt_path) if self.is_global_zero else None)
+        if found is None:
+            if ckpt_path == "best":
+                raise FileNotFoundError(
+                    "ckpt_path='best': no best checkpoint is known (none was saved with a monitor under "
+                    f"{self.default_root_dir!r})"
+                )
+            self.print(f"ckpt_path='last': no checkpoint under {self.default_root_dir!r} yet; starting from scratch")
+        else:
+            self.print(f"resuming from {found}")
+        return found
+
+    def _load_weights(self, ckpt_path: str | None, weights_only: bool) -> None:
         if ckpt_path is None:
             return
-        checkpoint = self.strategy.load_checkpoint(os.fspath(ckpt_path), trust_pickles=not weights_only)
+        checkpoint = self.strategy.load_checkpoint(ckpt_path, trust_pickles=not weights_only)
         module = self._require_module()
         module.on_load_checkpoint(checkpoint)
         self.strategy.load_module_state_dict(checkpoint["state_dict"])
@@ -513,7 +492,10 @@ class Trainer:
             raise ValueError(f"fit() trains on one dataloader; got {len(loaders)}")
         from ember.data import prepare_loader
 
-        return [prepare_loader(loader, self.strategy, shard=self.use_distributed_sampler) for loader in loaders]
+        train = kind == "train"
+        return [
+            prepare_loader(loader, self.strategy, train=train, shard=self.use_distributed_sampler) for loader in loaders
+        ]
 
     def _require_module(self) -> Module:
         if self.module is None:
@@ -580,6 +562,16 @@ class _ManualOptimizer:
 
 
 # -------------------------------------------------------------------------- flag checking
+def _checked_path(ckpt_path: str | os.PathLike | None) -> str | None:
+    """``ckpt_path`` as a string, failing now (before any process starts) if an explicit path is missing."""
+    if ckpt_path is None:
+        return None
+    ckpt_path = os.fspath(ckpt_path)
+    if ckpt_path not in ("last", "best") and not os.path.exists(ckpt_path):
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint (pass a path, 'last' or 'best')")
+    return ckpt_path
+
+
 def _check_count(flag: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         allowed = "-1 (no limit) or a non-negative int" if minimum == -1 else f"an int >= {minimum}"

@@ -55,13 +55,18 @@ def test_default_checkpoint_lives_in_the_logger_directory() -> None:
 
 
 def test_checkpoint_holds_the_training_state() -> None:
-    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer = quiet_trainer(max_epochs=1)
     trainer.fit(Regressor(lr=0.03), make_loader(16))
     state = checkpoint_io.load(trainer.checkpoint_callback.best_model_path)
-    assert {"state_dict", "optimizer_states", "lr_schedulers", "callbacks", "hyper_parameters", "position",
-            "ember_version", "torch_version", "epoch", "global_step"} <= set(state)  # fmt: skip
+    expected = {
+        "state_dict", "optimizer_states", "lr_schedulers", "callbacks", "hyper_parameters", "loops", "precision",
+        "loggers", "data", "ranks", "ember_version", "torch_version", "epoch", "global_step",
+    }  # fmt: skip
+    assert expected <= set(state)
     assert state["hyper_parameters"] == {"lr": 0.03, "features": 4}
-    assert state["position"] == {"epoch": 1, "batches_done": 0}
+    assert state["loops"] == {"epoch": 1, "batches_done": 0, "total_train_batches": 2}
+    assert state["loggers"] == [{"version": 0}] and isinstance(state["data"]["seed"], int)
+    assert set(state["ranks"]) == {0} and {"python", "torch", "numpy"} <= set(state["ranks"][0]["random_state"])
 
 
 def test_resume_continues_where_the_run_stopped(tmp_path: Any) -> None:

@@ -273,22 +273,29 @@ class _TwoRanks:
         self.global_rank = rank
 
 
+def _batches(loader: Any, epoch: int = 0) -> list[int]:
+    from ember.data import epoch_batches
+
+    return torch.cat(list(epoch_batches(loader, epoch, 0, seed=7, rank=0))).tolist()
+
+
 def test_each_rank_reads_its_own_shard_and_shuffles_per_epoch() -> None:
-    from ember.data import epoch_batches, prepare_loader
+    from ember.data import prepare_loader
 
     loader = DataLoader(list(range(20)), batch_size=5, shuffle=True)
-    shards = [prepare_loader(loader, _TwoRanks(rank)) for rank in (0, 1)]  # type: ignore[arg-type]
+    shards = [prepare_loader(loader, _TwoRanks(rank), train=True) for rank in (0, 1)]  # type: ignore[arg-type]
     epochs = []
     for epoch in (0, 1):
-        seen = [torch.cat(list(epoch_batches(shard, epoch, skip=0))).tolist() for shard in shards]
+        seen = [_batches(shard, epoch) for shard in shards]
         assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(20))
         epochs.append(seen[0])
     assert epochs[0] != epochs[1]
     ordered = DataLoader(list(range(20)), batch_size=5)
-    assert torch.cat(list(prepare_loader(ordered, _TwoRanks(1)))).tolist() == list(range(1, 20, 2))  # type: ignore[arg-type]
-    mine = DataLoader(list(range(20)), sampler=torch.utils.data.DistributedSampler(list(range(20)), 2, 0))
-    assert prepare_loader(mine, _TwoRanks(1)) is mine  # type: ignore[arg-type]
-    assert prepare_loader(ordered, _TwoRanks(1), shard=False) is ordered  # type: ignore[arg-type]
+    assert _batches(prepare_loader(ordered, _TwoRanks(1), train=False)) == list(range(1, 20, 2))  # type: ignore[arg-type]
+    assert _batches(prepare_loader(ordered, _TwoRanks(1), train=True, shard=False)) == list(range(20))  # type: ignore[arg-type]
+    user_sampler = torch.utils.data.DistributedSampler(list(range(20)), 2, 0, shuffle=False)
+    mine = DataLoader(list(range(20)), sampler=user_sampler, batch_size=5)
+    assert _batches(prepare_loader(mine, _TwoRanks(1), train=True)) == list(range(0, 20, 2))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -137,7 +137,9 @@ def test_missing_training_step_and_missing_data() -> None:
 def test_checkpoint_path_that_does_not_exist_loses_nothing(tmp_path: Any) -> None:
     model = Regressor()
     before = [p.clone() for p in model.parameters()]
-    with pytest.raises(FileNotFoundError, match="ckpt_path='missing.ckpt': no such checkpoint file"):
+    with pytest.raises(
+        FileNotFoundError, match="ckpt_path='missing.ckpt': no such checkpoint \\(pass a path, 'last' or 'best'\\)"
+    ):
         quiet_trainer(max_steps=1, logger=False).fit(model, make_loader(), ckpt_path="missing.ckpt")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not os.listdir(tmp_path)  # nothing was written

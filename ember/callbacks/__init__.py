@@ -4,6 +4,14 @@ from ember.callbacks.callback import Callback
 from ember.callbacks.checkpoint import ModelCheckpoint
 from ember.callbacks.early_stopping import EarlyStopping
 from ember.callbacks.lr_monitor import LearningRateMonitor
+from ember.callbacks.on_exception import OnExceptionCheckpoint
 from ember.callbacks.progress import ProgressBar
 
-__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ProgressBar"]
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
+    "OnExceptionCheckpoint",
+    "ProgressBar",
+]

@@ -91,7 +91,7 @@ class ModelCheckpoint(Callback):
         self._latest_paths: list[str] = []  # without a monitor: newest last
         self._last_saved_step: int | None = None
         self._last_time_save = time.monotonic()
-        self._batches_since_time_check = 0
+        self._steps_since_time_check = 0
 
     @property
     def state_key(self) -> str:
@@ -103,24 +103,21 @@ class ModelCheckpoint(Callback):
 
     # -------------------------------------------------------------------------------- hooks
     def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
-        if stage != "fit":
-            return
-        if self.dirpath is None:
-            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
-        self._last_time_save = time.monotonic()
+        if stage == "fit":
+            self._last_time_save = time.monotonic()
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if self.every_n_train_steps:
             if step > 0 and step % self.every_n_train_steps == 0:
                 self._save(trainer)
-        elif self.train_time_interval is not None:
+        elif self.train_time_interval is not None and trainer._stepped:
             # Every rank must take the same decision (saving involves all of them), so rank zero's
-            # clock decides; it is consulted every few batches to keep the communication rare.
-            self._batches_since_time_check += 1
-            if self._batches_since_time_check < self._TIME_CHECK_EVERY:
+            # clock decides; it is consulted every few steps to keep the communication rare.
+            self._steps_since_time_check += 1
+            if self._steps_since_time_check < self._TIME_CHECK_EVERY:
                 return
-            self._batches_since_time_check = 0
+            self._steps_since_time_check = 0
             elapsed = time.monotonic() - self._last_time_save
             if trainer.strategy.broadcast(elapsed >= self.train_time_interval.total_seconds()):
                 self._save(trainer)
@@ -153,6 +150,8 @@ class ModelCheckpoint(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.dirpath is None:
+            self.dirpath = state.get("dirpath")  # a resumed run keeps saving where the run did
         if state.get("dirpath") != self.dirpath:
             return  # a different directory: its bookkeeping does not describe ours
         self.best_model_path = state["best_model_path"]
@@ -166,8 +165,11 @@ class ModelCheckpoint(Callback):
         if self._last_saved_step == trainer.global_step:
             return  # nothing trained since the last save (accumulating micro-batches share a step)
         self._last_saved_step = trainer.global_step
+        if self.dirpath is None:
+            # Decided at the first save: a resumed run has adopted its predecessor's run directory by then.
+            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
         metrics = trainer.callback_metrics
-        written = None
+        path, evicted = None, []
         if self.monitor is not None:
             if self.monitor not in metrics:
                 raise KeyError(
@@ -176,31 +178,34 @@ class ModelCheckpoint(Callback):
                 )
             score = float(metrics[self.monitor])
             if self.save_top_k and self._is_top_k(score):
-                written = self._write(trainer, metrics)
-                self._record_top_k(trainer, written, score)
+                path = self._path(trainer, metrics)
+                evicted = self._record_top_k(path, score)
         elif self.save_top_k:
-            written = self._write(trainer, metrics)
-            self.best_model_path = written  # without a monitor, the newest is the best we know
-            self._latest_paths = [path for path in self._latest_paths if path != written] + [written]
-            if self.save_top_k != -1:
-                while len(self._latest_paths) > self.save_top_k:
-                    self._remove(trainer, self._latest_paths.pop(0))
-        if self.save_last:
-            last = os.path.join(self.dirpath or ".", self.LAST_NAME + self.FILE_EXTENSION)
-            if written is not None:
-                if trainer.is_global_zero:
-                    checkpoint_io.link(written, last)
-            else:
-                trainer.save_checkpoint(last, weights_only=self.save_weights_only)
+            path = self._path(trainer, metrics)
+            self.best_model_path = path  # without a monitor, the newest is the best we know
+            self._latest_paths = [*(kept for kept in self._latest_paths if kept != path), path]
+            while self.save_top_k != -1 and len(self._latest_paths) > self.save_top_k:
+                evicted.append(self._latest_paths.pop(0))
+        last = os.path.join(self.dirpath, self.LAST_NAME + self.FILE_EXTENSION) if self.save_last else None
+        if last is not None:
             self.last_model_path = last
+        # The bookkeeping above is final before writing, so each checkpoint carries its own save's state.
+        if path is not None:
+            trainer.save_checkpoint(path, weights_only=self.save_weights_only)
+            if last is not None and trainer.is_global_zero:
+                checkpoint_io.link(path, last)
+        elif last is not None:
+            trainer.save_checkpoint(last, weights_only=self.save_weights_only)
+        if self.verbose and path is not None:
+            trainer.print(f"ModelCheckpoint: saved {path}")
+        if trainer.is_global_zero:
+            for old in evicted:
+                if old != path and os.path.exists(old):
+                    os.remove(old)
         trainer.strategy.barrier()
 
-    def _write(self, trainer: Trainer, metrics: dict[str, torch.Tensor]) -> str:
-        path = os.path.join(self.dirpath or ".", self._format_name(trainer, metrics) + self.FILE_EXTENSION)
-        trainer.save_checkpoint(path, weights_only=self.save_weights_only)
-        if self.verbose:
-            trainer.print(f"ModelCheckpoint: saved {path}")
-        return path
+    def _path(self, trainer: Trainer, metrics: dict[str, torch.Tensor]) -> str:
+        return os.path.join(self.dirpath or ".", self._format_name(trainer, metrics) + self.FILE_EXTENSION)
 
     def _format_name(self, trainer: Trainer, metrics: dict[str, torch.Tensor]) -> str:
         template = self.filename or "{epoch}-{step}"
@@ -246,19 +251,18 @@ class ModelCheckpoint(Callback):
         assert worst is not None
         return worst
 
-    def _record_top_k(self, trainer: Trainer, path: str, score: float) -> None:
+    def _record_top_k(self, path: str, score: float) -> list[str]:
+        """Add ``path`` to the kept files and return those that fall out of the top k."""
         self.best_k_models[path] = score
+        evicted = []
         if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
-            evicted, _ = self._worst_kept()
-            del self.best_k_models[evicted]
-            self._remove(trainer, evicted)
+            worst, _ = self._worst_kept()
+            del self.best_k_models[worst]
+            evicted.append(worst)
         best_path = path
         for candidate, candidate_score in self.best_k_models.items():
             if self._better(candidate_score, self.best_k_models[best_path]):
                 best_path = candidate
         self.best_model_path = best_path
         self.best_model_score = self.best_k_models[best_path]
-
-    def _remove(self, trainer: Trainer, path: str) -> None:
-        if trainer.is_global_zero and os.path.exists(path) and path != self.best_model_path:
-            os.remove(path)
+        return evicted

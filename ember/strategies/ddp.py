@@ -189,6 +189,13 @@ class DDPStrategy(Strategy):
         dist.broadcast_object_list(holder, src=src, device=self.root_device)
         return holder[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def barrier(self) -> None:
         import torch.distributed as dist
 

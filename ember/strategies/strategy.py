@@ -164,6 +164,10 @@ class Strategy:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (any picklable value), in rank order."""
+        return [obj]
+
     def barrier(self) -> None:
         pass
 

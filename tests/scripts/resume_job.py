@@ -1,0 +1,86 @@
+"""A training job that can be killed and resumed: dropout, SGD with momentum, a per-step scheduler,
+shuffled data read by two workers, checkpoints every 5 steps. It writes its final parameters.
+
+    python resume_job.py --out DIR [--steps 70] [--kill-at 37] [--accumulate 2] [--ckpt-path last]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import Callback, ModelCheckpoint
+
+
+class Net(ember.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.layers(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.8)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Interrupt(Callback):
+    """Kills this process with SIGKILL once the given step is reached (in the first attempt only)."""
+
+    def __init__(self, step: int, pause: float) -> None:
+        self.step, self.pause = step, pause
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        time.sleep(self.pause)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if (
+            first_attempt
+            and trainer.global_step == self.step
+            and trainer._stepped
+            and trainer.global_rank == 1 % trainer.world_size
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=70)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds to sleep after each batch")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--ckpt-path", default=None)
+    args = parser.parse_args()
+
+    ember.seed_everything(123)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=generator)
+    data = TensorDataset(x, x.mean(dim=1, keepdim=True))
+    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=2)
+    trainer = ember.Trainer(
+        accelerator="cpu", max_steps=args.steps, accumulate_grad_batches=args.accumulate, default_root_dir=args.out,
+        callbacks=[ModelCheckpoint(every_n_train_steps=5, save_last=True), Interrupt(args.kill_at, args.pause)],
+        enable_progress_bar=False, log_every_n_steps=5,
+    )  # fmt: skip
+    model = Net()
+    trainer.fit(model, loader, ckpt_path=args.ckpt_path)
+    torch.save([p.detach() for p in model.parameters()], os.path.join(args.out, f"final-rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

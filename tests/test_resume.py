@@ -1,0 +1,290 @@
+"""Never lose work: a killed run resumes to the same parameters, bit for bit; checkpoints survive kills
+mid-write; preemption signals save and exit; elastic restarts resume by themselves."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_data, make_loader, parameters_of, quiet_trainer
+from torch.utils.data import DataLoader, Sampler
+
+import ember
+from ember import checkpoint as checkpoint_io
+from ember.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "resume_job.py")
+
+
+def _job(
+    out: str, *args: str, processes: int = 1, restarts: int = 0, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    launcher = (
+        [sys.executable, "-m", "ember", "run", "--nproc-per-node", str(processes)]
+        if processes > 1
+        else [sys.executable]
+    )
+    if restarts:
+        launcher = [*launcher, "--max-restarts", str(restarts)]
+    command = [*launcher, SCRIPT, "--out", out, *args]
+    return subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=timeout)
+
+
+def _final(out: str, rank: int = 0) -> list[torch.Tensor]:
+    return torch.load(os.path.join(out, f"final-rank{rank}.pt"))
+
+
+def _assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), [(x - y).abs().max() for x, y in zip(a, b)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], str]:
+    """The directory of an uninterrupted 70-step run, per (processes, accumulation); computed once."""
+    runs: dict[tuple[int, int], str] = {}
+
+    def get(processes: int, accumulate: int) -> str:
+        if (processes, accumulate) not in runs:
+            out = str(tmp_path_factory.mktemp(f"uninterrupted-{processes}-{accumulate}"))
+            result = _job(out, "--accumulate", str(accumulate), processes=processes)
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[processes, accumulate] = out
+        return runs[processes, accumulate]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("processes", "accumulate"), [(1, 1), (1, 2), (2, 2)])
+def test_a_killed_run_resumes_to_the_same_parameters(
+    processes: int, accumulate: int, uninterrupted: Callable[[int, int], str], tmp_path: Any
+) -> None:
+    out = str(tmp_path)
+    killed = _job(out, "--accumulate", str(accumulate), "--kill-at", "37", processes=processes)
+    assert killed.returncode != 0  # SIGKILL at step 37; the last checkpoint is from step 35
+    resumed = _job(out, "--accumulate", str(accumulate), "--ckpt-path", "last", processes=processes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "step=35" in resumed.stdout
+    reference = uninterrupted(processes, accumulate)
+    for rank in range(processes):
+        _assert_identical(_final(out, rank), _final(reference, rank))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_elastic_restart_resumes_from_the_last_checkpoint(
+    uninterrupted: Callable[[int, int], str], tmp_path: Any
+) -> None:
+    out = str(tmp_path)
+    result = _job(out, "--accumulate", "2", "--kill-at", "37", processes=2, restarts=2, timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout  # the restarted workers found the checkpoint themselves
+    for rank in range(2):
+        _assert_identical(_final(out, rank), _final(uninterrupted(2, 2), rank))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
+    uninterrupted: Callable[[int, int], str], tmp_path: Any
+) -> None:
+    out = str(tmp_path)
+    job = subprocess.Popen(
+        [sys.executable, SCRIPT, "--out", out, "--pause", "0.05"], cwd=out, stdout=subprocess.PIPE, text=True
+    )
+    time.sleep(6)  # python and torch start, then a few dozen steps
+    job.send_signal(signal.SIGTERM)
+    stdout, _ = job.communicate(timeout=60)
+    assert job.returncode == 0, stdout
+    assert "preemption signal received: saved" in stdout
+    last = checkpoint_io.find_checkpoint(quiet_trainer(default_root_dir=out), "last")
+    assert last is not None and last.endswith("last.ckpt")
+    assert 0 < checkpoint_io.load(last)["global_step"] < 70
+    resumed = _job(out, "--ckpt-path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_identical(_final(out), _final(uninterrupted(1, 1)))
+
+
+def _save_forever(directory: str) -> None:
+    """Write checkpoints in a loop, as a run that is about to be killed does."""
+    state = {"weights": torch.randn(256, 1024), "step": 0}
+    while True:
+        state["step"] += 1
+        checkpoint_io.save(state, os.path.join(directory, "run.ckpt"))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uses fork")
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_path: Any) -> None:
+    context = multiprocessing.get_context("fork")
+    generator = random.Random(0)
+    for trial in range(12):
+        directory = str(tmp_path / str(trial))
+        os.makedirs(directory)
+        writer = context.Process(target=_save_forever, args=(directory,))
+        writer.start()
+        while not os.path.exists(os.path.join(directory, "run.ckpt")):
+            time.sleep(0.005)
+        time.sleep(generator.uniform(0.0, 0.2))  # somewhere in the middle of a later write
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join()
+        assert checkpoint_io.load(os.path.join(directory, "run.ckpt"))["step"] >= 1
+        assert all(name.startswith(".") or name == "run.ckpt" for name in os.listdir(directory))
+
+
+# ------------------------------------------------------------------------------------ in one process
+class _Dropout(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.dropout(x))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class _SaveAt(Callback):
+    """Saves a checkpoint after the given batch (of the first epoch) and stops the run there."""
+
+    def __init__(self, batch: int, path: str) -> None:
+        self.batch, self.path = batch, path
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if trainer.current_epoch == 0 and idx == self.batch:
+            trainer.save_checkpoint(self.path)
+            raise KeyboardInterrupt  # the process "dies" right after the save
+
+
+def _fit(model: ember.Module, **flags: Any) -> ember.Trainer:
+    loader = flags.pop("loader", None) or make_loader(64, batch_size=4, shuffle=True)
+    ckpt_path = flags.pop("ckpt_path", None)
+    trainer = quiet_trainer(logger=False, enable_checkpointing=False, **flags)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_checkpoint_inside_an_accumulation_window_resumes_exactly(tmp_path: Any) -> None:
+    ember.seed_everything(1)
+    reference = _Dropout()
+    _fit(reference, max_epochs=2, accumulate_grad_batches=4)
+    path = str(tmp_path / "mid-window.ckpt")
+    ember.seed_everything(1)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(_Dropout(), max_epochs=2, accumulate_grad_batches=4, callbacks=[_SaveAt(5, path)])  # 2 of 4 done
+    assert checkpoint_io.load(path)["ranks"][0]["accumulated_gradients"] is not None
+    resumed = _Dropout()
+    _fit(resumed, max_epochs=2, accumulate_grad_batches=4, ckpt_path=path)
+    _assert_identical(parameters_of(resumed), parameters_of(reference))
+
+
+def test_a_stateful_dataloader_resumes_from_its_own_state(tmp_path: Any) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader() -> Any:
+        return stateful.StatefulDataLoader(make_data(64), batch_size=4, shuffle=True, num_workers=2)
+
+    ember.seed_everything(2)
+    reference = _Dropout()
+    _fit(reference, max_epochs=2, loader=loader())
+    path = str(tmp_path / "stateful.ckpt")
+    ember.seed_everything(2)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(_Dropout(), max_epochs=2, loader=loader(), callbacks=[_SaveAt(6, path)])
+    assert checkpoint_io.load(path)["ranks"][0]["loader_state"] is not None
+    resumed = _Dropout()
+    _fit(resumed, max_epochs=2, loader=loader(), ckpt_path=path)
+    _assert_identical(parameters_of(resumed), parameters_of(reference))
+
+
+class _ReversedSampler(Sampler[int]):
+    """A sampler the Trainer knows nothing about: it cannot tell whether a second pass repeats the first."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __iter__(self) -> Any:
+        return iter(range(self.size - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def test_a_loader_that_cannot_skip_ahead_resumes_at_the_next_epoch(tmp_path: Any) -> None:
+    loader = DataLoader(make_data(64), batch_size=4, sampler=_ReversedSampler(64))
+    path = str(tmp_path / "custom.ckpt")
+    with pytest.raises(KeyboardInterrupt):
+        _fit(Regressor(), max_epochs=3, loader=loader, callbacks=[_SaveAt(6, path)])
+    with pytest.warns(UserWarning, match=r"resuming at the start of epoch 1 instead of batch 7 of epoch 0: .* "
+                      r"its _ReversedSampler may draw a different order"):  # fmt: skip
+        trainer = _fit(Regressor(), max_epochs=3, loader=loader, ckpt_path=path)
+    assert trainer.global_step == 7 + 2 * 16
+
+
+def test_on_exception_checkpoint_keeps_the_work_and_last_finds_it(tmp_path: Any) -> None:
+    class Failing(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.global_step == 11:
+                raise RuntimeError("disk full")
+            return super().training_step(batch, batch_idx)
+
+    root = str(tmp_path)
+    on_exception = OnExceptionCheckpoint(os.path.join(root, "saved"))
+    with pytest.raises(RuntimeError, match="disk full"):
+        quiet_trainer(max_epochs=2, default_root_dir=root, callbacks=[on_exception]).fit(Failing(), make_loader())
+    trainer = quiet_trainer(max_epochs=2, default_root_dir=root)
+    trainer.fit(Regressor(), make_loader(), ckpt_path="last")
+    assert trainer.global_step == 16  # resumed at step 11, not from scratch
+    assert checkpoint_io.load(os.path.join(root, "saved", "on_exception.ckpt"))["global_step"] == 11
+
+
+def test_last_best_and_the_run_directory(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(tmp_path)
+    fresh = quiet_trainer(max_epochs=1, default_root_dir=root)
+    fresh.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert "no checkpoint under" in capsys.readouterr().out and fresh.global_step == 2
+
+    more = quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=[ModelCheckpoint(monitor="val_loss")])
+    more.fit(Regressor(), make_loader(16), make_loader(16), ckpt_path="last")
+    assert more.global_step == 6 and more.log_dir == fresh.log_dir  # the run continues in its directory
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        best = quiet_trainer(default_root_dir=root).validate(Regressor(), make_loader(16), ckpt_path="best")
+    assert best[0]["val_loss"] == pytest.approx(float(more.checkpoint_callback.best_model_score))
+    with pytest.raises(FileNotFoundError, match="ckpt_path='best': no best checkpoint"):
+        quiet_trainer(default_root_dir=str(tmp_path / "empty")).validate(Regressor(), make_loader(), ckpt_path="best")
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_a_preemption_signal_under_slurm_saves_requeues_and_exits(
+    signal_name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    commands: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: commands.append(command))
+
+    class Preempted(Callback):
+        def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            if trainer.global_step == 5:
+                os.kill(os.getpid(), getattr(signal, signal_name))  # what SLURM sends before preemption
+
+    root = str(tmp_path)
+    trainer = quiet_trainer(max_epochs=5, default_root_dir=root, slurm_requeue=True, callbacks=[Preempted()])
+    with pytest.raises(SystemExit) as exited:
+        trainer.fit(Regressor(), make_loader())
+    assert exited.value.code == 0 and trainer.preempted
+    assert commands == [["scontrol", "requeue", "4242"]]
+    saved = checkpoint_io.load(os.path.join(trainer.log_dir, "checkpoints", "last.ckpt"))
+    assert saved["global_step"] == 5 and saved["loops"]["batches_done"] == 5  # the boundary ending that step
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers are put back after fit
