@@ -65,6 +65,13 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def split_batch(batch: Any, pieces: int) -> list[Any]:
+    """``batch`` cut into at most ``pieces`` parts along the first dimension of every tensor in it."""
+    size = batch_size_of(batch)
+    pieces = max(1, min(pieces, size))
+    return [apply_to_tensors(batch, lambda tensor, i=i: torch.tensor_split(tensor, pieces)[i]) for i in range(pieces)]
+
+
 def batch_size_of(batch: Any) -> int:
     """The size of the first dimension of the first tensor found in ``batch`` (1 if there is none)."""
     if isinstance(batch, torch.Tensor):

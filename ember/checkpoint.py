@@ -166,6 +166,7 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
             "epoch": trainer._position[0],
             "batches_done": trainer._position[1],
             "total_train_batches": trainer._total_train_batches,
+            "micro_batches": trainer._micro_batches,
         },
         optimizer_states=[strategy.optimizer_state_dict(optimizer) for optimizer in trainer.optimizers],
         lr_schedulers=[config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -236,6 +237,7 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
     trainer.current_epoch = loops["epoch"]
     trainer._position = (loops["epoch"], loops["batches_done"])
     trainer._total_train_batches = loops["total_train_batches"]
+    trainer._micro_batches = loops.get("micro_batches", 1)
     trainer._data_seed = checkpoint["data"]["seed"]
     own = checkpoint["ranks"].get(trainer.global_rank)
     if own is None or len(checkpoint["ranks"]) != trainer.world_size:

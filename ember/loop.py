@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ember._utils import is_overridden
+from ember._utils import batch_size_of, is_overridden, split_batch
 from ember.data import count_batches, epoch_batches, with_last_flag
 from ember.metrics import MetricStore, epoch_name, to_floats
 from ember.module import Module
@@ -85,7 +85,9 @@ def _train_epoch(trainer: Trainer, loader: Iterable, val_loaders: list[Iterable]
     assert module is not None
     epoch = trainer.current_epoch
     num_batches = trainer.num_training_batches
-    accumulate = trainer.accumulate_grad_batches
+    # "auto": each batch is one step, run in as many micro-batches as memory needs (see _split_step).
+    split = trainer.accumulate_grad_batches == "auto"
+    accumulate = 1 if split else trainer.accumulate_grad_batches
     automatic = module.automatic_optimization
     first_batch = trainer._position[1] if trainer._position[0] == epoch else 0
     validate_this_epoch = trainer.validation_enabled and (
@@ -131,7 +133,12 @@ def _train_epoch(trainer: Trainer, loader: Iterable, val_loaders: list[Iterable]
         for hook in batch_start_hooks:
             hook(batch, batch_idx)
 
-        if automatic:
+        if automatic and split:
+            output, loss = _split_step(trainer, batch, batch_idx)
+            trainer._stepped = loss is not None
+            if trainer._stepped:
+                _optimizer_step(trainer, before_step_hooks)
+        elif automatic:
             # Micro-batches that do not step accumulate gradients locally; only the stepping one syncs.
             with strategy.no_sync(not stepping):
                 output = strategy.step("training_step", batch, batch_idx)
@@ -211,6 +218,52 @@ def _optimizer_step(trainer: Trainer, before_step_hooks: list[Callable[..., Any]
     trainer.global_step += 1
     if trainer.lr_scheduler_configs:
         _step_schedulers(trainer, "step")
+
+
+def _split_step(trainer: Trainer, batch: Any, batch_idx: int) -> tuple[Any, torch.Tensor | None]:
+    """Forward and backward of ``batch`` in ``trainer._micro_batches`` pieces; twice as many after running
+    out of memory, until the step fits. Returns the last piece's output and the whole batch's loss.
+
+    Each piece's loss is weighted by its share of the batch, so the gradients are the whole batch's.
+    With several processes the ranks first compute their pieces without communicating, then agree on
+    whether any ran out of memory (all retry with the larger count), and only then average gradients:
+    a rank that failed mid-step must never leave the others waiting in a gradient all-reduce.
+    """
+    strategy = trainer.strategy
+    total = batch_size_of(batch)
+    while True:
+        output: Any = None
+        loss: torch.Tensor | None = None
+        try:
+            with strategy.no_sync(True):
+                for piece in split_batch(batch, trainer._micro_batches):
+                    output = strategy.step("training_step", piece, batch_idx)
+                    piece_loss = _training_loss(output)
+                    if piece_loss is not None:
+                        weight = batch_size_of(piece) / total
+                        strategy.backward(piece_loss * weight)
+                        loss = piece_loss.detach() * weight + (0.0 if loss is None else loss)
+            out_of_memory = False
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        if trainer.world_size > 1:
+            out_of_memory = bool(strategy.reduce(torch.tensor(float(out_of_memory)), "max"))
+        if not out_of_memory:
+            strategy.sync_gradients()
+            return output, loss
+        output = loss = None
+        for optimizer in trainer.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if trainer._micro_batches >= total:
+            raise torch.OutOfMemoryError(
+                f"accumulate_grad_batches='auto': one sample at a time still runs out of memory (batch {batch_idx})"
+            )
+        trainer._micro_batches = min(total, 2 * trainer._micro_batches)
+        strategy.release_memory()
+        trainer.print(
+            f"out of memory at batch {batch_idx}: retrying with {trainer._micro_batches} micro-batches of about "
+            f"{math.ceil(total / trainer._micro_batches)} samples"
+        )
 
 
 def _step_schedulers(trainer: Trainer, interval: Literal["step", "epoch"]) -> None:

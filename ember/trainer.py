@@ -42,7 +42,9 @@ class Trainer:
     ``max_steps`` (optimizer steps), ``max_time``, ``limit_*_batches`` (an int counts batches, a float
     is a fraction of the loader). Validation: ``val_check_interval`` (fraction of an epoch or every N
     batches), ``check_val_every_n_epoch``, ``num_sanity_val_steps``. Optimization:
-    ``accumulate_grad_batches``, ``gradient_clip_val``/``gradient_clip_algorithm``.
+    ``accumulate_grad_batches`` (a count, or "auto": each batch is one step, split into as many
+    micro-batches as memory needs, found by retrying after running out of memory),
+    ``gradient_clip_val``/``gradient_clip_algorithm``.
 
     On SIGTERM (and SIGUSR1 under SLURM) ``fit`` saves ``last.ckpt`` at the next step boundary and exits;
     ``slurm_requeue=True`` also requeues the SLURM job. Resume with ``fit(ckpt_path="last")``.
@@ -66,7 +68,7 @@ class Trainer:
         val_check_interval: int | float = 1.0,
         check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int = 2,
-        accumulate_grad_batches: int = 1,
+        accumulate_grad_batches: int | Literal["auto"] = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         log_every_n_steps: int = 50,
@@ -95,7 +97,12 @@ class Trainer:
                 accelerator, devices = "cuda", gpus
         _check_count("num_nodes", num_nodes, minimum=1)
         _check_count("max_steps", max_steps, minimum=-1)
-        _check_count("accumulate_grad_batches", accumulate_grad_batches, minimum=1)
+        if accumulate_grad_batches != "auto" and (
+            isinstance(accumulate_grad_batches, bool)
+            or not isinstance(accumulate_grad_batches, int)
+            or accumulate_grad_batches < 1
+        ):
+            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r}: expected an int >= 1 or 'auto'")
         _check_count("log_every_n_steps", log_every_n_steps, minimum=1)
         _check_count("num_sanity_val_steps", num_sanity_val_steps, minimum=-1)
         if max_epochs is not None:
@@ -179,6 +186,7 @@ class Trainer:
         self._recent_losses: list[tuple[torch.Tensor, int, int, int]] = []
         self._next_log_step = log_every_n_steps
         self._total_train_batches = 0
+        self._micro_batches = 1  # with accumulate_grad_batches="auto": pieces per batch that fit in memory
         self._stepped = False  # whether the latest training batch ended with an optimizer step
         self._at_epoch_end = False  # whether the running validation is the epoch's last one
         self._position = (0, 0)  # (epoch, batches done in it): where a resumed run continues
@@ -260,7 +268,8 @@ class Trainer:
     @property
     def estimated_stepping_batches(self) -> float:
         """Optimizer steps ``fit`` will take (``math.inf`` if unbounded); usable in ``configure_optimizers``."""
-        per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
+        accumulate = 1 if self.accumulate_grad_batches == "auto" else self.accumulate_grad_batches
+        per_epoch = math.ceil(self.num_training_batches / accumulate)
         total = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
         return min(total, self.max_steps) if self.max_steps != -1 else total
 

@@ -388,3 +388,14 @@ def test_ember_run_help_explains_every_flag() -> None:
     bad = subprocess.run([sys.executable, "-m", "ember", "run", "--nproc-per-node", "zero", "x.py"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--nproc-per-node='zero'" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_auto_micro_batching_agrees_across_ranks(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    # Only rank 1 runs out of memory (above 2 samples); both must switch to the same split.
+    result = _run([*LAUNCHES["ember run"](), "--out", out, "--accumulate", "auto", "--oom-above", "2"], out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = _assert_ranks_agree_with(_single_process_parameters(batch_size=8), out)
+    assert [s["micro_batches"] for s in summaries] == [2, 2] and summaries[0]["global_step"] == 16

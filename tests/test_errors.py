@@ -20,7 +20,7 @@ import ember
         ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of"),
         ({"max_epochs": -5}, r"max_epochs=-5: expected -1 \(no limit\) or a non-negative int"),
         ({"max_steps": -3}, r"max_steps=-3"),
-        ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0: expected an int >= 1"),
+        ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0: expected an int >= 1 or 'auto'"),
         (
             {"devices": (os.cpu_count() or 1) + 1, "accelerator": "cpu"},
             r"devices=\d+, but this machine has \d+ CPU cores",

@@ -330,3 +330,34 @@ def test_model_is_placed_once_and_estimated_steps_are_known_early() -> None:
     trainer.fit(Planning(), make_loader(40, batch_size=8))  # 5 batches -> 3 steps per epoch
     assert seen == [9] and trainer.global_step == 9
     assert math.isinf(quiet_trainer(max_time="00:00:01:00").estimated_stepping_batches)
+
+
+class _Tight(Regressor):
+    """Pretends that batches above ``limit`` samples do not fit in memory."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.refusals = limit, 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if len(batch[0]) > self.limit:
+            self.refusals += 1
+            raise torch.OutOfMemoryError(f"{len(batch[0])} samples do not fit")
+        return super().training_step(batch, batch_idx)
+
+
+def test_auto_micro_batching_splits_after_running_out_of_memory_and_keeps_the_result(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tight = _Tight(limit=8)
+    trainer = quiet_trainer(max_epochs=2, accumulate_grad_batches="auto", logger=False)
+    trainer.fit(tight, make_loader(64, batch_size=32))
+    assert trainer._micro_batches == 4 and trainer.global_step == 4
+    assert tight.refusals == 2  # 32 and 16 samples failed once; the size that worked is remembered
+    assert "retrying with 4 micro-batches of about 8 samples" in capsys.readouterr().out
+    reference = Regressor()
+    quiet_trainer(max_epochs=2, logger=False).fit(reference, make_loader(64, batch_size=32))
+    for a, b in zip(parameters_of(tight), parameters_of(reference), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(torch.OutOfMemoryError, match="one sample at a time still runs out of memory"):
+        quiet_trainer(max_epochs=1, accumulate_grad_batches="auto", logger=False).fit(_Tight(0), make_loader(8))

@@ -164,6 +164,19 @@ class DDPStrategy(Strategy):
             return self.model.no_sync()
         return _NO_CONTEXT
 
+    def sync_gradients(self) -> None:
+        import torch.distributed as dist
+
+        assert self._module is not None
+        gradients = [p.grad for p in self._module.parameters() if p.grad is not None]
+        if not gradients:
+            return
+        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])  # one collective, not one per tensor
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        chunks = flat.split([gradient.numel() for gradient in gradients])
+        torch._foreach_copy_(gradients, [chunk.view_as(gradient) for chunk, gradient in zip(chunks, gradients)])
+
     # ---------------------------------------------------------------------- communication
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         import torch.distributed as dist

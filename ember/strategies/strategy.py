@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -152,6 +153,15 @@ class Strategy:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.precision.optimizer_step(optimizer)
+
+    def sync_gradients(self) -> None:
+        """Average gradients that were accumulated under ``no_sync`` across ranks (nothing to do on one device)."""
+
+    def release_memory(self) -> None:
+        """Return cached device memory after running out of it (never called per step)."""
+        gc.collect()
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------- communication
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:

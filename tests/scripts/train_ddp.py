@@ -26,11 +26,12 @@ def dataset(n: int = 64) -> TensorDataset:
 
 
 class Regressor(ember.Module):
-    def __init__(self, fail_rank: int = -1, fail_step: int = -1, sleep: float = 0.0) -> None:
+    def __init__(self, fail_rank: int = -1, fail_step: int = -1, sleep: float = 0.0, oom_above: int = 0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(4, 1)
         self.fail_rank, self.fail_step, self.sleep = fail_rank, fail_step, sleep
+        self.oom_above = oom_above  # on rank 1 only: pretend batches above this size do not fit
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_rank == self.fail_rank and self.global_step == self.fail_step:
@@ -38,6 +39,8 @@ class Regressor(ember.Module):
         if self.sleep:
             time.sleep(self.sleep)
         x, y = batch
+        if self.oom_above and self.global_rank == 1 and len(x) > self.oom_above:
+            raise torch.OutOfMemoryError(f"{len(x)} samples do not fit")
         loss = F.mse_loss(self.layer(x), y)
         self.log("train_loss", loss, sync_dist=True)
         return loss
@@ -74,7 +77,8 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--accumulate", default="1", help="a count or 'auto'")
+    parser.add_argument("--oom-above", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-step", type=int, default=-1)
@@ -85,10 +89,11 @@ def main() -> None:
     counter = CommCounter()
     trainer = ember.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
-        max_epochs=args.epochs, accumulate_grad_batches=args.accumulate, num_sanity_val_steps=0,
+        max_epochs=args.epochs, num_sanity_val_steps=0,
+        accumulate_grad_batches=args.accumulate if args.accumulate == "auto" else int(args.accumulate),
         enable_progress_bar=False, default_root_dir=args.out, callbacks=[counter] if args.count_comms else None,
     )  # fmt: skip
-    model = Regressor(args.fail_rank, args.fail_step, args.sleep)
+    model = Regressor(args.fail_rank, args.fail_step, args.sleep, args.oom_above)
     loader = DataLoader(dataset(), batch_size=args.batch_size)
     trainer.fit(model, loader, DataLoader(dataset(16), batch_size=4))
     rank = trainer.global_rank
@@ -98,6 +103,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()},
         "comms": counter.count if args.count_comms else None,
+        "micro_batches": trainer._micro_batches,
         "log_dir": trainer.log_dir,
         "pid": os.getpid(),
     }
