@@ -1,0 +1,6 @@
+"""Find a batch size that fits and a learning rate that learns, before training."""
+
+from ember.tuner.lr_finder import LRFinder
+from ember.tuner.tuner import Tuner
+
+__all__ = ["LRFinder", "Tuner"]

@@ -1,0 +1,71 @@
+"""``LRFinder``: the loss curve of a learning-rate sweep and the learning rate it suggests."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+
+class LRFinder:
+    """What ``Tuner.lr_find`` measured: ``results["lr"]`` and ``results["loss"]`` (smoothed), and a suggestion."""
+
+    #: Weight of the past in the loss's exponential moving average (single steps are noisy).
+    SMOOTHING = 0.98
+
+    def __init__(self, mode: str, min_lr: float, max_lr: float) -> None:
+        self.mode, self.min_lr, self.max_lr = mode, min_lr, max_lr
+        self.results: dict[str, list[float]] = {"lr": [], "loss": []}
+        self.suggested_lr: float | None = None
+        self._average = 0.0
+        self._best = math.inf
+
+    def add(self, lr: float, loss: float) -> None:
+        count = len(self.results["lr"]) + 1
+        self._average = self.SMOOTHING * self._average + (1 - self.SMOOTHING) * loss
+        smoothed = self._average / (1 - self.SMOOTHING**count)  # the average without its zero start's bias
+        self.results["lr"].append(lr)
+        self.results["loss"].append(smoothed)
+        self._best = min(self._best, smoothed)
+
+    def diverged(self, threshold: float) -> bool:
+        """Whether the loss has climbed past ``threshold`` times its best (or is no longer finite)."""
+        last = self.results["loss"][-1]
+        return not math.isfinite(last) or last > threshold * self._best
+
+    def suggestion(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
+        """The learning rate where the smoothed loss falls fastest (None if the sweep is too short)."""
+        lrs = self.results["lr"][skip_begin : len(self.results["lr"]) - skip_end]
+        losses = self.results["loss"][skip_begin : len(self.results["loss"]) - skip_end]
+        if len(losses) < 3:
+            return None
+        scale = (lambda lr: math.log10(lr)) if self.mode == "exponential" else (lambda lr: lr)
+        slopes = [
+            (losses[i + 1] - losses[i - 1]) / (scale(lrs[i + 1]) - scale(lrs[i - 1])) for i in range(1, len(losses) - 1)
+        ]
+        steepest = min(range(len(slopes)), key=lambda i: slopes[i] if math.isfinite(slopes[i]) else math.inf)
+        return lrs[steepest + 1]
+
+    def plot(self, path: str | os.PathLike | None = None, suggest: bool = True) -> Any:
+        """Draw the loss against the learning rate (log scale for an exponential sweep); save it to ``path``."""
+        try:
+            import matplotlib
+
+            if path is not None:
+                matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as err:
+            raise ImportError("LRFinder.plot needs matplotlib: pip install 'ember[plot]'") from err
+        figure, axes = plt.subplots(figsize=(6, 4))
+        axes.plot(self.results["lr"], self.results["loss"], label="loss (smoothed)")
+        if self.mode == "exponential":
+            axes.set_xscale("log")
+        if suggest and self.suggested_lr is not None:
+            axes.axvline(self.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {self.suggested_lr:.2e}")
+        axes.set_xlabel("learning rate")
+        axes.set_ylabel("loss")
+        axes.legend()
+        figure.tight_layout()
+        if path is not None:
+            figure.savefig(os.fspath(path), dpi=120)
+        return figure

@@ -1,0 +1,299 @@
+"""``Tuner``: the batch-size finder and the learning-rate finder.
+
+Both run short trials of training steps on this process's device, outside ``fit`` (no other rank
+is involved, so running out of memory cannot leave another rank waiting), and put the module's
+weights back afterwards. With several processes the ranks agree on the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ember.module import DataModule, Module
+from ember.optim import parse_optimizers
+from ember.tuner.lr_finder import LRFinder
+
+if TYPE_CHECKING:
+    from ember.trainer import Trainer
+
+_BATCH_ATTRIBUTES = ("batch_size",)
+_LR_ATTRIBUTES = ("lr", "learning_rate")
+
+
+class Tuner:
+    """``Tuner(trainer).scale_batch_size(model)`` and ``Tuner(trainer).lr_find(model)``."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    # ---------------------------------------------------------------------------- batch size
+    def scale_batch_size(
+        self,
+        model: Module,
+        datamodule: DataModule | None = None,
+        mode: Literal["power", "binsearch"] = "power",
+        init_val: int = 2,
+        max_trials: int = 25,
+        steps_per_trial: int = 3,
+        batch_arg_name: str = "batch_size",
+        max_memory: int | None = None,
+        lr_scaling: Literal["linear", "sqrt"] | None = None,
+    ) -> int:
+        """The largest batch size that trains without running out of memory; set on the module/datamodule.
+
+        ``mode="power"`` doubles the size until a trial fails; ``"binsearch"`` then bisects between the
+        last size that fit and the first that did not. A trial runs ``steps_per_trial`` optimizer steps.
+        ``max_memory`` (bytes) also counts a trial whose peak tensor memory exceeds it as failed: on a
+        CPU, where running out of memory is not an error but swapping, it is the budget to give.
+        ``lr_scaling`` scales the learning rate with the batch size ("linear": twice the batch, twice
+        the LR; "sqrt": by the square root), from the size the module had before.
+        """
+        if mode not in ("power", "binsearch"):
+            raise ValueError(f"scale_batch_size(mode={mode!r}): choose 'power' or 'binsearch'")
+        if lr_scaling not in (None, "linear", "sqrt"):
+            raise ValueError(f"scale_batch_size(lr_scaling={lr_scaling!r}): choose None, 'linear' or 'sqrt'")
+        for name, value in (("init_val", init_val), ("max_trials", max_trials), ("steps_per_trial", steps_per_trial)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"scale_batch_size({name}={value!r}) must be a positive int")
+        owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
+        original = _get(owner, batch_arg_name)
+        fits = _Trials(self.trainer, model, datamodule, steps_per_trial, max_memory)
+
+        good, bad = 0, 0  # the largest size that fit, the smallest that did not (0: none yet)
+        size = init_val
+        for _ in range(max_trials):
+            _set(owner, batch_arg_name, size)
+            if fits(size):
+                good = size
+                if size >= fits.dataset_size:
+                    break  # one batch holds the whole data set: nothing larger to try
+                size = min(size * 2, fits.dataset_size) if not bad else (good + bad) // 2
+            else:
+                bad = size
+                if mode == "power" and good:
+                    break
+                size = (good + bad) // 2 if good else size // 2
+            if size < 1 or size in (good, bad):
+                break  # the search has converged (or nothing fits)
+        if good == 0:
+            _set(owner, batch_arg_name, original)
+            raise torch.OutOfMemoryError(f"scale_batch_size: even {batch_arg_name}={max(size, 1)} does not fit")
+        good = int(self.trainer.strategy.reduce(torch.tensor(float(good)), "min"))  # every rank must fit
+        _set(owner, batch_arg_name, good)
+        if lr_scaling is not None and original:
+            factor = good / original if lr_scaling == "linear" else math.sqrt(good / original)
+            lr_owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
+            name = next(name for name in _LR_ATTRIBUTES if _has(lr_owner, name))
+            _set(lr_owner, name, _get(lr_owner, name) * factor)
+        self.trainer.print(f"scale_batch_size: {batch_arg_name}={good}")
+        return good
+
+    # ------------------------------------------------------------------------ learning rate
+    def lr_find(
+        self,
+        model: Module,
+        datamodule: DataModule | None = None,
+        min_lr: float = 1e-8,
+        max_lr: float = 1.0,
+        num_training: int = 100,
+        mode: Literal["exponential", "linear"] = "exponential",
+        early_stop_threshold: float | None = 4.0,
+        update_attr: bool = True,
+    ) -> LRFinder:
+        """Train ``num_training`` steps with the learning rate rising from ``min_lr`` to ``max_lr``.
+
+        Returns the loss curve with a suggested learning rate (where the loss falls fastest); stops
+        early once the loss exceeds ``early_stop_threshold`` times its best. ``update_attr`` sets the
+        suggestion as the module's ``lr`` / ``learning_rate`` (attribute or hyperparameter).
+        """
+        if mode not in ("exponential", "linear"):
+            raise ValueError(f"lr_find(mode={mode!r}): choose 'exponential' or 'linear'")
+        if not 0 < min_lr < max_lr:
+            raise ValueError(f"lr_find(min_lr={min_lr}, max_lr={max_lr}): need 0 < min_lr < max_lr")
+        if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 2:
+            raise ValueError(f"lr_find(num_training={num_training!r}) must be an int >= 2")
+
+        def lr_at(step: int) -> float:
+            fraction = step / (num_training - 1)
+            if mode == "exponential":
+                return min_lr * (max_lr / min_lr) ** fraction
+            return min_lr + (max_lr - min_lr) * fraction
+
+        finder = LRFinder(mode=mode, min_lr=min_lr, max_lr=max_lr)
+        trials = _Trials(self.trainer, model, datamodule, num_training, max_memory=None)
+
+        def record(step: int, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None) -> bool:
+            if loss is None:
+                return True
+            finder.add(lr_at(step), float(loss))
+            if step + 1 < num_training:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(step + 1)
+            stop = early_stop_threshold is not None and finder.diverged(early_stop_threshold)
+            return not stop
+
+        def start(optimizer: torch.optim.Optimizer) -> None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(0)
+
+        trials.run(on_start=start, after_step=record)
+        suggestion = self.trainer.strategy.broadcast(finder.suggestion())
+        finder.suggested_lr = suggestion
+        if update_attr and suggestion is not None:
+            owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
+            _set(owner, next(name for name in _LR_ATTRIBUTES if _has(owner, name)), suggestion)
+        return finder
+
+
+class _Trials:
+    """Short runs of training steps on this rank's device, with the module's weights put back after each."""
+
+    def __init__(
+        self, trainer: Trainer, module: Module, datamodule: DataModule | None, steps: int, max_memory: int | None
+    ) -> None:
+        if not module.automatic_optimization:
+            raise ValueError("the tuner runs automatic optimization steps, but the module steps its optimizers itself")
+        self.trainer, self.module, self.datamodule = trainer, module, datamodule
+        self.steps, self.max_memory = steps, max_memory
+        self.dataset_size = math.inf
+        module._trainer = trainer
+        if datamodule is not None:
+            datamodule.trainer = trainer
+            datamodule.setup("fit")
+
+    def __call__(self, batch_size: int) -> bool:
+        """Whether ``steps`` steps at the current batch size fit in memory (and in ``max_memory``)."""
+        try:
+            with _peak_memory(self.trainer.strategy.root_device, measure=self.max_memory is not None) as peak:
+                self.run()
+        except torch.OutOfMemoryError:
+            self.trainer.strategy.release_memory()
+            self.trainer.print(f"scale_batch_size: batch size {batch_size} runs out of memory")
+            return False
+        if self.max_memory is not None and peak() > self.max_memory:
+            self.trainer.print(
+                f"scale_batch_size: batch size {batch_size} peaks at {peak() / 2**20:.1f} MiB, over max_memory"
+            )
+            return False
+        return True
+
+    def run(
+        self,
+        on_start: Callable[[torch.optim.Optimizer], None] | None = None,
+        after_step: Callable[[int, torch.optim.Optimizer, torch.Tensor | None], bool] | None = None,
+    ) -> None:
+        from ember.loop import _training_loss
+
+        trainer, module, strategy = self.trainer, self.module, self.trainer.strategy
+        loader = _train_loader(module, self.datamodule)
+        self.dataset_size = len(getattr(loader, "dataset", ())) or math.inf
+        strategy.setup_module(module, training=False)
+        weights = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+        trainer.num_training_batches = len(loader) if hasattr(loader, "__len__") else math.inf
+        optimizers, _ = parse_optimizers(module.configure_optimizers())
+        if len(optimizers) != 1:
+            raise ValueError(f"the tuner steps one optimizer; configure_optimizers() returned {len(optimizers)}")
+        optimizer = optimizers[0]
+        if on_start is not None:
+            on_start(optimizer)
+        module.train()
+        try:
+            for step, batch in enumerate(islice(_endless(loader), self.steps)):
+                batch = strategy.batch_to_device(batch)
+                with strategy.precision.forward_context():
+                    loss = _training_loss(module.training_step(batch, step))
+                if loss is not None:
+                    strategy.precision.backward(loss)
+                    strategy.precision.optimizer_step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                if after_step is not None and not after_step(step, optimizer, loss):
+                    break
+        finally:
+            module.load_state_dict(weights)
+            trainer._train_results.clear()
+
+
+def _endless(loader: Iterable) -> Iterator[Any]:
+    """Batches from ``loader``, starting over when it ends (a trial may want more steps than an epoch)."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the train dataloader is empty")
+
+
+def _train_loader(module: Module, datamodule: DataModule | None) -> Iterable:
+    for source in (datamodule, module):
+        if source is not None and hasattr(source, "train_dataloader"):
+            return source.train_dataloader()
+    raise ValueError(
+        "the tuner builds loaders at each trial's batch size, so it needs train_dataloader() on the Module or a "
+        "DataModule (loaders passed to fit cannot change their batch size)"
+    )
+
+
+@contextlib.contextmanager
+def _peak_memory(device: torch.device, measure: bool) -> Iterator[Callable[[], int]]:
+    """The peak bytes of tensor memory while the block runs (measured only when asked)."""
+    peak = 0
+    if not measure:
+        yield lambda: peak
+        return
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        yield lambda: peak
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+        return
+    # On a CPU there are no allocator statistics: follow allocations and frees with the profiler.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        yield lambda: peak
+    events = sorted(
+        (event for event in profiler.events() if event.cpu_memory_usage and not event.cpu_children),
+        key=lambda event: event.time_range.start,
+    )
+    total = 0
+    for event in events:
+        total += event.cpu_memory_usage
+        peak = max(peak, total)
+
+
+# ------------------------------------------------------------------------------ attributes
+def _has(owner: Any, name: str) -> bool:
+    return name in getattr(owner, "hparams", {}) or hasattr(owner, name)
+
+
+def _get(owner: Any, name: str) -> Any:
+    hparams = getattr(owner, "hparams", {})
+    return hparams[name] if name in hparams else getattr(owner, name)
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    """Set ``name`` wherever the owner keeps it: a hyperparameter and/or an attribute."""
+    hparams = getattr(owner, "hparams", {})
+    if name in hparams:
+        hparams[name] = value
+    if hasattr(owner, name) and not isinstance(getattr(type(owner), name, None), property):
+        setattr(owner, name, value)
+
+
+def _attribute_owner(names: str | tuple[str, ...], module: Module, datamodule: DataModule | None, what: str) -> Any:
+    names = (names,) if isinstance(names, str) else names
+    for owner in (datamodule, module):
+        if owner is not None and any(_has(owner, name) for name in names):
+            return owner
+    raise AttributeError(
+        f"no {what} to tune: give the module or datamodule an attribute or hyperparameter named "
+        f"{' or '.join(repr(name) for name in names)} (self.save_hyperparameters() records it) that its "
+        "train_dataloader() / configure_optimizers() reads"
+    )

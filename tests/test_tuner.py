@@ -1,0 +1,118 @@
+"""The batch-size and learning-rate finders, the loader-worker suggestion."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_data, parameters_of, quiet_trainer
+from torch.utils.data import DataLoader
+
+import ember
+from ember.tuner import Tuner
+
+
+class _Sized(ember.Module):
+    """Builds its loader at ``hparams.batch_size``; batches above ``limit`` samples do not fit in memory."""
+
+    def __init__(self, batch_size: int = 8, lr: float = 0.01, limit: int = 10**9, width: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if len(x) > self.hparams.limit:
+            raise torch.OutOfMemoryError(f"{len(x)} samples do not fit")
+        return F.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(256), batch_size=self.hparams.batch_size, shuffle=True)
+
+
+@pytest.mark.parametrize(("mode", "found"), [("power", 32), ("binsearch", 40)])
+def test_the_largest_batch_that_fits_is_found_and_set(mode: str, found: int) -> None:
+    model = _Sized(limit=40)
+    before = parameters_of(model)
+    size = Tuner(quiet_trainer()).scale_batch_size(model, mode=mode, init_val=2, steps_per_trial=2)
+    assert size == found and model.hparams.batch_size == found
+    assert all(torch.equal(a, b) for a, b in zip(parameters_of(model), before, strict=True))  # weights put back
+
+
+def test_batch_size_lr_scaling_and_the_data_set_bound() -> None:
+    linear = _Sized(batch_size=8, lr=0.01, limit=32)
+    Tuner(quiet_trainer()).scale_batch_size(linear, init_val=8, lr_scaling="linear")
+    assert linear.hparams.batch_size == 32 and linear.hparams.lr == pytest.approx(0.04)
+    root = _Sized(batch_size=8, lr=0.01, limit=32)
+    Tuner(quiet_trainer()).scale_batch_size(root, init_val=8, lr_scaling="sqrt")
+    assert root.hparams.lr == pytest.approx(0.02)
+    everything = _Sized()
+    assert Tuner(quiet_trainer()).scale_batch_size(everything, init_val=64) == 256  # the whole data set
+
+
+def test_a_cpu_memory_budget_bounds_the_batch_size() -> None:
+    small = Tuner(quiet_trainer()).scale_batch_size(_Sized(width=4096), init_val=4, max_memory=2 * 2**20)
+    large = Tuner(quiet_trainer()).scale_batch_size(_Sized(width=4096), init_val=4, max_memory=8 * 2**20)
+    assert 4 <= small < large < 256
+
+
+def test_lr_find_suggests_a_rate_on_the_falling_part_of_the_curve(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    model = _Sized(batch_size=16)
+    before = parameters_of(model)
+    finder = Tuner(quiet_trainer()).lr_find(model, min_lr=1e-5, max_lr=10.0, num_training=60)
+    lrs, losses = finder.results["lr"], finder.results["loss"]
+    assert len(lrs) == len(losses) and 20 < len(lrs) <= 60 and lrs == sorted(lrs)
+    suggestion = finder.suggested_lr
+    assert suggestion is not None and 1e-4 < suggestion < 1.0
+    assert model.hparams.lr == suggestion  # update_attr
+    assert all(torch.equal(a, b) for a, b in zip(parameters_of(model), before, strict=True))
+    finder.plot(tmp_path / "lr.png")
+    assert os.path.getsize(tmp_path / "lr.png") > 10_000
+
+
+def test_tuner_errors_name_what_is_missing() -> None:
+    class NoSize(_Sized):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.hparams["batch_size"]
+
+    with pytest.raises(AttributeError, match="no batch size to tune: give the module or datamodule an attribute"):
+        Tuner(quiet_trainer()).scale_batch_size(NoSize())
+    with pytest.raises(ValueError, match="mode='triple'"):
+        Tuner(quiet_trainer()).scale_batch_size(_Sized(), mode="triple")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"min_lr=1.0, max_lr=0.1"):
+        Tuner(quiet_trainer()).lr_find(_Sized(), min_lr=1.0, max_lr=0.1)
+    with pytest.raises(torch.OutOfMemoryError, match="even batch_size=1 does not fit"):
+        Tuner(quiet_trainer()).scale_batch_size(_Sized(limit=0))
+
+
+class _SlowItems(torch.utils.data.Dataset):
+    """Each item takes 5 ms to read, as if it came from a slow disk."""
+
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import time
+
+        time.sleep(0.005)
+        return torch.full((4,), float(index))
+
+
+def test_suggest_num_workers_measures_each_count() -> None:
+    from ember.data import suggest_num_workers
+
+    suggestion = suggest_num_workers(DataLoader(_SlowItems(), batch_size=4), max_workers=2, batches=16)
+    assert set(suggestion.batches_per_second) == {0, 1, 2}
+    assert suggestion.num_workers >= 1  # reading overlaps across workers
+    assert suggestion.batches_per_second[2] > 1.5 * suggestion.batches_per_second[0]
+    with pytest.raises(TypeError, match="needs a torch DataLoader"):
+        suggest_num_workers([1, 2, 3])  # type: ignore[arg-type]
