@@ -67,6 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
     run.set_defaults(handler=_run)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="run a training script for a few steps and report what slows it down",
+        description="Run SCRIPT (an Ember script or a hand-written PyTorch loop, unchanged) for a bounded number "
+        "of optimizer steps with instrumentation, then report each finding: what was measured, why it costs "
+        "time, the fix, and the estimated gain.",
+        epilog="examples:\n  ember doctor train.py --lr 0.1\n  ember doctor --json --steps 50 train.py\n"
+        "  ember doctor --nproc-per-node 2 train_ddp.py      the checks of distributed training need processes",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument(
+        "--steps", type=int, default=30, metavar="N",
+        help="optimizer steps to run before the report; the first 5 are warm-up and not measured (default 30)",
+    )  # fmt: skip
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON, for programs")
+    doctor.add_argument(
+        "--nproc-per-node", "--nproc_per_node", default="1", metavar="N",
+        help="start the script in N processes with ember run (default 1: in this process)",
+    )  # fmt: skip
+    doctor.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
+    doctor.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
+    doctor.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
+    doctor.set_defaults(handler=_doctor)
     return parser
 
 
@@ -88,6 +112,22 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"ember run: {error}", file=sys.stderr)
         return 2
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from ember import doctor, launch
+
+    if args.steps <= 5:
+        print(f"ember doctor: --steps={args.steps}: give more than the 5 warm-up steps", file=sys.stderr)
+        return 2
+    processes = launch.processes_per_node(args.nproc_per_node)
+    if processes > 1:  # each worker runs the doctor itself, on the script
+        flags = ["--steps", str(args.steps), *(["--json"] if args.json else []), *(["-m"] if args.module else [])]
+        return launch.run(
+            nproc_per_node=str(processes), nnodes=1, node_rank=None, rdzv_endpoint=None, rdzv_id="ember",
+            max_restarts=0, module=True, script="ember", script_args=["doctor", *flags, args.script, *args.script_args],
+        )  # fmt: skip
+    return doctor.run_script(args.script, args.script_args, steps=args.steps, as_json=args.json, module=args.module)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ Processes are started by PyTorch's elastic agent (``torch.distributed.run``, the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -284,6 +285,11 @@ def relaunch(nproc_per_node: int) -> None:
             "process has no script to re-run (an interactive session or python -c); put the code in a "
             "file, or start it with: ember run --nproc-per-node N script.py"
         )
+    doctor = os.environ.get("EMBER_DOCTOR")
+    if doctor is not None:  # the script runs under `ember doctor`: its workers must run under it too
+        options = json.loads(doctor)
+        target = ["-m", "ember", "doctor", "--steps", str(options["steps"]), *(["--json"] if options["json"] else []),
+                  *target]  # fmt: skip
     sys.stdout.flush()
     sys.stderr.flush()
     command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", str(nproc_per_node), *target, *sys.argv[1:]]

@@ -21,6 +21,7 @@ from ember import checkpoint as checkpoint_io
 from ember import loop
 from ember._utils import is_overridden, parse_max_time
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
+from ember.doctor import Doctor, DoctorDone, active_doctor
 from ember.loggers import CSVLogger, Logger
 from ember.metrics import MetricStore, Number, to_floats
 from ember.module import DataModule, Module
@@ -45,6 +46,9 @@ class Trainer:
     ``accumulate_grad_batches`` (a count, or "auto": each batch is one step, split into as many
     micro-batches as memory needs, found by retrying after running out of memory),
     ``gradient_clip_val``/``gradient_clip_algorithm``.
+
+    ``doctor=True`` (or a number of steps) watches the first steps of ``fit`` and prints what slows them
+    down, with the fixes (see ``ember doctor``); training then goes on without instrumentation.
 
     On SIGTERM (and SIGUSR1 under SLURM) ``fit`` saves ``last.ckpt`` at the next step boundary and exits;
     ``slurm_requeue=True`` also requeues the SLURM job. Resume with ``fit(ckpt_path="last")``.
@@ -84,6 +88,7 @@ class Trainer:
         use_distributed_sampler: bool = True,
         sync_batchnorm: bool = False,
         slurm_requeue: bool = False,
+        doctor: bool | int = False,
         gpus: int | str | Sequence[int] | None = None,
     ) -> None:
         if gpus is not None:
@@ -156,6 +161,10 @@ class Trainer:
         self.detect_anomaly = detect_anomaly
         self.use_distributed_sampler = use_distributed_sampler
         self.slurm_requeue = slurm_requeue
+        if doctor is not False and (doctor is not True and (not isinstance(doctor, int) or doctor <= 5)):
+            raise ValueError(f"doctor={doctor!r}: True (watch 30 steps) or a number of steps above 5")
+        self.doctor_steps = 30 if doctor is True else int(doctor)
+        self._doctor: Doctor | None = None
         _set_determinism(deterministic, benchmark)
 
         self.loggers: list[Logger] = _build_loggers(logger, self.default_root_dir)
@@ -455,12 +464,17 @@ class Trainer:
         module.setup(stage)
         for callback in self.callbacks:
             callback.setup(self, module, stage)
+        if stage == "fit":
+            self._start_doctor()  # before the model is wrapped, so that the wrapper is watched too
         self.strategy.setup_module(module, training=stage == "fit")
         status = "failed"
         try:
             with torch.autograd.set_detect_anomaly(self.detect_anomaly):
                 yield
             status = "success"
+        except DoctorDone:
+            status = "interrupted"  # `ember doctor` has seen enough steps
+            raise
         except KeyboardInterrupt as interrupt:
             status = "interrupted"
             self._call_callbacks("on_exception", interrupt)
@@ -469,6 +483,9 @@ class Trainer:
             self._call_callbacks("on_exception", exception)
             raise
         finally:
+            if self._doctor is not None and status != "interrupted":
+                self._doctor.finish()  # fit ended before the doctor saw all its steps: report what it saw
+            self._doctor = None
             for callback in self.callbacks:
                 callback.teardown(self, module, stage)
             module.teardown(stage)
@@ -478,6 +495,13 @@ class Trainer:
                 for logger in self.loggers:
                     logger.finalize(status)
             self.stage = None
+
+    def _start_doctor(self) -> None:
+        doctor = active_doctor()  # `ember doctor` runs this script
+        if doctor is None and self.doctor_steps:
+            doctor = self._doctor = Doctor(steps=self.doctor_steps).install()
+        if doctor is not None:
+            doctor.attach(self)
 
     def _loaders(self, kind: str, given: _Loaders, required: bool = False) -> list[Iterable]:
         """The loaders of one kind: passed in, else from the datamodule, else from the module."""
