@@ -101,6 +101,22 @@ def test_nested_actions_count_their_own_time_only() -> None:
     assert records["waiting"].total >= 0.04 and records["training_step"].total < 0.02  # the sleep is not in it
 
 
+def test_an_action_may_start_in_one_hook_and_stop_in_another() -> None:
+    class EpochAction(Callback):
+        def on_train_epoch_start(self, trainer: ember.Trainer, module: Any) -> None:
+            trainer.profiler.start("epoch")
+
+        def on_train_epoch_end(self, trainer: ember.Trainer, module: Any) -> None:
+            trainer.profiler.stop("epoch")
+
+    trainer = quiet_trainer(max_epochs=2, logger=False, callbacks=[EpochAction()], profiler="simple")
+    trainer.fit(Regressor(), make_loader(32))
+    assert trainer.profiler.records["epoch"].calls == 2
+    assert trainer.profiler.records["training_step"].calls == 8
+    with pytest.raises(ValueError, match=r"stop\('never'\) without a matching start\('never'\)"):
+        trainer.profiler.stop("never")
+
+
 def test_the_run_is_wrapped_only_while_profiling() -> None:
     seen: dict[str, Any] = {}
 

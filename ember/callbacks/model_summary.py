@@ -46,9 +46,10 @@ def summarize(model: nn.Module, max_depth: int = 1) -> str:
     index_width = len(str(len(rows)))
 
     def line(index: str, cells: tuple[str, ...]) -> str:
-        return f"{index:<{index_width}} | " + " | ".join(f"{cell:<{width}}" for cell, width in zip(cells, widths))
+        text = f"{index:<{index_width}} | " + " | ".join(f"{cell:<{width}}" for cell, width in zip(cells, widths))
+        return text.rstrip()
 
-    rule = "-" * len(line("", headers))
+    rule = "-" * len(line("", headers))  # "Trainable" is the widest cell of the last column
     lines = [line("", headers), rule, *(line(str(i), cells) for i, cells in enumerate(table[1:])), rule] if rows else []
     lines += [
         f"{_readable(trainable):<10}Trainable params",

@@ -176,3 +176,13 @@ class _TimedLoader:
 
 
 _HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+
+
+def latest_start(started: list, action: str) -> int:
+    """The index of the most recent entry of ``action`` in a list of started actions (tuples or lists
+    whose first item is the name). Usually the last one; an action started in one hook and stopped in
+    another is further down."""
+    for index in range(len(started) - 1, -1, -1):
+        if started[index][0] == action:
+            return index
+    raise ValueError(f"profiler: stop({action!r}) without a matching start({action!r})")

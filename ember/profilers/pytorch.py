@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.profilers.profiler import Profiler
+from ember.profilers.profiler import Profiler, latest_start
 from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class PyTorchProfiler(Profiler):
         self.options = {"record_shapes": record_shapes, "profile_memory": profile_memory, "with_stack": with_stack}
         self.row_limit = row_limit
         self._profiler: torch.profiler.profile | None = None
-        self._ranges: list[torch.profiler.record_function] = []
+        self._ranges: list[tuple[str, torch.profiler.record_function]] = []
         self._step_kind = "train"
         self._steps_begun = 0
         self._traces_written = 0
@@ -91,10 +91,10 @@ class PyTorchProfiler(Profiler):
     def start(self, action: str) -> None:
         marker = torch.profiler.record_function(action)
         marker.__enter__()
-        self._ranges.append(marker)
+        self._ranges.append((action, marker))
 
     def stop(self, action: str) -> None:
-        self._ranges.pop().__exit__(None, None, None)
+        self._ranges.pop(latest_start(self._ranges, action))[1].__exit__(None, None, None)
 
     def next_batch(self, kind: str) -> None:
         super().next_batch(kind)
@@ -109,5 +109,5 @@ class PyTorchProfiler(Profiler):
         events = self._profiler.key_averages()
         if not events:
             return ""
-        sort_by = "self_cuda_time_total" if any(e.device_time_total for e in events) else "self_cpu_time_total"
+        sort_by = "self_device_time_total" if any(e.self_device_time_total for e in events) else "self_cpu_time_total"
         return events.table(sort_by=sort_by, row_limit=self.row_limit)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ember.profilers.profiler import Profiler
+from ember.profilers.profiler import Profiler, latest_start
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -67,9 +67,7 @@ class SimpleProfiler(Profiler):
         if self._device is not None:
             torch.cuda.synchronize(self._device)
         now = time.perf_counter()
-        if not self._stack or self._stack[-1][0] != action:
-            raise ValueError(f"profiler: stop({action!r}) does not match the action started last")
-        _, started, inner = self._stack.pop()
+        _, started, inner = self._stack.pop(latest_start(self._stack, action))
         elapsed = now - started
         if self._stack:
             self._stack[-1][2] += elapsed
