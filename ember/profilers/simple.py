@@ -83,23 +83,24 @@ class SimpleProfiler(Profiler):
         if not self.records:
             return ""
         total = max(self._elapsed, 1e-9)
+        rows = sorted(self.records.items(), key=lambda item: item[1].total, reverse=True)
         other = max(total - sum(record.total for record in self.records.values()), 0.0)
-        rows = [
-            (action, str(record.calls), f"{1e3 * record.total / record.calls:.3f}", f"{1e3 * record.longest:.3f}",
-             record.total)
-            for action, record in sorted(self.records.items(), key=lambda item: item[1].total, reverse=True)
-        ]  # fmt: skip
-        rows += [("other (the loop itself, setup)", "", "", "", other), ("total", "", "", "", total)]
-        width = max(len(row[0]) for row in rows)
+        width = max(len(action) for action in [*self.records, _OTHER])
 
-        def line(*cells: str) -> str:
-            return f"{cells[0]:<{width}}" + "".join(f"  {cell:>10}" for cell in cells[1:])
+        def line(action: str, *cells: str) -> str:
+            return f"{action:<{width}}" + "".join(f"  {cell:>10}" for cell in cells)
 
-        lines = [f"Profile of {self._stage}: {total:.3f} s", line("Action", "Calls", "Mean (ms)", "Max (ms)",
-                                                                  "Total (s)", "%")]  # fmt: skip
-        lines.append("-" * len(lines[-1]))
-        for action, calls, mean, longest, seconds in rows:
-            if action == "total":
-                lines.append("-" * len(lines[1]))
-            lines.append(line(action, calls, mean, longest, f"{seconds:.3f}", f"{100 * seconds / total:.1f}"))
+        def seconds(value: float) -> tuple[str, str]:
+            return f"{value:.3f}", f"{100 * value / total:.1f}"
+
+        header = line("Action", "Calls", "Mean (ms)", "Max (ms)", "Total (s)", "%")
+        rule = "-" * len(header)
+        lines = [f"Profile of {self._stage}: {total:.3f} s", header, rule]
+        for action, record in rows:
+            mean, longest = f"{1e3 * record.total / record.calls:.3f}", f"{1e3 * record.longest:.3f}"
+            lines.append(line(action, str(record.calls), mean, longest, *seconds(record.total)))
+        lines += [line(_OTHER, "", "", "", *seconds(other)), rule, line("total", "", "", "", *seconds(total))]
         return "\n".join(lines)
+
+
+_OTHER = "other (the loop itself, setup)"
