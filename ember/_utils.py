@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -99,8 +100,9 @@ def is_overridden(name: str, instance: object, base: type) -> bool:
 _TIME_PATTERN = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
 
 
-def parse_max_time(value: str | timedelta | Mapping[str, int] | None) -> float | None:
-    """``max_time`` as seconds: "DD:HH:MM:SS", a ``timedelta`` or a dict of ``timedelta`` arguments."""
+def parse_max_time(value: str | timedelta | Mapping[str, int] | None, flag: str = "max_time") -> float | None:
+    """``max_time`` (or the duration named ``flag``) as seconds: "DD:HH:MM:SS", a ``timedelta`` or a dict
+    of ``timedelta`` arguments."""
     if value is None:
         return None
     if isinstance(value, timedelta):
@@ -110,15 +112,25 @@ def parse_max_time(value: str | timedelta | Mapping[str, int] | None) -> float |
             seconds = timedelta(**value).total_seconds()
         except TypeError as err:
             raise ValueError(
-                f"max_time={dict(value)!r}: a dict takes timedelta's keys (days, hours, minutes, seconds)"
+                f"{flag}={dict(value)!r}: a dict takes timedelta's keys (days, hours, minutes, seconds)"
             ) from err
     elif isinstance(value, str) and (match := _TIME_PATTERN.match(value.strip())):
         days, hours, minutes, secs = (int(part) for part in match.groups())
         seconds = timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
     else:
         raise ValueError(
-            f"max_time={value!r}: expected 'DD:HH:MM:SS', a datetime.timedelta or a dict such as {{'hours': 2}}"
+            f"{flag}={value!r}: expected 'DD:HH:MM:SS', a datetime.timedelta or a dict such as {{'hours': 2}}"
         )
     if seconds <= 0:
-        raise ValueError(f"max_time={value!r}: the time limit must be positive")
+        raise ValueError(f"{flag}={value!r}: the time limit must be positive")
     return seconds
+
+
+def require(package: str, extra: str, needed_by: str) -> None:
+    """Import ``package``, or raise an error that says how to install it (``pip install 'ember[extra]'``)."""
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise ModuleNotFoundError(
+            f"{needed_by} needs the {package} package: pip install 'ember[{extra}]' (or pip install {package})"
+        ) from None

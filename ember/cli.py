@@ -21,6 +21,13 @@ picks them up (devices="auto" becomes the number of processes per node). If any 
 others are stopped within seconds and the exit status is non-zero.
 """
 
+_PLOT_EPILOG = """\
+examples:
+  ember plot ember_logs/version_0                          one run, to curves.png
+  ember plot ember_logs -o runs.png                        every run under ember_logs, compared
+  ember plot run_a/metrics.csv run_b/metrics.csv --metrics loss,val_acc --x epoch
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -91,6 +98,34 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     doctor.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
     doctor.set_defaults(handler=_doctor)
+
+    plot = commands.add_parser(
+        "plot",
+        help="draw the training and validation curves of runs into an image",
+        description="Draw the curves in the metrics.csv files of one or several runs (written by CSVLogger, "
+        "the default logger), one panel per metric: train_loss, val_loss and loss share the panel 'loss'. "
+        "Needs matplotlib (pip install 'ember[plot]').",
+        epilog=_PLOT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plot.add_argument(
+        "runs", nargs="+", metavar="RUN",
+        help="a metrics.csv file, a run directory holding one (ember_logs/version_0), or a directory "
+        "searched for them (ember_logs: every version)",
+    )  # fmt: skip
+    plot.add_argument(
+        "-o", "--output", default="curves.png", metavar="FILE",
+        help="the image to write; its extension picks the format (.png, .svg, .pdf); default curves.png",
+    )  # fmt: skip
+    plot.add_argument(
+        "--metrics", default=None, metavar="A,B",
+        help="comma-separated metrics or panels to draw (default: all); 'loss' draws every *loss* metric",
+    )  # fmt: skip
+    plot.add_argument(
+        "--x", choices=("step", "epoch"), default="step",
+        help="the x axis: the global step (default), or the epoch, with per-step values averaged per epoch",
+    )  # fmt: skip
+    plot.set_defaults(handler=_plot)
     return parser
 
 
@@ -128,6 +163,19 @@ def _doctor(args: argparse.Namespace) -> int:
             max_restarts=0, module=True, script="ember", script_args=["doctor", *flags, args.script, *args.script_args],
         )  # fmt: skip
     return doctor.run_script(args.script, args.script_args, steps=args.steps, as_json=args.json, module=args.module)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from ember.plot import plot
+
+    metrics = [name.strip() for name in args.metrics.split(",") if name.strip()] if args.metrics else None
+    try:
+        written = plot(args.runs, args.output, metrics, args.x)
+    except (ImportError, OSError, ValueError) as error:  # no matplotlib, no such file, nothing to plot
+        print(f"ember plot: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -153,9 +153,12 @@ class MetricStore:
         values = {}
         for key, entry in self._entries.items():
             if not entry.on_epoch:
+                if entry.metric is not None:  # logged per step only: its state must not grow across epochs
+                    entry.metric.reset()
+                    entry.metric = None
                 continue
             if entry.metric is not None:
-                value = entry.metric.compute()  # a metric object syncs across ranks itself
+                value = _as_number(key, entry.metric.compute())  # a metric object syncs across ranks itself
                 entry.metric.reset()
                 entry.metric = None
             elif entry.total is None:
@@ -180,6 +183,9 @@ class MetricStore:
         return self._reduce(torch.as_tensor(total, dtype=torch.float32, device=device), entry.reduce_fx)
 
     def clear(self) -> None:
+        for entry in self._entries.values():
+            if entry.metric is not None:  # updated by batches whose values are dropped (the sanity check)
+                entry.metric.reset()
         self._entries.clear()
 
 

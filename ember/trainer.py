@@ -20,13 +20,14 @@ from torch.utils.data import DataLoader
 from ember import checkpoint as checkpoint_io
 from ember import loop
 from ember._utils import is_overridden, parse_max_time
-from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
+from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar
 from ember.doctor import Doctor, DoctorDone, active_doctor
 from ember.loggers import CSVLogger, Logger
 from ember.metrics import MetricStore, Number, to_floats
 from ember.module import DataModule, Module
 from ember.optim import LRSchedulerConfig
 from ember.precision import canonical_precision
+from ember.profilers import Profiler, select_profiler
 from ember.rank_zero import rank_zero_only
 from ember.strategies import Strategy, select_strategy
 
@@ -45,7 +46,9 @@ class Trainer:
     batches), ``check_val_every_n_epoch``, ``num_sanity_val_steps``. Optimization:
     ``accumulate_grad_batches`` (a count, or "auto": each batch is one step, split into as many
     micro-batches as memory needs, found by retrying after running out of memory),
-    ``gradient_clip_val``/``gradient_clip_algorithm``.
+    ``gradient_clip_val``/``gradient_clip_algorithm``. Watching the run: ``logger`` (True for a
+    ``CSVLogger``, a ``Logger`` or a list of them), ``log_every_n_steps``, ``enable_progress_bar``,
+    ``enable_model_summary``, ``profiler`` ("simple", "pytorch" or a ``Profiler``).
 
     ``doctor=True`` (or a number of steps) watches the first steps of ``fit`` and prints what slows them
     down, with the fixes (see ``ember doctor``); training then goes on without instrumentation.
@@ -80,6 +83,8 @@ class Trainer:
         logger: bool | Logger | Sequence[Logger] = True,
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
+        enable_model_summary: bool = True,
+        profiler: str | Profiler | None = None,
         default_root_dir: str | os.PathLike | None = None,
         deterministic: bool | Literal["warn"] = False,
         benchmark: bool | None = None,
@@ -168,7 +173,10 @@ class Trainer:
         _set_determinism(deterministic, benchmark)
 
         self.loggers: list[Logger] = _build_loggers(logger, self.default_root_dir)
-        self.callbacks: list[Callback] = _build_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
+        self.callbacks: list[Callback] = _build_callbacks(
+            callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary
+        )
+        self.profiler: Profiler = select_profiler(profiler)
 
         # ----- state read by callbacks, modules and the loop
         self.stage: str | None = None
@@ -451,11 +459,11 @@ class Trainer:
         if not self._environment_ready:
             self.strategy.setup_environment()
             self._environment_ready = True
-            if self.world_size > 1:
-                for logger in self.loggers:  # rank zero picks the run's version; the others follow it
-                    logger.use_version(self.strategy.broadcast(logger.version if self.is_global_zero else None))
-        if self.max_time is not None:
-            self._deadline = time.monotonic() + self.max_time
+            # Rank zero picks each run's version before anything is written, so that loggers sharing a
+            # directory write into the same run; the other ranks follow it.
+            for logger in self.loggers:
+                logger.use_version(self.strategy.broadcast(logger.version if self.is_global_zero else None))
+        self._deadline = time.monotonic() + self.max_time if self.max_time is not None else math.inf
         if datamodule is not None:
             if self.local_rank == 0:
                 datamodule.prepare_data()
@@ -467,6 +475,7 @@ class Trainer:
         if stage == "fit":
             self._start_doctor()  # before the model is wrapped, so that the wrapper is watched too
         self.strategy.setup_module(module, training=stage == "fit")
+        self.profiler.setup(self, stage)
         status = "failed"
         try:
             with torch.autograd.set_detect_anomaly(self.detect_anomaly):
@@ -483,6 +492,7 @@ class Trainer:
             self._call_callbacks("on_exception", exception)
             raise
         finally:
+            self.profiler.teardown(self, stage)
             if self._doctor is not None and status != "interrupted":
                 self._doctor.finish()  # fit ended before the doctor saw all its steps: report what it saw
             self._doctor = None
@@ -666,7 +676,7 @@ def _build_loggers(logger: bool | Logger | Sequence[Logger], root_dir: str) -> l
 
 
 def _build_callbacks(
-    callbacks: Callback | Sequence[Callback] | None, progress_bar: bool, checkpointing: bool
+    callbacks: Callback | Sequence[Callback] | None, progress_bar: bool, checkpointing: bool, model_summary: bool
 ) -> list[Callback]:
     given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
     for callback in given:
@@ -680,6 +690,10 @@ def _build_callbacks(
         given.append(ModelCheckpoint())
     if not checkpointing and any(isinstance(callback, ModelCheckpoint) for callback in given):
         raise ValueError("enable_checkpointing=False, but a ModelCheckpoint was passed in callbacks")
+    if model_summary and not any(isinstance(callback, ModelSummary) for callback in given):
+        given.insert(0, ModelSummary())
+    if not model_summary and any(isinstance(callback, ModelSummary) for callback in given):
+        raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
     # Callbacks that read epoch metrics (checkpointing, early stopping) run last, in the given order.
     return sorted(given, key=lambda callback: callback.reads_epoch_metrics)
 

@@ -69,8 +69,10 @@ class Regressor(ember.Module):
 
 
 def quiet_trainer(**flags: Any) -> ember.Trainer:
-    """A Trainer without progress output, for tests that do not look at it."""
-    defaults: dict[str, Any] = dict(accelerator="cpu", enable_progress_bar=False, num_sanity_val_steps=0)
+    """A Trainer without progress output or model summary, for tests that do not look at them."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0
+    )
     return ember.Trainer(**{**defaults, **flags})
 
 

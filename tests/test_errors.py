@@ -37,6 +37,7 @@ import ember
         ({"gpus": 1, "devices": 2}, r"gpus= is the older spelling"),
         ({"max_time": "1 hour"}, r"max_time='1 hour': expected 'DD:HH:MM:SS'"),
         ({"strategy": "horovod"}, r"strategy='horovod' is not supported"),
+        ({"profiler": "advanced"}, r"profiler='advanced': choose None, 'simple', 'pytorch' or an instance"),
     ],
 )
 def test_bad_flags_name_the_flag(flags: dict[str, Any], message: str) -> None:

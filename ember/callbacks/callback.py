@@ -69,3 +69,8 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def at_logging_step(trainer: Trainer) -> bool:
+    """Whether the training batch that just ended stepped the optimizer onto a ``log_every_n_steps`` multiple."""
+    return trainer._stepped and trainer.global_step % trainer.log_every_n_steps == 0

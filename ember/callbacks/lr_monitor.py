@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Literal
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.callback import Callback, at_logging_step
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -53,7 +53,7 @@ class LearningRateMonitor(Callback):
             trainer._log_to_loggers(self._values(trainer), step=trainer.global_step)
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._interval == "step" and trainer._stepped and trainer.global_step % trainer.log_every_n_steps == 0:
+        if self._interval == "step" and at_logging_step(trainer):
             trainer._log_to_loggers(self._values(trainer), step=trainer.global_step)
 
     def _values(self, trainer: Trainer) -> dict[str, float]:

@@ -23,6 +23,10 @@ class ProgressBar(Callback):
     On an interactive terminal it draws a tqdm bar (when tqdm is installed), redrawn every
     ``refresh_rate`` seconds; otherwise it prints one line every ``line_interval`` seconds and one
     at the end of each epoch and evaluation. Values are read from the device only when shown.
+    During ``fit`` the validation bar is removed when it is done; values it logged with
+    ``prog_bar=True`` show on the epoch's bar. ``stream`` defaults to stdout; ``interactive=None``
+    asks whether ``stream`` is a terminal. Pass a subclass in ``callbacks`` to replace it, or
+    ``Trainer(enable_progress_bar=False)`` to turn it off.
     """
 
     def __init__(
@@ -32,6 +36,9 @@ class ProgressBar(Callback):
         stream: IO[str] | None = None,
         interactive: bool | None = None,
     ) -> None:
+        for flag, value in (("refresh_rate", refresh_rate), ("line_interval", line_interval)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"ProgressBar({flag}={value!r}): expected a number of seconds >= 0")
         self.refresh_rate = refresh_rate
         self.line_interval = line_interval
         self._stream = stream
@@ -58,7 +65,7 @@ class ProgressBar(Callback):
         if trainer.is_global_zero:
             epochs = f"/{trainer.max_epochs}" if trainer.max_epochs not in (None, -1) else ""
             description = f"Epoch {trainer.current_epoch}{epochs}"
-            self._train_line = _Line(self, description, trainer.num_training_batches, show_loss=True)
+            self._train_line = _Line(self, description, trainer.num_training_batches, show_loss=True, keep=True)
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._train_line is not None:
@@ -102,7 +109,9 @@ class ProgressBar(Callback):
 
     def _start_eval(self, trainer: Trainer, description: str) -> None:
         if trainer.is_global_zero and not trainer.sanity_checking:
-            self._eval_line = _Line(self, description, sum(trainer._eval_batch_counts), show_loss=False)
+            # During fit the validation bar goes away when done; its prog_bar values show on the epoch's bar.
+            keep = trainer.stage != "fit"
+            self._eval_line = _Line(self, description, sum(trainer._eval_batch_counts), show_loss=False, keep=keep)
 
     def _advance_eval(self, trainer: Trainer, batch: Any) -> None:
         if self._eval_line is not None:
@@ -117,7 +126,7 @@ class ProgressBar(Callback):
 class _Line:
     """One bar or line of progress: a training epoch, or a validation, test or predict run."""
 
-    def __init__(self, owner: ProgressBar, description: str, total: float, show_loss: bool) -> None:
+    def __init__(self, owner: ProgressBar, description: str, total: float, show_loss: bool, keep: bool) -> None:
         self.owner = owner
         self.description = description
         self.total = total
@@ -133,7 +142,7 @@ class _Line:
 
             self.bar = tqdm(
                 total=None if math.isinf(total) else int(total), desc=description, file=owner.stream,
-                dynamic_ncols=True, leave=True, unit="batch",
+                dynamic_ncols=True, leave=keep, unit="batch",
             )  # fmt: skip
         else:
             self.interval = owner.line_interval

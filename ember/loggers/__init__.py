@@ -1,6 +1,13 @@
-"""Loggers: where metrics and hyperparameters are written. ``CSVLogger`` is the default."""
+"""Loggers: where metrics and hyperparameters are written. ``CSVLogger`` is the default.
+
+``TensorBoardLogger`` and ``MLflowLogger`` import their packages only when constructed.
+"""
 
 from ember.loggers.csv_logger import CSVLogger
 from ember.loggers.logger import Logger
+from ember.loggers.mlflow import MLflowLogger
+from ember.loggers.tensorboard import TensorBoardLogger
 
-__all__ = ["CSVLogger", "Logger"]
+MLFlowLogger = MLflowLogger  # Lightning's spelling
+
+__all__ = ["CSVLogger", "Logger", "MLFlowLogger", "MLflowLogger", "TensorBoardLogger"]

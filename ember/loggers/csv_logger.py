@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from ember.loggers.logger import Logger, next_version
+from ember.loggers.logger import VersionedLogger
 
 
-class CSVLogger(Logger):
+class CSVLogger(VersionedLogger):
     """Writes ``<save_dir>/<name>/version_<N>/metrics.csv`` (one row per logged step) and ``hparams.yaml``.
 
     Rows are buffered and written every ``flush_logs_every_n_steps`` steps and at the end of a stage;
@@ -25,9 +24,7 @@ class CSVLogger(Logger):
         version: int | str | None = None,
         flush_logs_every_n_steps: int = 100,
     ) -> None:
-        self._save_dir = os.fspath(save_dir)
-        self._name = name
-        self._version = version
+        super().__init__(save_dir, name, version)
         self._flush_every = flush_logs_every_n_steps
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
@@ -35,42 +32,19 @@ class CSVLogger(Logger):
         self._last_flush_step = 0
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def version(self) -> int | str:
-        if self._version is None:
-            self._version = next_version(os.path.join(self._save_dir, self._name))
-        return self._version
-
-    def use_version(self, version: int | str) -> None:
-        self._version = version
-
-    @property
-    def save_dir(self) -> str:
-        return self._save_dir
-
-    @property
-    def log_dir(self) -> str:
-        version = self.version if isinstance(self.version, str) else f"version_{self.version}"
-        return os.path.join(self._save_dir, self._name, version)
-
-    @property
     def metrics_file(self) -> str:
         return os.path.join(self.log_dir, "metrics.csv")
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        os.makedirs(self.log_dir, exist_ok=True)
-        # JSON is valid YAML, so YAML readers (and Lightning tooling) can read this file too.
-        with open(os.path.join(self.log_dir, "hparams.yaml"), "w") as file:
-            json.dump(dict(params), file, indent=2, default=repr)
-            file.write("\n")
+        self.write_hparams_file(params)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         row = {"step": step, **metrics}
-        if self._rows and self._rows[-1]["step"] == step:
-            self._rows[-1].update(row)  # values logged at the same step share a row
+        last = self._rows[-1] if self._rows else None
+        # Values logged at the same step share a row, unless an epoch began in between (the
+        # epoch-start values of the next epoch come at the step where the last one ended).
+        if last is not None and last["step"] == step and last.get("epoch") == row.get("epoch"):
+            last.update(row)
         else:
             self._rows.append(row)
         for key in row:

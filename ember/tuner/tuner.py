@@ -131,7 +131,7 @@ class Tuner:
         def record(step: int, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None) -> bool:
             if loss is None:
                 return True
-            finder.add(lr_at(step), float(loss))
+            finder.add(lr_at(step), float(loss.detach()))
             if step + 1 < num_training:
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step + 1)

@@ -1,0 +1,84 @@
+"""``ModelSummary``: a table of the model's layers and parameter counts, printed when ``fit`` starts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.module import Module
+    from ember.trainer import Trainer
+
+
+class ModelSummary(Callback):
+    """Print each layer's name, type, parameter count and trainable count, then the totals and their size.
+
+    ``max_depth`` is how deep to list layers: 1 (the default) lists the module's direct children, -1
+    every layer, 0 only the totals. Printed on the global-zero process; ``Trainer(enable_model_summary=
+    False)`` turns it off. Sharded parameters (DTensors, as FSDP2 makes them) count with their full size.
+    """
+
+    def __init__(self, max_depth: int = 1) -> None:
+        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
+            raise ValueError(f"ModelSummary(max_depth={max_depth!r}): expected -1 (every layer), 0 or a positive int")
+        self.max_depth = max_depth
+
+    def on_fit_start(self, trainer: Trainer, module: Module) -> None:
+        if trainer.is_global_zero:
+            print(summarize(module, self.max_depth))
+
+
+def summarize(model: nn.Module, max_depth: int = 1) -> str:
+    """The summary table of ``model`` as text (what ``ModelSummary`` prints)."""
+    rows = [
+        (name, type(layer).__name__, *_counts(layer.parameters()))
+        for name, layer in model.named_modules()
+        if name and (max_depth == -1 or name.count(".") < max_depth)
+    ]
+    trainable, total, size = _counts(model.parameters())
+    headers = ("Name", "Type", "Params", "Trainable")
+    table = [headers] + [(name, kind, _readable(count), _readable(train)) for name, kind, train, count, _ in rows]
+    widths = [max(len(row[column]) for row in table) for column in range(len(headers))]
+    index_width = len(str(len(rows)))
+
+    def line(index: str, cells: tuple[str, ...]) -> str:
+        text = f"{index:<{index_width}} | " + " | ".join(f"{cell:<{width}}" for cell, width in zip(cells, widths))
+        return text.rstrip()
+
+    rule = "-" * len(line("", headers))  # "Trainable" is the widest cell of the last column
+    lines = [line("", headers), rule, *(line(str(i), cells) for i, cells in enumerate(table[1:])), rule] if rows else []
+    lines += [
+        f"{_readable(trainable):<10}Trainable params",
+        f"{_readable(total - trainable):<10}Non-trainable params",
+        f"{_readable(total):<10}Total params",
+        f"{size / 1e6:<10.3f}Total estimated model params size (MB)",
+    ]
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+        lines.append("(lazy layers whose parameters are not initialized yet count as 0)")
+    return "\n".join(lines)
+
+
+def _counts(parameters: Iterable[nn.Parameter]) -> tuple[int, int, int]:
+    """(trainable, total, bytes) of ``parameters``; a DTensor's numel() is that of the whole, unsharded tensor."""
+    trainable = total = size = 0
+    for parameter in parameters:
+        if isinstance(parameter, nn.parameter.UninitializedParameter):
+            continue
+        count = parameter.numel()
+        total += count
+        size += count * parameter.element_size()
+        if parameter.requires_grad:
+            trainable += count
+    return trainable, total, size
+
+
+def _readable(count: int) -> str:
+    """1234 -> "1.2 K", 5600000 -> "5.6 M" (the format Lightning prints)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return str(count)

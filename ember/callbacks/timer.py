@@ -1,0 +1,118 @@
+"""``Timer``: how long each stage ran, and an optional time limit for training."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+from ember._utils import parse_max_time
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.module import Module
+    from ember.trainer import Trainer
+
+Stage = Literal["train", "validate", "test", "predict"]
+
+
+class Timer(Callback):
+    """Time the stages, and stop training once ``duration`` has passed.
+
+    ``duration`` is "DD:HH:MM:SS", a ``timedelta`` or a dict such as ``{"hours": 2}``. With
+    ``interval="step"`` training stops after the batch during which time ran out (with several
+    processes, within the next ten batches, every rank at the same one), with ``"epoch"`` at the end
+    of that epoch. ``time_elapsed(stage)``,
+    ``time_remaining(stage)``, ``start_time(stage)`` and ``end_time(stage)`` (``time.monotonic()``
+    values) read the clock for "train", "validate", "test" or "predict". The training time is saved in
+    checkpoints, so a resumed run continues the count.
+    """
+
+    def __init__(
+        self,
+        duration: str | timedelta | Mapping[str, int] | None = None,
+        interval: Literal["step", "epoch"] = "step",
+        verbose: bool = True,
+    ) -> None:
+        if interval not in ("step", "epoch"):
+            raise ValueError(f"Timer(interval={interval!r}): choose 'step' or 'epoch'")
+        self.duration = parse_max_time(duration, flag="Timer(duration)")
+        self.interval = interval
+        self.verbose = verbose
+        self._start: dict[str, float] = {}
+        self._end: dict[str, float] = {}
+        self._offset = 0.0  # training time of the run this one resumed
+
+    def start_time(self, stage: Stage = "train") -> float | None:
+        return self._start.get(stage)
+
+    def end_time(self, stage: Stage = "train") -> float | None:
+        return self._end.get(stage)
+
+    def time_elapsed(self, stage: Stage = "train") -> float:
+        """Seconds ``stage`` has run (for "train", including the run this one resumed)."""
+        offset = self._offset if stage == "train" else 0.0
+        start = self._start.get(stage)
+        if start is None:
+            return offset
+        return self._end.get(stage, time.monotonic()) - start + offset
+
+    def time_remaining(self, stage: Stage = "train") -> float | None:
+        return None if self.duration is None else self.duration - self.time_elapsed(stage)
+
+    def _begin(self, stage: Stage) -> None:
+        self._start[stage] = time.monotonic()
+        self._end.pop(stage, None)
+
+    def _finish(self, stage: Stage) -> None:
+        self._end[stage] = time.monotonic()
+
+    # ---------------------------------------------------------------------------------- hooks
+    def on_train_start(self, trainer: Trainer, module: Module) -> None:
+        self._begin("train")
+        if self.duration is not None and self.interval == "step":
+            # The loop's time limit stops every rank at the same batch without a collective per step.
+            remaining = self.duration - self._offset
+            trainer._deadline = min(trainer._deadline, self._start["train"] + remaining)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if self.duration is None or self.interval != "epoch":
+            return
+        if trainer.strategy.broadcast(self.time_elapsed("train") >= self.duration):  # rank zero's clock decides
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: Trainer, module: Module) -> None:
+        self._finish("train")
+        remaining = self.time_remaining("train")
+        if self.verbose and remaining is not None and remaining <= 0 and trainer.is_global_zero:
+            print(f"Timer: the time limit of {_readable(self.duration or 0.0)} was reached after "
+                  f"{_readable(self.time_elapsed('train'))} of training")  # fmt: skip
+
+    def on_validation_start(self, trainer: Trainer, module: Module) -> None:
+        self._begin("validate")
+
+    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+        self._finish("validate")
+
+    def on_test_epoch_start(self, trainer: Trainer, module: Module) -> None:
+        self._begin("test")
+
+    def on_test_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        self._finish("test")
+
+    def on_predict_epoch_start(self, trainer: Trainer, module: Module) -> None:
+        self._begin("predict")
+
+    def on_predict_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        self._finish("predict")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in self._start}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._offset = state.get("time_elapsed", {}).get("train", 0.0)
+
+
+def _readable(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds < 60 else str(timedelta(seconds=round(seconds)))

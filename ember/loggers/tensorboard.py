@@ -1,0 +1,72 @@
+"""``TensorBoardLogger``: event files that TensorBoard reads, written through ``torch.utils.tensorboard``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ember._utils import require
+from ember.loggers.logger import VersionedLogger, flatten
+
+
+class TensorBoardLogger(VersionedLogger):
+    """Writes TensorBoard event files into ``<save_dir>/<name>/version_<N>``, and ``hparams.yaml`` beside them.
+
+    Scalars appear under their logged names; hyperparameters appear in TensorBoard's HPARAMS tab next
+    to every logged metric. Extra keyword arguments go to ``torch.utils.tensorboard.SummaryWriter``
+    (for example ``flush_secs``). Needs the ``tensorboard`` package: ``pip install 'ember[tensorboard]'``.
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike = ".",
+        name: str = "ember_logs",
+        version: int | str | None = None,
+        **writer_options: Any,
+    ) -> None:
+        require("tensorboard", "tensorboard", "TensorBoardLogger")  # torch.utils.tensorboard writes through it
+        super().__init__(save_dir, name, version)
+        self._writer_options = writer_options
+        self._writer: Any = None
+
+    @property
+    def experiment(self) -> Any:
+        """The ``SummaryWriter`` (created on first use), for images, histograms and the like."""
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=self.log_dir, **self._writer_options)
+        return self._writer
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.experiment.add_scalar(name, value, step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        self.write_hparams_file(params)
+        values = {key: _hparam_value(value) for key, value in flatten(params).items()}
+        # Only the session's start record: without an experiment record, TensorBoard's HPARAMS tab
+        # lists every scalar of the run as a metric, so nothing has to be named in advance.
+        _, session_start, _ = hparams(values, {})
+        self.experiment.file_writer.add_summary(session_start)
+
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def finalize(self, status: str) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None  # a later stage (test after fit) opens a new event file in the same directory
+
+
+def _hparam_value(value: Any) -> int | float | str | bool | torch.Tensor:
+    """A value TensorBoard can show: numbers, strings and booleans as they are, anything else as text."""
+    if isinstance(value, (bool, int, float, str)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return value
+    return str(value)

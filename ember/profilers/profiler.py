@@ -1,0 +1,188 @@
+"""The ``Profiler`` base class: it times a run by wrapping, on instances and only while it profiles, the
+strategy's step methods, the data loaders, the hooks and logging. With no profiler nothing is wrapped,
+so the loop runs exactly the code it runs without one."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ember._utils import is_overridden
+from ember.callbacks import Callback
+from ember.module import Module
+
+if TYPE_CHECKING:
+    from ember.trainer import Trainer
+
+_END = object()
+
+
+class Profiler:
+    """Times named actions. Subclasses implement ``start``, ``stop`` and ``summary``.
+
+    For each stage (fit, validate, test, predict) the Trainer calls ``setup``, which makes these
+    actions call ``start``/``stop``: ``<kind>: waiting for data`` (the loader producing a batch),
+    ``<kind>: batch_to_device``, ``training_step`` (the forward pass; likewise ``validation_step``,
+    ...), ``backward``, ``unscale_gradients``, ``clip_gradients``, ``optimizer_step``, ``logging``
+    (writing to the loggers) and each overridden hook as ``<Class>.<hook>``. User code can add its
+    own with ``with self.trainer.profiler.profile("name"):``. At the end of the stage ``teardown``
+    removes the wrappers, writes ``summary()`` to ``<dirpath>/<stage>-<filename>.txt`` (one file per
+    rank, ``-rank<N>`` added when there are several) and prints it on the global-zero process.
+    ``dirpath`` defaults to the run's log directory.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str = "profile") -> None:
+        self.dirpath = os.fspath(dirpath) if dirpath is not None else None
+        self.filename = filename
+        self._undo: list[Callable[[], None]] = []
+        self._phase = "train"  # the kind of loader the latest batch came from
+
+    def start(self, action: str) -> None:
+        raise NotImplementedError
+
+    def stop(self, action: str) -> None:
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        """The report of the stage that just ended."""
+        return ""
+
+    @contextlib.contextmanager
+    def profile(self, action: str) -> Iterator[None]:
+        self.start(action)
+        try:
+            yield
+        finally:
+            self.stop(action)
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        """Start profiling ``stage``: wrap what the run calls so that it reports its actions here."""
+        self._phase = "train"
+        strategy = trainer.strategy
+        self._wrap(strategy, "batch_to_device", lambda *args: f"{self._phase}: batch_to_device")
+        self._wrap(strategy, "step", lambda name, *args: name)
+        for name in ("backward", "unscale_gradients", "clip_gradients", "optimizer_step"):
+            self._wrap(strategy, name, name)
+        self._wrap(trainer, "_log_to_loggers", "logging")
+        self._wrap(trainer.module, "configure_optimizers", "configure_optimizers")
+        hook_owners: list[tuple[Any, type]] = [(trainer.module, Module)]
+        hook_owners += [(callback, Callback) for callback in trainer.callbacks]
+        for owner, base in hook_owners:
+            for hook in _HOOKS:
+                if is_overridden(hook, owner, base):
+                    self._wrap(owner, hook, f"{type(owner).__name__}.{hook}")
+        original_loaders = trainer._loaders
+
+        def loaders(kind: str, given: Any, required: bool = False) -> list[Iterable]:
+            return [_TimedLoader(loader, kind, self) for loader in original_loaders(kind, given, required)]
+
+        self._replace(trainer, "_loaders", loaders)
+        trainer._hook_cache.clear()  # cached hook lists would bypass the wrappers
+
+    def teardown(self, trainer: Trainer, stage: str) -> None:
+        """Stop profiling: remove the wrappers, then write and print the summary."""
+        while self._undo:
+            self._undo.pop()()
+        trainer._hook_cache.clear()
+        report = self.summary()
+        if not report:
+            return
+        directory = self.dirpath or trainer.log_dir or trainer.default_root_dir
+        rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+        path = os.path.join(directory, f"{stage}-{self.filename}{rank}.txt")
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as file:
+            file.write(report + "\n")
+        if trainer.is_global_zero:
+            print(f"{report}\n(written to {path})")
+
+    def next_batch(self, kind: str) -> None:
+        """Called as the run asks a loader of ``kind`` ("train", "val", "test" or "predict") for a batch."""
+        self._phase = kind
+
+    # ------------------------------------------------------------------------------- wrapping
+    def _wrap(self, owner: Any, name: str, action: str | Callable[..., str]) -> None:
+        """Make ``owner.<name>(...)`` report itself as ``action``, or as ``action(...)`` of its arguments."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def profiled(*args: Any, **kwargs: Any) -> Any:
+            label = action if isinstance(action, str) else action(*args)
+            self.start(label)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.stop(label)
+
+        self._replace(owner, name, profiled)
+
+    def _replace(self, owner: Any, name: str, replacement: Callable[..., Any]) -> None:
+        """Set ``owner.<name>`` on the instance, remembering how to put back what was there."""
+        own = owner.__dict__
+        if name in own:
+            previous = own[name]
+            self._undo.append(lambda: own.__setitem__(name, previous))
+        else:
+            self._undo.append(lambda: own.pop(name, None))
+        own[name] = replacement  # straight into __dict__: nn.Module.__setattr__ has no business here
+
+
+class PassThroughProfiler(Profiler):
+    """The profiler of a Trainer built without one: it wraps nothing and records nothing."""
+
+    def start(self, action: str) -> None:
+        pass
+
+    def stop(self, action: str) -> None:
+        pass
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        pass
+
+    def teardown(self, trainer: Trainer, stage: str) -> None:
+        pass
+
+
+class _TimedLoader:
+    """A loader whose batches are timed as ``<kind>: waiting for data``; everything else is the loader's."""
+
+    def __init__(self, loader: Iterable, kind: str, profiler: Profiler) -> None:
+        self._loader = loader
+        self._kind = kind
+        self._profiler = profiler
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]  # a TypeError without a length, as for the loader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        profiler, action = self._profiler, f"{self._kind}: waiting for data"
+        iterator: Iterator[Any] | None = None
+        while True:
+            profiler.next_batch(self._kind)
+            with profiler.profile(action):  # starting the loader's workers counts as waiting too
+                if iterator is None:
+                    iterator = iter(self._loader)
+                batch = next(iterator, _END)
+            if batch is _END:
+                return
+            yield batch
+
+
+_HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+
+
+def latest_start(started: list, action: str) -> int:
+    """The index of the most recent entry of ``action`` in a list of started actions (tuples or lists
+    whose first item is the name). Usually the last one; an action started in one hook and stopped in
+    another is further down."""
+    for index in range(len(started) - 1, -1, -1):
+        if started[index][0] == action:
+            return index
+    raise ValueError(f"profiler: stop({action!r}) without a matching start({action!r})")

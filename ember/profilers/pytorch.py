@@ -1,0 +1,113 @@
+"""``PyTorchProfiler``: a ``torch.profiler`` trace of a few steps, for TensorBoard or Perfetto."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember.profilers.profiler import Profiler, latest_start
+from ember.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    from ember.trainer import Trainer
+
+# The loader whose batches are the steps of each stage.
+_STEP_LOADER = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
+
+
+class PyTorchProfiler(Profiler):
+    """Records operator-level traces with ``torch.profiler``, the Trainer's actions marked in them.
+
+    Steps are the batches of the stage's loader (training batches for fit). By default it skips one
+    step, warms up for one and records three (``schedule`` takes a ``torch.profiler.schedule``). Each
+    recorded window is written as ``<dirpath>/<stage>-rank<N>.<time>.pt.trace.json``, a Chrome trace
+    that Perfetto (ui.perfetto.dev) and TensorBoard's profiler plugin open; the summary is the table of
+    the operators that took the most time. ``activities`` defaults to the CPU, plus CUDA when the run
+    uses a GPU; ``record_shapes``, ``profile_memory`` and ``with_stack`` are torch.profiler's options.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str = "profile",
+        schedule: Callable[[int], Any] | None = None,
+        activities: Iterable[torch.profiler.ProfilerActivity] | None = None,
+        record_shapes: bool = False,
+        profile_memory: bool = False,
+        with_stack: bool = False,
+        row_limit: int = 20,
+    ) -> None:
+        super().__init__(dirpath, filename)
+        self.schedule = schedule
+        self.activities = list(activities) if activities is not None else None
+        self.options = {"record_shapes": record_shapes, "profile_memory": profile_memory, "with_stack": with_stack}
+        self.row_limit = row_limit
+        self._profiler: torch.profiler.profile | None = None
+        self._ranges: list[tuple[str, torch.profiler.record_function]] = []
+        self._step_kind = "train"
+        self._steps_begun = 0
+        self._traces_written = 0
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self._step_kind = _STEP_LOADER[stage]
+        self._steps_begun = self._traces_written = 0
+        directory = self.dirpath or trainer.log_dir or trainer.default_root_dir
+        write_trace = torch.profiler.tensorboard_trace_handler(
+            directory, worker_name=f"{stage}-rank{trainer.global_rank}"
+        )
+
+        def trace_ready(profiler: torch.profiler.profile) -> None:
+            self._traces_written += 1
+            write_trace(profiler)
+
+        activities = self.activities
+        if activities is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if trainer.strategy.root_device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=self.schedule or torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=trace_ready,
+            **self.options,
+        )
+        super().setup(trainer, stage)
+        self._profiler.start()
+
+    def teardown(self, trainer: Trainer, stage: str) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+        super().teardown(trainer, stage)
+        if not self._traces_written:
+            rank_zero_warn(
+                f"PyTorchProfiler recorded no trace of {stage}: it ran fewer steps than the schedule waits for "
+                "and records; run more batches or pass a shorter torch.profiler.schedule"
+            )
+        self._profiler = None
+
+    def start(self, action: str) -> None:
+        marker = torch.profiler.record_function(action)
+        marker.__enter__()
+        self._ranges.append((action, marker))
+
+    def stop(self, action: str) -> None:
+        self._ranges.pop(latest_start(self._ranges, action))[1].__exit__(None, None, None)
+
+    def next_batch(self, kind: str) -> None:
+        super().next_batch(kind)
+        if kind == self._step_kind and self._profiler is not None:
+            if self._steps_begun:  # the first step began when the profiler started
+                self._profiler.step()
+            self._steps_begun += 1
+
+    def summary(self) -> str:
+        if self._profiler is None or self._profiler.profiler is None:
+            return ""
+        events = self._profiler.key_averages()
+        if not events:
+            return ""
+        sort_by = "self_device_time_total" if any(e.self_device_time_total for e in events) else "self_cpu_time_total"
+        return events.table(sort_by=sort_by, row_limit=self.row_limit)

@@ -1,0 +1,127 @@
+"""The model summary, DeviceStatsMonitor, Timer, and the progress bar's options."""
+
+from __future__ import annotations
+
+import csv
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, quiet_trainer
+from torch import nn
+
+import ember
+from ember.callbacks import DeviceStatsMonitor, ModelSummary, ProgressBar, Timer
+from ember.callbacks.model_summary import summarize
+
+
+class _TwoLayers(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 300), nn.ReLU(), nn.Linear(300, 4))
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.frozen(self.encoder(x)))
+
+
+def test_model_summary_is_printed_when_fit_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_model_summary=True)
+    trainer.fit(_TwoLayers(), make_loader(16))
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["|", "Name", "|", "Type", "|", "Params", "|", "Trainable"]
+    # 4*300+300 + 300*4+4 = 2704 in the encoder; 20 frozen; 5 in the output layer
+    assert lines[2].split() == ["0", "|", "layer", "|", "Linear", "|", "5", "|", "5"]
+    assert lines[3].split() == ["1", "|", "encoder", "|", "Sequential", "|", "2.7", "K", "|", "2.7", "K"]
+    assert lines[4].split() == ["2", "|", "frozen", "|", "Linear", "|", "20", "|", "0"]
+    assert "2.7 K     Trainable params" in out and "20        Non-trainable params" in out
+    assert "2.7 K     Total params" in out
+    assert f"{(2704 + 20 + 5) * 4 / 1e6:<10.3f}Total estimated model params size (MB)" in out
+
+
+def test_model_summary_depth_and_turning_it_off(capsys: pytest.CaptureFixture[str]) -> None:
+    text = summarize(_TwoLayers(), max_depth=-1)
+    assert "encoder.0 | Linear" in text and "encoder.1 | ReLU" in text
+    assert summarize(_TwoLayers(), max_depth=0).splitlines()[0].endswith("Trainable params")
+    ember.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_model_summary=False).fit(
+        Regressor(), make_loader(16)
+    )
+    assert "Total params" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="enable_model_summary=False, but a ModelSummary was passed"):
+        ember.Trainer(enable_model_summary=False, callbacks=[ModelSummary()])
+    with pytest.raises(ValueError, match=r"ModelSummary\(max_depth=-2\): expected -1"):
+        ModelSummary(max_depth=-2)
+
+
+def test_device_stats_are_logged_at_the_logging_steps() -> None:
+    trainer = quiet_trainer(max_epochs=1, callbacks=[DeviceStatsMonitor()], log_every_n_steps=2)
+    trainer.fit(Regressor(), make_loader(64))
+    with open(os.path.join(trainer.log_dir, "metrics.csv"), newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("device_stats/cpu_rss_mb")]
+    assert [row["step"] for row in rows] == ["2", "4", "6", "8"]
+    assert all(0 < float(row["device_stats/cpu_rss_mb"]) <= float(row["device_stats/cpu_peak_rss_mb"]) for row in rows)
+    assert DeviceStatsMonitor(cpu_stats=False).stats(torch.device("cpu")) == {}
+    with pytest.raises(ValueError, match="DeviceStatsMonitor needs a logger"):
+        quiet_trainer(max_steps=1, logger=False, callbacks=[DeviceStatsMonitor()]).fit(Regressor(), make_loader())
+    with pytest.raises(ValueError, match=r"cpu_stats='yes'"):
+        DeviceStatsMonitor(cpu_stats="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+def test_device_stats_on_a_gpu() -> None:
+    stats = DeviceStatsMonitor().stats(torch.device("cuda", 0))
+    assert set(stats) == {f"device_stats/cuda_memory_{kind}_mb" for kind in ("allocated", "reserved", "peak")}
+    trainer = quiet_trainer(accelerator="cuda", max_steps=4, callbacks=[DeviceStatsMonitor()], log_every_n_steps=2)
+    trainer.fit(Regressor(), make_loader())
+    assert float(trainer.logged_metrics["device_stats/cuda_memory_peak_mb"]) > 0
+
+
+class _Slow(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        time.sleep(0.01)
+        return super().training_step(batch, batch_idx)
+
+
+def test_timer_stops_training_and_reports_stage_times(capsys: pytest.CaptureFixture[str]) -> None:
+    timer = Timer(duration={"seconds": 0.3})
+    trainer = quiet_trainer(max_epochs=1000, callbacks=[timer], logger=False, enable_checkpointing=False)
+    trainer.fit(_Slow(), make_loader(64), make_loader(16))
+    assert 0 < trainer.global_step < 60  # 8 steps per epoch, 10 ms each: stopped within the fourth epoch
+    assert 0.3 <= timer.time_elapsed("train") < 1.5 and timer.time_remaining("train") <= 0
+    assert timer.start_time("validate") is not None and timer.time_elapsed("validate") > 0
+    assert timer.time_elapsed("test") == 0 and timer.start_time("test") is None
+    assert "Timer: the time limit of 0.30 s was reached after 0." in capsys.readouterr().out
+    trainer.test(Regressor(), make_loader(16), verbose=False)
+    assert timer.end_time("test") is not None and timer.end_time("test") >= timer.start_time("test")
+
+
+def test_timer_with_epoch_interval_stops_at_an_epoch_end() -> None:
+    timer = Timer(duration={"seconds": 0.1}, interval="epoch", verbose=False)
+    trainer = quiet_trainer(max_epochs=1000, callbacks=[timer], logger=False, enable_checkpointing=False)
+    trainer.fit(_Slow(), make_loader(64))
+    assert trainer.global_step % 8 == 0 and 0 < trainer.current_epoch < 20
+
+
+def test_timer_continues_the_count_of_a_resumed_run() -> None:
+    timer = Timer(duration="00:00:01:00")
+    timer.load_state_dict({"time_elapsed": {"train": 59.9}})  # as a checkpoint of a run 59.9 s in restores it
+    trainer = quiet_trainer(max_epochs=1000, callbacks=[timer], logger=False, enable_checkpointing=False)
+    trainer.fit(_Slow(), make_loader(64))
+    assert trainer.global_step < 40 and timer.state_dict()["time_elapsed"]["train"] >= 60.0
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Timer(duration="1 hour"), r"Timer\(duration\)='1 hour': expected 'DD:HH:MM:SS'"),
+        (lambda: Timer(duration={"seconds": 1}, interval="batch"), r"Timer\(interval='batch'\)"),
+        (lambda: ProgressBar(refresh_rate=-1), r"ProgressBar\(refresh_rate=-1\): expected a number of seconds"),
+        (lambda: ProgressBar(line_interval="5"), r"ProgressBar\(line_interval='5'\)"),
+    ],
+)
+def test_bad_callback_arguments_are_named(make: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()

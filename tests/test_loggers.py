@@ -1,0 +1,213 @@
+"""TensorBoard and MLflow loggers read back with their own readers, several loggers at once, torchmetrics
+objects (also across two gloo ranks), and rank-zero-only output."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, quiet_trainer
+
+import ember
+from ember.loggers import CSVLogger, MLflowLogger, TensorBoardLogger
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+
+
+def _scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_event_files_read_back_with_scalars_and_hyperparameters(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    logger = TensorBoardLogger(str(tmp_path))
+    trainer = quiet_trainer(max_epochs=2, logger=logger, log_every_n_steps=2)
+    trainer.fit(Regressor(lr=0.03), make_loader(32), make_loader(16))
+    assert logger.log_dir == os.path.join(str(tmp_path), "ember_logs", "version_0") == trainer.log_dir
+    scalars = _scalars(logger.log_dir)
+    assert [step for step, _ in scalars["train_loss"]] == [2, 4, 6, 8]
+    assert [step for step, _ in scalars["val_loss"]] == [4, 8]
+    assert scalars["train_loss"][-1][1] == pytest.approx(float(trainer.logged_metrics["train_loss"]))
+
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    session = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    assert session.hparams["lr"].number_value == pytest.approx(0.03)
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as file:
+        assert json.load(file) == {"lr": 0.03, "features": 4}
+
+
+def test_mlflow_runs_read_back_from_the_local_store(tmp_path: Any) -> None:
+    pytest.importorskip("mlflow")
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    store = str(tmp_path / "mlruns")
+    logger = MLflowLogger(experiment_name="regression", save_dir=store, tags={"team": "core"})
+    trainer = quiet_trainer(max_epochs=2, logger=logger, log_every_n_steps=2)
+    trainer.fit(Regressor(lr=0.03), make_loader(32), make_loader(16))
+
+    client = MlflowClient(tracking_uri="file:" + store)
+    (run,) = client.search_runs([logger.name])
+    assert run.info.run_id == logger.version and run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.03", "features": "4"} and run.data.tags["team"] == "core"
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    assert [metric.step for metric in history] == [2, 4, 6, 8]
+    assert [metric.step for metric in client.get_metric_history(run.info.run_id, "val_loss")] == [4, 8]
+    runs = mlflow.search_runs(experiment_names=["regression"], output_format="list")
+    assert [found.info.run_id for found in runs] == [logger.version]
+    # checkpoints go into the run's directory of the store
+    assert trainer.checkpoint_callback is not None
+    assert trainer.checkpoint_callback.dirpath == os.path.join(store, logger.name, logger.version, "checkpoints")
+
+
+def test_mlflow_marks_a_failed_run_and_cleans_metric_names(tmp_path: Any) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    class Failing(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("top@1 acc", 1.0)
+            if batch_idx == 3:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    store = str(tmp_path / "mlruns")
+    logger = MLflowLogger(save_dir=store)
+    with pytest.raises(RuntimeError, match="boom"):
+        quiet_trainer(max_epochs=1, logger=logger, log_every_n_steps=1).fit(Failing(), make_loader(64))
+    run = MlflowClient(tracking_uri="file:" + store).get_run(logger.version)
+    assert run.info.status == "FAILED" and "top_1 acc" in run.data.metrics
+
+
+def test_several_loggers_share_one_versioned_run_directory(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    root = str(tmp_path)
+    for version in ("version_0", "version_1"):
+        loggers = [CSVLogger(root), TensorBoardLogger(root)]
+        trainer = quiet_trainer(max_epochs=1, logger=loggers, log_every_n_steps=2)
+        trainer.fit(Regressor(), make_loader(32))
+        assert trainer.loggers == loggers
+        assert {logger.log_dir for logger in loggers} == {os.path.join(root, "ember_logs", version)}
+    files = sorted(os.listdir(os.path.join(root, "ember_logs", "version_1")))
+    assert files[:1] == ["checkpoints"] and "metrics.csv" in files and "hparams.yaml" in files
+    assert any(name.startswith("events.out.tfevents") for name in files)
+
+
+def test_missing_packages_give_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'ember\[tensorboard\]'"):
+        TensorBoardLogger()
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'ember\[mlflow\]'"):
+        MLflowLogger()
+
+
+def test_csv_rows_of_a_new_epoch_do_not_overwrite_the_last_one(tmp_path: Any) -> None:
+    logger = CSVLogger(str(tmp_path))
+    logger.log_metrics({"loss_epoch": 1.0, "epoch": 0}, step=8)
+    logger.log_metrics({"lr": 0.1, "epoch": 1}, step=8)  # the next epoch starts at the same step
+    logger.log_metrics({"loss": 2.0, "epoch": 1}, step=8)
+    logger.save()
+    with open(logger.metrics_file, newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [(row["epoch"], row["loss_epoch"], row["lr"], row["loss"]) for row in rows] == [
+        ("0", "1.0", "", ""),
+        ("1", "", "0.1", "2.0"),
+    ]
+
+
+# ---------------------------------------------------------------------------------- torchmetrics
+def test_torchmetrics_objects_are_computed_per_epoch_and_reset() -> None:
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class WithMetrics(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_mean = torchmetrics.MeanMetric()
+            self.step_only = torchmetrics.SumMetric()
+            self.val_count = torchmetrics.SumMetric()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.batch_mean(torch.tensor(float(batch_idx)))
+            self.log("batch_mean", self.batch_mean, on_step=True, on_epoch=True)
+            self.step_only(torch.tensor(1.0))
+            self.log("step_only", self.step_only)  # per step only, yet reset at the epoch's end
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.val_count.update(torch.tensor(1.0))
+            self.log("val_count", self.val_count)
+
+    seen: list[tuple[float, float, float]] = []
+
+    class Watch(ember.callbacks.Callback):
+        reads_epoch_metrics = True
+
+        def on_train_epoch_end(self, trainer: ember.Trainer, module: Any) -> None:
+            metrics = trainer.callback_metrics
+            reset = float(module.step_only.metric_state["sum_value"])
+            seen.append((float(metrics["batch_mean_epoch"]), float(metrics["val_count"]), reset))
+
+    model = WithMetrics()
+    trainer = ember.Trainer(accelerator="cpu", max_epochs=2, enable_progress_bar=False, logger=False,
+                            enable_checkpointing=False, num_sanity_val_steps=2, callbacks=[Watch()])  # fmt: skip
+    trainer.fit(model, make_loader(32), make_loader(24))
+    # 4 batches (mean index 1.5) and 3 validation batches per epoch: the 2 sanity batches and the first
+    # epoch's updates are not counted again
+    assert [(mean, count) for mean, count, _ in seen] == [(1.5, 3.0), (1.5, 3.0)]
+    assert float(trainer.callback_metrics["batch_mean_step"]) == 3.0
+    assert [reset for *_, reset in seen] == [0.0, 0.0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_gloo_ranks_sync_metrics_and_only_rank_zero_writes(tmp_path: Any) -> None:
+    pytest.importorskip("torchmetrics")
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    out = str(tmp_path)
+    result = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "train_observe.py"), "--out", out], cwd=out,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = []
+    for rank in range(2):
+        with open(os.path.join(out, f"rank{rank}.json")) as file:
+            ranks.append(json.load(file))
+    # the metric objects' own sync gives the global values, the same on both ranks, per epoch
+    assert [r["val_acc"] for r in ranks] == [[0.5, 1.0], [0.5, 1.0]]
+    assert [r["rank_sum_epoch"] for r in ranks] == [[24.0, 24.0], [24.0, 24.0]]  # 8 batches x (1 + 2)
+    assert [r["rank_sum_step"] for r in ranks] == [1.0, 2.0]  # step values are each rank's own
+    # one run, written once
+    assert ranks[0]["log_dirs"] == ranks[1]["log_dirs"]
+    run_dir = os.path.join(out, "ember_logs", "version_0")
+    assert sorted(os.listdir(os.path.join(out, "ember_logs"))) == ["version_0"]
+    assert len([name for name in os.listdir(run_dir) if name.startswith("events.out")]) == 1
+    assert [step for step, _ in _scalars(run_dir)["train_loss"]] == [2, 4, 6, 8, 10, 12, 14, 16]
+    with open(os.path.join(run_dir, "metrics.csv"), newline="") as file:
+        assert [row["step"] for row in csv.DictReader(file) if row["train_loss"]] == ["2", "4", "6", "8", "10",
+                                                                                     "12", "14", "16"]  # fmt: skip
+    experiments = [name for name in os.listdir(os.path.join(out, "mlruns")) if name not in ("0", ".trash")]
+    assert len(experiments) == 1
+    runs = [name for name in os.listdir(os.path.join(out, "mlruns", experiments[0])) if name != "meta.yaml"]
+    assert len(runs) == 1
+    # the summary and the progress lines are printed by rank zero alone
+    assert result.stdout.count("Total params") == 1 and result.stdout.count("Epoch 1/2 8/8") == 1
+    # a parameter sharded over the two ranks counts with its full size (6 x 8 + 6), not its half
+    assert "54        Total params" in ranks[0]["sharded_summary"]

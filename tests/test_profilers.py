@@ -1,0 +1,151 @@
+"""Profilers: the simple table adds up to the step time, the PyTorch trace is written, and without a
+profiler nothing in the run is wrapped."""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Regressor, make_loader, quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import Callback, ProgressBar
+from ember.profilers import PassThroughProfiler, SimpleProfiler
+
+
+class _MLP(ember.Module):
+    """Enough work per step (a few ms) that the loop's own bookkeeping is a small part of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters())
+
+
+class _EpochClock(Callback):
+    def on_train_epoch_start(self, trainer: ember.Trainer, module: Any) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: ember.Trainer, module: Any) -> None:
+        self.seconds = time.perf_counter() - self.started
+
+
+def _mlp_loader(batches: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * batches, 64, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=64)
+
+
+def test_simple_profiler_table_adds_up_to_the_step_time(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    clock = _EpochClock()
+    bar = ProgressBar(stream=io.StringIO(), interactive=False, line_interval=0.0)
+    trainer = ember.Trainer(
+        accelerator="cpu", max_epochs=1, profiler="simple", default_root_dir=str(tmp_path), log_every_n_steps=5,
+        callbacks=[clock, bar], enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(_MLP(), _mlp_loader(40))
+    records = trainer.profiler.records
+    for action in ("train: waiting for data", "train: batch_to_device", "training_step", "backward",
+                   "optimizer_step", "ProgressBar.on_train_batch_end"):  # fmt: skip
+        assert records[action].calls == 40, action
+    assert records["logging"].calls == 8 + 1  # every 5 steps, and the epoch's values
+    # every action inside the epoch, each counting only its own time, covers the epoch's wall time
+    in_epoch = sum(record.total for action, record in records.items() if action != "configure_optimizers")
+    assert 0.9 < in_epoch / clock.seconds < 1.1, (in_epoch, clock.seconds)
+
+    path = os.path.join(trainer.log_dir, "fit-profile.txt")
+    with open(path) as file:
+        report = file.read()
+    lines = report.splitlines()
+    assert lines[0].startswith("Profile of fit: ") and lines[1].split()[:3] == ["Action", "Calls", "Mean"]
+    percents = [float(line.split()[-1]) for line in lines[3:] if line[0] != "-" and not line.startswith("total")]
+    assert sum(percents) == pytest.approx(100, abs=0.1 * len(percents))
+    assert report.strip() in capsys.readouterr().out and f"(written to {path})"
+
+
+def test_nested_actions_count_their_own_time_only() -> None:
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            with self.trainer.profiler.profile("waiting"):
+                time.sleep(0.01)
+            optimizer = self.optimizers()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    trainer = quiet_trainer(max_steps=4, logger=False, profiler=SimpleProfiler(), enable_checkpointing=False)
+    trainer.fit(Manual(), make_loader(32))
+    records = trainer.profiler.records
+    assert records["waiting"].calls == records["backward"].calls == records["optimizer_step"].calls == 4
+    assert records["waiting"].total >= 0.04 and records["training_step"].total < 0.02  # the sleep is not in it
+
+
+def test_an_action_may_start_in_one_hook_and_stop_in_another() -> None:
+    class EpochAction(Callback):
+        def on_train_epoch_start(self, trainer: ember.Trainer, module: Any) -> None:
+            trainer.profiler.start("epoch")
+
+        def on_train_epoch_end(self, trainer: ember.Trainer, module: Any) -> None:
+            trainer.profiler.stop("epoch")
+
+    trainer = quiet_trainer(max_epochs=2, logger=False, callbacks=[EpochAction()], profiler="simple")
+    trainer.fit(Regressor(), make_loader(32))
+    assert trainer.profiler.records["epoch"].calls == 2
+    assert trainer.profiler.records["training_step"].calls == 8
+    with pytest.raises(ValueError, match=r"stop\('never'\) without a matching start\('never'\)"):
+        trainer.profiler.stop("never")
+
+
+def test_the_run_is_wrapped_only_while_profiling() -> None:
+    seen: dict[str, Any] = {}
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer: ember.Trainer, module: Any, *args: Any) -> None:
+            seen["wrapped"] = sorted(set(vars(trainer.strategy)) & {"step", "backward", "batch_to_device"})
+            seen["hook wrapped"] = "on_train_batch_end" in vars(self)
+
+    trainer = quiet_trainer(max_steps=2, logger=False, callbacks=[Look()])
+    assert isinstance(trainer.profiler, PassThroughProfiler)
+    trainer.fit(Regressor(), make_loader())
+    assert seen == {"wrapped": [], "hook wrapped": False}  # no profiler: the loop runs its plain code
+
+    trainer = quiet_trainer(max_steps=2, logger=False, callbacks=[Look()], profiler="simple")
+    trainer.fit(Regressor(), make_loader())
+    assert seen == {"wrapped": ["backward", "batch_to_device", "step"], "hook wrapped": True}
+    assert not set(vars(trainer.strategy)) & {"step", "backward", "batch_to_device"}  # taken off afterwards
+    assert "_loaders" not in vars(trainer) and "on_train_batch_end" not in vars(trainer.callbacks[0])
+
+
+def test_pytorch_profiler_writes_a_trace_with_the_trainers_actions(tmp_path: Any) -> None:
+    trainer = quiet_trainer(max_epochs=1, profiler="pytorch", default_root_dir=str(tmp_path))
+    trainer.fit(Regressor(), make_loader(64))
+    (trace,) = glob.glob(os.path.join(trainer.log_dir, "fit-rank0.*.pt.trace.json"))
+    with open(trace) as file:
+        names = {event.get("name") for event in json.load(file)["traceEvents"]}
+    assert {"training_step", "backward", "optimizer_step", "train: waiting for data"} <= names
+    assert any(name.startswith("aten::") for name in names if name)
+    with open(os.path.join(trainer.log_dir, "fit-profile.txt")) as file:
+        assert "Self CPU" in file.read()
+    with pytest.warns(UserWarning, match="recorded no trace of fit"):
+        quiet_trainer(max_steps=1, profiler="pytorch", logger=False).fit(Regressor(), make_loader())
