@@ -5,5 +5,6 @@ from ember.callbacks.checkpoint import ModelCheckpoint
 from ember.callbacks.early_stopping import EarlyStopping
 from ember.callbacks.lr_monitor import LearningRateMonitor
 from ember.callbacks.progress import ProgressBar
+from ember.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ProgressBar"]
+__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ProgressBar", "ThroughputMonitor"]
