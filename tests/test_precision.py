@@ -155,8 +155,10 @@ def test_mixed_precision_on_a_gpu(flag: str, dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip("this GPU has no bfloat16")
     model = _Recording()
+    initial = model.layer.weight.detach().clone()
     trainer = quiet_trainer(accelerator="cuda", devices=1, max_epochs=2, precision=flag, logger=False)
     trainer.fit(model, make_loader())
     assert model.dtypes == (torch.float32, dtype, torch.float32)
     assert (trainer.strategy.precision.scaler is not None) == (dtype == torch.float16)
-    assert trainer.callback_metrics["train_loss"].isfinite()
+    weight = model.layer.weight.detach().cpu()
+    assert weight.isfinite().all() and not torch.equal(weight, initial)

@@ -187,3 +187,27 @@ def test_a_model_without_counted_operations_warns_and_logs_no_flop_figures() -> 
     with pytest.warns(UserWarning, match="counted no FLOPs in the first training batch"):
         trainer.fit(Elementwise(), make_loader())
     assert monitor.flops_per_sample is None
+
+
+@pytest.mark.cuda
+def test_throughput_and_mfu_on_a_gpu() -> None:
+    logger = _Metrics()
+    known = peak_flops(torch.device("cuda", 0), "16-mixed") is not None
+    monitor = ThroughputMonitor(peak_flops=None if known else 1e14)
+    trainer = quiet_trainer(accelerator="cuda", devices=1, precision="16-mixed", max_epochs=1, logger=logger,
+                            log_every_n_steps=2, enable_checkpointing=False, callbacks=[monitor])  # fmt: skip
+    trainer.fit(Regressor(), make_loader())
+    assert monitor.flops_per_sample == 16
+    rows = logger.throughput()
+    assert rows and all(0 < row["throughput/mfu"] < 1 for _, row in rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_compiled_mixed_precision_training_on_a_gpu() -> None:
+    model = _Compiled()
+    trainer = quiet_trainer(accelerator="cuda", devices=1, precision="16-mixed", compile=True, max_epochs=2,
+                            logger=False, enable_checkpointing=False)  # fmt: skip
+    trainer.fit(model, make_loader(), make_loader())
+    assert model.compiled
+    assert model.layer.weight.isfinite().all()
