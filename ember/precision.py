@@ -150,8 +150,8 @@ def build_precision(flag: str | int, device: torch.device) -> Precision:
         )
         name = "bf16-mixed"
     # Emulation does not count: a card that only emulates bfloat16 (V100, T4) runs it many times slower.
-    emulated = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
-    if name.startswith("bf16") and emulated:
+    lacks_bf16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
+    if name.startswith("bf16") and lacks_bf16:
         raise ValueError(
             f"precision={flag!r}: {torch.cuda.get_device_name(device)} has no bfloat16 support; "
             "use precision='16-mixed' instead"

@@ -79,7 +79,7 @@ class ThroughputMonitor(Callback):
     Args:
         flops_per_sample: FLOPs of one training sample, forward and backward (6 x parameters x tokens is
             the usual estimate for transformers); ``"measure"`` counts them with ``torch.utils.flop_counter``
-            on the first training batch (matrix products and convolutions, which dominate); None logs no
+            on the first training batch (matrix products, convolutions and attention: the bulk); None logs no
             FLOP figures. Once measured, the attribute holds the count.
         peak_flops: the device's peak FLOP/s for MFU; by default looked up for common NVIDIA GPUs
             (H100, H200, A100, A10G, L4, L40S, V100, T4, RTX 4090, ...) in the dtype the precision uses.
@@ -220,8 +220,8 @@ class ThroughputMonitor(Callback):
             return
         self.flops_per_sample = None
         warnings.warn(
-            "ThroughputMonitor counted no FLOPs in the first training batch (it counts matrix products and "
-            "convolutions); pass flops_per_sample= to log TFLOP/s and MFU",
+            "ThroughputMonitor counted no FLOPs in the first training batch (it counts matrix products, "
+            "convolutions and attention); pass flops_per_sample= to log TFLOP/s and MFU",
             stacklevel=2,
         )
 
