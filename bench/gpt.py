@@ -241,7 +241,8 @@ def main() -> None:
         TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size, pin_memory=device.type == "cuda"
     )
     flops_per_token = flops_per_sequence(config) / config.block_size
-    parameters = sum(p.numel() for p in make_model(config).parameters())
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in GPT(config).parameters())
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (1 thread)"
     print(f"{'tiny GPT' if tiny else 'GPT-2 small'}: {parameters / 1e6:.1f}M parameters, sequence {config.block_size}, "
           f"vocabulary {config.vocab_size}, batch {batch_size}; {where}; torch {torch.__version__}, ember "
