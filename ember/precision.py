@@ -149,7 +149,9 @@ def build_precision(flag: str | int, device: torch.device) -> Precision:
             stacklevel=3,
         )
         name = "bf16-mixed"
-    if name.startswith("bf16") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    # Emulation does not count: a card that only emulates bfloat16 (V100, T4) runs it many times slower.
+    lacks_bf16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
+    if name.startswith("bf16") and lacks_bf16:
         raise ValueError(
             f"precision={flag!r}: {torch.cuda.get_device_name(device)} has no bfloat16 support; "
             "use precision='16-mixed' instead"

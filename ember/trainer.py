@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
 import time
@@ -48,7 +49,9 @@ class Trainer:
     micro-batches as memory needs, found by retrying after running out of memory),
     ``gradient_clip_val``/``gradient_clip_algorithm``. Watching the run: ``logger`` (True for a
     ``CSVLogger``, a ``Logger`` or a list of them), ``log_every_n_steps``, ``enable_progress_bar``,
-    ``enable_model_summary``, ``profiler`` ("simple", "pytorch" or a ``Profiler``).
+    ``enable_model_summary``, ``profiler`` ("simple", "pytorch" or a ``Profiler``). Speed:
+    ``float32_matmul_precision`` ("highest", or "high"/"medium" for TF32 tensor cores; None leaves torch's
+    setting), ``compile`` (True, or a dict of ``torch.compile`` options, compiles the module's forward).
 
     ``doctor=True`` (or a number of steps) watches the first steps of ``fit`` and prints what slows them
     down, with the fixes (see ``ember doctor``); training then goes on without instrumentation.
@@ -65,6 +68,8 @@ class Trainer:
         num_nodes: int = 1,
         strategy: str | Strategy = "auto",
         precision: str | int = "32-true",
+        float32_matmul_precision: Literal["highest", "high", "medium"] | None = None,
+        compile: bool | Mapping[str, Any] = False,
         max_epochs: int | None = None,
         max_steps: int = -1,
         max_time: str | timedelta | Mapping[str, int] | None = None,
@@ -134,6 +139,14 @@ class Trainer:
         if deterministic not in (True, False, "warn"):
             raise ValueError(f"deterministic={deterministic!r}: choose True, False or 'warn'")
         canonical_precision(precision)  # fail on a bad value before any device is touched
+        compile_options = _compile_options(compile)
+        if float32_matmul_precision is not None:
+            if float32_matmul_precision not in ("highest", "high", "medium"):
+                raise ValueError(
+                    f"float32_matmul_precision={float32_matmul_precision!r}: choose 'highest' (full float32), "
+                    "'high' (TF32 tensor cores), 'medium' (bfloat16 passes) or None (leave torch's setting)"
+                )
+            torch.set_float32_matmul_precision(float32_matmul_precision)
 
         self.strategy: Strategy = select_strategy(
             accelerator=accelerator,
@@ -142,6 +155,7 @@ class Trainer:
             strategy=strategy,
             precision=precision,
             sync_batchnorm=sync_batchnorm,
+            compile_options=compile_options,
         )
         rank_zero_only.rank = self.strategy.global_rank  # type: ignore[attr-defined]
 
@@ -640,7 +654,27 @@ def _check_val_check_interval(value: Any) -> None:
         )
 
 
+def _compile_options(value: Any) -> dict[str, Any] | None:
+    """The ``torch.compile`` options of ``compile=`` (None when the model is not to be compiled)."""
+    if value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"compile={value!r}: expected True, False or a dict of torch.compile options")
+    accepted = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    unknown = sorted(set(value) - set(accepted))
+    if unknown:
+        raise ValueError(f"compile={dict(value)!r}: {unknown} are not torch.compile options; it takes {accepted}")
+    return dict(value)
+
+
 def _check_module(model: Any, stage: str) -> None:
+    if isinstance(getattr(model, "_orig_mod", None), Module):
+        raise TypeError(
+            f"Trainer.{stage}() got a torch.compile()d module; pass the Module itself and "
+            "Trainer(compile=True) (or a dict of torch.compile options) to compile it"
+        )
     if not isinstance(model, Module):
         raise TypeError(f"Trainer.{stage}() needs an ember.Module; got {type(model).__name__}")
     required = {"fit": ("training_step", "configure_optimizers"), "validate": ("validation_step",),

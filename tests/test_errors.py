@@ -38,6 +38,9 @@ import ember
         ({"max_time": "1 hour"}, r"max_time='1 hour': expected 'DD:HH:MM:SS'"),
         ({"strategy": "horovod"}, r"strategy='horovod' is not supported"),
         ({"profiler": "advanced"}, r"profiler='advanced': choose None, 'simple', 'pytorch' or an instance"),
+        ({"float32_matmul_precision": "tf32"}, r"float32_matmul_precision='tf32': choose 'highest'"),
+        ({"compile": "max-autotune"}, r"compile='max-autotune': expected True, False or a dict"),
+        ({"compile": {"modes": "max-autotune"}}, r"\['modes'\] are not torch.compile options; it takes \['fullgraph'"),
     ],
 )
 def test_bad_flags_name_the_flag(flags: dict[str, Any], message: str) -> None:
@@ -160,3 +163,23 @@ def test_fraction_of_a_loader_without_length() -> None:
 def test_val_check_interval_longer_than_an_epoch() -> None:
     with pytest.raises(ValueError, match="val_check_interval=20 is more than the 8 training batches"):
         quiet_trainer(max_epochs=1, val_check_interval=20).fit(Regressor(), make_loader(), make_loader())
+
+
+def test_a_torch_compiled_module_is_refused_with_the_flag_to_use() -> None:
+    with pytest.raises(TypeError, match=r"torch.compile\(\)d module; pass the Module itself and Trainer\(compile"):
+        quiet_trainer(max_epochs=1).fit(torch.compile(Regressor()), make_loader())
+
+
+def test_compile_is_refused_with_data_parallel_over_several_gpus() -> None:
+    from ember.strategies import DataParallelStrategy
+
+    with pytest.raises(ValueError, match="compile= does not work with strategy='dp'; use strategy='ddp'"):
+        DataParallelStrategy().configure(
+            device_type="cuda",
+            parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)],
+            num_nodes=1,
+            precision="32-true",
+            sync_batchnorm=False,
+            environment=None,
+            compile_options={},
+        )

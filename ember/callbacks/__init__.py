@@ -8,6 +8,7 @@ from ember.callbacks.lr_monitor import LearningRateMonitor
 from ember.callbacks.model_summary import ModelSummary
 from ember.callbacks.on_exception import OnExceptionCheckpoint
 from ember.callbacks.progress import ProgressBar
+from ember.callbacks.throughput import ThroughputMonitor
 from ember.callbacks.timer import Timer
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "ModelSummary",
     "OnExceptionCheckpoint",
     "ProgressBar",
+    "ThroughputMonitor",
     "Timer",
 ]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -90,6 +91,7 @@ def select_strategy(
     strategy: str | Strategy,
     precision: str | int,
     sync_batchnorm: bool,
+    compile_options: Mapping[str, Any] | None = None,
 ) -> Strategy:
     """Turn the Trainer's layout flags into one configured ``Strategy`` (the only place they are decided)."""
     environment = detect_environment()
@@ -118,6 +120,7 @@ def select_strategy(
         precision=precision,
         sync_batchnorm=sync_batchnorm,
         environment=environment,
+        compile_options=compile_options,
     )
     return chosen
 

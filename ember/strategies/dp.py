@@ -30,6 +30,7 @@ class DataParallelStrategy(Strategy):
         precision: str | int,
         sync_batchnorm: bool,
         environment: ClusterEnvironment | None,
+        compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         if device_type != "cuda":
             raise ValueError(
@@ -38,6 +39,9 @@ class DataParallelStrategy(Strategy):
             )
         if num_nodes != 1 or (environment is not None and environment.world_size > 1):
             raise ValueError("strategy='dp' runs in a single process on one machine; use strategy='ddp' instead")
+        if compile_options is not None and len(parallel_devices) > 1:
+            # The replicas made per step share the compiled forward of the original module, bound to it.
+            raise ValueError("compile= does not work with strategy='dp'; use strategy='ddp' to compile the model")
         super().configure(
             device_type=device_type,
             parallel_devices=parallel_devices,
@@ -45,6 +49,7 @@ class DataParallelStrategy(Strategy):
             precision=precision,
             sync_batchnorm=sync_batchnorm,
             environment=environment,
+            compile_options=compile_options,
         )
 
     def step(self, name: str, *args: Any) -> Any:

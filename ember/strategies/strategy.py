@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -38,6 +38,8 @@ class Strategy:
         self.sync_batchnorm = False
         self.environment: ClusterEnvironment | None = None
         self.precision: Precision = Precision()
+        #: ``torch.compile`` options for the module's forward (None: not compiled).
+        self.compile_options: dict[str, Any] | None = None
         self._module: Module | None = None
         # What the steps run through: the module itself, or a wrapper around it (DDP, DataParallel).
         self.model: nn.Module | None = None
@@ -53,6 +55,7 @@ class Strategy:
         precision: str | int,
         sync_batchnorm: bool,
         environment: ClusterEnvironment | None,
+        compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         """Receive the Trainer's resolved flags and the launcher's description of this process; called once."""
         self.device_type = device_type
@@ -61,6 +64,7 @@ class Strategy:
         self.sync_batchnorm = sync_batchnorm
         self.environment = environment
         self.precision = build_precision(precision, self.root_device)
+        self.compile_options = dict(compile_options) if compile_options is not None else None
 
     @property
     def root_device(self) -> torch.device:
@@ -101,8 +105,8 @@ class Strategy:
             torch.cuda.set_device(self.root_device)
 
     def setup_module(self, module: Module, training: bool) -> None:
-        """Place the module on its device in the precision's dtype (once); parallel strategies also wrap
-        it for training."""
+        """Place the module on its device in the precision's dtype and compile it if asked (once); parallel
+        strategies also wrap it for training."""
         if module is self._module:
             return
         self._module = module
@@ -110,6 +114,11 @@ class Strategy:
         self._batch_device = self.root_device if self.root_device.type != "cpu" else None
         module.to(self.root_device)
         self.precision.convert_module(module)
+        if self.compile_options is not None:
+            # In place (nn.Module.compile): the module stays itself, so its state_dict keys carry no
+            # "_orig_mod." prefix and checkpoints load into an uncompiled module. Only the forward is
+            # compiled, which is what the steps reach through self(...); a wrapper (DDP) goes around it.
+            module.compile(**self.compile_options)
         self.model = module
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
