@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import time
 
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--fixed", action="store_true")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--workers", type=int, default=2, help="loader workers when the input mistake is fixed")
+    parser.add_argument("--timing", action="store_true", help="print the median seconds per step (after 5)")
     args = parser.parse_args()
     planted = {name for name in args.mistakes.split(",") if name and not args.fixed}
     fixed = {name for name in args.mistakes.split(",") if name and args.fixed}
@@ -78,6 +80,7 @@ def main() -> None:
     accumulate = 4 if "accumulation" in planted | fixed else 1
 
     step = micro = epoch = 0
+    stamps: list[float] = []
     while step < args.steps:
         if sampler is not None and "set-epoch" not in planted:
             sampler.set_epoch(epoch)
@@ -102,9 +105,13 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            stamps.append(time.perf_counter())
             if step == args.steps:
                 break
         epoch += 1
+    if args.timing and int(os.environ.get("RANK", "0")) == 0:
+        durations = sorted(b - a for a, b in itertools.pairwise(stamps[5:]))
+        print(f"seconds per step: {durations[len(durations) // 2]:.6f}")
 
 
 if __name__ == "__main__":
