@@ -21,6 +21,14 @@ picks them up (devices="auto" becomes the number of processes per node). If any 
 others are stopped within seconds and the exit status is non-zero.
 """
 
+_CONSOLIDATE_DESCRIPTION = """\
+Read the sharded checkpoint DIR (a directory written by strategy="fsdp", "model_parallel" or
+"pipeline", each rank its own shard) in one process and write it as the single file OUT: full
+tensors, and optimizer states as Optimizer.state_dict() has them. OUT is an ordinary checkpoint:
+Trainer.fit(ckpt_path=OUT) resumes from it with any strategy and number of devices, and
+Module.load_from_checkpoint(OUT) loads the weights. Needs memory for the whole model.
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -67,6 +75,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
     run.set_defaults(handler=_run)
+
+    checkpoint = commands.add_parser(
+        "checkpoint",
+        help="work with checkpoints (consolidate a sharded one into one file)",
+        description="Work with checkpoints.",
+    )
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", required=True)
+    consolidate = actions.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint directory into one ordinary checkpoint file",
+        description=_CONSOLIDATE_DESCRIPTION,
+        epilog="example:\n  ember checkpoint consolidate ember_logs/version_0/checkpoints/last.ckpt model.ckpt",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    consolidate.add_argument("directory", metavar="DIR", help="the sharded checkpoint (a directory)")
+    consolidate.add_argument("output", metavar="OUT", help="the file to write, such as model.ckpt")
+    consolidate.add_argument(
+        "--trust-pickles", action="store_true",
+        help="also read values other than tensors and plain Python values (can run code: only for files you trust)",
+    )  # fmt: skip
+    consolidate.set_defaults(handler=_consolidate)
     return parser
 
 
@@ -88,6 +117,22 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"ember run: {error}", file=sys.stderr)
         return 2
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from ember import checkpoint, sharded_checkpoint
+
+    if not sharded_checkpoint.is_sharded(args.directory):
+        print(f"ember checkpoint consolidate: {args.directory!r} is not a sharded checkpoint", file=sys.stderr)
+        return 2
+    try:
+        state = checkpoint.load(args.directory, trust_pickles=args.trust_pickles)
+    except checkpoint.CheckpointError as error:
+        print(f"ember checkpoint consolidate: {error} (--trust-pickles does that here)", file=sys.stderr)
+        return 1
+    checkpoint.save(state, args.output)
+    print(f"wrote {args.output}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

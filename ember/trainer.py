@@ -295,8 +295,8 @@ class Trainer:
         _check_module(model, "fit")
         if ckpt_path is not None:
             ckpt_path = os.fspath(ckpt_path)
-            if not os.path.isfile(ckpt_path):
-                raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file")
+            if not os.path.exists(ckpt_path):  # a file, or a sharded checkpoint's directory
+                raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file or directory")
         self.strategy.launch()
         with self._stage("fit", model, datamodule):
             train_loader = self._loaders("train", train_dataloaders, required=True)[0]

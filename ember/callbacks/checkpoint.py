@@ -260,5 +260,5 @@ class ModelCheckpoint(Callback):
         self.best_model_score = self.best_k_models[best_path]
 
     def _remove(self, trainer: Trainer, path: str) -> None:
-        if trainer.is_global_zero and os.path.exists(path) and path != self.best_model_path:
-            os.remove(path)
+        if trainer.is_global_zero and path != self.best_model_path:
+            checkpoint_io.remove(path)
