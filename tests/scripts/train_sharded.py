@@ -1,11 +1,12 @@
-"""Jobs for the model-parallel tests, run one after the other in the same processes (2 of them):
+"""Jobs for the model-parallel tests, run one after the other in the same processes:
 
     ember run --nproc-per-node 2 train_sharded.py --out DIR
 
 fsdp: DDP and FSDP (with block wrapping, activation checkpointing, clipping and accumulation) on the
 same data; FSDP saves sharded checkpoints. resume: FSDP built on the meta device resumes from the last
-one. tensor: 2-way tensor parallel on a small transformer. pipeline: 2 stages, 4 micro-batches. Each
-rank writes DIR/<job>-rank<R>.pt with its parameters (whole, by name) and what the tests check.
+one. tensor: 2-way tensor parallel on a small transformer. pipeline: 2 stages, 4 micro-batches. With
+--nproc-per-node 4: the 2 x 2 meshes (tensor parallel rows sharded over "data", FSDP-sharded pipelines).
+Each rank writes DIR/<job>-rank<R>.pt with its parameters (whole, by name) and what the tests check.
 """
 
 from __future__ import annotations
@@ -226,10 +227,28 @@ def pipeline_job(out: str) -> None:
     )  # fmt: skip
 
 
+def two_dimensional_jobs(out: str) -> None:
+    """On 4 ranks: 2 data-parallel rows of 2-way tensor parallel, then 2 pipelines of 2 stages."""
+    rank, model = int(os.environ["RANK"]), TinyLM()
+    run = trainer(out, strategy=ModelParallelStrategy(2, 2), max_epochs=1)
+    run.fit(model, DataLoader(token_data(), batch_size=4))
+    placements = sorted({str(p.placements) for p in model.parameters()})
+    result = {"parameters": full_parameters(model), "placements": placements}
+    torch.save(result, os.path.join(out, f"2d-tensor-rank{rank}.pt"))
+    model = Net()
+    trainer(out, strategy=PipelineStrategy(2, split_points=["layers.2"], data_parallel_size=2), max_epochs=1).fit(
+        model, DataLoader(regression_data(), batch_size=8)
+    )
+    torch.save({"parameters": full_parameters(model)}, os.path.join(out, f"2d-pipeline-rank{rank}.pt"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if os.environ["WORLD_SIZE"] == "4":
+        two_dimensional_jobs(args.out)
+        return
     fsdp_jobs(args.out)
     tensor_parallel_job(args.out)
     pipeline_job(args.out)
