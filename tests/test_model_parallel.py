@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember import checkpoint as checkpoint_io
+from ember.callbacks import Callback
 from ember.strategies import FSDPStrategy, ModelParallelStrategy, PipelineStrategy
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "train_sharded.py")
@@ -273,6 +274,31 @@ def test_pipeline_refuses_what_it_cannot_run(
 def test_layouts_that_cannot_work_are_refused_before_any_process_starts(make: Any, message: str) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         ember.Trainer(accelerator="cpu", devices=2, strategy=make(), logger=False)
+
+
+def test_sync_batchnorm_is_refused_where_it_would_be_ignored() -> None:
+    for strategy in ("model_parallel", "pipeline"):
+        with pytest.raises(ValueError, match=rf"sync_batchnorm=True is not supported with strategy='{strategy}'"):
+            ember.Trainer(accelerator="cpu", devices=2, strategy=strategy, sync_batchnorm=True)
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: ember.Module, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs))
+
+
+def test_pipeline_accumulates_gradients_like_the_other_strategies() -> None:
+    """Backpropagating the step's loss runs the schedule, scaled by 1/window like any loss."""
+    expected = _one_process(jobs.Net(), _regression(16), max_epochs=1)
+    model, recorder = jobs.Net(), _Losses()
+    quiet_trainer(strategy=PipelineStrategy(2), accumulate_grad_batches=2, max_epochs=1, logger=False,
+                  enable_checkpointing=False, callbacks=[recorder]).fit(model, _regression(8))  # fmt: skip
+    _assert_close(dict(model.named_parameters()), expected)
+    x, y = next(iter(_regression(8)))
+    assert recorder.losses[0] == pytest.approx(float(nn.functional.mse_loss(jobs.Net()(x), y).detach()), abs=1e-6)
 
 
 def test_model_parallel_needs_configure_model() -> None:

@@ -47,6 +47,7 @@ class FSDPStrategy(ShardedStrategy):
     """
 
     name = "fsdp"
+    converts_batchnorm = True
 
     def __init__(
         self,

@@ -204,11 +204,15 @@ class PipelineStrategy(ShardedStrategy):
         import torch.distributed as dist
 
         schedule = self._schedule("train", inputs, target)
-        self._loss_scale, self._losses = scale, []
+        # Each micro-batch's loss counts 1/n of the batch's (the schedule's own scaling is off: it would
+        # also divide the gradients that earlier batches of an accumulation window left).
+        self._loss_scale, self._losses = scale / self.n_microbatches, []
         with torch.enable_grad(), self.precision.forward_context():
             schedule.step(*self._first_stage(inputs), target=target if self._is_last_stage else None)
         if self._is_last_stage:
-            loss = torch.stack(self._losses).float().mean()
+            # The micro-batches' losses are the last ones: a stage's first step also calls the loss
+            # function on placeholder tensors, to learn the shapes of its messages.
+            loss = torch.stack(self._losses[-self.n_microbatches :]).float().mean()
         else:
             loss = torch.zeros((), device=self.root_device)
         dist.broadcast(loss, src=self._last_stage_rank, group=self._group)
@@ -258,7 +262,9 @@ class PipelineStrategy(ShardedStrategy):
                 self._schedules[key] = ScheduleGPipe(stage, self.n_microbatches)  # no loss: forwards only
             else:
                 schedule_class = Schedule1F1B if self.schedule == "1F1B" else ScheduleGPipe
-                self._schedules[key] = schedule_class(stage, self.n_microbatches, loss_fn=self._micro_batch_loss)
+                self._schedules[key] = schedule_class(
+                    stage, self.n_microbatches, loss_fn=self._micro_batch_loss, scale_grads=False
+                )
         return self._schedules[key]
 
     @property

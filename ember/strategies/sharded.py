@@ -28,6 +28,9 @@ class ShardedStrategy(ParallelStrategy):
     (see ``ember.sharded_checkpoint``); an ordinary checkpoint file can start a run too.
     """
 
+    #: Whether ``sync_batchnorm=True`` is honoured (the others refuse it rather than ignore it).
+    converts_batchnorm = False
+
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -50,6 +53,8 @@ class ShardedStrategy(ParallelStrategy):
             sync_batchnorm=sync_batchnorm,
             environment=environment,
         )
+        if sync_batchnorm and not self.converts_batchnorm:
+            raise ValueError(f"sync_batchnorm=True is not supported with strategy={self.name!r}; use strategy='fsdp'")
         if self.precision.name == "16-mixed":
             # GradScaler would skip a step on the ranks whose shards overflowed and take it on the others.
             raise ValueError(
