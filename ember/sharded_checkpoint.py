@@ -132,21 +132,22 @@ def unflatten_optimizer_state(flat: dict[str, Any], groups: list[list[str]]) -> 
     return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 
 
-def flatten_optimizer_state(state: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
-    """An ``Optimizer.state_dict()`` flattened and keyed by parameter name: the saved group ``i``'s
-    ``j``-th parameter is ``groups[i][j]`` (the names of the run's parameters, group by group)."""
+def name_optimizer_state(state: dict[str, Any], groups: list[list[str]], kept: set[str]) -> dict[str, Any]:
+    """An ``Optimizer.state_dict()`` keyed by parameter name, for the parameters in ``kept``: the saved
+    group ``i``'s ``j``-th parameter is ``groups[i][j]`` (the run's parameter names, group by group)."""
     saved_groups = state["param_groups"]
     if [len(group["params"]) for group in saved_groups] != [len(group) for group in groups]:
         raise ValueError(
             f"the checkpoint's optimizer has param groups of {[len(g['params']) for g in saved_groups]} "
             f"parameters, but configure_optimizers() built groups of {[len(group) for group in groups]}"
         )
-    flat: dict[str, Any] = {}
+    by_name: dict[str, Any] = {}
+    param_groups = []
     for saved, names in zip(saved_groups, groups):
-        for index, name in zip(saved["params"], names):
-            flat.update({f"state.{name}.{entry}": value for entry, value in state["state"].get(index, {}).items()})
-            flat.update({f"param_groups.{name}.{key}": value for key, value in saved.items() if key != "params"})
-    return flat
+        pairs = [(index, name) for index, name in zip(saved["params"], names) if name in kept]
+        by_name.update({name: state["state"][index] for index, name in pairs if index in state["state"]})
+        param_groups.append({**saved, "params": [name for _, name in pairs]})
+    return {"state": by_name, "param_groups": param_groups}
 
 
 def _sharded_part(checkpoint: dict[str, Any]) -> dict[str, Any]:

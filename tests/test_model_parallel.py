@@ -98,11 +98,12 @@ def test_sharded_checkpoints_resume_reshard_and_consolidate(sharded_run: str, tm
     state = checkpoint_io.load(consolidated)
     assert state["optimizer_states"][0]["param_groups"][0]["lr"] == 0.05
     assert sorted(state["optimizer_states"][0]["state"]) == list(range(12))  # numbered as Optimizer.state_dict() does
-    single = jobs.Net()
-    quiet_trainer(max_epochs=3, logger=False, enable_checkpointing=False, **FSDP_FLAGS).fit(
-        single, _regression(16), ckpt_path=consolidated
-    )
-    _assert_close(dict(single.named_parameters()), expected)
+    for strategy in ("auto", "fsdp", "pipeline"):  # an ordinary file starts a sharded run too
+        model = jobs.Net()
+        quiet_trainer(strategy=strategy, max_epochs=3, logger=False, enable_checkpointing=False, **FSDP_FLAGS).fit(
+            model, _regression(16), ckpt_path=consolidated
+        )
+        _assert_close(jobs.full_parameters(model), expected)
     loaded = jobs.Net.load_from_checkpoint(last)  # a directory loads like a file
     _assert_close(dict(loaded.named_parameters()), state["state_dict"], tolerance=1e-12)
 

@@ -16,7 +16,6 @@ from ember.strategies.strategy import is_on_meta_device, materialize
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ember.launch import ClusterEnvironment
     from ember.module import Module
 
 Size = int | Literal["auto"]
@@ -56,24 +55,8 @@ class ModelParallelStrategy(ShardedStrategy):
         self.tensor_parallel_size = tensor_parallel_size
         self.device_mesh: DeviceMesh | None = None
 
-    def configure(
-        self,
-        *,
-        device_type: str,
-        parallel_devices: Sequence[torch.device],
-        num_nodes: int,
-        precision: str | int,
-        sync_batchnorm: bool,
-        environment: ClusterEnvironment | None,
-    ) -> None:
-        super().configure(
-            device_type=device_type,
-            parallel_devices=parallel_devices,
-            num_nodes=num_nodes,
-            precision=precision,
-            sync_batchnorm=sync_batchnorm,
-            environment=environment,
-        )
+    def configure(self, **flags: Any) -> None:
+        super().configure(**flags)
         self._data_size, self._tensor_size = mesh_shape(
             self.world_size, self.num_nodes, self.data_parallel_size, self.tensor_parallel_size
         )

@@ -17,7 +17,6 @@ from ember.strategies.strategy import is_on_meta_device, materialize
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from ember.launch import ClusterEnvironment
     from ember.module import Module
 
 #: ``split_fn(module, stage_index, num_stages)``: the names of the submodules that stage keeps.
@@ -91,24 +90,8 @@ class PipelineStrategy(ShardedStrategy):
         self._losses: list[torch.Tensor] = []
         self._step_loss: torch.Tensor | None = None
 
-    def configure(
-        self,
-        *,
-        device_type: str,
-        parallel_devices: Sequence[torch.device],
-        num_nodes: int,
-        precision: str | int,
-        sync_batchnorm: bool,
-        environment: ClusterEnvironment | None,
-    ) -> None:
-        super().configure(
-            device_type=device_type,
-            parallel_devices=parallel_devices,
-            num_nodes=num_nodes,
-            precision=precision,
-            sync_batchnorm=sync_batchnorm,
-            environment=environment,
-        )
+    def configure(self, **flags: Any) -> None:
+        super().configure(**flags)
         if self.world_size % self.data_parallel_size:
             raise ValueError(
                 f"PipelineStrategy(data_parallel_size={self.data_parallel_size}) does not divide the "

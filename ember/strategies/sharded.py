@@ -5,7 +5,6 @@ clipping that sees every shard."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -17,8 +16,6 @@ from ember.strategies.ddp import ParallelStrategy
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
-
-    from ember.launch import ClusterEnvironment
 
 
 class ShardedStrategy(ParallelStrategy):
@@ -35,25 +32,9 @@ class ShardedStrategy(ParallelStrategy):
         super().__init__(**options)
         self._optimizers: list[torch.optim.Optimizer] = []
 
-    def configure(
-        self,
-        *,
-        device_type: str,
-        parallel_devices: Sequence[torch.device],
-        num_nodes: int,
-        precision: str | int,
-        sync_batchnorm: bool,
-        environment: ClusterEnvironment | None,
-    ) -> None:
-        super().configure(
-            device_type=device_type,
-            parallel_devices=parallel_devices,
-            num_nodes=num_nodes,
-            precision=precision,
-            sync_batchnorm=sync_batchnorm,
-            environment=environment,
-        )
-        if sync_batchnorm and not self.converts_batchnorm:
+    def configure(self, **flags: Any) -> None:
+        super().configure(**flags)
+        if self.sync_batchnorm and not self.converts_batchnorm:
             raise ValueError(f"sync_batchnorm=True is not supported with strategy={self.name!r}; use strategy='fsdp'")
         if self.precision.name == "16-mixed":
             # GradScaler would skip a step on the ranks whose shards overflowed and take it on the others.
@@ -75,8 +56,6 @@ class ShardedStrategy(ParallelStrategy):
         self, optimizer: torch.optim.Optimizer, max_value: float, algorithm: Literal["norm", "value"]
     ) -> torch.Tensor | None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            return None
         # Each rank scales or clamps its own shards; only the norm needs the other ranks.
         local = [_local(grad) for grad in grads]
         if algorithm == "value":
@@ -100,7 +79,7 @@ class ShardedStrategy(ParallelStrategy):
             norm = torch.nn.utils.get_total_norm(group)
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
             squares.append(norm.float().square())
-        total = torch.stack(squares).sum()
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.root_device)
         group = self._split_group()
         if group is not None:
             torch.distributed.all_reduce(total, group=group)  # the other stages' parameters
@@ -141,8 +120,10 @@ class ShardedStrategy(ParallelStrategy):
         full = "param_groups" in state  # Optimizer.state_dict()'s format, from an ordinary file
         if full:
             names = self._parameter_names()[self._optimizers.index(optimizer)]
-            state = sharded_checkpoint.flatten_optimizer_state(state, names)
-        options = StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=True)
+            kept = {name for name, _ in self._module.named_parameters()}
+            state = sharded_checkpoint.name_optimizer_state(state, names, kept)
+        # Whole states are given nested: torch reads flattened ones only when they are shards.
+        options = StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=not full)
         set_optimizer_state_dict(self._module, optimizer, state, options=options)
 
     def _parameter_names(self) -> list[list[list[str]]]:
