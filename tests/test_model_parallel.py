@@ -269,6 +269,8 @@ def test_pipeline_refuses_what_it_cannot_run(
         (lambda: PipelineStrategy(data_parallel_size=3), r"data_parallel_size=3\) does not divide the 2 processes"),
         (lambda: PipelineStrategy(split_points=["a"], split_fn=lambda m, i, n: []), r"split_points or split_fn"),
         (lambda: FSDPStrategy(auto_wrap_policy="Block"), r"auto_wrap_policy='Block'\): give a set of nn.Module"),
+        (lambda: FSDPStrategy(cpu_offload=True), r"cpu_offload=True\) keeps the model's state in CPU memory between "
+         r"GPU computations; on accelerator='cpu'"),
         (lambda: FSDPStrategy(reshard_after_forward=0), r"reshard_after_forward=0\): use True, False or a group"),
     ],
 )  # fmt: skip
@@ -300,6 +302,31 @@ def test_pipeline_accumulates_gradients_like_the_other_strategies() -> None:
     _assert_close(dict(model.named_parameters()), expected)
     x, y = next(iter(_regression(8)))
     assert recorder.losses[0] == pytest.approx(float(nn.functional.mse_loss(jobs.Net()(x), y).detach()), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"accumulate_full_gradients": True, "reshard_after_forward": False},
+        pytest.param({"cpu_offload": True}, marks=pytest.mark.cuda),
+    ],
+)
+def test_fsdp_accumulates_into_the_shards_unless_asked(options: dict[str, Any]) -> None:
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer: ember.Trainer, module: ember.Module, *args: Any) -> None:
+            if trainer.global_step == 0:  # a micro-batch that did not step
+                self.sharded_gradients = [p.grad is not None for p in module.parameters()]
+
+    expected = _one_process(jobs.Net(), _regression(16), max_epochs=1)
+    model, probe = jobs.Net(), Probe()
+    strategy = FSDPStrategy(**options)
+    accelerator = "cuda" if options.get("cpu_offload") else "cpu"
+    quiet_trainer(accelerator=accelerator, devices=1, strategy=strategy, accumulate_grad_batches=2, max_epochs=1,
+                  logger=False, enable_checkpointing=False, callbacks=[probe]).fit(model, _regression(8))  # fmt: skip
+    _assert_close({name: value.cpu() for name, value in jobs.full_parameters(model).items()}, expected)
+    full_gradients = options.get("accumulate_full_gradients", False)
+    assert probe.sharded_gradients == [not full_gradients] * 12  # full ones wait, unsharded, for the step
 
 
 def test_model_parallel_needs_configure_model() -> None:

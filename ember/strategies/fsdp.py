@@ -76,6 +76,14 @@ class FSDPStrategy(ShardedStrategy):
         self.accumulate_full_gradients = accumulate_full_gradients
         self._sync_off: contextlib.AbstractContextManager = _NO_CONTEXT
 
+    def configure(self, **flags: Any) -> None:
+        super().configure(**flags)
+        if self.cpu_offload and self.device_type == "cpu":
+            raise ValueError(
+                "FSDPStrategy(cpu_offload=True) keeps the model's state in CPU memory between GPU computations; "
+                "on accelerator='cpu' it is there already, so leave cpu_offload off"
+            )
+
     def setup_module(self, module: Module, training: bool) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
