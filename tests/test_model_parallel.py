@@ -329,6 +329,24 @@ def test_fsdp_accumulates_into_the_shards_unless_asked(options: dict[str, Any]) 
     assert probe.sharded_gradients == [not full_gradients] * 12  # full ones wait, unsharded, for the step
 
 
+def test_fsdp_computes_in_bfloat16_and_keeps_float32_shards_with_bf16_mixed() -> None:
+    model, seen = jobs.Net(), []
+    model.head.register_forward_pre_hook(lambda module, args: seen.append((module.weight.dtype, args[0].dtype)))
+    trainer = quiet_trainer(strategy="fsdp", precision="bf16-mixed", max_epochs=1, logger=False)
+    trainer.fit(model, _regression(8))
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.isfinite(trainer._last_loss)
+
+
+def test_fsdp_recomputes_the_activations_of_checkpointed_blocks() -> None:
+    model, calls = jobs.Net(), []
+    model.layers[0].linear.register_forward_hook(lambda *args: calls.append(torch.is_grad_enabled()))
+    strategy = FSDPStrategy(auto_wrap_policy={jobs.Block}, activation_checkpointing_policy={jobs.Block})
+    quiet_trainer(strategy=strategy, max_epochs=1, limit_train_batches=1, logger=False).fit(model, _regression(8))
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
+
+
 def test_model_parallel_needs_configure_model() -> None:
     with pytest.raises(TypeError, match=r"Regressor.configure_model\(device_mesh\), which it does not define"):
         quiet_trainer(strategy="model_parallel", max_epochs=1, logger=False).fit(Regressor(), make_loader(16))
