@@ -66,15 +66,16 @@ def load(path: str, template: dict[str, Any], *, trust_pickles: bool = False) ->
     checkpoint = _trainer_state(path, trust_pickles)
     reader = _safe_reader(path)
     saved_optimizers = _count_optimizers(reader.read_metadata())
-    wanted = {"state_dict": template["state_dict"]}
-    optimizers = template.get("optimizer_states")
-    if optimizers is not None and saved_optimizers == len(optimizers):
-        wanted["optimizer_states"] = dict(enumerate(optimizers))
-    dcp.load(_with_string_keys(wanted), storage_reader=reader, planner=_safe_planner(trust_pickles))
-    checkpoint["state_dict"] = wanted["state_dict"]
-    if optimizers is not None and saved_optimizers:
-        # a different count is left for the Trainer to report, with the numbers
-        checkpoint["optimizer_states"] = list(optimizers) if "optimizer_states" in wanted else [{}] * saved_optimizers
+    optimizers = template["optimizer_states"]
+    loads_optimizers = bool(optimizers) and saved_optimizers == len(optimizers)
+    dcp.load(
+        _sharded_part(template if loads_optimizers else {"state_dict": template["state_dict"]}),
+        storage_reader=reader,
+        planner=_safe_planner(trust_pickles),
+    )  # fills the template's tensors and dicts in place
+    checkpoint["state_dict"] = template["state_dict"]
+    if saved_optimizers:  # a different count is left for the Trainer to report, with the numbers
+        checkpoint["optimizer_states"] = optimizers if loads_optimizers else [{}] * saved_optimizers
     return checkpoint
 
 
@@ -151,16 +152,10 @@ def name_optimizer_state(state: dict[str, Any], groups: list[list[str]], kept: s
 
 
 def _sharded_part(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The entries DCP writes; the list of optimizer states as ``{"0": ...}``, since DCP's keys are strings."""
     part = {"state_dict": checkpoint["state_dict"]}
     if "optimizer_states" in checkpoint:
-        part["optimizer_states"] = dict(enumerate(checkpoint["optimizer_states"]))
-    return _with_string_keys(part)
-
-
-def _with_string_keys(part: dict[str, Any]) -> dict[str, Any]:
-    if "optimizer_states" in part:
-        # DCP's keys are strings; ``{str(i): state}`` rather than a list keeps them so.
-        return {**part, "optimizer_states": {str(index): state for index, state in part["optimizer_states"].items()}}
+        part["optimizer_states"] = {str(index): state for index, state in enumerate(checkpoint["optimizer_states"])}
     return part
 
 
