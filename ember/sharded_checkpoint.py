@@ -239,11 +239,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("collections", "OrderedDict"),
     }
 
+    _METADATA = "torch.distributed.checkpoint.metadata"
+
     def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name) if "." not in name else None
-        allowed = (module, name) in self._ALLOWED or (
-            module == "torch.distributed.checkpoint.metadata" and isinstance(found, type) and found.__module__ == module
-        )
-        if found is not None and (allowed or (module == "torch" and isinstance(found, torch.dtype))):
-            return found
+        # Only names from these modules are looked up at all: a lookup imports the module.
+        if "." not in name and ((module, name) in self._ALLOWED or module in ("torch", self._METADATA)):
+            found = super().find_class(module, name)
+            if (
+                (module, name) in self._ALLOWED
+                or (module == "torch" and isinstance(found, torch.dtype))
+                or (module == self._METADATA and isinstance(found, type) and found.__module__ == module)
+            ):
+                return found
         raise pickle.UnpicklingError(f"a sharded checkpoint's .metadata references {module}.{name}, which is refused")
