@@ -54,6 +54,7 @@ class ModelParallelStrategy(ShardedStrategy):
         self.data_parallel_size = data_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
         self.device_mesh: DeviceMesh | None = None
+        self._data_size, self._tensor_size = 1, 1  # decided by configure(), from the number of processes
 
     def configure(self, **flags: Any) -> None:
         super().configure(**flags)

@@ -84,6 +84,9 @@ class PipelineStrategy(ShardedStrategy):
         self.split_points = list(split_points) if split_points is not None else None
         self.split_fn = split_fn
         self.data_parallel_size = data_parallel_size
+        self.num_stages, self.stage_index = 1, 0  # decided by configure(), from the number of processes
+        self._group: ProcessGroup | None = None  # this rank's pipeline: one rank per stage
+        self._last_stage_rank = 0
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._anchor: torch.Tensor | None = None
         self._loss_scale: torch.Tensor | None = None
