@@ -347,6 +347,14 @@ def test_fsdp_recomputes_the_activations_of_checkpointed_blocks() -> None:
     assert len(calls) == 2  # the forward, and its recomputation in the backward
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline", "model_parallel"])
+def test_sharded_strategies_refuse_modules_wrapped_for_data_parallel(strategy: str) -> None:
+    model = _Pipelined()
+    model.layers[1] = nn.DataParallel(model.layers[1])
+    with pytest.raises(ValueError, match=rf"strategy='{strategy}' cannot lay out .* wrappers \(\['layers.1'\]\)"):
+        quiet_trainer(strategy=strategy, max_epochs=1, logger=False).fit(model, _regression(8))
+
+
 def test_model_parallel_needs_configure_model() -> None:
     with pytest.raises(TypeError, match=r"Regressor.configure_model\(device_mesh\), which it does not define"):
         quiet_trainer(strategy="model_parallel", max_epochs=1, logger=False).fit(Regressor(), make_loader(16))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ember.strategies.sharded import ShardedStrategy
+from ember.strategies.sharded import ShardedStrategy, refuse_wrappers
 from ember.strategies.strategy import _NO_CONTEXT, is_on_meta_device, materialize
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ class FSDPStrategy(ShardedStrategy):
 
         if module is self._module:
             return
+        refuse_wrappers(module, self.name)
         self._module = module
         if self.sync_batchnorm:
             nn.SyncBatchNorm.convert_sync_batchnorm(module)

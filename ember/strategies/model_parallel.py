@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ember._utils import is_overridden
-from ember.strategies.sharded import ShardedStrategy
+from ember.strategies.sharded import ShardedStrategy, refuse_wrappers
 from ember.strategies.strategy import is_on_meta_device, materialize
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class ModelParallelStrategy(ShardedStrategy):
 
         if module is self._module:
             return
+        refuse_wrappers(module, self.name)
         if not is_overridden("configure_model", module, Module):
             raise TypeError(
                 f"strategy='model_parallel' lays the model out in {type(module).__name__}.configure_model("

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ember.strategies.sharded import ShardedStrategy
+from ember.strategies.sharded import ShardedStrategy, refuse_wrappers
 from ember.strategies.strategy import is_on_meta_device, materialize
 
 if TYPE_CHECKING:
@@ -126,6 +126,7 @@ class PipelineStrategy(ShardedStrategy):
 
         if module is self._module:
             return
+        refuse_wrappers(module, self.name)
         if not module.automatic_optimization:
             raise ValueError(
                 "strategy='pipeline' runs the forward and backward of every micro-batch in its schedule, so "

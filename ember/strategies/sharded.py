@@ -8,6 +8,7 @@ import itertools
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch import nn
 
 from ember import checkpoint as checkpoint_io
 from ember import sharded_checkpoint
@@ -154,6 +155,20 @@ class ShardedStrategy(ParallelStrategy):
         checkpoint = sharded_checkpoint.load(path, template, trust_pickles=trust_pickles)
         checkpoint.pop(sharded_checkpoint.PARAMETER_NAMES, None)
         return checkpoint
+
+
+def refuse_wrappers(module: nn.Module, strategy: str) -> None:
+    """Refuse a module with data-parallel wrappers inside: a sharded strategy lays out bare modules."""
+    wrapped = [
+        name or "(the module)"
+        for name, sub in module.named_modules()
+        if isinstance(sub, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+    ]
+    if wrapped:
+        raise ValueError(
+            f"strategy={strategy!r} cannot lay out a module that holds DataParallel or DistributedDataParallel "
+            f"wrappers ({wrapped}): pass the bare module; the strategy runs the data parallelism itself"
+        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
