@@ -49,8 +49,18 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
 
 
 def link(source: str | os.PathLike, destination: str | os.PathLike) -> None:
-    """Make ``destination`` an atomic copy of the complete file ``source`` (a hard link when possible)."""
+    """Make ``destination`` an atomic copy of the complete file ``source`` (a hard link when possible).
+
+    A sharded checkpoint (a directory) is copied with its files hard-linked, and replaces
+    ``destination`` only once complete.
+    """
     source, destination = os.fspath(source), os.fspath(destination)
+    if os.path.isdir(source):
+        staging = staging_path(destination, "partial")
+        remove(staging)
+        shutil.copytree(source, staging, copy_function=_link_or_copy)
+        replace_directory(staging, destination)
+        return
     directory = os.path.dirname(os.path.abspath(destination))
     temporary = os.path.join(directory, f".{os.path.basename(destination)}.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
@@ -67,9 +77,14 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", *, trust_pickles: b
     """Read a checkpoint with ``torch.load(weights_only=True)``: tensors and plain Python values only.
 
     A file carrying other pickled objects is refused before any of them is built, so nothing in
-    it runs. ``trust_pickles=True`` lifts that for files from a source you trust.
+    it runs. ``trust_pickles=True`` lifts that for files from a source you trust. A sharded
+    checkpoint (a directory) is read whole, into CPU memory, as if it were one file.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        from ember import sharded_checkpoint
+
+        return sharded_checkpoint.load_consolidated(path, trust_pickles=trust_pickles)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"ckpt_path={path!r}: no such checkpoint file")
     try:
@@ -87,6 +102,38 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", *, trust_pickles: b
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{path!r} holds a {type(checkpoint).__name__}, not a checkpoint dict")
     return checkpoint
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Remove a checkpoint, a file or a directory, if it exists."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def replace_directory(source: str, destination: str) -> None:
+    """Move the complete directory ``source`` to ``destination``, replacing what was there."""
+    old = staging_path(destination, "old")
+    remove(old)
+    if os.path.lexists(destination):
+        os.replace(destination, old)  # a directory cannot be renamed over another one
+    os.replace(source, destination)
+    remove(old)
+    _fsync_directory(os.path.dirname(os.path.abspath(destination)))
+
+
+def staging_path(path: str | os.PathLike, what: str) -> str:
+    """A hidden sibling of ``path`` for work in progress, the same on every rank."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{what}")
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:  # file systems without hard links
+        shutil.copy2(source, destination)
 
 
 def plain_values(value: Any, where: str = "value") -> Any:
@@ -196,8 +243,14 @@ def _unfinished_window_gradients(trainer: Trainer) -> list[torch.Tensor | None] 
     module = trainer.module
     if module is None or not module.automatic_optimization:
         return None
-    gradients = [parameter.grad for parameter in module.parameters()]
+    # A sharded parameter's gradient is a DTensor: each rank keeps its own shard (rank-local, like the rest).
+    gradients = [_local(parameter.grad) for parameter in module.parameters()]
     return gradients if any(gradient is not None for gradient in gradients) else None
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
@@ -268,6 +321,10 @@ def _restore_gradients(module: torch.nn.Module, gradients: list[torch.Tensor | N
     if gradients is None:
         return
     for parameter, gradient in zip(module.parameters(), gradients, strict=True):
+        if gradient is not None and hasattr(parameter, "device_mesh"):  # a shard of a DTensor gradient
+            from torch.distributed.tensor import DTensor
+
+            gradient = DTensor.from_local(gradient.to(parameter.device), parameter.device_mesh, parameter.placements)
         parameter.grad = None if gradient is None else gradient.to(parameter.device)
 
 

@@ -28,6 +28,14 @@ examples:
   ember plot run_a/metrics.csv run_b/metrics.csv --metrics loss,val_acc --x epoch
 """
 
+_CONSOLIDATE_DESCRIPTION = """\
+Read the sharded checkpoint DIR (a directory written by strategy="fsdp", "model_parallel" or
+"pipeline", each rank its own shard) in one process and write it as the single file OUT: full
+tensors, and optimizer states as Optimizer.state_dict() has them. OUT is an ordinary checkpoint:
+Trainer.fit(ckpt_path=OUT) resumes from it with any strategy and number of devices, and
+Module.load_from_checkpoint(OUT) loads the weights. Needs memory for the whole model.
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -126,6 +134,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="the x axis: the global step (default), or the epoch, with per-step values averaged per epoch",
     )  # fmt: skip
     plot.set_defaults(handler=_plot)
+
+    checkpoint = commands.add_parser(
+        "checkpoint",
+        help="work with checkpoints (consolidate a sharded one into one file)",
+        description="Work with checkpoints.",
+    )
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", required=True)
+    consolidate = actions.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint directory into one ordinary checkpoint file",
+        description=_CONSOLIDATE_DESCRIPTION,
+        epilog="example:\n  ember checkpoint consolidate ember_logs/version_0/checkpoints/last.ckpt model.ckpt",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    consolidate.add_argument("directory", metavar="DIR", help="the sharded checkpoint (a directory)")
+    consolidate.add_argument("output", metavar="OUT", help="the file to write, such as model.ckpt")
+    consolidate.add_argument(
+        "--trust-pickles", action="store_true",
+        help="also read values other than tensors and plain Python values (can run code: only for files you trust)",
+    )  # fmt: skip
+    consolidate.set_defaults(handler=_consolidate)
     return parser
 
 
@@ -175,6 +204,22 @@ def _plot(args: argparse.Namespace) -> int:
         print(f"ember plot: {error}", file=sys.stderr)
         return 2
     print(f"wrote {written}")
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from ember import checkpoint, sharded_checkpoint
+
+    if not sharded_checkpoint.is_sharded(args.directory):
+        print(f"ember checkpoint consolidate: {args.directory!r} is not a sharded checkpoint", file=sys.stderr)
+        return 2
+    try:
+        state = checkpoint.load(args.directory, trust_pickles=args.trust_pickles)
+    except checkpoint.CheckpointError as error:
+        print(f"ember checkpoint consolidate: {error} (--trust-pickles does that here)", file=sys.stderr)
+        return 1
+    checkpoint.save(state, args.output)
+    print(f"wrote {args.output}")
     return 0
 
 

@@ -45,6 +45,11 @@ def fit(trainer: Trainer, train_loader: Iterable, val_loaders: list[Iterable], c
     trainer.validation_enabled = sum(val_counts) > 0
     val_every = _validation_interval(trainer)
 
+    if trainer.accumulate_grad_batches == "auto" and not strategy.averages_split_gradients:
+        raise ValueError(
+            f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
+            f"batch; strategy {strategy.name!r} with {trainer.world_size} processes cannot (use 'ddp', or a count)"
+        )
     optimizers, scheduler_configs = parse_optimizers(module.configure_optimizers())
     if module.automatic_optimization and len(optimizers) != 1:
         raise ValueError(

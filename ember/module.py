@@ -72,7 +72,14 @@ class Module(_HyperparametersMixin, nn.Module):
     Define ``training_step(batch, batch_idx)`` (returning the loss, a dict with ``"loss"``, or None
     to skip the batch) and ``configure_optimizers()``; optionally ``validation_step``,
     ``test_step``, ``predict_step``, the ``*_dataloader`` methods and the hooks below.
+
+    A module whose layers you put on different devices yourself (``self.encoder.to("cuda:0");
+    self.decoder.to("cuda:1")``) is left where it is; batches go to ``input_device`` if you set it,
+    else to the first parameter's device.
     """
+
+    #: The device batches are moved to when the layers were placed by hand (None: the first parameter's).
+    input_device: torch.device | str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -194,6 +201,17 @@ class Module(_HyperparametersMixin, nn.Module):
 
     def teardown(self, stage: str) -> None:
         """Called at the end of fit, validate, test and predict."""
+
+    def configure_model(self, device_mesh: Any) -> None:
+        """Lay the model out over ``device_mesh`` (a ``torch.distributed.device_mesh.DeviceMesh``).
+
+        Called once, before the optimizers are built, by strategies that arrange ranks in a mesh
+        (``strategy="model_parallel"``: dimensions ``"data"`` and ``"tensor"``). Apply tensor parallel
+        plans here with ``device_mesh["tensor"]`` (see ``ember.strategies.parallelize_transformer``) and
+        ``fully_shard`` with ``device_mesh["data"]``. Layers created here, or in ``__init__`` under
+        ``torch.device("meta")``, are allocated on the device afterwards and initialised with their
+        ``reset_parameters()``.
+        """
 
     def on_fit_start(self) -> None: ...
     def on_fit_end(self) -> None: ...

@@ -107,7 +107,8 @@ def test_command_line_help_and_version() -> None:
 def test_import_is_cheap_and_pulls_in_no_optional_packages() -> None:
     code = (
         "import sys, torch; before = set(sys.modules); import ember; "
-        "heavy = ('tensorboard', 'matplotlib', 'mlflow', 'sklearn', 'torch.distributed.fsdp', 'torch._dynamo')"
+        "heavy = ('tensorboard', 'matplotlib', 'mlflow', 'sklearn', 'torch.distributed.fsdp', 'torch._dynamo', "
+        "'torch.distributed.tensor', 'torch.distributed.checkpoint', 'torch.distributed.pipelining')"
         "; print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in heavy or m in heavy))"
     )
     result = _run("-c", code)

@@ -24,6 +24,9 @@ _PLACEHOLDER = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 class ModelCheckpoint(Callback):
     """Write checkpoints during ``fit``; only the global-zero process writes, each file atomically.
 
+    With the sharded strategies (fsdp, model_parallel, pipeline) a checkpoint is a directory to which
+    every rank writes its shard; it is kept, replaced and removed like a file.
+
     Args:
         dirpath: directory for the files (default: ``<log_dir>/checkpoints``).
         filename: a format such as ``"{epoch}-{val_loss:.3f}"``; ``epoch``, ``step`` and logged metrics
@@ -200,8 +203,8 @@ class ModelCheckpoint(Callback):
             trainer.print(f"ModelCheckpoint: saved {path}")
         if trainer.is_global_zero:
             for old in evicted:
-                if old != path and os.path.exists(old):
-                    os.remove(old)
+                if old != path:
+                    checkpoint_io.remove(old)  # a file, or a sharded checkpoint's directory
         trainer.strategy.barrier()
 
     def _path(self, trainer: Trainer, metrics: dict[str, torch.Tensor]) -> str:

@@ -8,12 +8,28 @@ from typing import Any
 import torch
 
 from ember.launch import ClusterEnvironment, detect_environment
-from ember.strategies.ddp import DDPStrategy
+from ember.strategies.ddp import DDPStrategy, ParallelStrategy
 from ember.strategies.dp import DataParallelStrategy
+from ember.strategies.fsdp import FSDPStrategy
+from ember.strategies.model_parallel import ModelParallelStrategy, parallelize_transformer
+from ember.strategies.pipeline import PipelineStrategy
+from ember.strategies.sharded import ShardedStrategy
 from ember.strategies.single import SingleDeviceStrategy
 from ember.strategies.strategy import Strategy
 
-__all__ = ["DDPStrategy", "DataParallelStrategy", "SingleDeviceStrategy", "Strategy", "select_strategy"]
+__all__ = [
+    "DDPStrategy",
+    "DataParallelStrategy",
+    "FSDPStrategy",
+    "ModelParallelStrategy",
+    "ParallelStrategy",
+    "PipelineStrategy",
+    "ShardedStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "parallelize_transformer",
+    "select_strategy",
+]
 
 _ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 
@@ -129,6 +145,9 @@ _STRATEGIES: dict[str, type[Strategy]] = {
     "single_device": SingleDeviceStrategy,
     "ddp": DDPStrategy,
     "dp": DataParallelStrategy,
+    "fsdp": FSDPStrategy,
+    "model_parallel": ModelParallelStrategy,
+    "pipeline": PipelineStrategy,
 }
 
 

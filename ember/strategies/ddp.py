@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ember.launch import ClusterEnvironment, die_with_parent, listening_socket, loopback_interface, relaunch
+from ember.launch import (
+    ClusterEnvironment,
+    die_with_parent,
+    listening_socket,
+    loopback_interface,
+    relaunch,
+)
 from ember.strategies.strategy import _NO_CONTEXT, ReduceOp, Strategy
 
 if TYPE_CHECKING:
@@ -33,35 +39,18 @@ class _StepRunner(nn.Module):
         return getattr(self.module, step_name)(*args)
 
 
-class DDPStrategy(Strategy):
-    """One process per device on one or more machines; NCCL between GPUs, Gloo between CPU processes.
+class ParallelStrategy(Strategy):
+    """One process per device on one or more machines, joined in a process group: the layout, launching
+    and communication that every multi-process strategy shares. Subclasses decide how the module is
+    wrapped or split.
 
     Args:
-        find_unused_parameters: let DDP cope with parameters that get no gradient in some steps (slower).
-        static_graph: promise that the set of used parameters never changes (enables optimizations).
-        gradient_as_bucket_view: gradients share memory with the communication buckets (saves memory).
-        bucket_cap_mb: size of the gradient buckets that are all-reduced together.
         process_group_backend: "nccl", "gloo", ... (default: NCCL on CUDA, Gloo on CPU).
         timeout: how long a collective may wait for the other ranks before failing.
     """
 
-    name = "ddp"
-
-    def __init__(
-        self,
-        *,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        gradient_as_bucket_view: bool = False,
-        bucket_cap_mb: float | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta = timedelta(minutes=30),
-    ) -> None:
+    def __init__(self, *, process_group_backend: str | None = None, timeout: timedelta = timedelta(minutes=30)) -> None:
         super().__init__()
-        self.find_unused_parameters = find_unused_parameters
-        self.static_graph = static_graph
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.bucket_cap_mb = bucket_cap_mb
         self.process_group_backend = process_group_backend
         self.timeout = timeout
 
@@ -107,75 +96,30 @@ class DDPStrategy(Strategy):
         import torch.distributed as dist
 
         environment = self.environment
-        if environment is None:
-            raise RuntimeError("the DDP strategy runs in processes started by a launcher; call launch() first")
-        if environment.launcher == "torchelastic":
+        if environment is None and self.world_size > 1:
+            raise RuntimeError(f"strategy={self.name!r} runs in processes started by a launcher; call launch() first")
+        if environment is not None and environment.launcher == "torchelastic":
             die_with_parent()
         super().setup_environment()
         if dist.is_initialized():
             return
         backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        if environment.single_machine and environment.main_address in ("127.0.0.1", "localhost"):
-            interface = loopback_interface()
-            if interface is not None:  # the process group's own sockets listen on 127.0.0.1 too
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-                os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         options: dict[str, Any] = {"backend": backend, "timeout": self.timeout}
         if backend == "nccl":
             options["device_id"] = self.root_device
-        if environment.launcher == "torchelastic":
+        if environment is None:
+            # A group of one process, so that the strategy's collectives and device meshes work without a launcher.
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
+        elif environment.launcher == "torchelastic":
+            _listen_on_loopback(environment)
             dist.init_process_group(**options)  # rendezvous through the agent's store (env://)
         else:
+            _listen_on_loopback(environment)
             store = _make_store(environment, self.timeout)
             dist.init_process_group(
                 store=store, rank=environment.global_rank, world_size=environment.world_size, **options
             )
         atexit.register(_destroy_process_group)
-
-    def setup_module(self, module: Module, training: bool) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        super().setup_module(module, training)
-        if not training or isinstance(self.model, DistributedDataParallel):
-            return
-        if self.sync_batchnorm:
-            nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        options: dict[str, Any] = {}
-        if self.bucket_cap_mb is not None:
-            options["bucket_cap_mb"] = self.bucket_cap_mb
-        self.model = DistributedDataParallel(
-            _StepRunner(module),
-            device_ids=[self.root_device.index] if self.root_device.type == "cuda" else None,
-            find_unused_parameters=self.find_unused_parameters,
-            static_graph=self.static_graph,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            **options,
-        )
-
-    # ------------------------------------------------------------------------------ steps
-    def step(self, name: str, *args: Any) -> Any:
-        with self.precision.forward_context():
-            if self.model is self._module:
-                return getattr(self._module, name)(*args)
-            return self.model(name, *args)  # through DDP, which arms the gradient all-reduce
-
-    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
-        if skip_gradient_sync and self.model is not self._module:
-            return self.model.no_sync()
-        return _NO_CONTEXT
-
-    def sync_gradients(self) -> None:
-        import torch.distributed as dist
-
-        assert self._module is not None
-        gradients = [p.grad for p in self._module.parameters() if p.grad is not None]
-        if not gradients:
-            return
-        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])  # one collective, not one per tensor
-        dist.all_reduce(flat)
-        flat /= self.world_size
-        chunks = flat.split([gradient.numel() for gradient in gradients])
-        torch._foreach_copy_(gradients, [chunk.view_as(gradient) for chunk, gradient in zip(chunks, gradients)])
 
     # ---------------------------------------------------------------------- communication
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
@@ -216,6 +160,97 @@ class DDPStrategy(Strategy):
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()
+
+
+class DDPStrategy(ParallelStrategy):
+    """One process per device on one or more machines; NCCL between GPUs, Gloo between CPU processes.
+
+    Args:
+        find_unused_parameters: let DDP cope with parameters that get no gradient in some steps (slower).
+        static_graph: promise that the set of used parameters never changes (enables optimizations).
+        gradient_as_bucket_view: gradients share memory with the communication buckets (saves memory).
+        bucket_cap_mb: size of the gradient buckets that are all-reduced together.
+        process_group_backend: "nccl", "gloo", ... (default: NCCL on CUDA, Gloo on CPU).
+        timeout: how long a collective may wait for the other ranks before failing.
+    """
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.bucket_cap_mb = bucket_cap_mb
+
+    # -------------------------------------------------------------------------- lifecycle
+    def setup_module(self, module: Module, training: bool) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().setup_module(module, training)
+        if not training or isinstance(self.model, DistributedDataParallel):
+            return
+        if self.sync_batchnorm:
+            nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        options: dict[str, Any] = {}
+        if self.bucket_cap_mb is not None:
+            options["bucket_cap_mb"] = self.bucket_cap_mb
+        # A module that the user spread over several GPUs stays there, and DDP then takes no device_ids.
+        one_gpu = self.root_device.type == "cuda" and self._input_device is None
+        self.model = DistributedDataParallel(
+            _StepRunner(module),
+            device_ids=[self.root_device.index] if one_gpu else None,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            **options,
+        )
+
+    # ------------------------------------------------------------------------------ steps
+    def step(self, name: str, *args: Any) -> Any:
+        with self.precision.forward_context():
+            if self.model is self._module:
+                return getattr(self._module, name)(*args)
+            return self.model(name, *args)  # through DDP, which arms the gradient all-reduce
+
+    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
+        if skip_gradient_sync and self.model is not self._module:
+            return self.model.no_sync()
+        return _NO_CONTEXT
+
+    @property
+    def averages_split_gradients(self) -> bool:
+        return True
+
+    def sync_gradients(self) -> None:
+        import torch.distributed as dist
+
+        assert self._module is not None
+        gradients = [p.grad for p in self._module.parameters() if p.grad is not None]
+        if not gradients:
+            return
+        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])  # one collective, not one per tensor
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        chunks = flat.split([gradient.numel() for gradient in gradients])
+        torch._foreach_copy_(gradients, [chunk.view_as(gradient) for chunk, gradient in zip(chunks, gradients)])
+
+
+def _listen_on_loopback(environment: ClusterEnvironment) -> None:
+    if environment.single_machine and environment.main_address in ("127.0.0.1", "localhost"):
+        interface = loopback_interface()
+        if interface is not None:  # the process group's own sockets listen on 127.0.0.1 too
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
 
 def _make_store(environment: ClusterEnvironment, timeout: timedelta) -> Any:

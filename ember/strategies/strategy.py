@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -44,6 +45,8 @@ class Strategy:
         # What the steps run through: the module itself, or a wrapper around it (DDP, DataParallel).
         self.model: nn.Module | None = None
         self._batch_device: torch.device | None = None
+        # Where batches go when the user placed the module's layers on devices themselves (else None).
+        self._input_device: torch.device | None = None
 
     # ----------------------------------------------------------------------------------- layout
     def configure(
@@ -106,13 +109,23 @@ class Strategy:
 
     def setup_module(self, module: Module, training: bool) -> None:
         """Place the module on its device in the precision's dtype and compile it if asked (once); parallel
-        strategies also wrap it for training."""
+        strategies also wrap it for training.
+
+        A module whose layers the user spread over devices is left where it is, and a module built on
+        the meta device is allocated on the device and initialised with ``reset_parameters()``.
+        """
         if module is self._module:
             return
         self._module = module
+        self._input_device = input_device(module)
+        if self._input_device is None:
+            if is_on_meta_device(module):
+                materialize(module, self.root_device)
+            else:
+                module.to(self.root_device)
+        device = self._input_device or self.root_device
         # CPU batches stay where the loader made them: a copy to the same device would cost per step.
-        self._batch_device = self.root_device if self.root_device.type != "cpu" else None
-        module.to(self.root_device)
+        self._batch_device = device if device.type != "cpu" else None
         self.precision.convert_module(module)
         if self.compile_options is not None:
             # In place (nn.Module.compile): the module stays itself, so its state_dict keys carry no
@@ -162,6 +175,12 @@ class Strategy:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.precision.optimizer_step(optimizer)
+
+    @property
+    def averages_split_gradients(self) -> bool:
+        """Whether ``sync_gradients`` can average gradients accumulated under ``no_sync`` (for
+        ``accumulate_grad_batches="auto"``): on one device there is nothing to average."""
+        return self.world_size == 1
 
     def sync_gradients(self) -> None:
         """Average gradients that were accumulated under ``no_sync`` across ranks (nothing to do on one device)."""
@@ -215,3 +234,45 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={[str(d) for d in self.parallel_devices]})"
+
+
+def input_device(module: nn.Module) -> torch.device | None:
+    """The device of the module's input when the user placed its layers themselves, else None.
+
+    That is ``module.input_device`` if set, or the first parameter's device when the parameters and
+    buffers sit on more than one device (``encoder.to("cuda:0"); decoder.to("cuda:1")``).
+    """
+    chosen = getattr(module, "input_device", None)
+    if chosen is not None:
+        return torch.device(chosen)
+    tensors = list(chain(module.parameters(), module.buffers()))
+    if len({tensor.device for tensor in tensors}) > 1:
+        return tensors[0].device
+    return None
+
+
+def is_on_meta_device(module: nn.Module) -> bool:
+    """Whether the module was built under ``torch.device("meta")``: it has tensors, all without storage."""
+    tensors = list(chain(module.parameters(), module.buffers()))
+    return bool(tensors) and all(tensor.is_meta for tensor in tensors)
+
+
+def materialize(module: nn.Module, device: torch.device | str) -> None:
+    """Allocate a module built on the meta device on ``device`` and initialise every submodule that owns
+    parameters or buffers with its ``reset_parameters()`` (sharded parameters are allocated shard by shard)."""
+    owners = [(name, sub) for name, sub in module.named_modules() if next(_own_tensors(sub), None) is not None]
+    missing = [name or "(the module)" for name, sub in owners if not callable(getattr(sub, "reset_parameters", None))]
+    if missing:
+        raise TypeError(
+            f"the module was built on the meta device, but {missing} define no reset_parameters(): Ember "
+            "allocates the parameters on the device and calls reset_parameters() on each module that owns "
+            "parameters or buffers to initialise them; add that method, or build the module on a real device"
+        )
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for _, sub in owners:
+            sub.reset_parameters()
+
+
+def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    return chain(module.parameters(recurse=False), module.buffers(recurse=False))

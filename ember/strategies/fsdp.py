@@ -1,0 +1,163 @@
+"""Fully sharded data parallel: each rank keeps a shard of every parameter, gradient and optimizer state."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ember.strategies.sharded import ShardedStrategy, refuse_wrappers
+from ember.strategies.strategy import _NO_CONTEXT, is_on_meta_device, materialize
+
+if TYPE_CHECKING:
+    from ember.module import Module
+
+#: Which submodules get a treatment: a set of module classes, or a function of the module.
+ModulePolicy = set[type[nn.Module]] | Callable[[nn.Module], bool]
+
+
+class FSDPStrategy(ShardedStrategy):
+    """Data parallel in which every rank holds 1/N of the parameters, gradients and optimizer state,
+    through PyTorch's ``fully_shard`` (FSDP2). Parameters are gathered for each block's forward and
+    backward, and gradients are reduce-scattered.
+
+    Args:
+        auto_wrap_policy: the blocks that are sharded (and gathered) as one unit, besides the whole
+            model: a set of module classes (e.g. ``{TransformerBlock}``) or a function of the module.
+            Without one, the whole model is one unit, gathered whole for the forward.
+        activation_checkpointing_policy: blocks (classes or a function) whose activations are recomputed
+            in the backward instead of kept: less memory for some more compute.
+        reshard_after_forward: free gathered parameters after each block's forward (True, least memory),
+            keep them until the backward (False, less communication), or an int: reshard to groups
+            of that many ranks.
+        cpu_offload: keep parameters, gradients and optimizer state in CPU memory; the optimizer steps on
+            the CPU.
+        accumulate_full_gradients: with ``accumulate_grad_batches``, keep each micro-batch's full (unsharded)
+            gradients and reduce them once per step: less communication, but the memory of DDP's
+            gradients. By default every micro-batch's gradients are reduce-scattered into the shards.
+        process_group_backend, timeout: as for ``DDPStrategy``.
+
+    ``precision="bf16-mixed"`` computes with bfloat16 copies of the parameters and reduces gradients in
+    float32; a module built under ``torch.device("meta")`` is allocated shard by shard.
+    """
+
+    name = "fsdp"
+    converts_batchnorm = True
+
+    def __init__(
+        self,
+        *,
+        auto_wrap_policy: ModulePolicy | None = None,
+        activation_checkpointing_policy: ModulePolicy | None = None,
+        reshard_after_forward: bool | int = True,
+        cpu_offload: bool = False,
+        accumulate_full_gradients: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.auto_wrap_policy = _check_policy("auto_wrap_policy", auto_wrap_policy)
+        self.activation_checkpointing_policy = _check_policy(
+            "activation_checkpointing_policy", activation_checkpointing_policy
+        )
+        if not isinstance(reshard_after_forward, int) or (
+            not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1
+        ):
+            raise ValueError(
+                f"FSDPStrategy(reshard_after_forward={reshard_after_forward!r}): use True, False or a group size >= 1"
+            )
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.accumulate_full_gradients = accumulate_full_gradients
+        self._sync_off: contextlib.AbstractContextManager = _NO_CONTEXT
+
+    def configure(self, **flags: Any) -> None:
+        super().configure(**flags)
+        if self.cpu_offload and self.device_type == "cpu":
+            raise ValueError(
+                "FSDPStrategy(cpu_offload=True) keeps the model's state in CPU memory between GPU computations; "
+                "on accelerator='cpu' it is there already, so leave cpu_offload off"
+            )
+
+    def setup_module(self, module: Module, training: bool) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        if module is self._module:
+            return
+        refuse_wrappers(module, self.name)
+        self._module = module
+        if self.sync_batchnorm:
+            nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        for block in _matching(module, self.activation_checkpointing_policy):
+            _checkpoint_activations(block)
+        self.precision.convert_module(module)  # "bf16-true" and the like: sharded in their dtype
+        options: dict[str, Any] = {
+            "mesh": self._device_mesh((self.world_size,), ("data",)),
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+        compute_dtype = getattr(self.precision, "dtype", None)
+        if self.precision.name.endswith("-mixed") and compute_dtype is not None:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        # Blocks first, the whole model last: fully_shard leaves out what a wrapped block already holds.
+        for block in reversed(list(_matching(module, self.auto_wrap_policy))):
+            fully_shard(block, **options)
+        fully_shard(module, **options)
+        if is_on_meta_device(module):
+            materialize(module, "cpu" if self.cpu_offload else self.root_device)
+        self._sync_off = _GradientSyncOff(module)
+        self.model = module
+
+    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
+        if skip_gradient_sync and self.accumulate_full_gradients:
+            return self._sync_off
+        return _NO_CONTEXT
+
+
+class _GradientSyncOff(contextlib.AbstractContextManager):
+    """Reusable: turns FSDP's gradient reduction off while entered (gradients then accumulate unsharded)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.module.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.module.set_requires_gradient_sync(True)
+
+
+def _check_policy(flag: str, policy: Any) -> ModulePolicy | None:
+    if policy is None or (callable(policy) and not isinstance(policy, type)):
+        return policy
+    if isinstance(policy, (set, frozenset, list, tuple)) and all(
+        isinstance(cls, type) and issubclass(cls, nn.Module) for cls in policy
+    ):
+        return set(policy)
+    raise TypeError(f"FSDPStrategy({flag}={policy!r}): give a set of nn.Module classes or a function of a module")
+
+
+def _matching(module: nn.Module, policy: ModulePolicy | None) -> Iterator[nn.Module]:
+    """The submodules (not the module itself) that ``policy`` selects, parents before children."""
+    if policy is None:
+        return
+    for sub in module.modules():
+        if sub is not module and (isinstance(sub, tuple(policy)) if isinstance(policy, set) else policy(sub)):
+            yield sub
+
+
+def _checkpoint_activations(block: nn.Module) -> None:
+    """Recompute the block's activations in the backward instead of keeping them.
+
+    The block's own ``forward`` runs under ``torch.utils.checkpoint``; its hooks (FSDP's gathering)
+    stay outside, so the recomputation finds the parameters gathered by the backward's hooks.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
