@@ -639,6 +639,8 @@ def run_script(script: str, arguments: list[str], *, steps: int, as_json: bool, 
     """Run a training script (as ``python script.py`` would) under the doctor; return its exit status."""
     import runpy
 
+    from ember.launch import close_process_group
+
     os.environ["EMBER_DOCTOR"] = json.dumps({"steps": steps, "json": as_json})  # for a relaunch into workers
     doctor = Doctor(steps=steps, stop=True, as_json=as_json).install()
     sys.argv = [script, *arguments]
@@ -650,9 +652,10 @@ def run_script(script: str, arguments: list[str], *, steps: int, as_json: bool, 
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             runpy.run_path(script, run_name="__main__")
     except DoctorDone:
-        return 0
+        pass
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     with contextlib.suppress(DoctorDone):
         doctor.finish()  # the script ended before the doctor had seen all its steps
+    close_process_group()  # a plain script may leave its group open; its threads must end before exit
     return status

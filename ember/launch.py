@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 _LOCAL_RANK_FLAG = re.compile(r"^--local[-_]rank(?:=(\d+))?$")
@@ -145,6 +146,22 @@ def die_with_parent() -> None:
         return
     if parent == 1:  # the launcher died before the request was registered
         os._exit(1)
+
+
+def close_process_group() -> None:
+    """Close the default process group, if one is open, while the interpreter is still whole.
+
+    A gloo worker thread lets go of a collective's tensors a moment after the collective completes
+    (later still for one that was never waited for). If that happens once the interpreter has begun
+    to shut down, taking the GIL ends the thread inside a destructor and the whole process aborts
+    ("terminate called without an active exception"), so the threads get that moment first.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    time.sleep(0.05)
+    dist.destroy_process_group()
 
 
 def loopback_interface() -> str | None:

@@ -263,6 +263,22 @@ def test_workers_do_not_outlive_a_killed_launcher(tmp_path: Any) -> None:
     assert not [pid for pid in workers if _alive(pid)], "orphaned workers survived"
 
 
+IN_FLIGHT_AT_EXIT = """
+import atexit, torch, torch.distributed as dist
+from ember.launch import close_process_group
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+atexit.register(close_process_group)  # as every Ember strategy with a process group does
+dist.all_reduce(torch.randn(1_000_000), async_op=True)  # still running when the script ends
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_still_running_at_exit_does_not_abort_the_process() -> None:
+    # Without closing first, gloo's thread releases the tensor during interpreter shutdown: SIGABRT.
+    result = subprocess.run([sys.executable, "-c", IN_FLIGHT_AT_EXIT], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------- without processes
 class _TwoRanks:
     """Just enough of a strategy for prepare_loader: the layout of one rank of two."""

@@ -13,6 +13,7 @@ from torch import nn
 
 from ember.launch import (
     ClusterEnvironment,
+    close_process_group,
     die_with_parent,
     listening_socket,
     loopback_interface,
@@ -119,7 +120,7 @@ class ParallelStrategy(Strategy):
             dist.init_process_group(
                 store=store, rank=environment.global_rank, world_size=environment.world_size, **options
             )
-        atexit.register(_destroy_process_group)
+        atexit.register(close_process_group)
 
     # ---------------------------------------------------------------------- communication
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
@@ -270,10 +271,3 @@ def _make_store(environment: ClusterEnvironment, timeout: timedelta) -> Any:
 
 
 _keep_alive: list[Any] = []
-
-
-def _destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
