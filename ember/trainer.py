@@ -225,7 +225,7 @@ class Trainer:
         self._data_seed = 0  # the order of training data; set at fit start, saved in checkpoints
         self._pending_random_state: dict[str, Any] | None = None  # restored when a resumed run starts
         self._signal_received: int | None = None
-        self._steps_since_agreement = 0
+        self._stop_agreement = loop.StopAgreement()  # when the ranks next agree on stopping
         #: True once a preemption signal made ``fit`` save a checkpoint and stop.
         self.preempted = False
         self.train_dataloader: Iterable | None = None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -78,3 +81,42 @@ def quiet_trainer(**flags: Any) -> ember.Trainer:
 
 def parameters_of(module: torch.nn.Module) -> list[torch.Tensor]:
     return [parameter.detach().clone() for parameter in module.parameters()]
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started, directly or not, by process ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as file:
+                    parent = int(file.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def wait_for_workers(launcher: subprocess.Popen, script: str, count: int, settle: float = 4) -> list[int]:
+    """The pids of the ``count`` workers running ``script`` under ``launcher``, ``settle`` seconds after they start."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        workers = [pid for pid in descendants(launcher.pid) if script in _command_line(pid)]
+        if len(workers) >= count:
+            time.sleep(settle)  # let them reach the training loop
+            return workers
+        time.sleep(0.2)
+    pytest.fail(f"the {count} workers running {script} did not start")
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as file:
+            return file.read()
+    except OSError:
+        return ""

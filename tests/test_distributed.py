@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import quiet_trainer
+from conftest import quiet_trainer, wait_for_workers
 from torch.utils.data import DataLoader
 
 import ember
@@ -165,24 +165,6 @@ def test_a_failing_rank_ends_the_job_quickly_with_its_traceback(tmp_path: Any) -
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end"
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as file:
-                    parent = int(file.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
 def _listening_addresses(pids: list[int]) -> set[str]:
     """The local addresses of the TCP sockets these processes listen on (from /proc)."""
     inodes: set[str] = set()
@@ -213,32 +195,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_for_workers(process: subprocess.Popen, count: int) -> list[int]:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        workers = [pid for pid in _descendants(process.pid) if "train_ddp" in _cmdline(pid)]
-        if len(workers) >= count:
-            time.sleep(4)  # let them reach the training loop
-            return workers
-        time.sleep(0.2)
-    pytest.fail("the workers did not start")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline") as file:
-            return file.read()
-    except OSError:
-        return ""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_ends_every_rank_and_the_job_listens_on_loopback_only(tmp_path: Any) -> None:
     out = str(tmp_path)
     job = _start([*LAUNCHES["ember run"](), "--out", out, "--epochs", "1000", "--sleep", "0.01"], out)
-    workers = _wait_for_workers(job, 2)
+    workers = wait_for_workers(job, "train_ddp", 2)
     addresses = _listening_addresses([job.pid, *workers])
     assert addresses and addresses <= {"127.0.0.1"}, addresses
     os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
@@ -254,7 +217,7 @@ def test_ctrl_c_ends_every_rank_and_the_job_listens_on_loopback_only(tmp_path: A
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path: Any) -> None:
     out = str(tmp_path)
     job = _start([*LAUNCHES["ember run"](), "--out", out, "--epochs", "1000", "--sleep", "0.01"], out)
-    workers = _wait_for_workers(job, 2)
+    workers = wait_for_workers(job, "train_ddp", 2)
     os.kill(job.pid, signal.SIGKILL)  # the launcher dies without a chance to stop its workers
     job.communicate(timeout=30)
     deadline = time.monotonic() + 20

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Regressor, make_data, make_loader, parameters_of, quiet_trainer
+from conftest import Regressor, make_data, make_loader, parameters_of, quiet_trainer, wait_for_workers
 from torch.utils.data import DataLoader, Sampler
 
 import ember
@@ -95,25 +95,34 @@ def test_an_elastic_restart_resumes_from_the_last_checkpoint(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
+@pytest.mark.parametrize(("processes", "accumulate"), [(1, 1), (2, 2)])
 def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
-    uninterrupted: Callable[[int, int], str], tmp_path: Any
+    processes: int, accumulate: int, uninterrupted: Callable[[int, int], str], tmp_path: Any
 ) -> None:
     out = str(tmp_path)
+    launcher = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2"] if processes > 1 else [sys.executable]
     job = subprocess.Popen(
-        [sys.executable, SCRIPT, "--out", out, "--pause", "0.05"], cwd=out, stdout=subprocess.PIPE, text=True
-    )
-    time.sleep(6)  # python and torch start, then a few dozen steps
-    job.send_signal(signal.SIGTERM)
+        [*launcher, SCRIPT, "--out", out, "--pause", "0.05", "--accumulate", str(accumulate)],
+        cwd=out, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if processes > 1:
+        # Only the last worker is told: the ranks must still agree to stop at the same step.
+        os.kill(wait_for_workers(job, "resume_job", processes, settle=5)[-1], signal.SIGTERM)
+    else:
+        time.sleep(6)  # python and torch start, then a few dozen steps
+        job.send_signal(signal.SIGTERM)
     stdout, _ = job.communicate(timeout=60)
     assert job.returncode == 0, stdout
     assert "preemption signal received: saved" in stdout
     last = checkpoint_io.find_checkpoint(quiet_trainer(default_root_dir=out), "last")
     assert last is not None and last.endswith("last.ckpt")
     assert 0 < checkpoint_io.load(last)["global_step"] < 70
-    resumed = _job(out, "--ckpt-path", "last")
+    resumed = _job(out, "--ckpt-path", "last", "--accumulate", str(accumulate), processes=processes)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _assert_identical(_final(out), _final(uninterrupted(1, 1)))
+    for rank in range(processes):
+        _assert_identical(_final(out, rank), _final(uninterrupted(processes, accumulate), rank))
 
 
 def _save_forever(directory: str) -> None:
