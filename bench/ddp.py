@@ -1,12 +1,13 @@
-"""Data-parallel throughput on CPU: Ember's DDP against a hand-written torchrun + DistributedSampler + DDP loop.
+"""Data-parallel throughput on CPU: Ember's DDP against a hand-written DistributedSampler + DDP loop.
 
-    python bench/ddp.py [--rounds 5] [--epochs 3]
+    python bench/ddp.py [--rounds 7]
 
-Each job trains an MLP (32 -> 256 -> 256 -> 10) on 32768 random samples with batch 64 per rank and
-one thread per process, and reports the samples per second of its epochs after the first. Jobs run
-in turn, round after round: Ember with 1 process, then 2 processes of the hand-written loop, of
-Ember, of Ember again and of the hand-written loop again (so that a drift in machine speed cancels
-out). The figures are medians over rounds.
+One job of 2 processes (started by torchrun, one thread each) trains an MLP (32 -> 256 -> 256 -> 10)
+on 32768 random samples with batch 64 per rank. In every round each process runs epochs of the
+hand-written loop and of ``Trainer.fit`` (timed from the epoch's start to its end) in the order
+plain, Ember, Ember, plain, so that a drift in machine speed cancels out; the ratio is the median
+over rounds after one warm-up round. A job of 1 process measures Ember alone, for the 2-against-1
+figure. Both loops share the job's process group, as they would share a machine.
 """
 
 from __future__ import annotations
@@ -41,35 +42,34 @@ def make_dataset() -> TensorDataset:
     )
 
 
-def plain_worker(epochs: int) -> list[float]:
-    """The loop people write by hand for torchrun."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DistributedSampler
+class PlainLoop:
+    """The loop people write by hand for torchrun: DDP, a DistributedSampler and set_epoch."""
 
-    dist.init_process_group("gloo")
-    model = DistributedDataParallel(make_model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    dataset = make_dataset()
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
-    seconds = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
+    def __init__(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.utils.data import DistributedSampler
+
+        self.model = DistributedDataParallel(make_model())
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        dataset = make_dataset()
+        self.sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+        self.loader = DataLoader(dataset, batch_size=BATCH, sampler=self.sampler)
+        self.epoch = 0
+
+    def run_epoch(self) -> float:
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
         start = time.perf_counter()
-        for x, y in loader:
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
+        for x, y in self.loader:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(self.model(x), y)
             loss.backward()
-            optimizer.step()
-        seconds.append(time.perf_counter() - start)
-    del model, optimizer  # DDP's reducer must go before the process group it uses
-    dist.barrier()
-    dist.destroy_process_group()
-    return seconds
+            self.optimizer.step()
+        return time.perf_counter() - start
 
 
-def ember_worker(epochs: int) -> list[float]:
+def ember_epoch() -> float:
+    """One epoch of ``Trainer.fit`` on the same model and data (the process group is the job's)."""
     import ember
     from ember.callbacks import Callback
 
@@ -86,74 +86,78 @@ def ember_worker(epochs: int) -> list[float]:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class EpochTimer(Callback):
-        seconds: list[float] = []
-
         def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
             self.start = time.perf_counter()
 
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-            self.seconds.append(time.perf_counter() - self.start)
+            self.seconds = time.perf_counter() - self.start
 
     timer = EpochTimer()
     trainer = ember.Trainer(
-        accelerator="cpu", max_epochs=epochs, callbacks=[timer], enable_progress_bar=False, logger=False,
-        enable_checkpointing=False, num_sanity_val_steps=0,
+        accelerator="cpu", max_epochs=1, callbacks=[timer], enable_progress_bar=False, logger=False,
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(Net(), DataLoader(make_dataset(), batch_size=BATCH, shuffle=True))
     return timer.seconds
 
 
-def run_job(kind: str, processes: int, epochs: int, out: str) -> float:
-    """Samples per second of one job (after its first epoch), over all its processes."""
-    result = os.path.join(out, f"{kind}-{processes}-{time.monotonic_ns()}.json")
-    worker = [os.path.abspath(__file__), "--worker", kind, "--epochs", str(epochs), "--result", result]
-    if kind == "ember":
-        command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", str(processes), *worker]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-                   *worker]  # fmt: skip
+def worker(rounds: int, result: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    plain = PlainLoop() if dist.get_world_size() > 1 else None
+    seconds: dict[str, list[float]] = {"plain": [], "ember": []}  # two epochs of each per round
+    for _ in range(rounds + 1):
+        if plain is not None:
+            first = plain.run_epoch()
+        seconds["ember"].append(ember_epoch() + ember_epoch())
+        if plain is not None:
+            seconds["plain"].append(first + plain.run_epoch())
+    if dist.get_rank() == 0:
+        with open(result, "w") as file:
+            json.dump({name: values[1:] for name, values in seconds.items()}, file)  # round one warms up
+    del plain  # DDP's reducer must go before the process group it uses
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_job(processes: int, rounds: int, out: str) -> dict[str, list[float]]:
+    """Seconds of two epochs of each loop per round, from rank zero of a torchrun job."""
+    result = os.path.join(out, f"{processes}.json")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+               os.path.abspath(__file__), "--worker", "--rounds", str(rounds), "--result", result]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     if job.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{job.stdout[-3000:]}\n{job.stderr[-5000:]}")
     with open(result) as file:
-        seconds = json.load(file)
-    return SAMPLES / statistics.median(seconds[1:])  # every rank reads its shard: the job covers SAMPLES
+        return json.load(file)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per job; the first is not timed")
-    parser.add_argument("--worker", choices=["plain", "ember"], help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=7, help="measured rounds after one warm-up round")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    if args.worker is not None:
-        torch.set_num_threads(1)
-        seconds = plain_worker(args.epochs) if args.worker == "plain" else ember_worker(args.epochs)
-        if os.environ.get("RANK", "0") == "0":
-            with open(args.result, "w") as file:
-                json.dump(seconds, file)
+    if args.worker:
+        worker(args.rounds, args.result)
         return
 
-    single, plain, ours = [], [], []
     with tempfile.TemporaryDirectory() as out:
-        for _ in range(args.rounds):
-            single.append(run_job("ember", 1, args.epochs, out))
-            hand_written = run_job("plain", 2, args.epochs, out)
-            ember_rate = run_job("ember", 2, args.epochs, out) + run_job("ember", 2, args.epochs, out)
-            hand_written += run_job("plain", 2, args.epochs, out)
-            plain.append(hand_written / 2)
-            ours.append(ember_rate / 2)
-    ratios = [a / b for a, b in zip(ours, plain, strict=True)]
+        single = run_job(1, args.rounds, out)
+        paired = run_job(2, args.rounds, out)
+    one = 2 * SAMPLES / statistics.median(single["ember"])  # every epoch covers SAMPLES, over all ranks
+    ours = 2 * SAMPLES / statistics.median(paired["ember"])
+    plain = 2 * SAMPLES / statistics.median(paired["plain"])
+    ratios = [a / b for a, b in zip(paired["plain"], paired["ember"], strict=True)]
     print(f"torch {torch.__version__}, CPU, gloo, 1 thread per process, {args.rounds} rounds (medians)")
-    print(f"  Ember, 1 process:                 {statistics.median(single):9.0f} samples/s")
-    print(f"  Ember, 2 processes:               {statistics.median(ours):9.0f} samples/s "
-          f"({statistics.median(ours) / statistics.median(single):.2f}x one process)")  # fmt: skip
-    print(f"  hand-written DDP, 2 processes:    {statistics.median(plain):9.0f} samples/s")
+    print(f"  Ember, 1 process:                  {one:9.0f} samples/s")
+    print(f"  Ember, 2 processes:                {ours:9.0f} samples/s ({ours / one:.2f}x one process)")
+    print(f"  hand-written DDP, 2 processes:     {plain:9.0f} samples/s")
     print(f"  Ember / hand-written, 2 processes: {statistics.median(ratios):.3f}x "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")  # fmt: skip
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f}; throughput ratio, higher is better)")  # fmt: skip
 
 
 if __name__ == "__main__":
