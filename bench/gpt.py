@@ -193,6 +193,7 @@ def with_ember(config: GPTConfig, mode: Mode, loader: DataLoader, device: torch.
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[timer],
     )
     trainer.fit(EmberGPT(config), loader)
