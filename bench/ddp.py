@@ -117,9 +117,11 @@ def worker(rounds: int, result: str) -> None:
     if dist.get_rank() == 0:
         with open(result, "w") as file:
             json.dump({name: values[1:] for name, values in seconds.items()}, file)  # round one warms up
+    from ember.launch import close_process_group
+
     del plain  # DDP's reducer must go before the process group it uses
     dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 def run_job(processes: int, rounds: int, out: str) -> dict[str, list[float]]:

@@ -53,9 +53,10 @@ def diagnose(mistake: str, processes: int, directory: str) -> dict:
 def seconds_per_step(mistake: str, processes: int, fixed: bool, extra: list[str], directory: str) -> float:
     arguments = [CASES_SCRIPT, "--mistakes", mistake, "--timing", "--steps", "80", *extra]
     arguments += ["--fixed"] if fixed else []
-    output = subprocess.run(
-        _command(processes, *arguments), capture_output=True, text=True, timeout=600, cwd=directory, check=True
-    ).stdout
+    job = subprocess.run(_command(processes, *arguments), capture_output=True, text=True, timeout=600, cwd=directory)
+    if job.returncode != 0:
+        raise RuntimeError(f"{' '.join(arguments)} failed:\n{job.stderr[-3000:]}")
+    output = job.stdout
     return float(re.search(r"seconds per step: ([0-9.]+)", output).group(1))  # type: ignore[union-attr]
 
 

@@ -112,6 +112,11 @@ def main() -> None:
     if args.timing and int(os.environ.get("RANK", "0")) == 0:
         durations = sorted(b - a for a, b in itertools.pairwise(stamps[5:]))
         print(f"seconds per step: {durations[len(durations) // 2]:.6f}")
+    if distributed:
+        del ddp  # DDP's reducer must go before the process group it uses
+        dist.barrier()
+        time.sleep(0.05)  # a gloo thread that frees its last work during interpreter shutdown aborts the process
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
