@@ -102,7 +102,7 @@ def main() -> None:
     for finding, mistake, processes, estimate, measured, planted_s, fixed_s, note in rows:
         shown = "—" if estimate is None else f"{estimate:.0%}"
         lines.append(
-            f"| `{finding}` | {mistake} | {processes} | {shown} | {measured:.0%} | "
+            f"| `{finding}` | {mistake} | {processes} | {shown} | {round(measured, 2) + 0.0:.0%} | "  # no "-0%"
             f"{planted_s * 1e3:.1f} → {fixed_s * 1e3:.1f} | {note or ''} |"
         )
     with open(args.output, "w") as file:
