@@ -102,7 +102,9 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
     processes: int, accumulate: int, uninterrupted: Callable[[int, int], str], tmp_path: Any
 ) -> None:
     out = str(tmp_path)
-    launcher = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2"] if processes > 1 else [sys.executable]
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += ["-m", "ember", "run", "--nproc-per-node", str(processes)]
     job = subprocess.Popen(
         [*launcher, SCRIPT, "--out", out, "--pause", "0.05", "--accumulate", str(accumulate)],
         cwd=out, stdout=subprocess.PIPE, text=True,
