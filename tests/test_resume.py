@@ -3,6 +3,7 @@ mid-write; preemption signals save and exit; elastic restarts resume by themselv
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
 import random
@@ -109,12 +110,10 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
         [*launcher, SCRIPT, "--out", out, "--pause", "0.05", "--accumulate", str(accumulate)],
         cwd=out, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    if processes > 1:
-        # Only the last worker is told: the ranks must still agree to stop at the same step.
-        os.kill(wait_for_workers(job, "resume_job", processes, settle=5)[-1], signal.SIGTERM)
-    else:
-        time.sleep(6)  # python and torch start, then a few dozen steps
-        job.send_signal(signal.SIGTERM)
+    workers = wait_for_workers(job, "resume_job", processes, settle=0) if processes > 1 else [job.pid]
+    _wait_for_a_checkpoint(out)  # training has begun (the signal handlers are in place) and is far from done
+    # With two processes only the last worker is told: the ranks must still agree to stop at the same step.
+    os.kill(workers[-1], signal.SIGTERM)
     stdout, _ = job.communicate(timeout=60)
     assert job.returncode == 0, stdout
     assert "preemption signal received: saved" in stdout
@@ -125,6 +124,14 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for rank in range(processes):
         _assert_identical(_final(out, rank), _final(uninterrupted(processes, accumulate), rank))
+
+
+def _wait_for_a_checkpoint(directory: str) -> None:
+    deadline = time.monotonic() + 60
+    while not glob.glob(os.path.join(directory, "**", "*.ckpt"), recursive=True):
+        if time.monotonic() > deadline:
+            pytest.fail("no checkpoint was written within 60 s")
+        time.sleep(0.1)
 
 
 def _save_forever(directory: str) -> None:
