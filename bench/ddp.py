@@ -70,8 +70,9 @@ class PlainLoop:
 
 def ember_epoch() -> float:
     """One epoch of ``Trainer.fit`` on the same model and data (the process group is the job's)."""
+    from overhead import EpochTimer  # a sibling script of bench/
+
     import ember
-    from ember.callbacks import Callback
 
     class Net(ember.Module):
         def __init__(self) -> None:
@@ -84,13 +85,6 @@ def ember_epoch() -> float:
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    class EpochTimer(Callback):
-        def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
-            self.start = time.perf_counter()
-
-        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-            self.seconds = time.perf_counter() - self.start
 
     timer = EpochTimer()
     trainer = ember.Trainer(
