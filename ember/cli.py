@@ -76,11 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
         help="restart all workers up to K times after a failure (default 0)",
     )  # fmt: skip
-    run.add_argument(
-        "-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m SCRIPT"
-    )  # fmt: skip
-    run.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
+    _add_script_arguments(run)
     run.set_defaults(handler=_run)
 
     doctor = commands.add_parser(
@@ -102,9 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node", "--nproc_per_node", default="1", metavar="N",
         help="start the script in N processes with ember run (default 1: in this process)",
     )  # fmt: skip
-    doctor.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
-    doctor.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
-    doctor.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
+    _add_script_arguments(doctor)
     doctor.set_defaults(handler=_doctor)
 
     plot = commands.add_parser(
@@ -156,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     consolidate.set_defaults(handler=_consolidate)
     return parser
+
+
+def _add_script_arguments(command: argparse.ArgumentParser) -> None:
+    """``[-m] SCRIPT ARGS...``: the training script that ``ember run`` and ``ember doctor`` start."""
+    command.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m SCRIPT")
+    command.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
+    command.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
 
 
 def _run(args: argparse.Namespace) -> int:
