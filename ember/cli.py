@@ -209,9 +209,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from ember import checkpoint, sharded_checkpoint
+    from ember import checkpoint
 
-    if not sharded_checkpoint.is_sharded(args.directory):
+    if not checkpoint.sharded.is_sharded(args.directory):
         print(f"ember checkpoint consolidate: {args.directory!r} is not a sharded checkpoint", file=sys.stderr)
         return 2
     try:

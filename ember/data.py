@@ -217,6 +217,12 @@ def epoch_batches(loader: Iterable, epoch: int, skip: int, seed: int, rank: int)
     return islice(iterator, skip, None) if skip and isinstance(loader, Sequence) else iterator
 
 
+def data_replicas(loader: Iterable) -> int:
+    """How many ranks read disjoint shards of ``loader``'s data: its ``DistributedSampler``'s replicas, else 1."""
+    sampler = _unwrapped(getattr(loader, "sampler", None))
+    return sampler.num_replicas if isinstance(sampler, DistributedSampler) else 1
+
+
 def _unwrapped(sampler: Any) -> Any:
     return sampler.inner if isinstance(sampler, _Skippable) else sampler
 

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.loops.step import StepRunner
+
 if TYPE_CHECKING:
     from ember.trainer import Trainer
 
@@ -362,7 +364,7 @@ class Doctor:
             return None
         if not torch.cuda.is_bf16_supported():
             return None
-        batch = trainer._train_results.batch
+        batch = trainer.run_metrics.train.batch
         if batch is None:
             return None
         fp32 = _time_step(trainer, batch, None)
@@ -390,7 +392,7 @@ class Doctor:
             return None
         from ember._utils import batch_size_of
 
-        size = batch_size_of(trainer._train_results.batch)
+        size = batch_size_of(trainer.run_metrics.train.batch)
         factor = 2 ** int(torch.log2(torch.tensor(0.8 * total / peak)).floor())
         return Finding(
             id="small-batch",
@@ -574,20 +576,17 @@ def _holders(tensors: list[torch.Tensor]) -> list[str]:
 
 
 def _time_step(trainer: Trainer, batch: Any, dtype: torch.dtype | None, repeats: int = 3) -> float:
-    """Seconds for the module's training step and its backward on ``batch`` (gradients discarded)."""
-    from contextlib import nullcontext
-
-    module = trainer.module
+    """Seconds for the module's training step and its backward on ``batch`` (gradients discarded), run by
+    fit's own step runner, in autocast to ``dtype`` when given."""
+    module = trainer.lightning_module
     assert module is not None
-    context = (lambda: torch.autocast("cuda", dtype=dtype)) if dtype is not None else nullcontext
+    runner = StepRunner(trainer.strategy, module, [])
     seconds = []
     for _ in range(repeats + 1):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with context():
-            output = module.training_step(batch, 0)
-        loss = output["loss"] if isinstance(output, dict) else output
-        loss.backward()
+        with torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            runner.forward_backward(batch, 0, window_size=1, sync=False)  # no gradient all-reduce
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         module.zero_grad(set_to_none=True)

@@ -6,12 +6,13 @@ are running sums on the device, and both become Python numbers only when a logge
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 
 from ember._utils import batch_size_of
+from ember.loggers import Logger
 
 ReduceFx = Literal["mean", "sum", "max", "min"]
 _REDUCE_FX = frozenset(("mean", "sum", "max", "min"))
@@ -251,3 +252,70 @@ def to_floats(values: Mapping[str, Number]) -> dict[str, float]:
         stacked = torch.stack([values[name].detach().float().reshape(()) for name in names])
         floats.update(zip(names, stacked.tolist()))
     return {name: floats[name] for name in values}
+
+
+class RunMetrics:
+    """What a run has logged, and where it goes.
+
+    ``self.log`` records into ``active``: the training store during ``fit``'s training, the evaluation
+    store while validating or testing. The values of finished epochs are published as callback
+    metrics; ``write`` hands values to the loggers (on the global-zero process) and keeps them as the
+    logged metrics.
+    """
+
+    def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor], loggers: Sequence[Logger],
+                 is_global_zero: bool) -> None:  # fmt: skip
+        self.train = MetricStore(reduce)
+        self.eval = MetricStore(reduce)
+        #: Where ``self.log`` records values now.
+        self.active = self.train
+        self._loggers = list(loggers)
+        self._is_global_zero = is_global_zero
+        self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
+        self._prog_bar_epoch_values: dict[str, Number] = {}
+        #: The values last written to the loggers.
+        self.logged: dict[str, torch.Tensor] = {}
+
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        """The latest value of every logged metric (the epoch value where there is one), as tensors."""
+        metrics = {**self._epoch_values, **self.train.step_values(fresh_only=False)}
+        return {name: _as_tensor(value) for name, value in metrics.items()}
+
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """Values logged with ``prog_bar=True``, as floats (reading them synchronises with the device)."""
+        return to_floats({**self._prog_bar_epoch_values, **self.train.prog_bar_step_values()})
+
+    def publish_epoch(self, store: MetricStore, step: int, epoch: int) -> dict[str, Number]:
+        """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers."""
+        for_loggers = {}
+        published = {}
+        for key, (value, entry) in store.epoch_values().items():
+            name = epoch_name(key, entry)
+            published[name] = value
+            self._epoch_values[name] = value
+            if name != key:
+                self._epoch_values[key] = value  # "loss" holds the epoch value when both were logged
+            if entry.prog_bar:
+                self._prog_bar_epoch_values[name] = value
+            if entry.to_logger:
+                for_loggers[name] = value
+        self.write(for_loggers, step, epoch)
+        return published
+
+    def write_step_values(self, step: int, epoch: int) -> None:
+        """Write the training values logged per step since the last call."""
+        self.write(self.train.step_values(fresh_only=True, for_logger=True), step, epoch)
+
+    def write(self, values: Mapping[str, Number], step: int, epoch: int) -> None:
+        """Turn values into numbers (one device sync) and hand them to the loggers on rank zero."""
+        if not values:
+            return
+        floats = to_floats(values)
+        self.logged.update({name: torch.tensor(value) for name, value in floats.items()})
+        if self._is_global_zero:
+            for logger in self._loggers:
+                logger.log_metrics({**floats, "epoch": epoch}, step)
+
+
+def _as_tensor(value: Number) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value)

@@ -94,6 +94,10 @@ class Module(_HyperparametersMixin, nn.Module):
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
         return self._trainer
 
+    @trainer.setter
+    def trainer(self, trainer: Trainer | None) -> None:
+        self._trainer = trainer
+
     @property
     def device(self) -> torch.device:
         if self._trainer is not None:
@@ -147,7 +151,8 @@ class Module(_HyperparametersMixin, nn.Module):
         """
         trainer = self._trainer
         if trainer is not None:
-            trainer._results.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
+            store = trainer.run_metrics.active
+            store.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
 
     def log_dict(self, dictionary: Mapping[str, Any], **options: Any) -> None:
         """``self.log`` for each item of ``dictionary``, with the same options."""
@@ -164,7 +169,7 @@ class Module(_HyperparametersMixin, nn.Module):
     # ------------------------------------------------------------------ manual optimization
     def optimizers(self) -> Any:
         """The optimizer (or list of them) from ``configure_optimizers``; ``step()`` goes through the precision."""
-        optimizers = self.trainer._manual_optimizers
+        optimizers = self.trainer.fit_loop.manual_optimizers
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
     def lr_schedulers(self) -> Any:

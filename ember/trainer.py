@@ -1,33 +1,32 @@
-"""The Trainer: flags, the fit/validate/test/predict entry points, and the state callbacks read.
+"""The Trainer: the public entry points (fit, validate, test, predict) and the properties callbacks read.
 
-The loops themselves are in ``loop.py``; how devices and processes are used is the strategy's.
+Its flags are checked once into a ``TrainerConfig``; the strategy decides how devices and processes
+are used; the loops (``ember.loops``) run the steps and own where the run is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import os
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
 
-from ember import checkpoint as checkpoint_io
-from ember import loop
-from ember._utils import is_overridden, parse_max_time
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar
+from ember.checkpoint import state as checkpoint_state
+from ember.config import TrainerConfig
+from ember.data import prepare_loader
 from ember.doctor import Doctor, DoctorDone, active_doctor
 from ember.loggers import CSVLogger, Logger
-from ember.metrics import MetricStore, Number, to_floats
+from ember.loops import EvaluationLoop, FitLoop, Hooks, PredictionLoop
+from ember.metrics import RunMetrics
 from ember.module import DataModule, Module
 from ember.optim import LRSchedulerConfig
-from ember.precision import canonical_precision
 from ember.profilers import Profiler, select_profiler
 from ember.rank_zero import rank_zero_only
 from ember.strategies import Strategy, select_strategy
@@ -39,22 +38,8 @@ _Limit = int | float | None
 class Trainer:
     """Runs a ``Module``'s steps: ``fit`` trains (and validates), ``validate``/``test`` evaluate, ``predict`` infers.
 
-    All flags are keyword-only and follow PyTorch Lightning's names and meanings. Layout: ``accelerator``
-    ("auto", "cpu", "cuda"/"gpu", "mps"), ``devices``, ``num_nodes``, ``strategy``; ``precision``.
-    Length: ``max_epochs`` (-1 for no limit; 1000 when neither it nor ``max_steps`` is given),
-    ``max_steps`` (optimizer steps), ``max_time``, ``limit_*_batches`` (an int counts batches, a float
-    is a fraction of the loader). Validation: ``val_check_interval`` (fraction of an epoch or every N
-    batches), ``check_val_every_n_epoch``, ``num_sanity_val_steps``. Optimization:
-    ``accumulate_grad_batches`` (a count, or "auto": each batch is one step, split into as many
-    micro-batches as memory needs, found by retrying after running out of memory),
-    ``gradient_clip_val``/``gradient_clip_algorithm``. Watching the run: ``logger`` (True for a
-    ``CSVLogger``, a ``Logger`` or a list of them), ``log_every_n_steps``, ``enable_progress_bar``,
-    ``enable_model_summary``, ``profiler`` ("simple", "pytorch" or a ``Profiler``). Speed:
-    ``float32_matmul_precision`` ("highest", or "high"/"medium" for TF32 tensor cores; None leaves torch's
-    setting), ``compile`` (True, or a dict of ``torch.compile`` options, compiles the module's forward).
-
-    ``doctor=True`` (or a number of steps) watches the first steps of ``fit`` and prints what slows them
-    down, with the fixes (see ``ember doctor``); training then goes on without instrumentation.
+    All flags are keyword-only and follow PyTorch Lightning's names and meanings; ``TrainerConfig``
+    documents each one, and checks them all when the Trainer is built.
 
     On SIGTERM (and SIGUSR1 under SLURM) ``fit`` saves ``last.ckpt`` at the next step boundary and exits;
     ``slurm_requeue=True`` also requeues the SLURM job. Resume with ``fit(ckpt_path="last")``.
@@ -101,136 +86,41 @@ class Trainer:
         doctor: bool | int = False,
         gpus: int | str | Sequence[int] | None = None,
     ) -> None:
-        if gpus is not None:
-            if accelerator != "auto" or devices != "auto":
-                raise ValueError(
-                    "gpus= is the older spelling of accelerator='cuda', devices=...; pass only one of them"
-                )
-            if gpus in (0, "0", [], ()):
-                accelerator, devices = "cpu", "auto"
-            else:
-                accelerator, devices = "cuda", gpus
-        _check_count("num_nodes", num_nodes, minimum=1)
-        _check_count("max_steps", max_steps, minimum=-1)
-        if accumulate_grad_batches != "auto" and (
-            isinstance(accumulate_grad_batches, bool)
-            or not isinstance(accumulate_grad_batches, int)
-            or accumulate_grad_batches < 1
-        ):
-            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r}: expected an int >= 1 or 'auto'")
-        _check_count("log_every_n_steps", log_every_n_steps, minimum=1)
-        _check_count("num_sanity_val_steps", num_sanity_val_steps, minimum=-1)
-        if max_epochs is not None:
-            _check_count("max_epochs", max_epochs, minimum=-1)
-        if check_val_every_n_epoch is not None:
-            _check_count("check_val_every_n_epoch", check_val_every_n_epoch, minimum=1)
-        for flag, value in (
-            ("limit_train_batches", limit_train_batches),
-            ("limit_val_batches", limit_val_batches),
-            ("limit_test_batches", limit_test_batches),
-            ("limit_predict_batches", limit_predict_batches),
-        ):
-            _check_limit(flag, value)
-        _check_val_check_interval(val_check_interval)
-        if gradient_clip_val is not None and (not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0):
-            raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be a non-negative number or None")
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: choose 'norm' or 'value'")
-        if deterministic not in (True, False, "warn"):
-            raise ValueError(f"deterministic={deterministic!r}: choose True, False or 'warn'")
-        canonical_precision(precision)  # fail on a bad value before any device is touched
-        compile_options = _compile_options(compile)
-        if float32_matmul_precision is not None:
-            if float32_matmul_precision not in ("highest", "high", "medium"):
-                raise ValueError(
-                    f"float32_matmul_precision={float32_matmul_precision!r}: choose 'highest' (full float32), "
-                    "'high' (TF32 tensor cores), 'medium' (bfloat16 passes) or None (leave torch's setting)"
-                )
-            torch.set_float32_matmul_precision(float32_matmul_precision)
-
+        flags = {name: value for name, value in locals().items() if name != "self"}
+        #: The flags, checked.
+        self.config = config = TrainerConfig(**flags)
+        if config.float32_matmul_precision is not None:
+            torch.set_float32_matmul_precision(config.float32_matmul_precision)
+        accelerator, devices = config.layout
         self.strategy: Strategy = select_strategy(
             accelerator=accelerator,
             devices=devices,
-            num_nodes=num_nodes,
-            strategy=strategy,
-            precision=precision,
-            sync_batchnorm=sync_batchnorm,
-            compile_options=compile_options,
+            num_nodes=config.num_nodes,
+            strategy=config.strategy,
+            precision=config.precision,
+            sync_batchnorm=config.sync_batchnorm,
+            compile_options=config.compile_options,
         )
         rank_zero_only.rank = self.strategy.global_rank  # type: ignore[attr-defined]
-
-        if max_epochs is None:
-            max_epochs = 1000 if max_steps == -1 and max_time is None else -1
-        self.max_epochs = max_epochs
-        self.max_steps = max_steps
-        self.max_time = parse_max_time(max_time)
-        self.limit_train_batches = limit_train_batches
-        self.limit_val_batches = limit_val_batches
-        self.limit_test_batches = limit_test_batches
-        self.limit_predict_batches = limit_predict_batches
-        self.val_check_interval = val_check_interval
-        self.check_val_every_n_epoch = check_val_every_n_epoch
-        self.num_sanity_val_steps = num_sanity_val_steps
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.gradient_clip_val = gradient_clip_val
-        self.gradient_clip_algorithm = gradient_clip_algorithm
-        self.log_every_n_steps = log_every_n_steps
-        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
-        self.inference_mode = inference_mode
-        self.detect_anomaly = detect_anomaly
-        self.use_distributed_sampler = use_distributed_sampler
-        self.slurm_requeue = slurm_requeue
-        if doctor is not False and (doctor is not True and (not isinstance(doctor, int) or doctor <= 5)):
-            raise ValueError(f"doctor={doctor!r}: True (watch 30 steps) or a number of steps above 5")
-        self.doctor_steps = 30 if doctor is True else int(doctor)
-        self._doctor: Doctor | None = None
-        _set_determinism(deterministic, benchmark)
-
-        self.loggers: list[Logger] = _build_loggers(logger, self.default_root_dir)
-        self.callbacks: list[Callback] = _build_callbacks(
-            callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary
-        )
-        self.profiler: Profiler = select_profiler(profiler)
-
-        # ----- state read by callbacks, modules and the loop
+        _set_determinism(config)
+        self.loggers: list[Logger] = _build_loggers(config.logger, config.root_dir)
+        self.callbacks: list[Callback] = _build_callbacks(config)
+        self.profiler: Profiler = select_profiler(config.profiler)
+        #: What the run has logged with ``self.log`` and what went to the loggers.
+        self.run_metrics = RunMetrics(self.strategy.reduce, self.loggers, self.strategy.is_global_zero)
+        self.fit_loop = FitLoop(self)
+        self.validate_loop = EvaluationLoop(self, "validate")
+        self.test_loop = EvaluationLoop(self, "test")
+        self.predict_loop = PredictionLoop(self)
+        #: The hooks of the stage in progress (None between stages).
+        self.hooks: Hooks | None = None
+        #: "fit", "validate", "test" or "predict" while one runs.
         self.stage: str | None = None
-        self.sanity_checking = False
-        self.should_stop = False
-        self.global_step = 0
-        self.current_epoch = 0
-        self.module: Module | None = None
+        #: The module being run (the name Lightning uses).
+        self.lightning_module: Module | None = None
         self.datamodule: DataModule | None = None
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.lr_scheduler_configs: list[LRSchedulerConfig] = []
-        self.num_training_batches: float = 0
-        self.validation_enabled = False
-        self.logged_metrics: dict[str, torch.Tensor] = {}
-        self._manual_optimizers: list[_ManualOptimizer] = []
-        self._train_results = MetricStore(self.strategy.reduce)
-        self._eval_results = MetricStore(self.strategy.reduce)
-        self._results = self._train_results
-        self._epoch_metrics: dict[str, Number] = {}  # finished epochs' values, read by callbacks
-        self._prog_bar_epoch_metrics: dict[str, Number] = {}
-        self._eval_batch_counts: list[float] = []
-        self._last_loss: torch.Tensor | None = None
-        # (loss, epoch, batch_idx, global_step) since the last finiteness check, kept on the device
-        self._recent_losses: list[tuple[torch.Tensor, int, int, int]] = []
-        self._next_log_step = log_every_n_steps
-        self._total_train_batches = 0
-        self._micro_batches = 1  # with accumulate_grad_batches="auto": pieces per batch that fit in memory
-        self._stepped = False  # whether the latest training batch ended with an optimizer step
-        self._at_epoch_end = False  # whether the running validation is the epoch's last one
-        self._position = (0, 0)  # (epoch, batches done in it): where a resumed run continues
-        self._deadline = math.inf
-        self._data_seed = 0  # the order of training data; set at fit start, saved in checkpoints
-        self._pending_random_state: dict[str, Any] | None = None  # restored when a resumed run starts
-        self._signal_received: int | None = None
-        self._stop_agreement = loop.StopAgreement()  # when the ranks next agree on stopping
-        #: True once a preemption signal made ``fit`` save a checkpoint and stop.
-        self.preempted = False
-        self.train_dataloader: Iterable | None = None
         self._environment_ready = False
-        self._hook_cache: dict[tuple[str, bool], list[Callable[..., Any]]] = {}
+        self._doctor: Doctor | None = None
 
     # ----------------------------------------------------------------------- process layout
     @property
@@ -271,9 +161,118 @@ class Trainer:
         return self.strategy.model
 
     @property
-    def lightning_module(self) -> Module | None:
-        """The module being run (the name Lightning uses)."""
-        return self.module
+    def module(self) -> Module | None:
+        return self.lightning_module
+
+    # ---------------------------------------------------------------------------- the flags
+    @property
+    def max_epochs(self) -> int:
+        return self.config.epoch_limit
+
+    @property
+    def max_steps(self) -> int:
+        return self.config.max_steps
+
+    @property
+    def accumulate_grad_batches(self) -> int | Literal["auto"]:
+        return self.config.accumulate_grad_batches
+
+    @property
+    def log_every_n_steps(self) -> int:
+        return self.config.log_every_n_steps
+
+    @property
+    def check_val_every_n_epoch(self) -> int | None:
+        return self.config.check_val_every_n_epoch
+
+    @property
+    def val_check_interval(self) -> int | float:
+        return self.config.val_check_interval
+
+    @property
+    def num_sanity_val_steps(self) -> int:
+        return self.config.num_sanity_val_steps
+
+    @property
+    def gradient_clip_val(self) -> int | float | None:
+        return self.config.gradient_clip_val
+
+    @property
+    def gradient_clip_algorithm(self) -> str:
+        return self.config.gradient_clip_algorithm
+
+    @property
+    def default_root_dir(self) -> str:
+        return self.config.root_dir
+
+    # ---------------------------------------------------------------------- the loop's state
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken since the run began."""
+        return self.fit_loop.progress.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.fit_loop.progress.epoch
+
+    @property
+    def should_stop(self) -> bool:
+        return self.fit_loop.should_stop
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self.fit_loop.should_stop = value
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal made ``fit`` save a checkpoint and stop."""
+        return self.fit_loop.preempted
+
+    @property
+    def sanity_checking(self) -> bool:
+        return self.fit_loop.sanity_checking
+
+    @property
+    def validation_enabled(self) -> bool:
+        return self.fit_loop.validation_enabled
+
+    @property
+    def num_training_batches(self) -> float:
+        return self.fit_loop.num_training_batches
+
+    @property
+    def num_val_batches(self) -> list[float]:
+        return self.validate_loop.num_batches
+
+    @property
+    def num_test_batches(self) -> list[float]:
+        return self.test_loop.num_batches
+
+    @property
+    def num_predict_batches(self) -> list[float]:
+        return self.predict_loop.num_batches
+
+    @property
+    def train_dataloader(self) -> Iterable | None:
+        return self.fit_loop.train_loader
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.fit_loop.optimizers
+
+    @property
+    def lr_scheduler_configs(self) -> list[LRSchedulerConfig]:
+        runner = self.fit_loop.runner
+        return runner.scheduler_configs if runner is not None else []
+
+    @property
+    def estimated_stepping_batches(self) -> float:
+        """Optimizer steps ``fit`` will take (``math.inf`` if unbounded); usable in ``configure_optimizers``."""
+        accumulate = self.accumulate_grad_batches
+        batches = self.num_training_batches
+        per_epoch = batches if math.isinf(batches) else math.ceil(batches / (1 if accumulate == "auto" else accumulate))
+        total = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
+        return min(total, self.max_steps) if self.max_steps != -1 else total
 
     # ------------------------------------------------------------------------- logging state
     @property
@@ -288,22 +287,19 @@ class Trainer:
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
         """The latest value of every logged metric (the epoch value where there is one), as tensors."""
-        metrics = {**self._epoch_metrics, **self._train_results.step_values(fresh_only=False)}
-        return {name: _as_tensor(value) for name, value in metrics.items()}
+        return self.run_metrics.callback_metrics()
+
+    @property
+    def logged_metrics(self) -> dict[str, torch.Tensor]:
+        """The values last written to the loggers."""
+        return self.run_metrics.logged
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
         """Values logged with ``prog_bar=True``, as floats (reading them synchronises with the device)."""
-        return to_floats({**self._prog_bar_epoch_metrics, **self._train_results.prog_bar_step_values()})
+        return self.run_metrics.progress_bar_metrics()
 
-    @property
-    def estimated_stepping_batches(self) -> float:
-        """Optimizer steps ``fit`` will take (``math.inf`` if unbounded); usable in ``configure_optimizers``."""
-        accumulate = 1 if self.accumulate_grad_batches == "auto" else self.accumulate_grad_batches
-        per_epoch = math.ceil(self.num_training_batches / accumulate)
-        total = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
-        return min(total, self.max_steps) if self.max_steps != -1 else total
-
+    # ----------------------------------------------------------------------------- callbacks
     @property
     def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
         return [callback for callback in self.callbacks if isinstance(callback, ModelCheckpoint)]
@@ -349,9 +345,11 @@ class Trainer:
         ckpt_path = _checked_path(ckpt_path)
         self.strategy.launch()
         with self._stage("fit", model, datamodule):
-            self.train_dataloader = self._loaders("train", train_dataloaders, required=True)[0]
+            train_loader = self._loaders("train", train_dataloaders, required=True)[0]
             val_loaders = self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
-            loop.fit(self, self.train_dataloader, val_loaders, self._resolve_checkpoint(ckpt_path), weights_only)
+            path = self._resolve_checkpoint(ckpt_path)
+            restore = functools.partial(self._restore, path, weights_only) if path is not None else None
+            self.fit_loop.run(train_loader, val_loaders, restore)
         if self.preempted:
             self.print("stopped by a preemption signal after saving a checkpoint; exiting")
             raise SystemExit(0)
@@ -366,7 +364,7 @@ class Trainer:
         weights_only: bool = True,
     ) -> list[dict[str, float]]:
         """Run ``validation_step`` over the validation data; one dict of metrics per dataloader."""
-        return self._evaluate("validate", model, dataloaders, ckpt_path, datamodule, verbose, weights_only)
+        return self._evaluate(self.validate_loop, model, dataloaders, ckpt_path, datamodule, verbose, weights_only)
 
     def test(
         self,
@@ -378,7 +376,7 @@ class Trainer:
         weights_only: bool = True,
     ) -> list[dict[str, float]]:
         """Run ``test_step`` over the test data; one dict of metrics per dataloader."""
-        return self._evaluate("test", model, dataloaders, ckpt_path, datamodule, verbose, weights_only)
+        return self._evaluate(self.test_loop, model, dataloaders, ckpt_path, datamodule, verbose, weights_only)
 
     def predict(
         self,
@@ -389,7 +387,7 @@ class Trainer:
         ckpt_path: str | os.PathLike | None = None,
         weights_only: bool = True,
     ) -> list[Any] | None:
-        """Run ``predict_step``; the outputs as a list (a list per dataloader when there are several)."""
+        """Run ``predict_step``; the outputs (on the CPU) as a list, a list per dataloader when there are several."""
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
         _check_module(model, "predict")
@@ -398,11 +396,11 @@ class Trainer:
         with self._stage("predict", model, datamodule):
             loaders = self._loaders("predict", dataloaders, required=True)
             self._load_weights(self._resolve_checkpoint(ckpt_path), weights_only)
-            return loop.predict(self, loaders, return_predictions)
+            return self.predict_loop.run(loaders, return_predictions)
 
     def _evaluate(
         self,
-        stage: Literal["validate", "test"],
+        loop: EvaluationLoop,
         model: Module,
         dataloaders: _Loaders | DataModule,
         ckpt_path: str | os.PathLike | None,
@@ -412,34 +410,35 @@ class Trainer:
     ) -> list[dict[str, float]]:
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
-        _check_module(model, stage)
+        _check_module(model, loop.stage)
         self.strategy.launch()
         ckpt_path = _checked_path(ckpt_path)
-        with self._stage(stage, model, datamodule):
-            loaders = self._loaders("val" if stage == "validate" else "test", dataloaders, required=True)
+        with self._stage(loop.stage, model, datamodule):
+            loaders = self._loaders("val" if loop.stage == "validate" else "test", dataloaders, required=True)
             self._load_weights(self._resolve_checkpoint(ckpt_path), weights_only)
-            results = loop.evaluate(self, stage, loaders)
+            results = loop.run(loaders, loop.count(loaders))
             if verbose and self.is_global_zero:
-                _print_results(stage, results)
+                _print_results(loop.stage, results)
             return results
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:
         """Write the training state (or only the weights) to ``filepath``; call it on every rank."""
-        loop.check_losses(self)  # a NaN loss must never be saved over a good checkpoint
-        checkpoint = checkpoint_io.training_state(self, weights_only=weights_only)
+        self.fit_loop.check_losses()  # a NaN loss must never be saved over a good checkpoint
+        checkpoint = checkpoint_state.training_state(self, weights_only=weights_only)
         self.strategy.save_checkpoint(checkpoint, os.fspath(filepath))
 
     def _restore(self, path: str, weights_only: bool) -> None:
         """Continue from a checkpoint written by ``save_checkpoint``: weights, optimizers, loop position."""
         checkpoint = self.strategy.load_checkpoint(path, trust_pickles=not weights_only)
-        checkpoint_io.restore_training_state(self, checkpoint, path)
+        checkpoint_state.restore_training_state(self, checkpoint, path)
 
     def _resolve_checkpoint(self, ckpt_path: str | None) -> str | None:
         """An explicit path as it is; "last" and "best" looked up (by rank zero, for every rank)."""
         if ckpt_path not in ("last", "best"):
             return ckpt_path
-        found = self.strategy.broadcast(checkpoint_io.find_checkpoint(self, ckpt_path) if self.is_global_zero else None)
+        found = checkpoint_state.find_checkpoint(self, ckpt_path) if self.is_global_zero else None
+        found = self.strategy.broadcast(found)
         if found is None:
             if ckpt_path == "best":
                 raise FileNotFoundError(
@@ -455,19 +454,40 @@ class Trainer:
         if ckpt_path is None:
             return
         checkpoint = self.strategy.load_checkpoint(ckpt_path, trust_pickles=not weights_only)
-        module = self._require_module()
-        module.on_load_checkpoint(checkpoint)
+        assert self.lightning_module is not None
+        self.lightning_module.on_load_checkpoint(checkpoint)
         self.strategy.load_module_state_dict(checkpoint["state_dict"])
 
-    # ------------------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------------------ stages
     @contextlib.contextmanager
     def _stage(self, stage: str, module: Module, datamodule: DataModule | None) -> Iterator[None]:
-        """Attach the module and data, set everything up for ``stage``, and tear it down afterwards."""
+        """Attach the module and data, set everything up for ``stage``, and tear it down afterwards
+        (on success and on error)."""
+        status = "failed"
+        try:
+            self._begin_stage(stage, module, datamodule)
+            with torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
+                yield
+            status = "success"
+        except DoctorDone:
+            status = "interrupted"  # `ember doctor` has seen enough steps
+            raise
+        except BaseException as exception:
+            if isinstance(exception, KeyboardInterrupt):
+                status = "interrupted"
+            if self.hooks is not None:
+                self.hooks.call_callbacks("on_exception", exception)
+            raise
+        finally:
+            self._end_stage(stage, module, datamodule, status)
+
+    def _begin_stage(self, stage: str, module: Module, datamodule: DataModule | None) -> None:
         self.stage = stage
-        self.module = module
-        module._trainer = self
-        self._hook_cache.clear()
+        self.lightning_module = module
+        module.trainer = self
         self.datamodule = datamodule
+        # Hook lists are found lazily, at the first call: after the profiler below wrapped what it times.
+        self.hooks = Hooks(self, module, self.callbacks)
         if datamodule is not None:
             datamodule.trainer = self
         if not self._environment_ready:
@@ -477,7 +497,6 @@ class Trainer:
             # directory write into the same run; the other ranks follow it.
             for logger in self.loggers:
                 logger.use_version(self.strategy.broadcast(logger.version if self.is_global_zero else None))
-        self._deadline = time.monotonic() + self.max_time if self.max_time is not None else math.inf
         if datamodule is not None:
             if self.local_rank == 0:
                 datamodule.prepare_data()
@@ -490,22 +509,9 @@ class Trainer:
             self._start_doctor()  # before the model is wrapped, so that the wrapper is watched too
         self.strategy.setup_module(module, training=stage == "fit")
         self.profiler.setup(self, stage)
-        status = "failed"
+
+    def _end_stage(self, stage: str, module: Module, datamodule: DataModule | None, status: str) -> None:
         try:
-            with torch.autograd.set_detect_anomaly(self.detect_anomaly):
-                yield
-            status = "success"
-        except DoctorDone:
-            status = "interrupted"  # `ember doctor` has seen enough steps
-            raise
-        except KeyboardInterrupt as interrupt:
-            status = "interrupted"
-            self._call_callbacks("on_exception", interrupt)
-            raise
-        except BaseException as exception:
-            self._call_callbacks("on_exception", exception)
-            raise
-        finally:
             self.profiler.teardown(self, stage)
             if self._doctor is not None and status != "interrupted":
                 self._doctor.finish()  # fit ended before the doctor saw all its steps: report what it saw
@@ -518,12 +524,15 @@ class Trainer:
             if self.is_global_zero:
                 for logger in self.loggers:
                     logger.finalize(status)
+        finally:
+            self.strategy.teardown()
             self.stage = None
+            self.hooks = None
 
     def _start_doctor(self) -> None:
         doctor = active_doctor()  # `ember doctor` runs this script
-        if doctor is None and self.doctor_steps:
-            doctor = self._doctor = Doctor(steps=self.doctor_steps).install()
+        if doctor is None and self.config.doctor_steps:
+            doctor = self._doctor = Doctor(steps=self.config.doctor_steps).install()
         if doctor is not None:
             doctor.attach(self)
 
@@ -531,7 +540,7 @@ class Trainer:
         """The loaders of one kind: passed in, else from the datamodule, else from the module."""
         if given is None:
             hook = f"{kind}_dataloader"
-            for source in (self.datamodule, self.module):
+            for source in (self.datamodule, self.lightning_module):
                 if source is not None and hasattr(source, hook):
                     given = getattr(source, hook)()
                     break
@@ -547,75 +556,8 @@ class Trainer:
         loaders = list(given) if several else [given]
         if kind == "train" and len(loaders) != 1:
             raise ValueError(f"fit() trains on one dataloader; got {len(loaders)}")
-        from ember.data import prepare_loader
-
-        train = kind == "train"
-        return [
-            prepare_loader(loader, self.strategy, train=train, shard=self.use_distributed_sampler) for loader in loaders
-        ]
-
-    def _require_module(self) -> Module:
-        if self.module is None:
-            raise RuntimeError("no module is attached; call fit, validate, test or predict first")
-        return self.module
-
-    def _hooks(self, name: str, include_module: bool = True) -> list[Callable[..., Any]]:
-        """The implementations of hook ``name`` to call: the module's and each callback's, if they define it.
-
-        Hooks nobody overrides are left out, so the loop pays nothing for them. Cached per stage.
-        """
-        key = (name, include_module)
-        hooks = self._hook_cache.get(key)
-        if hooks is None:
-            module = self.module
-            hooks = [getattr(module, name)] if include_module and is_overridden(name, module, Module) else []
-            hooks += [
-                functools.partial(getattr(callback, name), self, module)
-                for callback in self.callbacks
-                if is_overridden(name, callback, Callback)
-            ]
-            self._hook_cache[key] = hooks
-        return hooks
-
-    def _call_hook(self, name: str, *args: Any) -> None:
-        """Call ``name`` on the module, then on every callback."""
-        for hook in self._hooks(name):
-            hook(*args)
-
-    def _call_callbacks(self, name: str, *args: Any) -> None:
-        for hook in self._hooks(name, include_module=False):
-            hook(*args)
-
-    def _log_to_loggers(self, metrics: Mapping[str, Number], step: int) -> None:
-        """Turn values into numbers (one device sync) and hand them to the loggers on rank zero."""
-        if not metrics:
-            return
-        floats = to_floats(metrics)
-        self.logged_metrics.update({name: torch.tensor(value) for name, value in floats.items()})
-        if self.is_global_zero:
-            for logger in self.loggers:
-                logger.log_metrics({**floats, "epoch": self.current_epoch}, step)
-
-
-class _ManualOptimizer:
-    """What ``Module.optimizers()`` returns: ``step()`` goes through the strategy (loss scaling) and
-    counts ``trainer.global_step``; everything else is the wrapped optimizer's."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, trainer: Trainer) -> None:
-        self.optimizer = optimizer
-        self._trainer = trainer
-
-    def step(self, closure: Any = None) -> None:
-        if closure is not None:
-            closure()
-        self._trainer.strategy.optimizer_step(self.optimizer)
-        self._trainer.global_step += 1
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
+        shard = self.config.use_distributed_sampler
+        return [prepare_loader(loader, self.strategy, train=kind == "train", shard=shard) for loader in loaders]
 
 
 # -------------------------------------------------------------------------- flag checking
@@ -627,46 +569,6 @@ def _checked_path(ckpt_path: str | os.PathLike | None) -> str | None:
     if ckpt_path not in ("last", "best") and not os.path.exists(ckpt_path):
         raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint (pass a path, 'last' or 'best')")
     return ckpt_path
-
-
-def _check_count(flag: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        allowed = "-1 (no limit) or a non-negative int" if minimum == -1 else f"an int >= {minimum}"
-        raise ValueError(f"{flag}={value!r}: expected {allowed}")
-
-
-def _check_limit(flag: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{flag}={value!r}: expected None, a number of batches (int) or a fraction (float)")
-    if (isinstance(value, int) and value < 0) or (isinstance(value, float) and not 0.0 <= value <= 1.0):
-        raise ValueError(f"{flag}={value!r}: an int counts batches (>= 0), a float is a fraction in [0, 1]")
-
-
-def _check_val_check_interval(value: Any) -> None:
-    valid = (isinstance(value, int) and not isinstance(value, bool) and value >= 1) or (
-        isinstance(value, float) and 0.0 < value <= 1.0
-    )
-    if not valid:
-        raise ValueError(
-            f"val_check_interval={value!r}: a float is a fraction of the epoch in (0, 1], an int a number of batches"
-        )
-
-
-def _compile_options(value: Any) -> dict[str, Any] | None:
-    """The ``torch.compile`` options of ``compile=`` (None when the model is not to be compiled)."""
-    if value is False:
-        return None
-    if value is True:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"compile={value!r}: expected True, False or a dict of torch.compile options")
-    accepted = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
-    unknown = sorted(set(value) - set(accepted))
-    if unknown:
-        raise ValueError(f"compile={dict(value)!r}: {unknown} are not torch.compile options; it takes {accepted}")
-    return dict(value)
 
 
 def _check_module(model: Any, stage: str) -> None:
@@ -684,56 +586,44 @@ def _check_module(model: Any, stage: str) -> None:
         raise NotImplementedError(f"Trainer.{stage}() needs {type(model).__name__} to define {', '.join(missing)}")
 
 
-def _set_determinism(deterministic: bool | Literal["warn"], benchmark: bool | None) -> None:
-    if deterministic:
+def _set_determinism(config: TrainerConfig) -> None:
+    if config.deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first matmul.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
+        torch.use_deterministic_algorithms(True, warn_only=config.deterministic == "warn")
         torch.backends.cudnn.deterministic = True
-        if benchmark:
-            raise ValueError("benchmark=True picks kernels by speed, which deterministic=True forbids")
         torch.backends.cudnn.benchmark = False
-    elif benchmark is not None:
-        torch.backends.cudnn.benchmark = benchmark
+    elif config.benchmark is not None:
+        torch.backends.cudnn.benchmark = config.benchmark
 
 
 def _build_loggers(logger: bool | Logger | Sequence[Logger], root_dir: str) -> list[Logger]:
     if logger is True:
         return [CSVLogger(root_dir)]
-    if logger is False or logger is None:
+    if logger is False:
         return []
-    loggers = [logger] if isinstance(logger, Logger) else list(logger)
-    for item in loggers:
-        if not isinstance(item, Logger):
-            raise TypeError(f"logger={item!r}: expected True, False, an ember Logger or a list of them")
-    return loggers
+    return [logger] if isinstance(logger, Logger) else list(logger)
 
 
-def _build_callbacks(
-    callbacks: Callback | Sequence[Callback] | None, progress_bar: bool, checkpointing: bool, model_summary: bool
-) -> list[Callback]:
+def _build_callbacks(config: TrainerConfig) -> list[Callback]:
+    callbacks = config.callbacks
     given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
-    for callback in given:
-        if not isinstance(callback, Callback):
-            raise TypeError(f"callbacks: {callback!r} is not an ember Callback")
-    if progress_bar and not any(isinstance(callback, ProgressBar) for callback in given):
+    if config.enable_progress_bar and not any(isinstance(callback, ProgressBar) for callback in given):
         given.append(ProgressBar())
-    if not progress_bar:
+    if not config.enable_progress_bar:
         given = [callback for callback in given if not isinstance(callback, ProgressBar)]
-    if checkpointing and not any(isinstance(callback, ModelCheckpoint) for callback in given):
+    checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in given)
+    if config.enable_checkpointing and not checkpointing:
         given.append(ModelCheckpoint())
-    if not checkpointing and any(isinstance(callback, ModelCheckpoint) for callback in given):
+    if not config.enable_checkpointing and checkpointing:
         raise ValueError("enable_checkpointing=False, but a ModelCheckpoint was passed in callbacks")
-    if model_summary and not any(isinstance(callback, ModelSummary) for callback in given):
+    summary = any(isinstance(callback, ModelSummary) for callback in given)
+    if config.enable_model_summary and not summary:
         given.insert(0, ModelSummary())
-    if not model_summary and any(isinstance(callback, ModelSummary) for callback in given):
+    if not config.enable_model_summary and summary:
         raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
     # Callbacks that read epoch metrics (checkpointing, early stopping) run last, in the given order.
     return sorted(given, key=lambda callback: callback.reads_epoch_metrics)
-
-
-def _as_tensor(value: Number) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.tensor(value)
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:

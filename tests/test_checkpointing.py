@@ -64,7 +64,10 @@ def test_checkpoint_holds_the_training_state() -> None:
     }  # fmt: skip
     assert expected <= set(state)
     assert state["hyper_parameters"] == {"lr": 0.03, "features": 4}
-    assert state["loops"] == {"epoch": 1, "batches_done": 0, "total_train_batches": 2, "micro_batches": 1}
+    # The loop's progress: epoch 0 is finished (a resume starts epoch 1 at its first batch), 2 batches in all.
+    progress = state["loops"]["fit_loop"]["progress"]
+    assert progress["epoch"] == 0 and progress["epoch_finished"] and progress["total_batches"] == 2
+    assert state["loops"]["fit_loop"]["micro_batches"] == 1
     assert state["loggers"] == [{"version": 0}] and isinstance(state["data"]["seed"], int)
     assert set(state["ranks"]) == {0} and {"python", "torch", "numpy"} <= set(state["ranks"][0]["random_state"])
 

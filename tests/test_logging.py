@@ -51,7 +51,7 @@ def test_logged_values_hold_no_graph_and_memory_stays_flat() -> None:
 
     class Probe(Callback):
         def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
-            store = trainer._train_results
+            store = trainer.run_metrics.train
             for entry in store._entries.values():
                 for value in (entry.step_value, entry.total):
                     assert not isinstance(value, torch.Tensor) or value.grad_fn is None

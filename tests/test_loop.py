@@ -155,7 +155,7 @@ class _ValidationCounter(Callback):
 
     def on_validation_end(self, trainer: ember.Trainer, module: ember.Module) -> None:
         if not trainer.sanity_checking:
-            trainer_position = trainer._position
+            trainer_position = (trainer.fit_loop.progress.epoch, trainer.fit_loop.progress.epoch_batches)
             self.at.append(trainer_position)
 
 
@@ -352,7 +352,7 @@ def test_auto_micro_batching_splits_after_running_out_of_memory_and_keeps_the_re
     tight = _Tight(limit=8)
     trainer = quiet_trainer(max_epochs=2, accumulate_grad_batches="auto", logger=False)
     trainer.fit(tight, make_loader(64, batch_size=32))
-    assert trainer._micro_batches == 4 and trainer.global_step == 4
+    assert trainer.fit_loop.runner.micro_batches == 4 and trainer.global_step == 4
     assert tight.refusals == 2  # 32 and 16 samples failed once; the size that worked is remembered
     assert "retrying with 4 micro-batches of about 8 samples" in capsys.readouterr().out
     reference = Regressor()

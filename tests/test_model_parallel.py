@@ -135,7 +135,7 @@ def test_pipeline_equals_one_process_with_the_same_batch(sharded_run: str) -> No
     for stage in (first, last):
         _assert_close(stage["parameters"], expected)
         # every stage shows the last stage's loss, and validation sees the whole pipeline's output
-        assert stage["last_loss"] == pytest.approx(float(trainer._last_loss), abs=1e-6)
+        assert stage["last_loss"] == pytest.approx(float(trainer.fit_loop.last_loss), abs=1e-6)
         assert stage["val_loss"] == pytest.approx(float(trainer.callback_metrics["val_loss"]), abs=1e-6)
     state = checkpoint_io.load(first["last"])
     _assert_close({**first["parameters"], **last["parameters"]}, state["state_dict"], tolerance=1e-12)
@@ -336,7 +336,7 @@ def test_fsdp_computes_in_bfloat16_and_keeps_float32_shards_with_bf16_mixed() ->
     trainer.fit(model, _regression(8))
     assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert torch.isfinite(trainer._last_loss)
+    assert torch.isfinite(trainer.fit_loop.last_loss)
 
 
 def test_fsdp_recomputes_the_activations_of_checkpointed_blocks() -> None:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Sampler
 import ember
 from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from ember.checkpoint import state as checkpoint_state
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "resume_job.py")
 
@@ -117,7 +118,7 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
     stdout, _ = job.communicate(timeout=60)
     assert job.returncode == 0, stdout
     assert "preemption signal received: saved" in stdout
-    last = checkpoint_io.find_checkpoint(quiet_trainer(default_root_dir=out), "last")
+    last = checkpoint_state.find_checkpoint(quiet_trainer(default_root_dir=out), "last")
     assert last is not None and last.endswith("last.ckpt")
     assert 0 < checkpoint_io.load(last)["global_step"] < 70
     resumed = _job(out, "--ckpt-path", "last", "--accumulate", str(accumulate), processes=processes)
@@ -304,5 +305,6 @@ def test_a_preemption_signal_under_slurm_saves_requeues_and_exits(
     assert exited.value.code == 0 and trainer.preempted
     assert commands == [["scontrol", "requeue", "4242"]]
     saved = checkpoint_io.load(os.path.join(trainer.log_dir, "checkpoints", "last.ckpt"))
-    assert saved["global_step"] == 5 and saved["loops"]["batches_done"] == 5  # the boundary ending that step
+    progress = saved["loops"]["fit_loop"]["progress"]
+    assert saved["global_step"] == 5 and progress["epoch_batches"] == 5  # the boundary ending that step
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers are put back after fit

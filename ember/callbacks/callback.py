@@ -73,4 +73,4 @@ class Callback:
 
 def at_logging_step(trainer: Trainer) -> bool:
     """Whether the training batch that just ended stepped the optimizer onto a ``log_every_n_steps`` multiple."""
-    return trainer._stepped and trainer.global_step % trainer.log_every_n_steps == 0
+    return trainer.fit_loop.stepped and trainer.global_step % trainer.log_every_n_steps == 0

@@ -114,7 +114,7 @@ class ModelCheckpoint(Callback):
         if self.every_n_train_steps:
             if step > 0 and step % self.every_n_train_steps == 0:
                 self._save(trainer)
-        elif self.train_time_interval is not None and trainer._stepped:
+        elif self.train_time_interval is not None and trainer.fit_loop.stepped:
             # Every rank must take the same decision (saving involves all of them), so rank zero's
             # clock decides; it is consulted every few steps to keep the communication rare.
             self._steps_since_time_check += 1
@@ -137,7 +137,7 @@ class ModelCheckpoint(Callback):
             and self.every_n_epochs
             and trainer.stage == "fit"
             and not trainer.sanity_checking
-            and not trainer._at_epoch_end
+            and not trainer.fit_loop.at_epoch_end
         ):
             self._save(trainer)
 

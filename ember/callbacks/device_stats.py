@@ -37,7 +37,8 @@ class DeviceStatsMonitor(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if at_logging_step(trainer):
-            trainer._log_to_loggers(self.stats(trainer.strategy.root_device), step=trainer.global_step)
+            stats = self.stats(trainer.strategy.root_device)
+            trainer.run_metrics.write(stats, trainer.global_step, trainer.current_epoch)
 
     def stats(self, device: torch.device) -> dict[str, float]:
         """The figures for ``device`` (and the host), by name."""

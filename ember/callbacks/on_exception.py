@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ember import checkpoint as checkpoint_io
 from ember.callbacks.callback import Callback
+from ember.checkpoint.state import training_state
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -34,5 +35,5 @@ class OnExceptionCheckpoint(Callback):
             return  # nothing was trained yet
         suffix = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         path = os.path.join(self.dirpath, f"{self.filename}{suffix}.ckpt")
-        checkpoint_io.save(checkpoint_io.training_state(trainer, weights_only=False, gather=False), path)
+        checkpoint_io.save(training_state(trainer, weights_only=False, gather=False), path)
         print(f"OnExceptionCheckpoint: {type(exception).__name__} stopped fit; saved {path}")

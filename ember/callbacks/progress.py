@@ -111,7 +111,7 @@ class ProgressBar(Callback):
         if trainer.is_global_zero and not trainer.sanity_checking:
             # During fit the validation bar goes away when done; its prog_bar values show on the epoch's bar.
             keep = trainer.stage != "fit"
-            self._eval_line = _Line(self, description, sum(trainer._eval_batch_counts), show_loss=False, keep=keep)
+            self._eval_line = _Line(self, description, sum(_eval_batches(trainer)), show_loss=False, keep=keep)
 
     def _advance_eval(self, trainer: Trainer, batch: Any) -> None:
         if self._eval_line is not None:
@@ -184,10 +184,18 @@ class _Line:
 
     def _metrics(self, trainer: Trainer) -> str:
         values = dict(trainer.progress_bar_metrics)
-        if self.show_loss and trainer._last_loss is not None:
-            values = {"loss": trainer._last_loss, **values}
+        last_loss = trainer.fit_loop.last_loss
+        if self.show_loss and last_loss is not None:
+            values = {"loss": last_loss, **values}
         floats = to_floats(values)
         return " ".join(f"{name}={value:.4g}" for name, value in floats.items())
+
+
+def _eval_batches(trainer: Trainer) -> list[float]:
+    """The batch counts of the evaluation in progress, per loader."""
+    if trainer.stage == "predict":
+        return trainer.num_predict_batches
+    return trainer.num_test_batches if trainer.stage == "test" else trainer.num_val_batches
 
 
 def _clock(seconds: float) -> str:

@@ -166,9 +166,10 @@ class ThroughputMonitor(Callback):
             return
         self._batches += 1
         self._samples += self.batch_size_fn(batch)
-        if trainer._stepped and trainer.global_step % self._every == 0:
+        if trainer.fit_loop.stepped and trainer.global_step % self._every == 0:
             now = self._now()
-            trainer._log_to_loggers(self._figures(self._elapsed + now - self._start, trainer), trainer.global_step)
+            figures = self._figures(self._elapsed + now - self._start, trainer)
+            trainer.run_metrics.write(figures, trainer.global_step, trainer.current_epoch)
             self._open_window(now)
 
     def on_validation_start(self, trainer: Trainer, module: Module) -> None:

@@ -74,7 +74,8 @@ class Timer(Callback):
         if self.duration is not None and self.interval == "step":
             # The loop's time limit stops every rank at the same batch without a collective per step.
             remaining = self.duration - self._offset
-            trainer._deadline = min(trainer._deadline, self._start["train"] + remaining)
+            interruptions = trainer.fit_loop.interruptions
+            interruptions.deadline = min(interruptions.deadline, self._start["train"] + remaining)
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
         if self.duration is None or self.interval != "epoch":

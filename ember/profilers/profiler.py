@@ -67,7 +67,7 @@ class Profiler:
         self._wrap(strategy, "step", lambda name, *args: name)
         for name in ("backward", "unscale_gradients", "clip_gradients", "optimizer_step"):
             self._wrap(strategy, name, name)
-        self._wrap(trainer, "_log_to_loggers", "logging")
+        self._wrap(trainer.run_metrics, "write", "logging")
         self._wrap(trainer.module, "configure_optimizers", "configure_optimizers")
         hook_owners: list[tuple[Any, type]] = [(trainer.module, Module)]
         hook_owners += [(callback, Callback) for callback in trainer.callbacks]
@@ -75,19 +75,26 @@ class Profiler:
             for hook in _HOOKS:
                 if is_overridden(hook, owner, base):
                     self._wrap(owner, hook, f"{type(owner).__name__}.{hook}")
-        original_loaders = trainer._loaders
 
-        def loaders(kind: str, given: Any, required: bool = False) -> list[Iterable]:
-            return [_TimedLoader(loader, kind, self) for loader in original_loaders(kind, given, required)]
-
-        self._replace(trainer, "_loaders", loaders)
-        trainer._hook_cache.clear()  # cached hook lists would bypass the wrappers
+    def timed_batches(self, batches: Iterable, kind: str) -> Iterator[Any]:
+        """``batches`` (from a loader of ``kind``: "train", "val", "test", "predict"), each wait for one timed
+        as ``<kind>: waiting for data``; the loops ask for this around every loader they iterate."""
+        action = f"{kind}: waiting for data"
+        iterator: Iterator[Any] | None = None
+        while True:
+            self.next_batch(kind)
+            with self.profile(action):  # starting the loader's workers counts as waiting too
+                if iterator is None:
+                    iterator = iter(batches)
+                batch = next(iterator, _END)
+            if batch is _END:
+                return
+            yield batch
 
     def teardown(self, trainer: Trainer, stage: str) -> None:
         """Stop profiling: remove the wrappers, then write and print the summary."""
         while self._undo:
             self._undo.pop()()
-        trainer._hook_cache.clear()
         report = self.summary()
         if not report:
             return
@@ -146,33 +153,8 @@ class PassThroughProfiler(Profiler):
     def teardown(self, trainer: Trainer, stage: str) -> None:
         pass
 
-
-class _TimedLoader:
-    """A loader whose batches are timed as ``<kind>: waiting for data``; everything else is the loader's."""
-
-    def __init__(self, loader: Iterable, kind: str, profiler: Profiler) -> None:
-        self._loader = loader
-        self._kind = kind
-        self._profiler = profiler
-
-    def __len__(self) -> int:
-        return len(self._loader)  # type: ignore[arg-type]  # a TypeError without a length, as for the loader
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def __iter__(self) -> Iterator[Any]:
-        profiler, action = self._profiler, f"{self._kind}: waiting for data"
-        iterator: Iterator[Any] | None = None
-        while True:
-            profiler.next_batch(self._kind)
-            with profiler.profile(action):  # starting the loader's workers counts as waiting too
-                if iterator is None:
-                    iterator = iter(self._loader)
-                batch = next(iterator, _END)
-            if batch is _END:
-                return
-            yield batch
+    def timed_batches(self, batches: Iterable, kind: str) -> Iterator[Any]:
+        return iter(batches)
 
 
 _HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))

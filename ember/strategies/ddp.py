@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import os
 from datetime import timedelta
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from ember.module import Module
 
 
-class _StepRunner(nn.Module):
+class _StepForward(nn.Module):
     """Makes a wrapper's ``forward`` run one of the module's steps.
 
     DDP averages gradients through hooks it arms in its own ``forward``; a training step called on
@@ -192,29 +193,46 @@ class DDPStrategy(ParallelStrategy):
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_cap_mb = bucket_cap_mb
+        # Under manual optimization gradients are averaged in backward(), unless the user is accumulating.
+        self._manual_sync = False
+        self._manual_sync_off = _Switch()
 
     # -------------------------------------------------------------------------- lifecycle
-    def setup_module(self, module: Module, training: bool) -> None:
+    def wrap_for_training(self, module: Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        super().setup_module(module, training)
-        if not training or isinstance(self.model, DistributedDataParallel):
-            return
         if self.sync_batchnorm:
             nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        if not module.automatic_optimization:
+            # The module steps its optimizers inside training_step, so its backward passes would run inside
+            # DDP's forward, before DDP is ready to average them: they are averaged in backward() instead.
+            if not self._manual_sync:
+                self._broadcast_from_rank_zero(module)
+                self._manual_sync = True
+            return module
+        self._manual_sync = False
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model
         options: dict[str, Any] = {}
         if self.bucket_cap_mb is not None:
             options["bucket_cap_mb"] = self.bucket_cap_mb
         # A module that the user spread over several GPUs stays there, and DDP then takes no device_ids.
         one_gpu = self.root_device.type == "cuda" and self._input_device is None
-        self.model = DistributedDataParallel(
-            _StepRunner(module),
+        return DistributedDataParallel(
+            _StepForward(module),
             device_ids=[self.root_device.index] if one_gpu else None,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             **options,
         )
+
+    def _broadcast_from_rank_zero(self, module: nn.Module) -> None:
+        """Start every rank from rank zero's parameters and buffers (what DDP's constructor does)."""
+        import torch.distributed as dist
+
+        for tensor in chain(module.parameters(), module.buffers()):
+            dist.broadcast(tensor.data, src=0)
 
     # ------------------------------------------------------------------------------ steps
     def step(self, name: str, *args: Any) -> Any:
@@ -223,8 +241,17 @@ class DDPStrategy(ParallelStrategy):
                 return getattr(self._module, name)(*args)
             return self.model(name, *args)  # through DDP, which arms the gradient all-reduce
 
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        if self._manual_sync and not self._manual_sync_off.active:
+            self.sync_gradients()
+
     def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
-        if skip_gradient_sync and self.model is not self._module:
+        if not skip_gradient_sync:
+            return _NO_CONTEXT
+        if self._manual_sync:
+            return self._manual_sync_off
+        if self.model is not self._module:
             return self.model.no_sync()
         return _NO_CONTEXT
 
@@ -244,6 +271,23 @@ class DDPStrategy(ParallelStrategy):
         flat /= self.world_size
         chunks = flat.split([gradient.numel() for gradient in gradients])
         torch._foreach_copy_(gradients, [chunk.view_as(gradient) for chunk, gradient in zip(chunks, gradients)])
+
+
+class _Switch(contextlib.AbstractContextManager):
+    """A reusable context manager that says whether it is entered (nesting counts)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+
+    @property
+    def active(self) -> bool:
+        return self._depth > 0
+
+    def __enter__(self) -> None:
+        self._depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._depth -= 1
 
 
 def _listen_on_loopback(environment: ClusterEnvironment) -> None:

@@ -84,18 +84,15 @@ class FSDPStrategy(ShardedStrategy):
                 "on accelerator='cpu' it is there already, so leave cpu_offload off"
             )
 
-    def setup_module(self, module: Module, training: bool) -> None:
+    def lay_out(self, module: Module) -> None:
+        """Shard the module: each ``auto_wrap_policy`` block, then the whole (in the precision's dtype)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        if module is self._module:
-            return
         refuse_wrappers(module, self.name)
-        self._module = module
         if self.sync_batchnorm:
             nn.SyncBatchNorm.convert_sync_batchnorm(module)
         for block in _matching(module, self.activation_checkpointing_policy):
             _checkpoint_activations(block)
-        self.precision.convert_module(module)  # "bf16-true" and the like: sharded in their dtype
         options: dict[str, Any] = {
             "mesh": self._device_mesh((self.world_size,), ("data",)),
             "reshard_after_forward": self.reshard_after_forward,
@@ -112,7 +109,16 @@ class FSDPStrategy(ShardedStrategy):
         if is_on_meta_device(module):
             materialize(module, "cpu" if self.cpu_offload else self.root_device)
         self._sync_off = _GradientSyncOff(module)
-        self.model = module
+
+    def teardown(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        # A stage that failed between a block's forward and backward leaves its parameters gathered.
+        if self._module is not None:
+            for block in self._module.modules():
+                if isinstance(block, FSDPModule):
+                    block.reshard()
+        super().teardown()
 
     def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
         if skip_gradient_sync and self.accumulate_full_gradients:

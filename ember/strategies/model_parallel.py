@@ -10,13 +10,12 @@ import torch
 from torch import nn
 
 from ember._utils import is_overridden
+from ember.module import Module
 from ember.strategies.sharded import ShardedStrategy, refuse_wrappers
 from ember.strategies.strategy import is_on_meta_device, materialize
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from ember.module import Module
 
 Size = int | Literal["auto"]
 
@@ -67,13 +66,10 @@ class ModelParallelStrategy(ShardedStrategy):
         # The ranks of a row split the model, so they read the same batches.
         return {"num_replicas": self._data_size, "rank": self.global_rank // self._tensor_size}
 
-    def setup_module(self, module: Module, training: bool) -> None:
+    def lay_out(self, module: Module) -> None:
+        """Lay the module out over the mesh with its own ``configure_model``; shard it over "data"."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        from ember.module import Module
-
-        if module is self._module:
-            return
         refuse_wrappers(module, self.name)
         if not is_overridden("configure_model", module, Module):
             raise TypeError(
@@ -81,17 +77,14 @@ class ModelParallelStrategy(ShardedStrategy):
                 "device_mesh), which it does not define: apply tensor parallel plans there "
                 "(ember.strategies.parallelize_transformer)"
             )
-        self._module = module
         if not is_on_meta_device(module):
             module.to(self.root_device)
-        self.precision.convert_module(module)
         self.device_mesh = self._device_mesh((self._data_size, self._tensor_size), ("data", "tensor"))
         module.configure_model(self.device_mesh)
         if self._data_size > 1 and not isinstance(module, FSDPModule):
             fully_shard(module, mesh=self.device_mesh["data"])
         if any(parameter.is_meta for parameter in module.parameters()):
             materialize(module, self.root_device)
-        self.model = module
 
 
 def mesh_shape(world_size: int, num_nodes: int, data: Size, tensor: Size) -> tuple[int, int]:

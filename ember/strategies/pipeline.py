@@ -88,6 +88,7 @@ class PipelineStrategy(ShardedStrategy):
         self._group: ProcessGroup | None = None  # this rank's pipeline: one rank per stage
         self._last_stage_rank = 0
         self._schedules: dict[tuple[Any, ...], Any] = {}
+        self._stage_modules: list[str] = []
         self._anchor: torch.Tensor | None = None
         self._loss_scale: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []
@@ -120,12 +121,11 @@ class PipelineStrategy(ShardedStrategy):
         return {"num_replicas": self.data_parallel_size, "rank": self.global_rank % self.data_parallel_size}
 
     # ----------------------------------------------------------------------------- set-up
-    def setup_module(self, module: Module, training: bool) -> None:
+    def lay_out(self, module: Module) -> None:
+        """Keep this rank's stage of the module (the other submodules become None) on its device."""
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
 
-        if module is self._module:
-            return
         refuse_wrappers(module, self.name)
         if not module.automatic_optimization:
             raise ValueError(
@@ -137,20 +137,26 @@ class PipelineStrategy(ShardedStrategy):
                 f"strategy='pipeline' computes the loss on the last stage with {type(module).__name__}"
                 ".pipeline_loss(output, target), which it does not define"
             )
-        self._module = module
         mesh = self._device_mesh((self.num_stages, self.data_parallel_size), ("pipeline", "data"))
         self._group = mesh["pipeline"].get_group()
         self._last_stage_rank = dist.get_process_group_ranks(self._group)[-1]
-        keep_only(module, self._stage_names(module))
+        self._stage_modules = self._stage_names(module)
+        keep_only(module, self._stage_modules)
         if is_on_meta_device(module):
             materialize(module, self.root_device)
         else:
             module.to(self.root_device)
-        self.precision.convert_module(module)
         if self.data_parallel_size > 1:
             fully_shard(module, mesh=mesh["data"])
         self._anchor = torch.zeros((), device=self.root_device, requires_grad=True)
-        self.model = module
+
+    def compile_targets(self, module: Module) -> list[nn.Module]:
+        # The stage's own submodules: the module's forward runs the schedule's messages between them.
+        return [module.get_submodule(name) for name in self._stage_modules]
+
+    def teardown(self) -> None:
+        self._schedules.clear()  # each holds its stage's communication buffers
+        super().teardown()
 
     def _stage_names(self, module: nn.Module) -> list[str]:
         """The names of the submodules this rank's stage keeps."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ember import checkpoint as checkpoint_io
-from ember import sharded_checkpoint
+from ember.checkpoint import sharded as sharded_checkpoint
 from ember.strategies.ddp import ParallelStrategy
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ class ShardedStrategy(ParallelStrategy):
     """A ``ParallelStrategy`` whose ranks each hold part of the model.
 
     Checkpoints are directories written by every rank through ``torch.distributed.checkpoint``
-    (see ``ember.sharded_checkpoint``); an ordinary checkpoint file can start a run too.
+    (see ``ember.checkpoint.sharded``); an ordinary checkpoint file can start a run too.
     """
 
     #: Whether ``sync_batchnorm=True`` is honoured (the others refuse it rather than ignore it).

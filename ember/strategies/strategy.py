@@ -108,37 +108,70 @@ class Strategy:
             torch.cuda.set_device(self.root_device)
 
     def setup_module(self, module: Module, training: bool) -> None:
-        """Place the module on its device in the precision's dtype and compile it if asked (once); parallel
-        strategies also wrap it for training.
+        """Set ``module`` up for the steps; every strategy follows this template.
+
+        Once per module: the precision's dtype (``"bf16-true"``, ...), then the strategy's own layout
+        (``lay_out``: one device, a DDP replica, shards, a pipeline stage, ...), then what every strategy
+        shares: where batches go, and ``torch.compile`` when asked. For training, the strategy may then
+        wrap the module (``wrap_for_training``: DDP's gradient averaging).
+        """
+        if module is not self._module:
+            self._module = module
+            self.precision.convert_module(module)
+            self.lay_out(module)
+            device = self._input_device or self.root_device
+            # CPU batches stay where the loader made them: a copy to the same device would cost per step.
+            self._batch_device = device if device.type != "cpu" else None
+            if self.compile_options is not None:
+                for target in self.compile_targets(module):
+                    # In place (nn.Module.compile): the module stays itself, so its state_dict keys carry no
+                    # "_orig_mod." prefix and checkpoints load into an uncompiled module.
+                    target.compile(**self.compile_options)
+            self.model = module
+        if training:
+            self.model = self.wrap_for_training(module)
+
+    def lay_out(self, module: Module) -> None:
+        """Put the module where the strategy runs it: here, on its device.
 
         A module whose layers the user spread over devices is left where it is, and a module built on
         the meta device is allocated on the device and initialised with ``reset_parameters()``.
         """
-        if module is self._module:
-            return
-        self._module = module
         self._input_device = input_device(module)
         if self._input_device is None:
             if is_on_meta_device(module):
                 materialize(module, self.root_device)
             else:
                 module.to(self.root_device)
-        device = self._input_device or self.root_device
-        # CPU batches stay where the loader made them: a copy to the same device would cost per step.
-        self._batch_device = device if device.type != "cpu" else None
-        self.precision.convert_module(module)
-        if self.compile_options is not None:
-            # In place (nn.Module.compile): the module stays itself, so its state_dict keys carry no
-            # "_orig_mod." prefix and checkpoints load into an uncompiled module. Only the forward is
-            # compiled, which is what the steps reach through self(...); a wrapper (DDP) goes around it.
-            module.compile(**self.compile_options)
-        self.model = module
+
+    def compile_targets(self, module: Module) -> list[nn.Module]:
+        """The modules ``compile=`` compiles: the whole module (its forward is what the steps call)."""
+        return [module]
+
+    def wrap_for_training(self, module: Module) -> nn.Module:
+        """What training steps run through (the module itself, or a wrapper such as DDP's); called at the
+        start of every ``fit``."""
+        return module
+
+    @property
+    def reuses_outputs(self) -> bool:
+        """Whether the forward's outputs are overwritten by the next step (CUDA graphs, which
+        ``compile={"mode": "reduce-overhead"}`` uses): then what outlives a step must be copied."""
+        options = self.compile_options
+        if options is None or self.root_device.type != "cuda":
+            return False
+        return options.get("mode") in ("reduce-overhead", "max-autotune") or bool(
+            (options.get("options") or {}).get("triton.cudagraphs")
+        )
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Adjust optimizers after they were built on the placed module (a no-op on one device)."""
 
     def teardown(self) -> None:
-        """Release what ``setup_environment`` acquired."""
+        """Release what a stage (fit, validate, test, predict) left behind; called after each, on success
+        and on error. The module stays set up: a later stage runs it as it is."""
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------------ the steps
     def batch_to_device(self, batch: Any) -> Any:
@@ -230,7 +263,9 @@ class Strategy:
             checkpoint_io.save(checkpoint, path)
 
     def load_checkpoint(self, path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
-        return checkpoint_io.load(path, map_location=self.root_device, trust_pickles=trust_pickles)
+        # Into CPU memory: each part's load_state_dict puts its tensors on its own device, and some
+        # entries (random generator states) must stay on the CPU.
+        return checkpoint_io.load(path, map_location="cpu", trust_pickles=trust_pickles)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={[str(d) for d in self.parallel_devices]})"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ember.loops import StepRunner
 from ember.module import DataModule, Module
 from ember.optim import parse_optimizers
 from ember.tuner.lr_finder import LRFinder
@@ -162,7 +163,7 @@ class _Trials:
         self.trainer, self.module, self.datamodule = trainer, module, datamodule
         self.steps, self.max_memory = steps, max_memory
         self.dataset_size = math.inf
-        module._trainer = trainer
+        module.trainer = trainer
         if datamodule is not None:
             datamodule.trainer = trainer
             datamodule.setup("fit")
@@ -188,35 +189,32 @@ class _Trials:
         on_start: Callable[[torch.optim.Optimizer], None] | None = None,
         after_step: Callable[[int, torch.optim.Optimizer, torch.Tensor | None], bool] | None = None,
     ) -> None:
-        from ember.loop import _training_loss
-
-        trainer, module, strategy = self.trainer, self.module, self.trainer.strategy
+        module, strategy = self.module, self.trainer.strategy
         loader = _train_loader(module, self.datamodule)
         self.dataset_size = len(getattr(loader, "dataset", ())) or math.inf
         strategy.setup_module(module, training=False)
         weights = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
-        trainer.num_training_batches = len(loader) if hasattr(loader, "__len__") else math.inf
+        # configure_optimizers may read trainer.estimated_stepping_batches, which counts this loader's batches.
+        self.trainer.fit_loop.num_training_batches = len(loader) if hasattr(loader, "__len__") else math.inf
         optimizers, _ = parse_optimizers(module.configure_optimizers())
         if len(optimizers) != 1:
             raise ValueError(f"the tuner steps one optimizer; configure_optimizers() returned {len(optimizers)}")
         optimizer = optimizers[0]
+        runner = StepRunner(strategy, module, optimizers)  # fit's steps, without its schedulers and clipping
         if on_start is not None:
             on_start(optimizer)
         module.train()
         try:
             for step, batch in enumerate(islice(_endless(loader), self.steps)):
-                batch = strategy.batch_to_device(batch)
-                with strategy.precision.forward_context():
-                    loss = _training_loss(module.training_step(batch, step))
+                _, loss = runner.forward_backward(strategy.batch_to_device(batch), step, window_size=1, sync=True)
                 if loss is not None:
-                    strategy.precision.backward(loss)
-                    strategy.precision.optimizer_step(optimizer)
-                optimizer.zero_grad(set_to_none=True)
+                    runner.optimizer_step()
                 if after_step is not None and not after_step(step, optimizer, loss):
                     break
         finally:
             module.load_state_dict(weights)
-            trainer._train_results.clear()
+            optimizer.zero_grad(set_to_none=True)
+            self.trainer.run_metrics.train.clear()
 
 
 def _endless(loader: Iterable) -> Iterator[Any]:

@@ -51,7 +51,7 @@ class Interrupt(Callback):
         if (
             first_attempt
             and trainer.global_step == self.step
-            and trainer._stepped
+            and trainer.fit_loop.stepped
             and trainer.global_rank == 1 % trainer.world_size
         ):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -103,7 +103,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()},
         "comms": counter.count if args.count_comms else None,
-        "micro_batches": trainer._micro_batches,
+        "micro_batches": trainer.fit_loop.runner.micro_batches,
         "log_dir": trainer.log_dir,
         "pid": os.getpid(),
     }

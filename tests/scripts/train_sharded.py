@@ -222,7 +222,7 @@ def pipeline_job(out: str) -> None:
     run.fit(model, DataLoader(regression_data(), batch_size=8), DataLoader(regression_data(16), batch_size=8))
     torch.save(
         {"parameters": full_parameters(model), "val_loss": float(run.callback_metrics["val_loss"]),
-         "last_loss": float(run._last_loss), "last": checkpoints.last_model_path},
+         "last_loss": float(run.fit_loop.last_loss), "last": checkpoints.last_model_path},
         os.path.join(out, f"pipeline-rank{rank}.pt"),
     )  # fmt: skip
 

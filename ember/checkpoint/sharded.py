@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ember import checkpoint as checkpoint_io
+from ember.checkpoint import io as checkpoint_io
 
 SHARDED_ENTRIES = ("state_dict", "optimizer_states")
 #: Per optimizer, per parameter group: the names of its parameters, in order.
@@ -169,7 +169,7 @@ def _trainer_state(path: str, trust_pickles: bool) -> dict[str, Any]:
         raise checkpoint_io.CheckpointError(
             f"{path!r} is a directory but not a complete sharded checkpoint (it needs .metadata and {_TRAINER_STATE})"
         )
-    return checkpoint_io.load(state_file, trust_pickles=trust_pickles)
+    return checkpoint_io.load_file(state_file, trust_pickles=trust_pickles)
 
 
 # ------------------------------------------------------------------------------ safe reading

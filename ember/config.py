@@ -1,0 +1,344 @@
+"""Every ``Trainer`` flag, checked once into one frozen record.
+
+``TrainerConfig`` holds the flags as the user gave them, each checked for its type and range when
+the record is built; the values the run derives from them (the epoch limit when none was given,
+``max_time`` in seconds, the ``torch.compile`` options) are properties. Each field's docstring is
+the flag's documentation: the docs site's flag reference is generated from this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+
+from ember._utils import parse_max_time
+from ember.callbacks import Callback
+from ember.loggers import Logger
+from ember.precision import canonical_precision
+from ember.profilers import Profiler
+from ember.strategies import Strategy
+
+Limit = int | float | None
+
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+_FLOAT32_MATMUL = ("highest", "high", "medium")
+_PROFILERS = ("simple", "pytorch")
+_BOOL_FLAGS = (
+    "enable_progress_bar", "enable_checkpointing", "enable_model_summary", "inference_mode", "detect_anomaly",
+    "use_distributed_sampler", "sync_batchnorm", "slurm_requeue",
+)  # fmt: skip
+
+
+class FlagError(ValueError, TypeError):
+    """A Trainer flag with a value it does not take (both a ``ValueError`` and a ``TypeError``)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The Trainer's flags, with Lightning's names and meanings. Building one checks every flag."""
+
+    # ------------------------------------------------------------------------------- layout
+    accelerator: str = "auto"
+    """The kind of device: "auto" (a GPU if there is one), "cpu", "cuda" (or "gpu"), "mps"."""
+
+    devices: int | str | Sequence[int] = "auto"
+    """Devices per node: "auto", a count, -1 for all, a list of indices or a string like "0,2".
+    One process drives each device."""
+
+    num_nodes: int = 1
+    """Machines in the job; each runs ``devices`` processes."""
+
+    strategy: str | Strategy = "auto"
+    """How the work is spread: "auto", "single_device", "ddp", "dp", "fsdp", "model_parallel",
+    "pipeline", or a ``Strategy`` instance with its own options."""
+
+    precision: str | int = "32-true"
+    """Numerical precision: "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true"
+    (also 16, 32, 64, "16", "32", "64", "bf16")."""
+
+    float32_matmul_precision: Literal["highest", "high", "medium"] | None = None
+    """float32 matrix products: "highest" (full float32), "high" (TF32 tensor cores), "medium"
+    (bfloat16 passes); None leaves torch's setting."""
+
+    compile: bool | Mapping[str, Any] = False
+    """True, or a dict of ``torch.compile`` options, compiles the module's forward."""
+
+    # ------------------------------------------------------------------------------- length
+    max_epochs: int | None = None
+    """Epochs to train (-1: no limit). When neither it nor ``max_steps`` nor ``max_time`` is
+    given, 1000."""
+
+    max_steps: int = -1
+    """Optimizer steps to train (-1: no limit)."""
+
+    max_time: str | timedelta | Mapping[str, int] | None = None
+    """Wall-clock limit: "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict such as
+    ``{"hours": 2}``; training stops at the first step boundary past it."""
+
+    limit_train_batches: Limit = None
+    """Training batches per epoch: an int counts batches, a float in [0, 1] is a fraction."""
+
+    limit_val_batches: Limit = None
+    """Validation batches per run: an int counts batches, a float in [0, 1] is a fraction."""
+
+    limit_test_batches: Limit = None
+    """Test batches: an int counts batches, a float in [0, 1] is a fraction."""
+
+    limit_predict_batches: Limit = None
+    """Prediction batches: an int counts batches, a float in [0, 1] is a fraction."""
+
+    # ---------------------------------------------------------------------------- validation
+    val_check_interval: int | float = 1.0
+    """How often to validate within an epoch: a float in (0, 1] is a fraction of the epoch, an
+    int a number of training batches."""
+
+    check_val_every_n_epoch: int | None = 1
+    """Validate every N epochs; None counts ``val_check_interval`` batches across epochs."""
+
+    num_sanity_val_steps: int = 2
+    """Validation batches run before training, so that a broken ``validation_step`` fails in
+    seconds (-1: all, 0: none)."""
+
+    # -------------------------------------------------------------------------- optimization
+    accumulate_grad_batches: int | Literal["auto"] = 1
+    """Micro-batches per optimizer step; "auto" makes each batch one step, split into as many
+    micro-batches as memory needs (found by retrying after running out of memory)."""
+
+    gradient_clip_val: int | float | None = None
+    """Clip gradients to this norm (or value, see ``gradient_clip_algorithm``); None: no clipping."""
+
+    gradient_clip_algorithm: Literal["norm", "value"] = "norm"
+    """"norm" scales all gradients to a total 2-norm of at most ``gradient_clip_val``; "value"
+    clamps each element."""
+
+    # --------------------------------------------------------------------------- watching
+    log_every_n_steps: int = 50
+    """Write step values to the loggers every N optimizer steps."""
+
+    callbacks: Callback | Sequence[Callback] | None = None
+    """Callbacks to run, besides the default ones the ``enable_*`` flags add."""
+
+    logger: bool | Logger | Sequence[Logger] = True
+    """True for a ``CSVLogger`` under ``default_root_dir``, False for none, or loggers."""
+
+    enable_progress_bar: bool = True
+    """Show a progress bar (one log line every few seconds when the output is not a terminal)."""
+
+    enable_checkpointing: bool = True
+    """Add a ``ModelCheckpoint`` (every epoch, into the run directory) unless one is given."""
+
+    enable_model_summary: bool = True
+    """Print a table of the module's layers and parameter counts when ``fit`` starts."""
+
+    profiler: str | Profiler | None = None
+    """"simple" (a table of where the time goes), "pytorch" (a trace) or a ``Profiler``."""
+
+    default_root_dir: str | os.PathLike[str] | None = None
+    """Where logs and checkpoints go when no path is given (default: the working directory)."""
+
+    doctor: bool | int = False
+    """True (or a number of steps above 5, 30 by default) watches the first steps of ``fit`` and
+    prints what slows them down, with the fixes; training then goes on."""
+
+    # ---------------------------------------------------------------------- reproducibility
+    deterministic: bool | Literal["warn"] = False
+    """Use deterministic algorithms only (True), or warn when a non-deterministic one runs ("warn")."""
+
+    benchmark: bool | None = None
+    """cuDNN benchmark mode: pick the fastest convolution algorithms by trying them; None leaves
+    torch's setting."""
+
+    # -------------------------------------------------------------------------------- misc
+    inference_mode: bool = True
+    """Evaluate under ``torch.inference_mode`` (True) or ``torch.no_grad`` (False)."""
+
+    detect_anomaly: bool = False
+    """Run autograd's anomaly detection: the operation that produced a NaN is named (slow)."""
+
+    use_distributed_sampler: bool = True
+    """With several processes, give each its shard of the data through a ``DistributedSampler``."""
+
+    sync_batchnorm: bool = False
+    """Compute batch-norm statistics over all processes (``torch.nn.SyncBatchNorm``)."""
+
+    slurm_requeue: bool = False
+    """On SLURM's preemption signal, requeue the job after saving the checkpoint."""
+
+    gpus: int | str | Sequence[int] | None = None
+    """The older spelling of ``accelerator="cuda", devices=...``."""
+
+    def __post_init__(self) -> None:
+        if self.accelerator not in ACCELERATORS:
+            raise FlagError(f"accelerator={self.accelerator!r} is not supported; choose one of {ACCELERATORS}")
+        _check_devices("devices", self.devices)
+        _check_int("num_nodes", self.num_nodes, minimum=1)
+        if not isinstance(self.strategy, (str, Strategy)):
+            raise FlagError(f"strategy={self.strategy!r}: expected a strategy name or an ember Strategy")
+        canonical_precision(self.precision)
+        if self.float32_matmul_precision is not None:
+            _check_choice("float32_matmul_precision", self.float32_matmul_precision, _FLOAT32_MATMUL)
+        _compile_options(self.compile)
+        self._check_length()
+        self._check_validation()
+        self._check_optimization()
+        self._check_watching()
+        for flag in _BOOL_FLAGS:
+            _check_bool(flag, getattr(self, flag))
+        if self.deterministic != "warn":
+            _check_bool("deterministic", self.deterministic, also="'warn'")
+        if self.benchmark is not None:
+            _check_bool("benchmark", self.benchmark, also="None")
+        if self.deterministic and self.benchmark:
+            raise FlagError("benchmark=True picks kernels by speed, which deterministic=True forbids")
+        self._check_gpus()
+
+    def _check_length(self) -> None:
+        if self.max_epochs is not None:
+            _check_int("max_epochs", self.max_epochs, minimum=-1)
+        _check_int("max_steps", self.max_steps, minimum=-1)
+        parse_max_time(self.max_time)
+        for flag in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
+            _check_limit(flag, getattr(self, flag))
+
+    def _check_validation(self) -> None:
+        value = self.val_check_interval
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if not ((is_int and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0)):
+            raise FlagError(
+                f"val_check_interval={value!r}: expected a fraction of the epoch (a float in (0, 1]) or a "
+                "number of batches (an int >= 1)"
+            )
+        if self.check_val_every_n_epoch is not None:
+            _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None")
+        _check_int("num_sanity_val_steps", self.num_sanity_val_steps, minimum=-1)
+
+    def _check_optimization(self) -> None:
+        if self.accumulate_grad_batches != "auto":
+            _check_int("accumulate_grad_batches", self.accumulate_grad_batches, minimum=1, also="'auto'")
+        clip = self.gradient_clip_val
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+            raise FlagError(f"gradient_clip_val={clip!r}: expected a number >= 0 or None")
+        _check_choice("gradient_clip_algorithm", self.gradient_clip_algorithm, ("norm", "value"))
+
+    def _check_watching(self) -> None:
+        _check_int("log_every_n_steps", self.log_every_n_steps, minimum=1)
+        _check_items("callbacks", self.callbacks, Callback, "a Callback or a list of them")
+        if not isinstance(self.logger, bool):
+            _check_items("logger", self.logger, Logger, "True, False, a Logger or a list of them")
+        profiler = self.profiler
+        if profiler is not None and not isinstance(profiler, Profiler) and profiler not in _PROFILERS:
+            raise FlagError(
+                f"profiler={profiler!r}: choose None, 'simple', 'pytorch' or an instance of ember.profilers.Profiler"
+            )
+        root = self.default_root_dir
+        if root is not None and not isinstance(root, (str, os.PathLike)):
+            raise FlagError(f"default_root_dir={root!r}: expected a path (str or os.PathLike) or None")
+        doctor = self.doctor
+        if not isinstance(doctor, bool) and (not isinstance(doctor, int) or doctor <= 5):
+            raise FlagError(f"doctor={doctor!r}: True (watch 30 steps), False, or a number of steps above 5")
+
+    def _check_gpus(self) -> None:
+        if self.gpus is None:
+            return
+        _check_devices("gpus", self.gpus)
+        if self.accelerator != "auto" or self.devices != "auto":
+            raise FlagError("gpus= is the older spelling of accelerator='cuda', devices=...; pass only one of them")
+
+    # ---------------------------------------------------------------------------- derived
+    @property
+    def layout(self) -> tuple[str, int | str | Sequence[int]]:
+        """``(accelerator, devices)`` with the older ``gpus=`` spelling turned into them."""
+        if self.gpus is None:
+            return self.accelerator, self.devices
+        if self.gpus in (0, "0", [], ()):
+            return "cpu", "auto"
+        return "cuda", self.gpus
+
+    @property
+    def epoch_limit(self) -> int:
+        """``max_epochs``, or the default: 1000 when no other limit is given, else no limit (-1)."""
+        if self.max_epochs is not None:
+            return self.max_epochs
+        return 1000 if self.max_steps == -1 and self.max_time is None else -1
+
+    @property
+    def max_time_seconds(self) -> float | None:
+        return parse_max_time(self.max_time)
+
+    @property
+    def compile_options(self) -> dict[str, Any] | None:
+        """The ``torch.compile`` options (None when the module is not to be compiled)."""
+        return _compile_options(self.compile)
+
+    @property
+    def doctor_steps(self) -> int:
+        """Steps the doctor watches (0: no doctor)."""
+        if self.doctor is False:
+            return 0
+        return 30 if self.doctor is True else int(self.doctor)
+
+    @property
+    def root_dir(self) -> str:
+        return os.fspath(self.default_root_dir) if self.default_root_dir is not None else os.getcwd()
+
+
+# ------------------------------------------------------------------------------------ checks
+def _check_bool(flag: str, value: Any, also: str = "") -> None:
+    if not isinstance(value, bool):
+        allowed = "True or False" + (f" or {also}" if also else "")
+        raise FlagError(f"{flag}={value!r}: expected {allowed}")
+
+
+def _check_int(flag: str, value: Any, minimum: int, also: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = "-1 (no limit) or a non-negative int" if minimum == -1 else f"an int >= {minimum}"
+        raise FlagError(f"{flag}={value!r}: expected {allowed}" + (f" or {also}" if also else ""))
+
+
+def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        quoted = [repr(choice) for choice in choices]
+        raise FlagError(f"{flag}={value!r}: choose {', '.join(quoted[:-1])} or {quoted[-1]}")
+
+
+def _check_limit(flag: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FlagError(f"{flag}={value!r}: expected None, a number of batches (int) or a fraction (float)")
+    if (isinstance(value, int) and value < 0) or (isinstance(value, float) and not 0.0 <= value <= 1.0):
+        raise FlagError(f"{flag}={value!r}: an int counts batches (>= 0), a float is a fraction in [0, 1]")
+
+
+def _check_devices(flag: str, value: Any) -> None:
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return
+    if isinstance(value, Sequence) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        return
+    raise FlagError(f"{flag}={value!r}: use 'auto', a count, -1 for all, a list of indices or a string like '0,1'")
+
+
+def _check_items(flag: str, value: Any, kind: type, allowed: str) -> None:
+    items = [] if value is None else [value] if isinstance(value, kind) else value
+    if not isinstance(items, Sequence) or not all(isinstance(item, kind) for item in items):
+        raise FlagError(f"{flag}={value!r}: expected {allowed}")
+
+
+def _compile_options(value: Any) -> dict[str, Any] | None:
+    if value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise FlagError(f"compile={value!r}: expected True, False or a dict of torch.compile options")
+    accepted = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    unknown = sorted(set(value) - set(accepted))
+    if unknown:
+        raise FlagError(f"compile={dict(value)!r}: {unknown} are not torch.compile options; it takes {accepted}")
+    return dict(value)

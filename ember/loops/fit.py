@@ -1,0 +1,536 @@
+"""``FitLoop``: epochs of accumulation windows, with validation when it is due.
+
+An epoch is a sequence of windows; a window is k micro-batches (``accumulate_grad_batches``) and then
+one optimizer step. Nothing here waits for the device per step: losses and logged values stay on it,
+detached, and are read only when logs are written (every ``log_every_n_steps``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import subprocess
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import repeat
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember._utils import batch_size_of
+from ember.data import count_batches, data_replicas, epoch_batches, loader_state, restore_loader_state, with_last_flag
+from ember.loops.evaluate import EvaluationLoop
+from ember.loops.progress import Progress
+from ember.loops.step import ManualOptimizer, StepRunner
+from ember.loops.stopping import Interruptions
+from ember.optim import parse_optimizers
+from ember.seed import random_state, set_random_state
+
+if TYPE_CHECKING:
+    from ember.trainer import Trainer
+
+
+class _Outcome(enum.Enum):
+    """How a window of training ended."""
+
+    CONTINUE = enum.auto()  # on to the next window
+    EPOCH_DONE = enum.auto()  # the epoch's data is used up (or the module skipped the rest)
+    STOP = enum.auto()  # stop in the middle of the epoch (should_stop, max_steps, max_time)
+    PREEMPTED = enum.auto()  # saved for a preemption signal: leave at once
+
+
+class Window:
+    """The micro-batches of one optimizer step: ``size`` of them, the losses of each divided by it.
+
+    The epoch's last window may be shorter. When the loader's length is unknown that is found out
+    only at its end: the gradients are then rescaled by ``gradient_scale`` before the step.
+    """
+
+    def __init__(self, batches: Iterator[tuple[int, Any, bool]], size: int, done: int = 0) -> None:
+        self._batches = batches
+        self.size = size
+        self.seen = done  # micro-batches run (a resumed run may start in the middle of a window)
+        self.has_gradients = done > 0
+        #: True while the micro-batch being run is the window's last.
+        self.closing = False
+        self.ends_epoch = False
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        for batch_idx, batch, is_last in self._batches:
+            self.seen += 1
+            self.ends_epoch = is_last
+            self.closing = is_last or self.seen >= self.size
+            yield batch_idx, batch
+            if self.closing:
+                return
+
+    @property
+    def gradient_scale(self) -> float:
+        return self.size / self.seen if 0 < self.seen < self.size else 1.0
+
+
+class FitLoop:
+    """Trains: owns where the run is (``progress``) and everything else ``fit`` keeps between steps."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.progress = Progress()
+        #: Set by callbacks (EarlyStopping, ...) to end training after the current step or epoch.
+        self.should_stop = False
+        #: True once a preemption signal made ``fit`` save a checkpoint and stop.
+        self.preempted = False
+        #: Whether the latest training batch ended with an optimizer step.
+        self.stepped = False
+        #: True while a validation runs at the end of an epoch (False in the middle of one).
+        self.at_epoch_end = False
+        self.sanity_checking = False
+        self.validation_enabled = False
+        self.num_training_batches: float = 0
+        self.train_loader: Iterable | None = None
+        self.runner: StepRunner | None = None
+        #: The order of the training data follows from this seed (the same on every rank) and the epoch.
+        self.data_seed = 0
+        #: The latest training loss, detached (on the device).
+        self.last_loss: torch.Tensor | None = None
+        self.interruptions = Interruptions()
+        # (loss, epoch, batch_idx, global_step) since the last finiteness check, kept on the device
+        self._recent_losses: list[tuple[torch.Tensor, int, int, int]] = []
+        self._next_log_step = 0
+        self._pending_random_state: dict[str, Any] | None = None  # restored when a resumed run starts
+        self._validation = _ValidationSchedule(None, 0, [], [])
+        # The per-batch hooks, found once per run: hooks nobody overrides cost nothing per batch.
+        self._batch_start_hooks: list[Callable[..., Any]] = []
+        self._batch_end_hooks: list[Callable[..., Any]] = []
+        self._module_batch_start: Callable[..., Any] | None = None
+        self._replicas = 1  # the ranks that read disjoint shards of the training data
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.runner.optimizers if self.runner is not None else []
+
+    @property
+    def manual_optimizers(self) -> list[ManualOptimizer]:
+        if self.runner is None:
+            raise RuntimeError("optimizers() is available during fit only")
+        return self.runner.manual_optimizers
+
+    # ------------------------------------------------------------------------------------ run
+    def run(self, train_loader: Iterable, val_loaders: list[Iterable], restore: Callable[[], None] | None) -> None:
+        """Train on ``train_loader``, validating on ``val_loaders``; ``restore`` puts a checkpoint's state in
+        place once the optimizers exist."""
+        trainer = self.trainer
+        config, hooks = trainer.config, trainer.hooks
+        self._set_up(train_loader, val_loaders)
+        if restore is not None:
+            restore()  # may bring the gradients of an unfinished window
+        self._log_hyperparameters()
+        hooks.call("on_fit_start")
+        if self._validation.enabled and config.num_sanity_val_steps:
+            self._sanity_check()
+        hooks.call("on_train_start")
+        with self.interruptions.catching_signals():
+            while self.num_training_batches and not self.done():
+                self._run_epoch()
+        hooks.call("on_train_end")
+        hooks.call("on_fit_end")
+
+    def _set_up(self, train_loader: Iterable, val_loaders: list[Iterable]) -> None:
+        trainer = self.trainer
+        config, strategy, module = trainer.config, trainer.strategy, trainer.lightning_module
+        assert module is not None
+        self.train_loader = train_loader
+        self._replicas = data_replicas(train_loader)
+        self.num_training_batches = count_batches(train_loader, config.limit_train_batches, "limit_train_batches")
+        if self.num_training_batches == 0 and config.limit_train_batches != 0:
+            raise ValueError("the train dataloader is empty: it has no batches to train on")
+        self._validation = _ValidationSchedule.build(trainer, self.num_training_batches, val_loaders)
+        self.validation_enabled = self._validation.enabled
+        if config.accumulate_grad_batches == "auto" and not strategy.averages_split_gradients:
+            raise ValueError(
+                f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
+                f"batch; strategy {strategy.name!r} with {trainer.world_size} processes cannot (use 'ddp', or a count)"
+            )
+        optimizers, scheduler_configs = parse_optimizers(module.configure_optimizers())
+        if module.automatic_optimization and len(optimizers) != 1:
+            raise ValueError(
+                f"configure_optimizers() returned {len(optimizers)} optimizers; automatic optimization steps "
+                "exactly one. For several (GANs, ...), set self.automatic_optimization = False and step them "
+                "in training_step with self.optimizers() and self.manual_backward(loss)"
+            )
+        strategy.setup_optimizers(optimizers)
+        self.runner = StepRunner(
+            strategy, module, optimizers, scheduler_configs, self.progress,
+            clip_val=config.gradient_clip_val, clip_algorithm=config.gradient_clip_algorithm,
+            before_step_hooks=trainer.hooks.implementations("on_before_optimizer_step"),
+            metrics=lambda: trainer.callback_metrics,
+        )  # fmt: skip
+        hooks = trainer.hooks
+        self._batch_start_hooks = hooks.implementations("on_train_batch_start", include_module=False)
+        self._batch_end_hooks = hooks.implementations("on_train_batch_end")
+        self._module_batch_start = hooks.module_hook("on_train_batch_start")
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.should_stop = self.preempted = False
+        self.data_seed = strategy.broadcast(torch.initial_seed() % 2**63)
+        self._next_log_step = config.log_every_n_steps
+        self.interruptions.reset(config.max_time_seconds)
+
+    def _log_hyperparameters(self) -> None:
+        trainer = self.trainer
+        module, datamodule = trainer.lightning_module, trainer.datamodule
+        assert module is not None
+        hyperparameters = {**module.hparams, **(datamodule.hparams if datamodule is not None else {})}
+        if hyperparameters and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(hyperparameters)
+
+    def done(self) -> bool:
+        config, progress = self.trainer.config, self.progress
+        return (
+            self.should_stop
+            or (config.max_steps != -1 and progress.global_step >= config.max_steps)
+            or (config.epoch_limit != -1 and progress.epoch >= config.epoch_limit)
+        )
+
+    # ---------------------------------------------------------------------------------- epochs
+    def _run_epoch(self) -> None:
+        trainer = self.trainer
+        module, metrics = trainer.lightning_module, trainer.run_metrics
+        assert module is not None
+        store = metrics.train
+        store.clear()
+        store.default_on_step = True
+        metrics.active = store
+        module.train()
+        trainer.hooks.call("on_train_epoch_start")
+        outcome = _Outcome.CONTINUE
+        for window in self._windows(self._epoch_batches()):
+            outcome = self._train_window(window)
+            if outcome is not _Outcome.CONTINUE:
+                break
+        if outcome is not _Outcome.PREEMPTED:  # the process exits: no end-of-epoch work for half an epoch
+            self._end_epoch(completed=outcome is _Outcome.EPOCH_DONE)
+
+    def _epoch_batches(self) -> Iterator[tuple[int, Any, bool]]:
+        """``(batch_idx, batch, is_last)`` for the rest of this epoch's training batches."""
+        trainer, progress = self.trainer, self.progress
+        assert self.train_loader is not None
+        first = progress.epoch_batches
+        loader_batches = trainer.profiler.timed_batches(
+            epoch_batches(self.train_loader, progress.epoch, first, self.data_seed, trainer.global_rank), "train"
+        )
+        if self._pending_random_state is not None:
+            # A resumed run continues the random streams (dropout, ...) exactly where its predecessor stopped.
+            set_random_state(self._pending_random_state)
+            self._pending_random_state = None
+        count = self.num_training_batches
+        if math.isinf(count):
+            flagged = with_last_flag(loader_batches)  # the last batch is found by looking one ahead
+        else:
+            flagged = zip(loader_batches, repeat(False))
+        last_index = -1 if math.isinf(count) else int(count) - 1
+        limited = zip(range(first, last_index + 1), flagged) if last_index >= 0 else enumerate(flagged, first)
+        return ((index, batch, is_last or index == last_index) for index, (batch, is_last) in limited)
+
+    def _windows(self, batches: Iterator[tuple[int, Any, bool]]) -> Iterator[Window]:
+        """The epoch's accumulation windows: k micro-batches each (one under manual optimization or
+        ``accumulate_grad_batches="auto"``), the last possibly fewer."""
+        progress, module = self.progress, self.trainer.lightning_module
+        accumulate = self.trainer.config.accumulate_grad_batches
+        k = accumulate if isinstance(accumulate, int) and module is not None and module.automatic_optimization else 1
+        done = progress.window_batches
+        start = progress.epoch_batches - done
+        while True:
+            size = k if math.isinf(self.num_training_batches) else min(k, int(self.num_training_batches) - start)
+            window = Window(batches, size, done)
+            yield window
+            if window.ends_epoch or not window.closing:
+                return
+            start, done = start + window.seen, 0
+
+    def _train_window(self, window: Window) -> _Outcome:
+        trainer = self.trainer
+        store = trainer.run_metrics.train
+        for batch_idx, batch in window:
+            batch = trainer.strategy.batch_to_device(batch)
+            store.batch = batch
+            if self._module_batch_start is not None and self._module_batch_start(batch, batch_idx) == -1:
+                return _Outcome.EPOCH_DONE  # the module skips the rest of this epoch
+            for hook in self._batch_start_hooks:
+                hook(batch, batch_idx)
+            output, loss = self._train_batch(batch, batch_idx, window)
+            self._end_batch(output, loss, batch, batch_idx, window)
+            if self._validation.due(self.progress, batch_idx, window.ends_epoch):
+                self._validate(at_epoch_end=window.ends_epoch)
+            outcome = self._after_batch(window)
+            if outcome is not _Outcome.CONTINUE:
+                return outcome
+        if window.closing:
+            return _Outcome.CONTINUE
+        # The epoch's batches ran out before the window closed.
+        if window.seen == 0 and self.progress.epoch_batches == 0:
+            raise ValueError("the train dataloader yielded no batches")
+        if window.has_gradients and self.runner is not None:
+            # The loader ended before the batch count it announced: step with what was accumulated.
+            self.runner.optimizer_step(window.gradient_scale)
+        return _Outcome.EPOCH_DONE
+
+    def _train_batch(self, batch: Any, batch_idx: int, window: Window) -> tuple[Any, torch.Tensor | None]:
+        runner, module = self.runner, self.trainer.lightning_module
+        assert runner is not None and module is not None
+        if not module.automatic_optimization:
+            steps_before = self.progress.global_step
+            output, loss = runner.manual_step(batch, batch_idx)
+            self.stepped = self.progress.global_step != steps_before
+            return output, loss
+        if self.trainer.config.accumulate_grad_batches == "auto":
+            output, loss = runner.split_forward_backward(batch, batch_idx)
+        else:
+            # Micro-batches that do not close the window accumulate gradients locally; only the last syncs.
+            output, loss = runner.forward_backward(batch, batch_idx, window.size, sync=window.closing)
+        window.has_gradients = window.has_gradients or loss is not None
+        self.stepped = window.closing and window.has_gradients
+        if self.stepped:
+            runner.optimizer_step(window.gradient_scale)
+        return output, loss
+
+    def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int, window: Window) -> None:
+        progress = self.progress
+        progress.finish_batch(batch_size_of(batch) * self._replicas, window.closing)
+        if loss is not None:
+            self.last_loss = loss
+            self._recent_losses.append((loss, progress.epoch, batch_idx, progress.global_step))
+        if self._batch_end_hooks:
+            hook_output = _with_detached_loss(output, loss)
+            for hook in self._batch_end_hooks:
+                hook(hook_output, batch, batch_idx)
+        if progress.global_step >= self._next_log_step:
+            self._write_step_logs()
+
+    def _after_batch(self, window: Window) -> _Outcome:
+        """What comes after this batch: its window goes on, the epoch ends, or training stops."""
+        if window.ends_epoch:
+            return _Outcome.EPOCH_DONE
+        max_steps = self.trainer.config.max_steps
+        if self.should_stop or (max_steps != -1 and self.progress.global_step >= max_steps):
+            return _Outcome.STOP
+        # Only at a step boundary, which every rank reaches at the same batch (the check may be a collective).
+        if window.closing and self._interrupted():
+            if self.preempted:
+                self._save_for_preemption()
+                return _Outcome.PREEMPTED
+            return _Outcome.STOP
+        return _Outcome.CONTINUE
+
+    def _end_epoch(self, completed: bool) -> None:
+        trainer, progress = self.trainer, self.progress
+        module, metrics = trainer.lightning_module, trainer.run_metrics
+        assert module is not None and self.runner is not None
+        self.check_losses()
+        metrics.train.default_on_step = False  # values logged in epoch-end hooks are epoch values
+        module.on_train_epoch_end()
+        for callback in trainer.callbacks:
+            if not callback.reads_epoch_metrics:
+                callback.on_train_epoch_end(trainer, module)
+        metrics.publish_epoch(metrics.train, progress.global_step, progress.epoch)
+        if completed:
+            if module.automatic_optimization:
+                self.runner.step_schedulers("epoch", progress.epoch + 1)
+            progress.epoch_finished = True  # a checkpoint saved from here on resumes at the next epoch
+        for callback in trainer.callbacks:
+            if callback.reads_epoch_metrics:
+                callback.on_train_epoch_end(trainer, module)
+        if completed:
+            progress.start_next_epoch()
+
+    # --------------------------------------------------------------------------- validation
+    def _validate(self, at_epoch_end: bool) -> None:
+        self.at_epoch_end = at_epoch_end
+        self._validation.run(self.trainer.validate_loop)
+        self.at_epoch_end = False
+
+    def _sanity_check(self) -> None:
+        """Run a few validation batches before training, so a broken validation_step fails in seconds."""
+        limit = self.trainer.config.num_sanity_val_steps
+        self.sanity_checking = True
+        try:
+            counts = [count if limit == -1 else min(count, limit) for count in self._validation.counts]
+            self.trainer.validate_loop.run(self._validation.loaders, counts, sanity_check=True)
+        finally:
+            self.sanity_checking = False
+
+    # ------------------------------------------------------------------- stopping and logging
+    def _interrupted(self) -> bool:
+        """Whether training must stop now for ``max_time`` or a preemption signal (then ``preempted`` is
+        set); every rank gets the same answer, at the same step."""
+        stop, preempted = self.interruptions.check(self.trainer.strategy)
+        self.preempted = self.preempted or preempted
+        self.should_stop = self.should_stop or stop
+        return stop
+
+    def _save_for_preemption(self) -> None:
+        """Save where "last" finds it first, and ask SLURM to requeue the job when the Trainer was told to."""
+        trainer = self.trainer
+        callback = trainer.checkpoint_callback
+        directory = callback.dirpath if callback is not None and callback.dirpath else None
+        directory = directory or os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+        path = os.path.join(directory, "last.ckpt")
+        trainer.save_checkpoint(path)
+        trainer.strategy.barrier()
+        trainer.print(f"preemption signal received: saved {path} at global step {self.progress.global_step}")
+        if trainer.config.slurm_requeue and trainer.is_global_zero and "SLURM_JOB_ID" in os.environ:
+            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+
+    def _write_step_logs(self) -> None:
+        every = self.trainer.config.log_every_n_steps
+        step = self.progress.global_step
+        self._next_log_step = (step // every + 1) * every
+        self.check_losses()
+        self.trainer.run_metrics.write_step_values(step, self.progress.epoch)
+
+    def check_losses(self) -> None:
+        """Raise if a loss since the last check was NaN or infinite, naming the step where it first was.
+
+        The losses are kept on the device and read here, at logging and checkpointing time, so the check
+        costs one synchronisation per log interval instead of one per step.
+        """
+        recent = self._recent_losses
+        if not recent:
+            return
+        self._recent_losses = []
+        try:
+            losses = torch.stack([loss for loss, *_ in recent])
+        except RuntimeError:  # mixed shapes, such as () and (1,)
+            losses = torch.stack([loss.reshape(()) for loss, *_ in recent])
+        finite = torch.isfinite(losses)
+        if bool(finite.all()):
+            return
+        first = int((~finite).nonzero()[0])
+        loss, epoch, batch_idx, step = recent[first]
+        raise FloatingPointError(
+            f"the training loss became {float(loss)} at epoch {epoch}, batch {batch_idx} (global step {step}). "
+            "Common causes: a learning rate that is too high, no gradient clipping (gradient_clip_val), "
+            "a log or division of zero, or float16 overflow (precision='bf16-mixed' has a wider range). "
+            "Trainer(detect_anomaly=True) names the operation that produced it."
+        )
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of this loop, the same on every rank."""
+        return {
+            "progress": self.progress.state_dict(),
+            "micro_batches": self.runner.micro_batches if self.runner is not None else 1,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.progress.load_state_dict(state["progress"])
+        if self.runner is not None:
+            self.runner.micro_batches = state["micro_batches"]
+
+    def rank_state(self) -> dict[str, Any]:
+        """What differs per rank: the random generators, a stateful loader's position, and the gradients
+        of an unfinished accumulation window."""
+        loader = self.train_loader
+        return {
+            "random_state": random_state(),
+            "loader_state": loader_state(loader) if loader is not None else None,
+            "accumulated_gradients": self._unfinished_window_gradients(),
+        }
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        self._pending_random_state = state["random_state"]  # applied when training resumes
+        if self.train_loader is not None:
+            restore_loader_state(self.train_loader, state["loader_state"])
+        _restore_gradients(self.trainer.lightning_module, state["accumulated_gradients"])
+
+    def _unfinished_window_gradients(self) -> list[torch.Tensor | None] | None:
+        """The gradients accumulated so far in an accumulation window that has not stepped yet.
+
+        After each optimizer step gradients are set to None, so gradients at a batch boundary belong to
+        micro-batches whose step is still to come; a resumed run must start from them.
+        """
+        module = self.trainer.lightning_module
+        if module is None or not module.automatic_optimization:
+            return None
+        # A sharded parameter's gradient is a DTensor: each rank keeps its own shard (rank-local, like the rest).
+        gradients = [_local(parameter.grad) for parameter in module.parameters()]
+        return gradients if any(gradient is not None for gradient in gradients) else None
+
+
+class _ValidationSchedule:
+    """When ``fit`` validates: every ``every`` training batches, or at the end of each epoch (``every`` is
+    None), in the epochs ``check_val_every_n_epoch`` selects."""
+
+    def __init__(self, every: int | None, every_n_epochs: int | None, loaders: list[Iterable],
+                 counts: list[float]) -> None:  # fmt: skip
+        self.every = every
+        self.every_n_epochs = every_n_epochs
+        self.loaders = loaders
+        self.counts = counts
+
+    @classmethod
+    def build(cls, trainer: Trainer, num_batches: float, loaders: list[Iterable]) -> _ValidationSchedule:
+        config = trainer.config
+        interval, per_epoch = config.val_check_interval, config.check_val_every_n_epoch
+        every: int | None
+        if isinstance(interval, float):
+            every = None if interval == 1.0 else _fraction_of_epoch(interval, num_batches)
+        else:
+            if per_epoch is not None and interval > num_batches:
+                raise ValueError(
+                    f"val_check_interval={interval} is more than the {num_batches} training batches of an epoch; "
+                    "lower it, or set check_val_every_n_epoch=None to count batches across epochs"
+                )
+            every = interval
+        return cls(every, per_epoch, loaders, trainer.validate_loop.count(loaders))
+
+    @property
+    def enabled(self) -> bool:
+        return sum(self.counts) > 0
+
+    def due(self, progress: Progress, batch_idx: int, is_last: bool) -> bool:
+        """Whether to validate after training batch ``batch_idx`` (``is_last``: the epoch's last)."""
+        if not self.enabled or (self.every_n_epochs is not None and (progress.epoch + 1) % self.every_n_epochs):
+            return False
+        if self.every is None:
+            return is_last
+        if self.every_n_epochs is None:
+            return progress.total_batches % self.every == 0
+        return (batch_idx + 1) % self.every == 0
+
+    def run(self, loop: EvaluationLoop) -> None:
+        loop.run(self.loaders, self.counts)
+
+
+def _fraction_of_epoch(fraction: float, num_batches: float) -> int:
+    if math.isinf(num_batches):
+        raise ValueError(
+            f"val_check_interval={fraction} is a fraction of an epoch, but the train dataloader has no "
+            "length; pass a number of batches instead"
+        )
+    return max(1, int(num_batches * fraction))
+
+
+def _with_detached_loss(output: Any, loss: torch.Tensor | None) -> Any:
+    """What batch-end hooks receive: the step's output with its loss detached from the graph."""
+    if isinstance(output, torch.Tensor):
+        return loss
+    if isinstance(output, Mapping) and loss is not None:
+        return {**output, "loss": loss}
+    return output
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def _restore_gradients(module: torch.nn.Module | None, gradients: list[torch.Tensor | None] | None) -> None:
+    if gradients is None or module is None:
+        return
+    for parameter, gradient in zip(module.parameters(), gradients, strict=True):
+        if gradient is not None and hasattr(parameter, "device_mesh"):  # a shard of a DTensor gradient
+            from torch.distributed.tensor import DTensor
+
+            gradient = DTensor.from_local(gradient.to(parameter.device), parameter.device_mesh, parameter.placements)
+        parameter.grad = None if gradient is None else gradient.to(parameter.device)

@@ -1,0 +1,68 @@
+"""``Progress``: where the fit loop is, as one record that checkpoints save and restore."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Progress:
+    """Everything the fit loop knows about where it is.
+
+    A checkpoint holds this record; a resumed run continues from it. The position inside an epoch is
+    kept as samples of the epoch's global order (the order all ranks together read the data in), so
+    that a run resumed with another number of processes or another batch size can continue at the
+    same sample.
+    """
+
+    epoch: int = 0
+    """The epoch being trained (``trainer.current_epoch``): the number of epochs finished before it."""
+
+    global_step: int = 0
+    """Optimizer steps taken since the run began (``trainer.global_step``)."""
+
+    total_batches: int = 0
+    """Training batches (micro-batches) this rank has run since the run began."""
+
+    epoch_batches: int = 0
+    """Training batches this rank has run in the current epoch."""
+
+    epoch_steps: int = 0
+    """Optimizer steps taken in the current epoch."""
+
+    window_batches: int = 0
+    """Micro-batches of the unfinished accumulation window (0 at a step boundary)."""
+
+    epoch_samples: int = 0
+    """Samples of the current epoch's global order that all ranks together have consumed."""
+
+    epoch_finished: bool = False
+    """Whether the current epoch's training and its end-of-epoch work are done (a checkpoint saved at
+    the end of an epoch resumes at the start of the next one)."""
+
+    def finish_batch(self, samples: int, closes_window: bool) -> None:
+        """Count one training batch of ``samples`` samples (all ranks together); ``closes_window``: it was
+        the last micro-batch of its accumulation window."""
+        self.total_batches += 1
+        self.epoch_batches += 1
+        self.epoch_samples += samples
+        self.window_batches = 0 if closes_window else self.window_batches + 1
+
+    def count_step(self) -> None:
+        self.global_step += 1
+        self.epoch_steps += 1
+
+    def start_next_epoch(self) -> None:
+        self.epoch += 1
+        self.epoch_batches = self.epoch_steps = self.window_batches = self.epoch_samples = 0
+        self.epoch_finished = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, state[field.name])
+        if self.epoch_finished:
+            self.start_next_epoch()

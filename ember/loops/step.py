@@ -1,0 +1,239 @@
+"""``StepRunner``: the one place that runs training steps, for ``fit``, the tuner and the doctor.
+
+A step is the forward and backward of each micro-batch of an accumulation window (gradients are
+synchronised across ranks only on the window's last), then unscaling, clipping, the optimizer step,
+``zero_grad`` and the schedulers that step per optimizer step. Nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ember._utils import batch_size_of, split_batch
+from ember.loops.progress import Progress
+from ember.optim import LRSchedulerConfig
+
+if TYPE_CHECKING:
+    from ember.module import Module
+    from ember.strategies import Strategy
+
+Metrics = Callable[[], Mapping[str, torch.Tensor]]
+
+
+class StepRunner:
+    """Runs training steps of ``module`` through ``strategy`` and counts them in ``progress``.
+
+    Args:
+        clip_val, clip_algorithm: the Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm``.
+        before_step_hooks: called with the optimizer once its gradients are complete and unscaled.
+        metrics: the callback metrics, read by schedulers that watch one (``ReduceLROnPlateau``).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        module: Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        scheduler_configs: Sequence[LRSchedulerConfig] = (),
+        progress: Progress | None = None,
+        *,
+        clip_val: float | None = None,
+        clip_algorithm: Literal["norm", "value"] = "norm",
+        before_step_hooks: Sequence[Callable[..., Any]] = (),
+        metrics: Metrics = dict,
+    ) -> None:
+        self.strategy = strategy
+        self.module = module
+        self.optimizers = list(optimizers)
+        self.scheduler_configs = list(scheduler_configs)
+        self.progress = progress if progress is not None else Progress()
+        self.clip_val = clip_val
+        self.clip_algorithm = clip_algorithm
+        self.before_step_hooks = list(before_step_hooks)
+        self.metrics = metrics
+        #: With ``accumulate_grad_batches="auto"``: the pieces each batch is cut into to fit in memory.
+        self.micro_batches = 1
+        #: What ``Module.optimizers()`` returns under manual optimization.
+        self.manual_optimizers = [ManualOptimizer(optimizer, self) for optimizer in self.optimizers]
+        # Outputs of a forward that CUDA graphs replay are overwritten by the next replay: what outlives
+        # the step must be a copy.
+        self._copy_outputs = strategy.reuses_outputs
+
+    # ------------------------------------------------------------------- automatic optimization
+    def forward_backward(self, batch: Any, batch_idx: int, window_size: int, sync: bool) -> tuple[Any, Any]:
+        """One micro-batch of a window of ``window_size``: its forward and backward. Gradients are
+        synchronised across ranks only when ``sync`` (the window's last micro-batch). Returns the step's
+        output and its detached loss (None when the step skipped the batch)."""
+        with self.strategy.no_sync(not sync):
+            output = self.strategy.step("training_step", batch, batch_idx)
+            loss = training_loss(output)
+            if loss is None:
+                return output, None
+            # Dividing by the window size makes k micro-batches of b the same as one batch of k*b.
+            self.strategy.backward(loss / window_size if window_size > 1 else loss)
+        return output, self._kept(loss)
+
+    def split_forward_backward(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
+        """Forward and backward of ``batch`` in ``micro_batches`` pieces; twice as many after running out
+        of memory, until the step fits. Returns the last piece's output and the whole batch's loss.
+
+        Each piece's loss is weighted by its share of the batch, so the gradients are the whole batch's.
+        With several processes the ranks first compute their pieces without communicating, then agree
+        on whether any ran out of memory (all retry with the larger count), and only then average
+        gradients: a rank that failed mid-step must never leave the others waiting in an all-reduce.
+        """
+        strategy = self.strategy
+        total = batch_size_of(batch)
+        while True:
+            try:
+                output, loss = self._pieces(batch, batch_idx, total)
+                out_of_memory = False
+            except torch.OutOfMemoryError:
+                output = loss = None
+                out_of_memory = True
+            if strategy.world_size > 1:
+                out_of_memory = bool(strategy.reduce(torch.tensor(float(out_of_memory)), "max"))
+            if not out_of_memory:
+                strategy.sync_gradients()
+                return output, loss
+            self._more_pieces(total, batch_idx)
+
+    def _pieces(self, batch: Any, batch_idx: int, total: int) -> tuple[Any, Any]:
+        output: Any = None
+        loss: torch.Tensor | None = None
+        with self.strategy.no_sync(True):
+            for piece in split_batch(batch, self.micro_batches):
+                output = self.strategy.step("training_step", piece, batch_idx)
+                piece_loss = training_loss(output)
+                if piece_loss is not None:
+                    weight = batch_size_of(piece) / total
+                    self.strategy.backward(piece_loss * weight)
+                    loss = piece_loss.detach() * weight + (0.0 if loss is None else loss)
+        return output, loss
+
+    def _more_pieces(self, total: int, batch_idx: int) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if self.micro_batches >= total:
+            raise torch.OutOfMemoryError(
+                f"accumulate_grad_batches='auto': one sample at a time still runs out of memory (batch {batch_idx})"
+            )
+        self.micro_batches = min(total, 2 * self.micro_batches)
+        self.strategy.release_memory()
+        if self.strategy.is_global_zero:
+            print(
+                f"out of memory at batch {batch_idx}: retrying with {self.micro_batches} micro-batches of about "
+                f"{math.ceil(total / self.micro_batches)} samples"
+            )
+
+    def optimizer_step(self, gradient_scale: float = 1.0) -> None:
+        """Step the optimizer with the gradients accumulated so far (multiplied by ``gradient_scale``
+        first: a window that turned out shorter than its losses were divided for)."""
+        strategy, optimizer = self.strategy, self.optimizers[0]
+        if gradient_scale != 1.0:
+            _scale_gradients(optimizer, gradient_scale)
+        strategy.unscale_gradients(optimizer)  # clipping and the hooks must see the true gradients
+        for hook in self.before_step_hooks:
+            hook(optimizer)
+        if self.clip_val:
+            strategy.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
+        strategy.optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        self.progress.count_step()
+        if self.scheduler_configs:
+            self.step_schedulers("step", self.progress.global_step)
+
+    def step_schedulers(self, interval: Literal["step", "epoch"], count: int) -> None:
+        """Step the schedulers of ``interval`` that are due at its ``count``-th occurrence."""
+        for config in self.scheduler_configs:
+            if config.interval != interval or count % config.frequency:
+                continue
+            if not config.reads_metric:
+                config.scheduler.step()
+                continue
+            metrics = self.metrics()
+            if config.monitor in metrics:
+                config.scheduler.step(float(metrics[config.monitor]))
+            elif config.strict:
+                raise KeyError(
+                    f"the lr_scheduler monitors {config.monitor!r}, which was not logged; logged metrics are "
+                    f"{sorted(metrics)} (set 'strict': False in the scheduler dict to skip such steps)"
+                )
+
+    # ---------------------------------------------------------------------- manual optimization
+    def manual_step(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
+        """A training step that steps its optimizers itself; returns its output and the loss it returned."""
+        output = self.strategy.step("training_step", batch, batch_idx)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        # Under manual optimization a returned loss is only shown and checked, so any scalar tensor will do.
+        return output, self._kept(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+    def manual_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.strategy.optimizer_step(optimizer)
+        self.progress.count_step()
+
+    def _kept(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.detach()
+        return loss.clone() if self._copy_outputs else loss
+
+
+class ManualOptimizer:
+    """What ``Module.optimizers()`` returns: ``step()`` goes through the strategy (loss scaling) and
+    counts ``trainer.global_step``; everything else is the wrapped optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, runner: StepRunner) -> None:
+        self.optimizer = optimizer
+        self._runner = runner
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if closure is not None:
+            closure()
+        self._runner.manual_optimizer_step(self.optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def toggle_model(self, sync_grad: bool = True) -> Iterator[None]:
+        """While active, ``manual_backward`` synchronises gradients across ranks only if ``sync_grad``:
+        accumulate with ``sync_grad=False`` on all micro-batches but the last."""
+        with self._runner.strategy.no_sync(not sync_grad):
+            yield
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+def training_loss(output: Any) -> torch.Tensor | None:
+    """The loss in what ``training_step`` returned (None skips the batch), or a clear error."""
+    if output is None:
+        return None
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            "training_step must return the loss tensor, a dict with a 'loss' tensor, or None to skip the "
+            f"batch; it returned {type(output).__name__}"
+            + (f" without a 'loss' key (keys: {sorted(output)})" if isinstance(output, Mapping) else "")
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"training_step returned a loss of shape {tuple(loss.shape)}; reduce it to one number "
+            "(for example with .mean()) before returning it"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "training_step returned a loss that does not require grad: it was computed under "
+            "torch.no_grad(), from detached tensors, or from a module whose parameters are all frozen"
+        )
+    return loss
+
+
+def _scale_gradients(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
