@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import re
 from collections.abc import Callable, Mapping
@@ -35,7 +36,7 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
             return type(data)(*items)
         return type(data)(items)
     if isinstance(data, Mapping):
-        return type(data)({key: apply_to_tensors(value, fn) for key, value in data.items()})
+        return type(data)({key: apply_to_tensors(value, fn) for key, value in data.items()})  # type: ignore[call-arg]
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
         changes = {
             field.name: apply_to_tensors(getattr(data, field.name), fn)
@@ -70,7 +71,11 @@ def split_batch(batch: Any, pieces: int) -> list[Any]:
     """``batch`` cut into at most ``pieces`` parts along the first dimension of every tensor in it."""
     size = batch_size_of(batch)
     pieces = max(1, min(pieces, size))
-    return [apply_to_tensors(batch, lambda tensor, i=i: torch.tensor_split(tensor, pieces)[i]) for i in range(pieces)]
+    return [apply_to_tensors(batch, functools.partial(_piece, pieces=pieces, index=i)) for i in range(pieces)]
+
+
+def _piece(tensor: torch.Tensor, pieces: int, index: int) -> torch.Tensor:
+    return torch.tensor_split(tensor, pieces)[index]
 
 
 def batch_size_of(batch: Any) -> int:

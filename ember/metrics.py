@@ -41,6 +41,13 @@ class _Logged:
         "weight",
     )
 
+    on_step: bool
+    on_epoch: bool
+    prog_bar: bool
+    to_logger: bool
+    reduce_fx: ReduceFx
+    sync_dist: bool
+
     def __init__(self) -> None:
         self.step_value: Number | None = None
         self.step_fresh = False
@@ -62,6 +69,8 @@ class MetricStore:
         self.batch: Any = None
         self._sized_batch: Any = None
         self._batch_size = 1
+        #: Keep copies of logged tensors: the step's outputs are overwritten by the next (CUDA graphs).
+        self.copy_values = False
 
     def log(
         self,
@@ -82,44 +91,37 @@ class MetricStore:
         """
         if reduce_fx not in _REDUCE_FX:
             raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): choose one of {sorted(_REDUCE_FX)}")
-        if on_step is None:
-            on_step = self.default_on_step
-        if on_epoch is None:
-            on_epoch = not self.default_on_step
         key = name + self.name_suffix if self.name_suffix else name
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Logged()
-        entry.on_step, entry.on_epoch, entry.prog_bar, entry.to_logger = on_step, on_epoch, prog_bar, logger
-        entry.reduce_fx, entry.sync_dist = reduce_fx, sync_dist
-
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(
-                    f"self.log({name!r}, ...) takes a single number; got a tensor of shape {tuple(value.shape)}"
-                )
-            value = value.detach()  # logging must never keep the autograd graph alive
-        elif _is_metric_object(value):
+        entry.on_step = self.default_on_step if on_step is None else on_step
+        entry.on_epoch = not self.default_on_step if on_epoch is None else on_epoch
+        entry.prog_bar, entry.to_logger, entry.reduce_fx, entry.sync_dist = prog_bar, logger, reduce_fx, sync_dist
+        if _is_metric_object(value):
             entry.metric = value  # computed, synced and reset by itself at epoch end
-            if on_step:
-                cached = getattr(value, "_forward_cache", None)
-                if cached is not None:
-                    entry.step_value, entry.step_fresh = _as_number(name, cached), True
+            cached = getattr(value, "_forward_cache", None)
+            if entry.on_step and cached is not None:
+                entry.step_value, entry.step_fresh = _as_number(name, cached), True
             return
-        else:
-            value = _as_number(name, value)
-        if on_step:
+        value = _as_number(name, value)
+        if self.copy_values and isinstance(value, torch.Tensor):
+            value = value.clone()
+        if entry.on_step:
             entry.step_value, entry.step_fresh = value, True
-        if on_epoch:
-            if reduce_fx == "mean":
-                if batch_size is None:
-                    if self._sized_batch is not self.batch:
-                        self._sized_batch, self._batch_size = self.batch, batch_size_of(self.batch)
-                    batch_size = self._batch_size
-                entry.total = _accumulate(entry.total, value, reduce_fx, batch_size)
-                entry.weight += batch_size
-            else:
-                entry.total = _accumulate(entry.total, value, reduce_fx, 1)
+        if entry.on_epoch:
+            self._add_to_epoch(entry, value, batch_size)
+
+    def _add_to_epoch(self, entry: _Logged, value: Number, batch_size: int | None) -> None:
+        if entry.reduce_fx != "mean":
+            entry.total = _accumulate(entry.total, value, entry.reduce_fx, 1)
+            return
+        if batch_size is None:
+            if self._sized_batch is not self.batch:
+                self._sized_batch, self._batch_size = self.batch, batch_size_of(self.batch)
+            batch_size = self._batch_size
+        entry.total = _accumulate(entry.total, value, "mean", batch_size)
+        entry.weight += batch_size
 
     # ------------------------------------------------------------------------------ reading
     def step_values(self, *, fresh_only: bool, for_logger: bool = False) -> dict[str, Number]:
@@ -172,6 +174,7 @@ class MetricStore:
 
     def _reduce_epoch(self, entry: _Logged) -> Number:
         total = entry.total
+        assert total is not None
         if not entry.sync_dist:
             return total / entry.weight if entry.reduce_fx == "mean" else total
         device = total.device if isinstance(total, torch.Tensor) else None
@@ -243,13 +246,13 @@ def _accumulate(total: Number | None, value: Number, reduce_fx: ReduceFx, weight
 
 def to_floats(values: Mapping[str, Number]) -> dict[str, float]:
     """Python floats for ``values``, with one host-device transfer per device instead of one per value."""
-    floats = {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
+    floats = {name: float(value) for name, value in values.items() if not isinstance(value, torch.Tensor)}
+    tensors = {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
     by_device: dict[torch.device, list[str]] = {}
-    for name, value in values.items():
-        if isinstance(value, torch.Tensor):
-            by_device.setdefault(value.device, []).append(name)
+    for name, tensor in tensors.items():
+        by_device.setdefault(tensor.device, []).append(name)
     for names in by_device.values():
-        stacked = torch.stack([values[name].detach().float().reshape(()) for name in names])
+        stacked = torch.stack([tensors[name].detach().float().reshape(()) for name in names])
         floats.update(zip(names, stacked.tolist()))
     return {name: floats[name] for name in values}
 
@@ -264,9 +267,10 @@ class RunMetrics:
     """
 
     def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor], loggers: Sequence[Logger],
-                 is_global_zero: bool) -> None:  # fmt: skip
+                 is_global_zero: bool, copy_values: bool = False) -> None:  # fmt: skip
         self.train = MetricStore(reduce)
         self.eval = MetricStore(reduce)
+        self.train.copy_values = self.eval.copy_values = copy_values
         #: Where ``self.log`` records values now.
         self.active = self.train
         self._loggers = list(loggers)

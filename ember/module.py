@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,7 +38,8 @@ class _HyperparametersMixin:
         elif len(args) == 1 and hasattr(args[0], "__dict__") and not isinstance(args[0], str):
             chosen = dict(vars(args[0]))  # an argparse.Namespace
         else:
-            init_args = _init_arguments(frame or inspect.currentframe().f_back)  # type: ignore[union-attr]
+            caller = frame or _caller_frame()
+            init_args = _init_arguments(caller)
             missing = [name for name in args if name not in init_args]
             if missing:
                 raise ValueError(
@@ -52,6 +54,15 @@ class _HyperparametersMixin:
         if not hasattr(self, "_hparams"):
             self._hparams = AttributeDict()
         return self._hparams
+
+
+def _caller_frame() -> FrameType:
+    """The frame that called the function calling this one."""
+    frame = inspect.currentframe()
+    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    if caller is None:
+        raise RuntimeError("save_hyperparameters() needs the calling frame, which this Python does not give")
+    return caller
 
 
 def _init_arguments(frame: FrameType) -> dict[str, Any]:
@@ -81,6 +92,14 @@ class Module(_HyperparametersMixin, nn.Module):
     #: The device batches are moved to when the layers were placed by hand (None: the first parameter's).
     input_device: torch.device | str | None = None
 
+    if TYPE_CHECKING:
+        # What a module may define (the loops look for them; Module itself does not, so that a missing
+        # one is found by name). Declared here for the type checker only.
+        def training_step(self, batch: Any, batch_idx: int) -> Any: ...
+        def validation_step(self, batch: Any, batch_idx: int) -> Any: ...
+        def test_step(self, batch: Any, batch_idx: int) -> Any: ...
+        def configure_optimizers(self) -> Any: ...
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: False to step optimizers yourself with ``self.optimizers()`` and ``self.manual_backward``.
@@ -102,9 +121,7 @@ class Module(_HyperparametersMixin, nn.Module):
     def device(self) -> torch.device:
         if self._trainer is not None:
             return self._trainer.strategy.root_device
-        for tensor in self.parameters():
-            return tensor.device
-        for tensor in self.buffers():
+        for tensor in chain(self.parameters(), self.buffers()):
             return tensor.device
         return torch.device("cpu")
 

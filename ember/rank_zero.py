@@ -29,7 +29,7 @@ def rank_zero_only(fn: Callable[..., _T]) -> Callable[..., _T | None]:
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> _T | None:
-        if rank_zero_only.rank == 0:
+        if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
             return fn(*args, **kwargs)
         return None
 

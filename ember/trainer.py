@@ -107,13 +107,14 @@ class Trainer:
         self.callbacks: list[Callback] = _build_callbacks(config)
         self.profiler: Profiler = select_profiler(config.profiler)
         #: What the run has logged with ``self.log`` and what went to the loggers.
-        self.run_metrics = RunMetrics(self.strategy.reduce, self.loggers, self.strategy.is_global_zero)
+        self.run_metrics = RunMetrics(
+            self.strategy.reduce, self.loggers, self.strategy.is_global_zero, copy_values=self.strategy.reuses_outputs
+        )
         self.fit_loop = FitLoop(self)
         self.validate_loop = EvaluationLoop(self, "validate")
         self.test_loop = EvaluationLoop(self, "test")
         self.predict_loop = PredictionLoop(self)
-        #: The hooks of the stage in progress (None between stages).
-        self.hooks: Hooks | None = None
+        self._hooks: Hooks | None = None
         #: "fit", "validate", "test" or "predict" while one runs.
         self.stage: str | None = None
         #: The module being run (the name Lightning uses).
@@ -163,6 +164,13 @@ class Trainer:
     @property
     def module(self) -> Module | None:
         return self.lightning_module
+
+    @property
+    def hooks(self) -> Hooks:
+        """The hooks of the stage in progress: the module's and the callbacks' implementations of each."""
+        if self._hooks is None:
+            raise RuntimeError("trainer.hooks exist while fit, validate, test or predict runs")
+        return self._hooks
 
     # ---------------------------------------------------------------------------- the flags
     @property
@@ -475,8 +483,8 @@ class Trainer:
         except BaseException as exception:
             if isinstance(exception, KeyboardInterrupt):
                 status = "interrupted"
-            if self.hooks is not None:
-                self.hooks.call_callbacks("on_exception", exception)
+            if self._hooks is not None:
+                self._hooks.call_callbacks("on_exception", exception)
             raise
         finally:
             self._end_stage(stage, module, datamodule, status)
@@ -487,7 +495,7 @@ class Trainer:
         module.trainer = self
         self.datamodule = datamodule
         # Hook lists are found lazily, at the first call: after the profiler below wrapped what it times.
-        self.hooks = Hooks(self, module, self.callbacks)
+        self._hooks = Hooks(self, module, self.callbacks)
         if datamodule is not None:
             datamodule.trainer = self
         if not self._environment_ready:
@@ -527,7 +535,7 @@ class Trainer:
         finally:
             self.strategy.teardown()
             self.stage = None
-            self.hooks = None
+            self._hooks = None
 
     def _start_doctor(self) -> None:
         doctor = active_doctor()  # `ember doctor` runs this script

@@ -171,24 +171,7 @@ class ModelCheckpoint(Callback):
         if self.dirpath is None:
             # Decided at the first save: a resumed run has adopted its predecessor's run directory by then.
             self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
-        metrics = trainer.callback_metrics
-        path, evicted = None, []
-        if self.monitor is not None:
-            if self.monitor not in metrics:
-                raise KeyError(
-                    f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name was logged; "
-                    f"logged metrics are {sorted(metrics)}"
-                )
-            score = float(metrics[self.monitor])
-            if self.save_top_k and self._is_top_k(score):
-                path = self._path(trainer, metrics)
-                evicted = self._record_top_k(path, score)
-        elif self.save_top_k:
-            path = self._path(trainer, metrics)
-            self.best_model_path = path  # without a monitor, the newest is the best we know
-            self._latest_paths = [*(kept for kept in self._latest_paths if kept != path), path]
-            while self.save_top_k != -1 and len(self._latest_paths) > self.save_top_k:
-                evicted.append(self._latest_paths.pop(0))
+        path, evicted = self._choose_path(trainer)
         last = os.path.join(self.dirpath, self.LAST_NAME + self.FILE_EXTENSION) if self.save_last else None
         if last is not None:
             self.last_model_path = last
@@ -206,6 +189,30 @@ class ModelCheckpoint(Callback):
                 if old != path:
                     checkpoint_io.remove(old)  # a file, or a sharded checkpoint's directory
         trainer.strategy.barrier()
+
+    def _choose_path(self, trainer: Trainer) -> tuple[str | None, list[str]]:
+        """Where this save goes (None: only ``last``), and the kept files it pushes out of the top k."""
+        metrics = trainer.callback_metrics
+        if not self.save_top_k:
+            return None, []
+        if self.monitor is None:
+            path = self._path(trainer, metrics)
+            self.best_model_path = path  # without a monitor, the newest is the best we know
+            self._latest_paths = [*(kept for kept in self._latest_paths if kept != path), path]
+            evicted = []
+            while self.save_top_k != -1 and len(self._latest_paths) > self.save_top_k:
+                evicted.append(self._latest_paths.pop(0))
+            return path, evicted
+        if self.monitor not in metrics:
+            raise KeyError(
+                f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name was logged; "
+                f"logged metrics are {sorted(metrics)}"
+            )
+        score = float(metrics[self.monitor])
+        if not self._is_top_k(score):
+            return None, []
+        path = self._path(trainer, metrics)
+        return path, self._record_top_k(path, score)
 
     def _path(self, trainer: Trainer, metrics: dict[str, torch.Tensor]) -> str:
         return os.path.join(self.dirpath or ".", self._format_name(trainer, metrics) + self.FILE_EXTENSION)

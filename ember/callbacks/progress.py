@@ -9,7 +9,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ember._utils import batch_size_of
 from ember.callbacks.callback import Callback
-from ember.metrics import to_floats
+from ember.metrics import Number, to_floats
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -183,7 +183,7 @@ class _Line:
         print(line + (f" {metrics}" if metrics else ""), file=self.owner.stream, flush=True)
 
     def _metrics(self, trainer: Trainer) -> str:
-        values = dict(trainer.progress_bar_metrics)
+        values: dict[str, Number] = dict(trainer.progress_bar_metrics)
         last_loss = trainer.fit_loop.last_loss
         if self.show_loss and last_loss is not None:
             values = {"loss": last_loss, **values}

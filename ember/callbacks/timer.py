@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ember._utils import parse_max_time
 from ember.callbacks.callback import Callback
@@ -109,7 +109,7 @@ class Timer(Callback):
         self._finish("predict")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in self._start}}
+        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in get_args(Stage) if stage in self._start}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._offset = state.get("time_elapsed", {}).get("train", 0.0)

@@ -42,7 +42,7 @@ class EvaluationLoop:
         """Evaluate ``counts[i]`` batches of each loader; a ``sanity_check`` publishes no metrics."""
         trainer = self.trainer
         module, hooks, metrics = trainer.lightning_module, trainer.hooks, trainer.run_metrics
-        assert module is not None and hooks is not None
+        assert module is not None
         store = metrics.eval
         store.clear()
         store.default_on_step = False
@@ -75,7 +75,6 @@ class EvaluationLoop:
         """The steps over one loader (given its index when ``pass_index``: there are several)."""
         trainer = self.trainer
         strategy, store, hooks = trainer.strategy, trainer.run_metrics.eval, trainer.hooks
-        assert hooks is not None
         batch_end = hooks.implementations(f"on_{self._hook}_batch_end", include_module=False)
         step_name = f"{self._hook}_step"
         kind = "val" if self.stage == "validate" else "test"
@@ -99,7 +98,7 @@ class PredictionLoop:
     def run(self, loaders: list[Iterable], return_predictions: bool) -> list[Any] | None:
         trainer = self.trainer
         module, strategy, hooks = trainer.lightning_module, trainer.strategy, trainer.hooks
-        assert module is not None and hooks is not None
+        assert module is not None
         limit = trainer.config.limit_predict_batches
         self.num_batches = [count_batches(loader, limit, "limit_predict_batches") for loader in loaders]
         pass_index = len(loaders) > 1 and takes_dataloader_idx(module.predict_step)

@@ -12,7 +12,6 @@ import math
 import os
 import subprocess
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -223,14 +222,12 @@ class FitLoop:
             # A resumed run continues the random streams (dropout, ...) exactly where its predecessor stopped.
             set_random_state(self._pending_random_state)
             self._pending_random_state = None
-        count = self.num_training_batches
-        if math.isinf(count):
-            flagged = with_last_flag(loader_batches)  # the last batch is found by looking one ahead
-        else:
-            flagged = zip(loader_batches, repeat(False))
-        last_index = -1 if math.isinf(count) else int(count) - 1
-        limited = zip(range(first, last_index + 1), flagged) if last_index >= 0 else enumerate(flagged, first)
-        return ((index, batch, is_last or index == last_index) for index, (batch, is_last) in limited)
+        if math.isinf(self.num_training_batches):
+            # Without a length, the last batch is found by looking one batch ahead.
+            flagged = with_last_flag(loader_batches)
+            return ((index, batch, is_last) for index, (batch, is_last) in enumerate(flagged, first))
+        last = int(self.num_training_batches) - 1
+        return ((index, batch, index == last) for index, batch in zip(range(first, last + 1), loader_batches))
 
     def _windows(self, batches: Iterator[tuple[int, Any, bool]]) -> Iterator[Window]:
         """The epoch's accumulation windows: k micro-batches each (one under manual optimization or
@@ -532,5 +529,6 @@ def _restore_gradients(module: torch.nn.Module | None, gradients: list[torch.Ten
         if gradient is not None and hasattr(parameter, "device_mesh"):  # a shard of a DTensor gradient
             from torch.distributed.tensor import DTensor
 
-            gradient = DTensor.from_local(gradient.to(parameter.device), parameter.device_mesh, parameter.placements)
+            mesh, placements = parameter.device_mesh, getattr(parameter, "placements")  # noqa: B009 (a DTensor's)
+            gradient = DTensor.from_local(gradient.to(parameter.device), mesh, placements)
         parameter.grad = None if gradient is None else gradient.to(parameter.device)

@@ -157,7 +157,7 @@ class StepRunner:
                 config.scheduler.step()
                 continue
             metrics = self.metrics()
-            if config.monitor in metrics:
+            if config.monitor is not None and config.monitor in metrics:
                 config.scheduler.step(float(metrics[config.monitor]))
             elif config.strict:
                 raise KeyError(

@@ -43,7 +43,9 @@ class PyTorchProfiler(Profiler):
         super().__init__(dirpath, filename)
         self.schedule = schedule
         self.activities = list(activities) if activities is not None else None
-        self.options = {"record_shapes": record_shapes, "profile_memory": profile_memory, "with_stack": with_stack}
+        self.record_shapes = record_shapes
+        self.profile_memory = profile_memory
+        self.with_stack = with_stack
         self.row_limit = row_limit
         self._profiler: torch.profiler.profile | None = None
         self._ranges: list[tuple[str, torch.profiler.record_function]] = []
@@ -72,7 +74,9 @@ class PyTorchProfiler(Profiler):
             activities=activities,
             schedule=self.schedule or torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
             on_trace_ready=trace_ready,
-            **self.options,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
         )
         super().setup(trainer, stage)
         self._profiler.start()

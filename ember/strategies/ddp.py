@@ -237,9 +237,9 @@ class DDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------ steps
     def step(self, name: str, *args: Any) -> Any:
         with self.precision.forward_context():
-            if self.model is self._module:
-                return getattr(self._module, name)(*args)
-            return self.model(name, *args)  # through DDP, which arms the gradient all-reduce
+            if isinstance(self.model, nn.parallel.DistributedDataParallel):
+                return self.model(name, *args)  # through DDP, which arms the gradient all-reduce
+            return getattr(self._module, name)(*args)
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)
@@ -251,7 +251,7 @@ class DDPStrategy(ParallelStrategy):
             return _NO_CONTEXT
         if self._manual_sync:
             return self._manual_sync_off
-        if self.model is not self._module:
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
             return self.model.no_sync()
         return _NO_CONTEXT
 

@@ -6,7 +6,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -15,6 +15,8 @@ from ember.strategies.sharded import ShardedStrategy, refuse_wrappers
 from ember.strategies.strategy import _NO_CONTEXT, is_on_meta_device, materialize
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
     from ember.module import Module
 
 #: Which submodules get a treatment: a set of module classes, or a function of the module.
@@ -108,7 +110,7 @@ class FSDPStrategy(ShardedStrategy):
         fully_shard(module, **options)
         if is_on_meta_device(module):
             materialize(module, "cpu" if self.cpu_offload else self.root_device)
-        self._sync_off = _GradientSyncOff(module)
+        self._sync_off = _GradientSyncOff(cast("FSDPModule", module))  # fully_shard made it one
 
     def teardown(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -129,7 +131,7 @@ class FSDPStrategy(ShardedStrategy):
 class _GradientSyncOff(contextlib.AbstractContextManager):
     """Reusable: turns FSDP's gradient reduction off while entered (gradients then accumulate unsharded)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: FSDPModule) -> None:
         self.module = module
 
     def __enter__(self) -> None:
@@ -166,4 +168,4 @@ def _checkpoint_activations(block: nn.Module) -> None:
     """
     from torch.utils.checkpoint import checkpoint
 
-    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
+    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

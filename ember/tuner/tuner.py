@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -74,7 +74,7 @@ class Tuner:
                 good = size
                 if size >= fits.dataset_size:
                     break  # one batch holds the whole data set: nothing larger to try
-                size = min(size * 2, fits.dataset_size) if not bad else (good + bad) // 2
+                size = int(min(size * 2, fits.dataset_size)) if not bad else (good + bad) // 2
             else:
                 bad = size
                 if mode == "power" and good:
@@ -113,12 +113,7 @@ class Tuner:
         early once the loss exceeds ``early_stop_threshold`` times its best. ``update_attr`` sets the
         suggestion as the module's ``lr`` / ``learning_rate`` (attribute or hyperparameter).
         """
-        if mode not in ("exponential", "linear"):
-            raise ValueError(f"lr_find(mode={mode!r}): choose 'exponential' or 'linear'")
-        if not 0 < min_lr < max_lr:
-            raise ValueError(f"lr_find(min_lr={min_lr}, max_lr={max_lr}): need 0 < min_lr < max_lr")
-        if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 2:
-            raise ValueError(f"lr_find(num_training={num_training!r}) must be an int >= 2")
+        _check_lr_find(mode, min_lr, max_lr, num_training)
 
         def lr_at(step: int) -> float:
             fraction = step / (num_training - 1)
@@ -195,7 +190,7 @@ class _Trials:
         strategy.setup_module(module, training=False)
         weights = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
         # configure_optimizers may read trainer.estimated_stepping_batches, which counts this loader's batches.
-        self.trainer.fit_loop.num_training_batches = len(loader) if hasattr(loader, "__len__") else math.inf
+        self.trainer.fit_loop.num_training_batches = len(loader) if isinstance(loader, Sized) else math.inf
         optimizers, _ = parse_optimizers(module.configure_optimizers())
         if len(optimizers) != 1:
             raise ValueError(f"the tuner steps one optimizer; configure_optimizers() returned {len(optimizers)}")
@@ -217,6 +212,15 @@ class _Trials:
             self.trainer.run_metrics.train.clear()
 
 
+def _check_lr_find(mode: str, min_lr: float, max_lr: float, num_training: int) -> None:
+    if mode not in ("exponential", "linear"):
+        raise ValueError(f"lr_find(mode={mode!r}): choose 'exponential' or 'linear'")
+    if not 0 < min_lr < max_lr:
+        raise ValueError(f"lr_find(min_lr={min_lr}, max_lr={max_lr}): need 0 < min_lr < max_lr")
+    if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 2:
+        raise ValueError(f"lr_find(num_training={num_training!r}) must be an int >= 2")
+
+
 def _endless(loader: Iterable) -> Iterator[Any]:
     """Batches from ``loader``, starting over when it ends (a trial may want more steps than an epoch)."""
     while True:
@@ -230,8 +234,9 @@ def _endless(loader: Iterable) -> Iterator[Any]:
 
 def _train_loader(module: Module, datamodule: DataModule | None) -> Iterable:
     for source in (datamodule, module):
-        if source is not None and hasattr(source, "train_dataloader"):
-            return source.train_dataloader()
+        make = getattr(source, "train_dataloader", None)
+        if callable(make):
+            return make()
     raise ValueError(
         "the tuner builds loaders at each trial's batch size, so it needs train_dataloader() on the Module or a "
         "DataModule (loaders passed to fit cannot change their batch size)"
