@@ -1,0 +1,85 @@
+"""The Trainer's flags are checked once, strictly, into a frozen TrainerConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+import ember
+from ember.config import FlagError, TrainerConfig
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"enable_progress_bar": "no"}, r"enable_progress_bar='no': expected True or False"),
+        ({"enable_checkpointing": 0}, r"enable_checkpointing=0: expected True or False"),
+        ({"inference_mode": None}, r"inference_mode=None: expected True or False"),
+        ({"sync_batchnorm": 1}, r"sync_batchnorm=1: expected True or False"),
+        ({"benchmark": "yes"}, r"benchmark='yes': expected True or False or None"),
+        ({"max_epochs": True}, r"max_epochs=True: expected -1 \(no limit\) or a non-negative int"),
+        ({"max_steps": 2.0}, r"max_steps=2.0"),
+        ({"num_nodes": True}, r"num_nodes=True: expected an int >= 1"),
+        ({"log_every_n_steps": True}, r"log_every_n_steps=True: expected an int >= 1"),
+        ({"accumulate_grad_batches": True}, r"accumulate_grad_batches=True: expected an int >= 1 or 'auto'"),
+        ({"check_val_every_n_epoch": 0}, r"check_val_every_n_epoch=0: expected an int >= 1 or None"),
+        ({"limit_train_batches": True}, r"limit_train_batches=True: expected None, a number of batches"),
+        ({"limit_val_batches": 1.01}, r"limit_val_batches=1.01: an int counts batches \(>= 0\), a float is a fraction"),
+        ({"val_check_interval": 1.5}, r"val_check_interval=1.5: expected a fraction of the epoch"),
+        ({"val_check_interval": True}, r"val_check_interval=True"),
+        ({"gradient_clip_val": True}, r"gradient_clip_val=True: expected a number >= 0 or None"),
+        ({"doctor": 5}, r"doctor=5: True \(watch 30 steps\), False, or a number of steps above 5"),
+        ({"callbacks": ["not a callback"]}, r"callbacks=\['not a callback'\]: expected a Callback"),
+        ({"logger": "csv"}, r"logger='csv': expected True, False, a Logger"),
+        ({"default_root_dir": 3}, r"default_root_dir=3: expected a path"),
+        ({"devices": 1.5}, r"devices=1.5: use 'auto', a count"),
+        ({"strategy": 3}, r"strategy=3: expected a strategy name or an ember Strategy"),
+    ],
+)
+def test_each_flag_takes_only_its_type_and_range(flags: dict[str, Any], message: str) -> None:
+    with pytest.raises(FlagError, match=message):
+        ember.Trainer(**flags)
+
+
+def test_a_flag_error_is_both_a_value_error_and_a_type_error() -> None:
+    for error in (ValueError, TypeError):
+        with pytest.raises(error, match="enable_progress_bar='no'"):
+            ember.Trainer(enable_progress_bar="no")
+
+
+def test_the_config_is_frozen_keyword_only_and_derives_its_defaults() -> None:
+    config = ember.Trainer(accelerator="cpu", max_steps=10, compile=True).config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_steps = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        TrainerConfig("cpu")  # type: ignore[misc]
+    assert config.epoch_limit == -1 and config.compile_options == {}
+    assert TrainerConfig().epoch_limit == 1000 and TrainerConfig(max_time={"minutes": 2}).max_time_seconds == 120
+
+
+def test_every_field_is_documented() -> None:
+    import ast
+    import inspect
+
+    from ember import config
+
+    tree = ast.parse(inspect.getsource(config))
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "TrainerConfig").body
+    documented = {
+        field.target.id
+        for field, following in zip(body, body[1:])
+        if isinstance(field, ast.AnnAssign)
+        and isinstance(field.target, ast.Name)
+        and isinstance(following, ast.Expr)
+        and isinstance(following.value, ast.Constant)
+    }
+    assert {field.name for field in dataclasses.fields(TrainerConfig)} == documented
+
+
+def test_trainer_arguments_and_config_fields_are_the_same() -> None:
+    import inspect
+
+    arguments = set(inspect.signature(ember.Trainer).parameters)
+    assert arguments == {field.name for field in dataclasses.fields(TrainerConfig)}

@@ -1,0 +1,79 @@
+"""Strategies on two CPU processes (gloo): manual optimization under DDP, and compile under every strategy.
+
+The cases run in one launch of two processes (see scripts/strategy_cases.py); each test reads its results.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "strategy_cases.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+import strategy_cases  # noqa: E402
+
+CASES = ("manual", "manual_accumulate", "gan", "fsdp_compile", "pipeline_compile")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    out = str(tmp_path_factory.mktemp("cases"))
+    command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", SCRIPT, "--out", out,
+               "--cases", ",".join(CASES)]  # fmt: skip
+    process = subprocess.Popen(command, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("the two-process cases timed out")
+    assert process.returncode == 0, stderr[-4000:]
+    return {
+        case: [torch.load(os.path.join(out, f"{case}-devices2-rank{rank}.pt")) for rank in range(2)] for case in CASES
+    }
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["manual", "manual_accumulate"])
+def test_manual_optimization_under_ddp_averages_every_backward(
+    two_ranks: dict[str, list[dict[str, Any]]], case: str
+) -> None:
+    rank0, rank1 = two_ranks[case]
+    assert rank0["global_step"] == rank1["global_step"] == 8  # 2 epochs of 4 steps (32 samples a rank, 8 a step)
+    for mine, theirs in zip(rank0["parameters"], rank1["parameters"]):
+        assert torch.equal(mine, theirs)
+    # Averaged gradients of two ranks with 8 samples each are one process's gradients of 16.
+    alone = strategy_cases.run_case(case, devices=1, batch_size=16)
+    for ranks, single in zip(rank0["parameters"], alone["parameters"]):
+        torch.testing.assert_close(ranks, single, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(200)
+def test_a_two_optimizer_gan_step_keeps_the_ranks_equal(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    rank0, rank1 = two_ranks["gan"]
+    assert rank0["global_step"] == 8  # two optimizer steps per batch, 4 batches a rank
+    changed = [
+        not torch.equal(p, q) for p, q in zip(rank0["parameters"], strategy_cases.TinyGAN().state_dict().values())
+    ]
+    assert all(changed)
+    for mine, theirs in zip(rank0["parameters"], rank1["parameters"]):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("case", "expected"), [("fsdp_compile", [[""], [""]]),
+                                                ("pipeline_compile", [["layers.0"], ["layers.1", "layers.2"]])])  # fmt: skip
+def test_compile_is_applied_under_sharded_strategies(
+    two_ranks: dict[str, list[dict[str, Any]]], case: str, expected: list[list[str]]
+) -> None:
+    results = two_ranks[case]
+    assert [result["compiled"] for result in results] == expected
+    assert all(
+        result["last_loss"] is not None and torch.isfinite(torch.tensor(result["last_loss"])) for result in results
+    )
