@@ -18,7 +18,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "st
 sys.path.insert(0, os.path.dirname(SCRIPT))
 import strategy_cases  # noqa: E402
 
-CASES = ("manual", "manual_accumulate", "gan", "fsdp_compile", "pipeline_compile")
+CASES = ("manual", "manual_accumulate", "gan", "fsdp_compile", "pipeline_compile", "model_parallel_compile")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,7 @@ def test_a_two_optimizer_gan_step_keeps_the_ranks_equal(two_ranks: dict[str, lis
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("case", "expected"), [("fsdp_compile", [[""], [""]]),
+                                                ("model_parallel_compile", [[""], [""]]),
                                                 ("pipeline_compile", [["layers.0"], ["layers.1", "layers.2"]])])  # fmt: skip
 def test_compile_is_applied_under_sharded_strategies(
     two_ranks: dict[str, list[dict[str, Any]]], case: str, expected: list[list[str]]
