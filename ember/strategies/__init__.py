@@ -37,18 +37,17 @@ _ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 def _device_type(accelerator: str) -> str:
     if accelerator not in _ACCELERATORS:
         raise ValueError(f"accelerator={accelerator!r} is not supported; choose one of {_ACCELERATORS}")
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
     if accelerator == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        if torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-    if accelerator == "gpu":
-        return "cuda"
-    if accelerator == "cuda" and not torch.cuda.is_available():
-        raise ValueError("accelerator='cuda': no CUDA device is available on this machine")
-    if accelerator == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("accelerator='mps': no Apple MPS device is available on this machine")
+        return "cuda" if cuda else "mps" if mps else "cpu"
+    if not {"cpu": True, "cuda": cuda, "mps": mps, "gpu": cuda or mps}[accelerator]:
+        missing = {"gpu": "no GPU (CUDA or Apple MPS)", "cuda": "no CUDA device", "mps": "no Apple MPS device"}
+        raise ValueError(
+            f"accelerator={accelerator!r}: {missing[accelerator]} is available on this machine; pass "
+            "accelerator='cpu', or 'auto' to use whatever device it has"
+        )
+    if accelerator == "gpu":  # as in Lightning: whichever kind of GPU the machine has
+        return "cuda" if cuda else "mps"
     return accelerator
 
 
