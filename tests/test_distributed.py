@@ -338,6 +338,32 @@ def test_layout_must_match_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None
     assert (trainer.world_size, trainer.strategy.name) == (2, "ddp")
 
 
+@pytest.mark.parametrize("devices", ["auto", 2, "2"])
+def test_a_process_that_sees_one_gpu_of_several_on_its_node_drives_that_one(
+    devices: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """srun --gpus-per-task=1 (or CUDA_VISIBLE_DEVICES set per task): each of the node's tasks sees its own GPU,
+    as cuda:0."""
+    from ember.strategies import select_strategy
+
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(name)
+    for name, value in {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NNODES": "1",
+                        "SLURM_NODELIST": "node1", "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    strategy = select_strategy(accelerator="cuda", devices=devices, num_nodes=1, strategy="ddp",
+                               precision="32-true", sync_batchnorm=False)  # fmt: skip
+    assert strategy.root_device == torch.device("cuda", 0)
+    assert (strategy.world_size, strategy.global_rank, strategy.local_rank) == (2, 1, 1)
+    with pytest.raises(ValueError, match=r"devices=1, but slurm started 2 processes on this node"):
+        select_strategy(accelerator="cuda", devices=1, num_nodes=1, strategy="ddp", precision="32-true",
+                        sync_batchnorm=False)  # fmt: skip
+
+
 def test_legacy_local_rank_argument_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(sys, "argv", ["train.py", "--local-rank=1", "--lr", "0.1"])
