@@ -3,6 +3,8 @@ thread enters, where a collective's tensor lives), and the same paths run for re
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -36,3 +38,142 @@ def test_only_cpu_tensors_of_batches_bound_for_a_gpu_are_pinned(monkeypatch: pyt
     with_workers = prepare_loader(DataLoader(samples, batch_size=2, num_workers=2), _OnAGPU(), train=False)  # type: ignore[arg-type]
     assert with_workers.pin_memory
     assert not prepare_loader(DataLoader(samples, num_workers=2), _OnCPU(), train=False).pin_memory  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------- strategy="dp"
+class _Fakes:
+    """torch.nn.parallel's scatter, replicate and parallel_apply as they behave on GPUs, run on CPU.
+
+    ``parallel_apply`` runs each replica in a thread of its own that re-enters autocast as torch's does:
+    enabled as in the calling thread, with the device's default dtype (CUDA's is float16; CPU's is
+    bfloat16, so a float16 precision on CPU shows the same loss of the dtype).
+    """
+
+    def __init__(self) -> None:
+        self.threads: set[int] = set()
+
+    def scatter_kwargs(self, args: tuple[Any, ...], kwargs: Any, device_ids: list[Any]) -> tuple[Any, Any]:
+        return tuple(tuple(share) for share in zip(*(_shares(arg, len(device_ids)) for arg in args))), None
+
+    def replicate(self, module: torch.nn.Module, devices: list[Any], detach: bool) -> list[torch.nn.Module]:
+        return [module._replicate_for_data_parallel() for _ in devices]
+
+    def parallel_apply(self, functions: list[Any], inputs: Any, kwargs: Any = None, devices: Any = None) -> list[Any]:
+        import threading
+
+        autocast, grad = torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()
+        results: list[Any] = [None] * len(functions)
+
+        def work(index: int) -> None:
+            self.threads.add(threading.get_ident())
+            torch.set_grad_enabled(grad)
+            with torch.autocast("cpu", enabled=autocast):
+                try:
+                    results[index] = functions[index](*inputs[index])
+                except Exception as error:  # re-raised in the calling thread, as torch does
+                    results[index] = error
+
+        threads = [threading.Thread(target=work, args=(index,)) for index in range(len(functions))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
+
+def _shares(value: Any, count: int) -> list[Any]:
+    from ember._utils import split_batch
+
+    return split_batch(value, count) if isinstance(value, (torch.Tensor, tuple, list)) else [value] * count
+
+
+class _Logs:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def log(self, name: str, *args: Any) -> None:
+        self.names.append(name)
+
+
+class _Trainer:
+    """What the module reaches through ``self.trainer`` in these steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._results = _Logs()
+        self._manual_optimizers = [optimizer]
+
+
+class _Shares(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.seen: list[tuple[bool, torch.dtype, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        import threading
+
+        x, y = batch
+        self.seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), threading.get_ident()))
+        assert self.trainer is not None and self.optimizers() is not None  # on every replica
+        self.log("share", float(len(x)))
+        return torch.nn.functional.mse_loss(self.layer(x).float(), y)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        x, _ = batch
+        out = self.layer(x).float()
+        return {"per_sample": out.squeeze(1), "column": out, "count": len(x), "label": "dp"}
+
+
+def _dp(monkeypatch: pytest.MonkeyPatch, precision: Any) -> tuple[Any, _Fakes]:
+    import torch.nn.parallel.scatter_gather
+
+    import ember
+    from ember.strategies import DataParallelStrategy
+
+    fakes = _Fakes()
+    monkeypatch.setattr(torch.nn.parallel.scatter_gather, "scatter_kwargs", fakes.scatter_kwargs)
+    for name in ("replicate", "parallel_apply"):
+        monkeypatch.setattr(torch.nn.parallel, name, getattr(fakes, name))
+
+    class Net(_Shares, ember.Module):
+        pass
+
+    module = Net()
+    module._trainer = _Trainer(torch.optim.SGD(module.parameters(), lr=0.1))  # type: ignore[assignment]
+    strategy = DataParallelStrategy()
+    strategy.parallel_devices = [torch.device("cpu")] * 2  # two replicas (the fakes ignore devices)
+    strategy.precision = precision
+    strategy._module = module
+    return strategy, fakes
+
+
+def test_every_replica_of_dp_computes_in_the_precision_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.precision import MixedPrecision
+
+    strategy, fakes = _dp(monkeypatch, MixedPrecision("16-mixed", torch.float16, "cpu"))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    loss = strategy.step("training_step", (x, y), 0)
+    seen = strategy._module.seen
+    assert [(enabled, dtype) for enabled, dtype, _ in seen] == [(True, torch.float16)] * 2
+    assert {thread for _, _, thread in seen} == fakes.threads and len(fakes.threads) == 2
+    assert loss.shape == () and loss.requires_grad
+
+
+def test_dp_averages_only_the_training_loss_and_gathers_other_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.precision import Precision
+
+    strategy, _ = _dp(monkeypatch, Precision())
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    loss = strategy.step("training_step", (x, y), 0)
+    module = strategy._module
+    expected = torch.nn.functional.mse_loss(module.layer(x), y)
+    torch.testing.assert_close(loss, expected)  # equal shares: the mean of their losses
+    assert module._trainer._results.names == ["share"]  # logged once, from the first share
+    with torch.no_grad():
+        predictions = strategy.step("predict_step", (x, y), 0)
+    torch.testing.assert_close(predictions["per_sample"], module.layer(x).squeeze(1))
+    assert predictions["column"].shape == (8, 1)
+    assert predictions["count"].tolist() == [4, 4] and predictions["label"] == "dp"
