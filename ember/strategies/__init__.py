@@ -105,7 +105,7 @@ def _count_or_indices(devices: int | str | Sequence[int], device_type: str) -> i
             raise ValueError(f"devices={devices!r}: use 'auto', a count, -1 for all, or indices like '0,1'") from None
     if isinstance(devices, bool) or not isinstance(devices, (int, Sequence)):
         raise ValueError(f"devices={devices!r}: use 'auto', a count, -1 for all, or a list of indices")
-    return devices
+    return devices  # type: ignore[return-value]  # mypy: isinstance(_, Sequence) lets str back in
 
 
 def select_strategy(
