@@ -177,3 +177,41 @@ def test_dp_averages_only_the_training_loss_and_gathers_other_outputs(monkeypatc
     torch.testing.assert_close(predictions["per_sample"], module.layer(x).squeeze(1))
     assert predictions["column"].shape == (8, 1)
     assert predictions["count"].tolist() == [4, 4] and predictions["label"] == "dp"
+
+
+# --------------------------------------------------------------------------- sharded strategies
+@pytest.fixture
+def _one_rank_group() -> Any:
+    """A process group of this one process (for device meshes), closed afterwards if the test opened it."""
+    import torch.distributed as dist
+
+    opened = not dist.is_initialized()
+    if opened:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if opened:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("_one_rank_group")
+def test_the_gradient_norm_is_reduced_on_the_device_of_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP's cpu_offload keeps the gradient shards on the CPU, but an NCCL group reduces GPU tensors only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from ember.strategies import FSDPStrategy
+
+    mesh = init_device_mesh("cpu", (1,))
+    gradients = [distribute_tensor(torch.full((4, 3), 2.0), mesh, [Shard(0)]), torch.ones(2)]
+    reduced_on: list[torch.device] = []
+
+    def full_tensor(self: DTensor) -> torch.Tensor:
+        reduced_on.append(self.to_local().device)
+        return self.to_local()
+
+    monkeypatch.setattr(DTensor, "full_tensor", full_tensor)
+    strategy = FSDPStrategy()
+    # The meta device stands in for the GPU of the group: a device that is not where the gradients are.
+    monkeypatch.setattr(FSDPStrategy, "root_device", property(lambda self: torch.device("meta")))
+    norm = strategy._total_norm(gradients)
+    assert reduced_on == [torch.device("meta")] and norm.device == torch.device("meta")

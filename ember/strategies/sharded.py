@@ -64,7 +64,9 @@ class ShardedStrategy(ParallelStrategy):
                 tensor.clamp_(-max_value, max_value)
             return None
         norm = self._total_norm(grads)
-        torch._foreach_mul_(local, torch.clamp(max_value / (norm + 1e-6), max=1.0))
+        if local:
+            scale = torch.clamp(max_value / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(local, scale.to(local[0].device))  # offloaded gradients are on the CPU
         return norm
 
     def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -78,8 +80,12 @@ class ShardedStrategy(ParallelStrategy):
         squares = []
         for group in layouts.values():
             norm = torch.nn.utils.get_total_norm(group)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            squares.append(norm.float().square())
+            if isinstance(norm, DTensor):
+                # Reduced over the mesh, whose collectives (NCCL) take tensors on this rank's GPU only; with
+                # FSDP's cpu_offload the gradients, and so this rank's part of the norm, are on the CPU.
+                local = norm.to_local().to(self.root_device)
+                norm = DTensor.from_local(local, norm.device_mesh, norm.placements).full_tensor()
+            squares.append(norm.to(self.root_device).float().square())
         total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.root_device)
         group = self._split_group()
         if group is not None:
