@@ -3,13 +3,19 @@ thread enters, where a collective's tensor lives), and the same paths run for re
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import ember
+from ember._utils import apply_to_tensors
 from ember.data import prepare_loader
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 
 
 class _OnAGPU:
@@ -130,7 +136,6 @@ class _Shares(torch.nn.Module):
 def _dp(monkeypatch: pytest.MonkeyPatch, precision: Any) -> tuple[Any, _Fakes]:
     import torch.nn.parallel.scatter_gather
 
-    import ember
     from ember.strategies import DataParallelStrategy
 
     fakes = _Fakes()
@@ -215,3 +220,43 @@ def test_the_gradient_norm_is_reduced_on_the_device_of_the_group(monkeypatch: py
     monkeypatch.setattr(FSDPStrategy, "root_device", property(lambda self: torch.device("meta")))
     norm = strategy._total_norm(gradients)
     assert reduced_on == [torch.device("meta")] and norm.device == torch.device("meta")
+
+
+def test_pipeline_evaluation_sends_the_last_stage_tensors_as_tensors_not_pickles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pickled GPU tensor is unpickled on the GPU it was on, the last stage's: not this rank's."""
+    import torch.distributed as dist
+
+    from ember.strategies import PipelineStrategy
+
+    sys.path.insert(0, SCRIPTS)
+    import train_sharded as jobs
+
+    class Predicting(jobs.Net):
+        def predict_step(self, batch: Any, batch_idx: int) -> Any:
+            x, _ = batch
+            return {"output": self(x), "samples": len(x)}
+
+    pickled: list[torch.Tensor] = []
+    broadcast: list[torch.device] = []
+    broadcast_objects, broadcast_tensor = dist.broadcast_object_list, dist.broadcast
+
+    def objects(holder: list[Any], *args: Any, **kwargs: Any) -> Any:
+        apply_to_tensors(holder, lambda tensor: None if tensor.is_meta else pickled.append(tensor))
+        return broadcast_objects(holder, *args, **kwargs)
+
+    def tensor(sent: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        broadcast.append(sent.device)
+        return broadcast_tensor(sent, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "broadcast_object_list", objects)
+    monkeypatch.setattr(dist, "broadcast", tensor)
+    loader = DataLoader(jobs.regression_data(16), batch_size=8)
+    trainer = ember.Trainer(accelerator="cpu", strategy=PipelineStrategy(2, "GPipe"), logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    predictions = trainer.predict(Predicting(), loader)
+    assert pickled == [] and broadcast == [torch.device("cpu")] * 2  # one output tensor per batch
+    expected = jobs.Net()(next(iter(loader))[0])
+    torch.testing.assert_close(predictions[0]["output"], expected)
+    assert predictions[0]["samples"] == 8
