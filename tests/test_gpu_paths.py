@@ -4,6 +4,7 @@ thread enters, where a collective's tensor lives), and the same paths run for re
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from typing import Any
 
@@ -136,6 +137,7 @@ class _Shares(torch.nn.Module):
 def _dp(monkeypatch: pytest.MonkeyPatch, precision: Any) -> tuple[Any, _Fakes]:
     import torch.nn.parallel.scatter_gather
 
+    import ember
     from ember.strategies import DataParallelStrategy
 
     fakes = _Fakes()
@@ -228,6 +230,7 @@ def test_pipeline_evaluation_sends_the_last_stage_tensors_as_tensors_not_pickles
     """A pickled GPU tensor is unpickled on the GPU it was on, the last stage's: not this rank's."""
     import torch.distributed as dist
 
+    import ember
     from ember.strategies import PipelineStrategy
 
     sys.path.insert(0, SCRIPTS)
@@ -260,3 +263,88 @@ def test_pipeline_evaluation_sends_the_last_stage_tensors_as_tensors_not_pickles
     expected = jobs.Net()(next(iter(loader))[0])
     torch.testing.assert_close(predictions[0]["output"], expected)
     assert predictions[0]["samples"] == 8
+
+
+# ------------------------------------------------------------------------------- ThroughputMonitor
+TF32_THROUGH_THE_NEW_API = """
+import torch
+torch.cuda.get_device_name = lambda device=None: "NVIDIA A100-SXM4-80GB"
+from ember.callbacks.throughput import peak_flops
+cuda = torch.device("cuda", 0)
+torch.backends.cuda.matmul.fp32_precision = "tf32"  # torch's new API; its old getter now raises
+print(peak_flops(cuda, "32-true"), peak_flops(cuda, "32-true", convolutions=True))
+torch.backends.cuda.matmul.fp32_precision = "ieee"
+torch.backends.cudnn.conv.fp32_precision = "ieee"
+print(peak_flops(cuda, "32-true"), peak_flops(cuda, "32-true", convolutions=True))
+"""
+
+
+def test_peak_flops_reads_tf32_set_through_torchs_fp32_precision_api() -> None:
+    result = subprocess.run([sys.executable, "-c", TF32_THROUGH_THE_NEW_API], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["156000000000000.0"] * 2 + ["19500000000000.0"] * 2
+
+
+@pytest.mark.usefixtures("_default_tf32")
+def test_float32_convolutions_count_cudnns_tf32_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN runs float32 convolutions on TF32 tensor cores by default, whatever the matmul precision."""
+    from ember.callbacks.throughput import peak_flops, step_peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    cuda, aten = torch.device("cuda", 0), torch.ops.aten
+    assert peak_flops(cuda, "32-true") == 19.5e12 and peak_flops(cuda, "32-true", convolutions=True) == 156e12
+    flops = {aten.convolution: 3e9, aten.convolution_backward: 6e9, aten.mm: 1e9}
+    # Each part at its own peak: 9 GFLOPs at 156 TFLOP/s and 1 GFLOP at 19.5 TFLOP/s take 0.109 ms at best.
+    assert step_peak_flops(cuda, "32-true", flops) == pytest.approx(10e9 / (9e9 / 156e12 + 1e9 / 19.5e12))
+    assert step_peak_flops(cuda, "bf16-mixed", flops) == 312e12
+    torch.backends.cudnn.allow_tf32 = False
+    assert step_peak_flops(cuda, "32-true", flops) == 19.5e12
+    assert step_peak_flops(torch.device("cpu"), "32-true", flops) is None
+
+
+@pytest.fixture
+def _default_tf32() -> Any:
+    yield
+    torch.backends.cudnn.allow_tf32 = True
+
+
+class _Convolutional(ember.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.head = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        features = self.conv(x.view(-1, 1, 2, 2).repeat(1, 1, 2, 2)).mean((2, 3))
+        return torch.nn.functional.mse_loss(self.head(features), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_mfu_is_measured_against_the_peak_of_the_counted_operations(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import make_loader, quiet_trainer
+    from test_speed import _Metrics
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ember.callbacks import ThroughputMonitor, throughput
+
+    def peak(device: torch.device, precision: str, *, convolutions: bool = False) -> float:
+        return 4e6 if convolutions else 1e6  # a device whose convolutions run 4x faster than its matmuls
+
+    monkeypatch.setattr(throughput, "peak_flops", peak)
+    logger, monitor = _Metrics(), ThroughputMonitor()
+    trainer = quiet_trainer(max_epochs=1, logger=logger, log_every_n_steps=2, enable_checkpointing=False,
+                            callbacks=[monitor])  # fmt: skip
+    trainer.fit(_Convolutional(), make_loader(64, batch_size=8))
+    with FlopCounterMode(display=False) as counter:
+        _Convolutional().training_step(next(iter(make_loader(8))), 0).backward()
+    flops = counter.get_flop_counts()["Global"]
+    convolutions = sum(count for op, count in flops.items() if "convolution" in str(op))
+    assert 0 < convolutions < sum(flops.values())
+    expected = sum(flops.values()) / (convolutions / 4e6 + (sum(flops.values()) - convolutions) / 1e6)
+    rows = logger.throughput()
+    assert rows and all(row["throughput/tflops_per_sec"] * 1e12 / row["throughput/mfu"] == pytest.approx(expected)
+                        for _, row in rows)  # fmt: skip
