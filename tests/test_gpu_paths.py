@@ -348,3 +348,49 @@ def test_mfu_is_measured_against_the_peak_of_the_counted_operations(monkeypatch:
     rows = logger.throughput()
     assert rows and all(row["throughput/tflops_per_sec"] * 1e12 / row["throughput/mfu"] == pytest.approx(expected)
                         for _, row in rows)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- 16-mixed
+def _scaled_step(precision: Any, optimizer: torch.optim.Optimizer, layer: torch.nn.Module) -> int:
+    """Backward, unscale and step as the loop does; the number of tensor values read on the host."""
+    reads = []
+    item = torch.Tensor.item
+
+    def counted(tensor: torch.Tensor) -> Any:
+        reads.append(tensor)
+        return item(tensor)
+
+    precision.backward(layer(torch.randn(8, 4)).pow(2).mean())
+    precision.unscale_gradients(optimizer)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "item", counted)
+        precision.optimizer_step(optimizer)
+    optimizer.zero_grad()
+    return len(reads)
+
+
+def test_float16_loss_scaling_syncs_per_step_only_with_an_optimizer_that_cannot_skip_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import warnings
+
+    from ember.precision import MixedPrecision
+    from ember.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    layer = torch.nn.Linear(4, 1)
+    fused = MixedPrecision("16-mixed", torch.float16, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _scaled_step(fused, torch.optim.SGD(layer.parameters(), lr=0.1, fused=True), layer) == 0
+
+    plain, optimizer = MixedPrecision("16-mixed", torch.float16, "cpu"), torch.optim.SGD(layer.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"16-mixed.* with SGD: .*one host-device sync per step.*fused=True"):
+        assert _scaled_step(plain, optimizer, layer) == 1  # GradScaler reads found_inf before stepping
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per run
+        _scaled_step(plain, optimizer, layer)
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rank zero says it
+        _scaled_step(MixedPrecision("16-mixed", torch.float16, "cpu"), optimizer, layer)
