@@ -3,6 +3,7 @@ thread enters, where a collective's tensor lives), and the same paths run for re
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -394,3 +395,50 @@ def test_float16_loss_scaling_syncs_per_step_only_with_an_optimizer_that_cannot_
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # rank zero says it
         _scaled_step(MixedPrecision("16-mixed", torch.float16, "cpu"), optimizer, layer)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_float16_loss_scaling_agrees_across_ranks_when_every_gradient_is_sharded_alike(tmp_path: Any) -> None:
+    """Why 16-mixed is accepted with FSDP and refused with tensor parallel (and pipelines, whose stages'
+    gradients are ordinary tensors): GradScaler's overflow flag is all-reduced over the mesh of the first
+    DTensor gradient, with its placements."""
+    script = os.path.join(SCRIPTS, "scaler_dtensor.py")
+    command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", script, "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [rank["fsdp"] for rank in ranks] == [{"stepped": False, "scale": 32768.0}] * 2  # both skip
+    assert [rank["replicated-first"]["stepped"] for rank in ranks] == [True, False]  # the ranks part ways
+    assert all("mixed torch.Tensor and DTensor" in rank["plain-and-sharded"]["error"] for rank in ranks)
+
+
+def test_float16_mixed_precision_is_accepted_by_fsdp_and_refused_where_ranks_could_part_ways(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from conftest import Regressor, make_loader, quiet_trainer
+
+    import ember.strategies.strategy
+    from ember.precision import MixedPrecision
+    from ember.strategies import FSDPStrategy, select_strategy
+
+    # What a GPU gets for "16-mixed" (a CPU gets bf16-mixed instead): float16 autocast with a loss scaler.
+    def float16(flag: Any, device: torch.device) -> MixedPrecision:
+        return MixedPrecision("16-mixed", torch.float16, "cpu")
+
+    monkeypatch.setattr(ember.strategies.strategy, "build_precision", float16)
+    model = Regressor()
+    initial = model.layer.weight.detach().clone()
+    trainer = quiet_trainer(strategy="fsdp", precision="16-mixed", max_epochs=1, logger=False)
+    trainer.fit(model, make_loader())
+    weight = model.layer.weight.full_tensor().detach()
+    assert weight.isfinite().all() and not torch.equal(weight, initial)
+    assert 0 < trainer.strategy.precision.scaler.get_scale() < 65536.0  # overflowing steps were skipped
+    for strategy in ("model_parallel", "pipeline"):
+        with pytest.raises(ValueError, match=rf"precision='16-mixed' .* strategy='{strategy}' .*'bf16-mixed'"):
+            quiet_trainer(strategy=strategy, precision="16-mixed")
+    for name, value in (("is_available", lambda: True), ("device_count", lambda: 1)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    with pytest.raises(ValueError, match=r"cpu_offload=True\) with precision='16-mixed'.*'bf16-mixed'"):
+        select_strategy(accelerator="cuda", devices=1, num_nodes=1, strategy=FSDPStrategy(cpu_offload=True),
+                        precision="16-mixed", sync_batchnorm=False)  # fmt: skip

@@ -361,9 +361,11 @@ def test_model_parallel_needs_configure_model() -> None:
 
 
 @pytest.mark.cuda
-def test_sharded_strategies_refuse_float16_mixed_precision() -> None:
-    with pytest.raises(ValueError, match=r"precision='16-mixed' scales the loss per rank"):
-        ember.Trainer(accelerator="cuda", devices=1, strategy="fsdp", precision="16-mixed")
+def test_only_fsdp_takes_float16_mixed_precision() -> None:
+    assert ember.Trainer(accelerator="cuda", devices=1, strategy="fsdp", precision="16-mixed").precision == "16-mixed"
+    for strategy in ("model_parallel", "pipeline"):
+        with pytest.raises(ValueError, match=r"precision='16-mixed' skips the steps whose gradients overflowed"):
+            ember.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision="16-mixed")
 
 
 def _sharded_checkpoint(tmp_path: Any) -> str:
