@@ -442,3 +442,147 @@ def test_float16_mixed_precision_is_accepted_by_fsdp_and_refused_where_ranks_cou
     with pytest.raises(ValueError, match=r"cpu_offload=True\) with precision='16-mixed'.*'bf16-mixed'"):
         select_strategy(accelerator="cuda", devices=1, num_nodes=1, strategy=FSDPStrategy(cpu_offload=True),
                         precision="16-mixed", sync_batchnorm=False)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- on real GPUs
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_dp_on_two_gpus_computes_in_bfloat16_and_gathers_per_sample_predictions() -> None:
+    from conftest import Regressor, make_loader, quiet_trainer
+
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no bfloat16")
+
+    class Recording(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[bool, torch.dtype, torch.device]] = []  # shared by the replicas
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, _ = batch
+            self.seen.append((torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), x.device))
+            assert self.trainer.global_step >= 0 and self.optimizers() is not None  # every replica has them
+            return super().training_step(batch, batch_idx)
+
+        def predict_step(self, batch: Any, batch_idx: int) -> Any:
+            x, _ = batch
+            return {"per_sample": self(x).squeeze(1), "share": len(x)}
+
+    model = Recording()
+    trainer = quiet_trainer(accelerator="cuda", devices=2, strategy="dp", precision="bf16-mixed", max_epochs=1,
+                            logger=False, enable_checkpointing=False)  # fmt: skip
+    trainer.fit(model, make_loader(32, batch_size=8))
+    assert {(enabled, dtype) for enabled, dtype, _ in model.seen} == {(True, torch.bfloat16)}
+    assert {device for _, _, device in model.seen} == {torch.device("cuda", 0), torch.device("cuda", 1)}
+    assert trainer.strategy.precision.scaler is None and trainer.global_step == 4
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])  # logged from the first share
+    predictions = trainer.predict(model, make_loader(16, batch_size=8))
+    assert [p["per_sample"].shape for p in predictions] == [(8,), (8,)]
+    assert predictions[0]["share"].tolist() == [4, 4]
+
+
+@pytest.mark.cuda
+def test_a_dataset_that_yields_cuda_tensors_trains_and_cpu_batches_are_pinned() -> None:
+    from conftest import Regressor, make_data, quiet_trainer
+
+    x, y = make_data(32).tensors
+    on_gpu = DataLoader(torch.utils.data.TensorDataset(x.cuda(), y.cuda()), batch_size=8)
+    model = Regressor()
+    quiet_trainer(accelerator="cuda", devices=1, max_epochs=1, logger=False).fit(model, on_gpu)
+    assert model.layer.weight.isfinite().all()
+    on_cpu = prepare_loader(DataLoader(make_data(32), batch_size=8), _OnAGPU(), train=False)  # type: ignore[arg-type]
+    assert all(tensor.is_pinned() for tensor in next(iter(on_cpu)))
+
+
+@pytest.mark.cuda
+def test_fsdp_with_cpu_offload_clips_by_the_norm_of_every_shard() -> None:
+    from conftest import Regressor, make_loader, parameters_of, quiet_trainer
+
+    from ember.strategies import FSDPStrategy
+
+    class MovesItsBatches(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            # Offloaded modules get CPU batches for now (see test_fsdp_accumulates_into_the_shards_unless_asked).
+            return super().training_step([tensor.to("cuda") for tensor in batch], batch_idx)
+
+    expected = Regressor()
+    quiet_trainer(max_epochs=1, gradient_clip_val=0.1, logger=False).fit(expected, make_loader())
+    model = MovesItsBatches()
+    quiet_trainer(accelerator="cuda", devices=1, strategy=FSDPStrategy(cpu_offload=True), gradient_clip_val=0.1,
+                  max_epochs=1, logger=False, enable_checkpointing=False).fit(model, make_loader())  # fmt: skip
+    for got, want in zip(parameters_of(model), parameters_of(expected)):
+        # One rank's shard is the whole parameter (gathering it would run an NCCL collective on CPU tensors).
+        torch.testing.assert_close(got.to_local(), want, atol=1e-5, rtol=1e-5)
+
+
+PIPELINE_ON_GPUS = """
+import json, os, sys, torch
+from torch.utils.data import DataLoader
+sys.path.insert(0, {scripts!r})
+import train_sharded as jobs
+import ember
+from ember.strategies import PipelineStrategy
+
+class Predicting(jobs.Net):
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return self(x.to(self.device))  # the first stage's input on its GPU
+
+trainer = ember.Trainer(accelerator="cuda", strategy=PipelineStrategy(2, "GPipe"), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+output = trainer.predict(Predicting(), DataLoader(jobs.regression_data(16), batch_size=8))[0]
+with open(os.path.join({out!r}, f"rank{{trainer.global_rank}}.json"), "w") as file:
+    json.dump({{"device": str(output.device), "output": output.tolist()}}, file)
+"""
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.timeout(180)
+def test_pipeline_stages_on_two_gpus_each_get_the_output_on_their_own_gpu(tmp_path: Any) -> None:
+    sys.path.insert(0, SCRIPTS)
+    import train_sharded as jobs
+
+    script = tmp_path / "pipeline_on_gpus.py"
+    script.write_text(PIPELINE_ON_GPUS.format(scripts=SCRIPTS, out=str(tmp_path)))
+    command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [rank["device"] for rank in ranks] == ["cuda:0", "cuda:1"]
+    expected = jobs.Net()(next(iter(DataLoader(jobs.regression_data(16), batch_size=8)))[0])
+    for rank in ranks:
+        torch.testing.assert_close(torch.tensor(rank["output"]), expected, atol=1e-5, rtol=1e-5)
+
+
+THROUGHPUT_IN_FLOAT32 = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import make_loader, quiet_trainer
+from test_gpu_paths import _Convolutional
+from test_speed import _Metrics
+from ember.callbacks import ThroughputMonitor
+from ember.callbacks.throughput import peak_flops
+
+torch.backends.cuda.matmul.fp32_precision = "tf32"  # torch's new API: its old getter now raises
+logger = _Metrics()
+known = peak_flops(torch.device("cuda", 0), "32-true") is not None
+trainer = quiet_trainer(accelerator="cuda", devices=1, max_epochs=1, logger=logger, log_every_n_steps=2,
+                        enable_checkpointing=False, callbacks=[ThroughputMonitor(peak_flops=None if known else 1e14)])
+trainer.fit(_Convolutional(), make_loader(256, batch_size=8))
+print("mfu", *(row["throughput/mfu"] for _, row in logger.throughput()))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+def test_throughput_monitor_in_float32_with_tf32_set_through_the_new_api_on_a_gpu(tmp_path: Any) -> None:
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = THROUGHPUT_IN_FLOAT32.format(tests=tests)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    mfu = [float(value) for value in result.stdout.split("mfu", 1)[1].split()]
+    assert mfu and all(0 < value < 1 for value in mfu)
