@@ -586,3 +586,67 @@ def test_throughput_monitor_in_float32_with_tf32_set_through_the_new_api_on_a_gp
     assert result.returncode == 0, result.stderr[-3000:]
     mfu = [float(value) for value in result.stdout.split("mfu", 1)[1].split()]
     assert mfu and all(0 < value < 1 for value in mfu)
+
+
+# ------------------------------------------------------------------------------ bench/gpu_check.sh
+GPU_CHECK = os.path.join(os.path.dirname(SCRIPTS), "..", "bench", "gpu_check.sh")
+
+FAKE_PYTHON = """#!{python}
+# Answers bench/gpu_check.sh as a machine with two GPUs would, with the output formats of the real commands.
+import sys
+arguments = sys.argv[1:]
+if arguments[0] == "-c":
+    print(2 if "device_count" in arguments[1] else "Fake GPU - torch 9.9")
+elif arguments[:2] == ["-m", "pytest"]:
+    print("....s" + chr(10) + "12 passed, 3 skipped, 40 deselected in 4.56s")
+elif arguments[0] == "bench/gpt.py":
+    print("FLOPs per token (forward + backward, torch.utils.flop_counter): 8.5e+08")
+    print("mode                   hand-written tok/s    MFU  Ember tok/s    MFU Ember/hand")
+    for label, hand, ember in (("fp32 (TF32 matmuls)", 50000, 49500), ("bf16-mixed + compile", 300000, 297000)):
+        print(f"{{label:<22}} {{hand:>18.0f}} {{'40.1%':>6}} {{ember:>12.0f}} {{'39.7%':>6}} {{ember / hand:>9.3f}}x")
+elif arguments[0] == "bench/memory.py":
+    print("| Strategy | parameters + optimizer state per rank | peak allocated per rank |")
+    print("| --- | --- | --- |")
+    print("| DDP | 768 MiB | 1100 MiB |")
+    print("| FSDP (a unit per block) | 384 MiB | 600 MiB |")
+elif arguments[0] == "bench/gpu_smoke.py":
+    ok = arguments[1] != "manual"
+    print(f"smoke: {{arguments[1]}} {{'ok' if ok else 'FAILED'}}: loss 0.700 -> 0.020, 1000 samples/s")
+    sys.exit(0 if ok else 1)
+"""
+
+
+def test_gpu_check_says_it_skips_on_a_machine_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the machine without a GPU")
+    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().endswith("skipped: no GPU (torch.cuda.device_count() is 0 "
+                                                                     "with python3)")  # fmt: skip
+    missing = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHON": "/nonexistent/python"})  # fmt: skip
+    assert missing.returncode == 1 and "cannot import torch with /nonexistent/python" in missing.stdout
+
+
+def test_gpu_check_tabulates_each_item_and_fails_when_one_fails(tmp_path: Any) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "TMPDIR": str(tmp_path)}
+    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    table = result.stdout[result.stdout.index("gpu_check on 2 GPU(s): Fake GPU - torch 9.9") :].splitlines()
+    rows = {line[:34].strip(): line[34:].split(maxsplit=1) for line in table[3:-1]}
+    assert rows == {
+        "cuda-tests": ["pass", "12 passed, 3 skipped, 40 deselected in 4.56s"],
+        "gpt fp32 (TF32 matmuls)": ["pass", "Ember 49500 tok/s (MFU 39.7%), hand-written 50000 tok/s (MFU 40.1%): "
+                                            "Ember/hand 0.990x"],
+        "gpt bf16-mixed + compile": ["pass", "Ember 297000 tok/s (MFU 39.7%), hand-written 300000 tok/s (MFU 40.1%): "
+                                             "Ember/hand 0.990x"],
+        "memory": ["pass", "DDP: 768 MiB held, 1100 MiB peak; FSDP (a unit per block): 384 MiB held, 600 MiB peak"],
+        "smoke-ddp": ["pass", "loss 0.700 -> 0.020, 1000 samples/s"],
+        "smoke-fsdp": ["pass", "loss 0.700 -> 0.020, 1000 samples/s"],
+        "smoke-dp": ["pass", "loss 0.700 -> 0.020, 1000 samples/s"],
+        "smoke-manual": ["FAIL", "loss 0.700 -> 0.020, 1000 samples/s"],
+    }  # fmt: skip
+    assert "===== smoke-manual failed (exit status 1)" in result.stdout
+    assert table[-1].startswith(f"logs: {tmp_path}")
