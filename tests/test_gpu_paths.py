@@ -129,7 +129,7 @@ class _Shares(torch.nn.Module):
         self.log("share", float(len(x)))
         return torch.nn.functional.mse_loss(self.layer(x).float(), y)
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         x, _ = batch
         out = self.layer(x).float()
         return {"per_sample": out.squeeze(1), "column": out, "count": len(x), "label": "dp"}
@@ -238,7 +238,7 @@ def test_pipeline_evaluation_sends_the_last_stage_tensors_as_tensors_not_pickles
     import train_sharded as jobs
 
     class Predicting(jobs.Net):
-        def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
             x, _ = batch
             return {"output": self(x), "samples": len(x)}
 
@@ -467,7 +467,7 @@ def test_dp_on_two_gpus_computes_in_bfloat16_and_gathers_per_sample_predictions(
             assert self.trainer.global_step >= 0 and self.optimizers() is not None  # every replica has them
             return super().training_step(batch, batch_idx)
 
-        def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
             x, _ = batch
             return {"per_sample": self(x).squeeze(1), "share": len(x)}
 
