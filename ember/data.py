@@ -9,10 +9,11 @@ skip exactly the batches its predecessor consumed by skipping their indices, wit
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ from torch.utils.data import (
     Sampler,
     SequentialSampler,
 )
+
+from ember._utils import apply_to_tensors
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -88,7 +91,11 @@ def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: 
       batches, so that a resumed run continues where its predecessor stopped;
     - workers are seeded from that seed too (never from the global random state, which the loader
       would otherwise advance each time it is iterated);
-    - batches bound for a GPU are pinned in host memory, so copies to the device run asynchronously.
+    - batches bound for a GPU are pinned in host memory, so copies to the device run asynchronously
+      (unless the loader pins them already). Worker processes hand over CPU tensors, which the loader
+      pins in its background thread (``pin_memory=True``); without workers the dataset runs in this
+      process and may yield tensors that are on the GPU already, which cannot be pinned, so the collate
+      function pins each batch's CPU tensors and leaves the others as they are.
     """
     if not isinstance(loader, DataLoader) or _is_stateful(loader):
         return loader
@@ -109,10 +116,20 @@ def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: 
             object.__setattr__(prepared, "sampler", _Skippable(prepared.sampler))
     prepared.generator = torch.Generator().manual_seed(0)  # reseeded per epoch for training
     if strategy.root_device.type == "cuda" and not loader.pin_memory:
-        prepared.pin_memory = True
+        if loader.num_workers > 0:
+            prepared.pin_memory = True
+        else:
+            prepared.collate_fn = functools.partial(_pinned, loader.collate_fn)
     if loader.num_workers > 0 and loader.worker_init_fn is None:
         prepared.worker_init_fn = _seed_worker
     return prepared
+
+
+def _pinned(collate: Callable[[Any], Any], samples: Any) -> Any:
+    """The batch ``collate`` makes of ``samples``, its CPU tensors pinned."""
+    return apply_to_tensors(
+        collate(samples), lambda tensor: tensor.pin_memory() if tensor.device.type == "cpu" else tensor
+    )
 
 
 def _plain_shuffle(sampler: Sampler) -> bool:

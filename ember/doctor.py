@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _EMBER_DIR = os.path.dirname(os.path.abspath(__file__))
-# Calls that make the host wait for the device (on a GPU) to hand a tensor's value to Python.
-_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__format__", "__repr__")
 
 
 @dataclasses.dataclass
@@ -148,30 +147,32 @@ class Doctor:
         self._patch(_BaseDataLoaderIter, "__next__", make)
 
     def _wrap_syncs(self) -> None:
+        for owner, name, waits, label in _SYNC_CALLS:
+            self._patch(owner, name, functools.partial(self._counted, waits=waits, label=label))
+
+    def _counted(
+        self, original: Callable[..., Any], waits: Callable[[tuple[Any, ...], dict[str, Any]], bool], label: str
+    ) -> Callable[..., Any]:
+        """``original``, counting the calls from the user's code for which ``waits(args, kwargs)`` says that
+        the host waits for the device."""
         doctor = self
 
-        def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def counted(*args: Any, **kwargs: Any) -> Any:
-                local = doctor._local
-                if getattr(local, "inside", False) or not doctor.measuring:
-                    return original(*args, **kwargs)  # nested (print calls tolist) or not measuring
-                local.inside = True
-                start = time.perf_counter()
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    local.inside = False
-                    where = _user_frame(direct=True)  # torch's own reads inside its functions do not count
-                    if where is not None:
-                        doctor.syncs[f"{where} ({original.__name__})"] += 1
-                        doctor.sync_seconds += time.perf_counter() - start
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            local = doctor._local
+            if not doctor.measuring or getattr(local, "inside", False) or not waits(args, kwargs):
+                return original(*args, **kwargs)  # not measuring, nested (print calls tolist), or no wait
+            local.inside = True
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                local.inside = False
+                where = _user_frame(direct=True)  # torch's own reads inside its functions do not count
+                if where is not None:
+                    doctor.syncs[f"{where} ({label})"] += 1
+                    doctor.sync_seconds += time.perf_counter() - start
 
-            return counted
-
-        for name in _SYNC_METHODS:
-            self._patch(torch.Tensor, name, make)
-        for name in ("synchronize", "empty_cache"):
-            self._patch(torch.cuda, name, make)
+        return counted
 
     def _wrap_distributed(self) -> None:
         from torch.nn.parallel import DistributedDataParallel
@@ -348,12 +349,14 @@ class Doctor:
         return Finding(
             id="host-sync",
             title=f"{total / steps:.1f} host-device synchronisations per step in your code",
-            measured=f"{total} calls over {steps} steps that hand a tensor's value to Python "
-            f"(.item(), .cpu(), .tolist(), print(tensor), ...), {self.sync_seconds / steps * 1e3:.2f} ms per step",
+            measured=f"{total} calls over {steps} steps that wait for a GPU tensor's value (.item(), .cpu(), "
+            f".tolist(), print(tensor), boolean-mask indexing, nonzero, ...), "
+            f"{self.sync_seconds / steps * 1e3:.2f} ms per step",
             why="each waits until the device has finished all queued work, so the host cannot queue the next "
-            "kernels ahead and the GPU idles; on a CPU they cost little",
-            fix="log tensors with self.log(...) (read only at log time), keep values on the device, "
-            "and remove torch.cuda.synchronize()/empty_cache() calls from the loop",
+            "kernels ahead and the GPU idles",
+            fix="log tensors with self.log(...) (read only at log time), keep values on the device (torch.where "
+            "or a multiplication by the mask instead of x[mask]), and remove torch.cuda.synchronize()/empty_cache() "
+            "calls from the loop",
             estimated_gain=min(1.0, self.sync_seconds / self.window_seconds) if self.window_seconds else None,
             locations=[f"{where}: {count} calls" for where, count in self.syncs.most_common(5)],
         )
@@ -524,6 +527,49 @@ class Doctor:
 # ------------------------------------------------------------------------------------ helpers
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def _on_accelerator(tensor: Any) -> bool:
+    """Whether ``tensor`` lives on a device the host must wait for (a CPU tensor's value is at hand)."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cpu", "meta")
+
+
+def _reads_value(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return _on_accelerator(args[0] if args else kwargs.get("input"))
+
+
+def _copies_to_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``tensor.to(...)`` of a device tensor to the CPU (the target given as a device, or as a tensor)."""
+    target = kwargs.get("device", next((arg for arg in args[1:] if isinstance(arg, (str, torch.device))), None))
+    if target is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        target = args[1].device
+    return _on_accelerator(args[0]) and target is not None and torch.device(target).type == "cpu"
+
+
+def _masks(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``tensor[mask]`` of a device tensor with a boolean mask: the result's size depends on the mask's values."""
+    index = args[1]
+    parts = index if isinstance(index, (tuple, list)) else (index,)
+    return _on_accelerator(args[0]) and any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+def _always(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return True
+
+
+# Calls that make the host wait for the device, when ``waits(args, kwargs)`` says so: (owner, name, waits, label).
+# Those that hand a device tensor's value to Python, copy it to the CPU, or give a result whose size depends on
+# its values (boolean masks, nonzero); and explicit synchronisation.
+_SYNC_CALLS: list[tuple[Any, str, Callable[[tuple[Any, ...], dict[str, Any]], bool], str]] = [
+    *((torch.Tensor, name, _reads_value, name) for name in ("item", "tolist", "cpu", "numpy", "nonzero",
+                                                             "__bool__", "__float__", "__int__", "__format__",
+                                                             "__repr__")),
+    (torch.Tensor, "to", _copies_to_cpu, "to the CPU"),
+    (torch.Tensor, "__getitem__", _masks, "boolean mask"),
+    (torch, "nonzero", _reads_value, "nonzero"),
+    (torch.cuda, "synchronize", _always, "synchronize"),
+    (torch.cuda, "empty_cache", _always, "empty_cache"),
+]  # fmt: skip
 
 
 def _user_frame(direct: bool = False) -> str | None:

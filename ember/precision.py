@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ember._utils import apply_to_tensors
+from ember.rank_zero import rank_zero_warn
 
 # Every spelling users pass, mapped to the canonical name.
 _ALIASES: dict[str | int, str] = {
@@ -110,6 +111,7 @@ class MixedPrecision(Precision):
         # float16's narrow range makes small gradients underflow; the scaler multiplies the loss up,
         # divides the gradients back, and skips steps whose gradients overflowed.
         self.scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
+        self._told_of_sync = False
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -128,7 +130,17 @@ class MixedPrecision(Precision):
         if self.scaler is None:
             optimizer.step()
             return
-        self.scaler.step(optimizer)  # skipped when the gradients hold inf or NaN
+        if not getattr(optimizer, "_step_supports_amp_scaling", False) and not self._told_of_sync:
+            self._told_of_sync = True
+            rank_zero_warn(
+                f"precision='16-mixed' with {type(optimizer).__name__}: the loss scaler skips a step whose "
+                "gradients overflowed by reading the overflow flag on the host first, one host-device sync per "
+                "step; fused optimizers skip on the device without it: pass fused=True to torch.optim.Adam, "
+                "AdamW or SGD"
+            )
+        # Skipped when the gradients hold inf or NaN: a fused optimizer checks on the device, any other is
+        # stepped (or not) after GradScaler reads the overflow flag with .item().
+        self.scaler.step(optimizer)
         self.scaler.update()
 
     def state_dict(self) -> dict[str, Any]:

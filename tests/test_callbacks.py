@@ -74,7 +74,8 @@ def test_device_stats_are_logged_at_the_logging_steps() -> None:
 def test_device_stats_on_a_gpu() -> None:
     stats = DeviceStatsMonitor().stats(torch.device("cuda", 0))
     assert set(stats) == {f"device_stats/cuda_memory_{kind}_mb" for kind in ("allocated", "reserved", "peak")}
-    trainer = quiet_trainer(accelerator="cuda", max_steps=4, callbacks=[DeviceStatsMonitor()], log_every_n_steps=2)
+    trainer = quiet_trainer(accelerator="cuda", devices=1, max_steps=4, callbacks=[DeviceStatsMonitor()],
+                            log_every_n_steps=2)  # fmt: skip
     trainer.fit(Regressor(), make_loader())
     assert float(trainer.logged_metrics["device_stats/cuda_memory_peak_mb"]) > 0
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -226,6 +227,70 @@ def test_workers_do_not_outlive_a_killed_launcher(tmp_path: Any) -> None:
     assert not [pid for pid in workers if _alive(pid)], "orphaned workers survived"
 
 
+SLURM_RANK = """
+import datetime, torch
+from ember.strategies import DDPStrategy, select_strategy
+strategy = select_strategy(accelerator="cpu", devices="auto", num_nodes=1, precision="32-true", sync_batchnorm=False,
+                           strategy=DDPStrategy(timeout=datetime.timedelta(seconds=20)))
+strategy.setup_environment()
+print("sum", float(strategy.reduce(torch.tensor(float(strategy.global_rank + 1)), "sum")))
+"""
+
+
+def _without_launcher_variables() -> dict[str, str]:
+    launcher = ("SLURM_", "OMPI_", "PMI_", "MPI_", "TORCHELASTIC_", "GLOO_", "NCCL_")
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(launcher) and name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_single_node_slurm_job_meets_on_loopback_whatever_its_node_name_resolves_to(tmp_path: Any) -> None:
+    # 192.0.2.1 (TEST-NET-1) stands for the node's LAN address: nothing listens there, and no packet reaches it.
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_NODELIST": "192.0.2.1", "SLURM_JOB_ID": "41",
+             "SLURM_JOB_NAME": "train", "MASTER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    ranks = []
+    for rank in (0, 1):
+        env = {**_without_launcher_variables(), **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}
+        command = [sys.executable, "-c", SLURM_RANK]
+        ranks.append(
+            subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    for rank in ranks:
+        stdout, stderr = rank.communicate(timeout=80)
+        assert rank.returncode == 0 and "sum 3.0" in stdout, stderr[-3000:]
+
+
+def test_on_one_machine_the_store_binds_and_every_rank_dials_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.launch import ClusterEnvironment
+    from ember.strategies import ddp
+
+    stores: list[tuple[str, bool, str | None]] = []
+
+    def store(host: str, port: int, world_size: int, is_server: bool, timeout: Any, **options: Any) -> None:
+        bound = None
+        if "master_listen_fd" in options:
+            with socket.socket(fileno=os.dup(options["master_listen_fd"])) as listener:
+                bound = listener.getsockname()[0]
+        stores.append((host, is_server, bound))
+
+    monkeypatch.setattr(torch.distributed, "TCPStore", store)
+    monkeypatch.setattr(ddp, "_keep_alive", [])  # closes the listening socket after the test
+    port = _free_port()
+    for rank, nodes in ((0, 1), (1, 1), (0, 2), (1, 2)):
+        environment = ClusterEnvironment("slurm", 4, rank, rank, 4 // nodes, 0, "192.0.2.1", port + nodes)
+        ddp._make_store(environment, timedelta(seconds=1))
+    assert stores == [
+        ("127.0.0.1", True, "127.0.0.1"),
+        ("127.0.0.1", False, None),
+        ("192.0.2.1", True, None),  # across machines: the node list's first host, where rank zero runs
+        ("192.0.2.1", False, None),
+    ]
+
+
 IN_FLIGHT_AT_EXIT = """
 import atexit, torch, torch.distributed as dist
 from ember.launch import close_process_group
@@ -336,6 +401,32 @@ def test_layout_must_match_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None
         ember.Trainer(accelerator="cpu", devices=3)
     trainer = ember.Trainer(accelerator="cpu")
     assert (trainer.world_size, trainer.strategy.name) == (2, "ddp")
+
+
+@pytest.mark.parametrize("devices", ["auto", 2, "2"])
+def test_a_process_that_sees_one_gpu_of_several_on_its_node_drives_that_one(
+    devices: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """srun --gpus-per-task=1 (or CUDA_VISIBLE_DEVICES set per task): each of the node's tasks sees its own GPU,
+    as cuda:0."""
+    from ember.strategies import select_strategy
+
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(name)
+    for name, value in {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NNODES": "1",
+                        "SLURM_NODELIST": "node1", "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    strategy = select_strategy(accelerator="cuda", devices=devices, num_nodes=1, strategy="ddp",
+                               precision="32-true", sync_batchnorm=False)  # fmt: skip
+    assert strategy.root_device == torch.device("cuda", 0)
+    assert (strategy.world_size, strategy.global_rank, strategy.local_rank) == (2, 1, 1)
+    with pytest.raises(ValueError, match=r"devices=1, but slurm started 2 processes on this node"):
+        select_strategy(accelerator="cuda", devices=1, num_nodes=1, strategy="ddp", precision="32-true",
+                        sync_batchnorm=False)  # fmt: skip
 
 
 def test_legacy_local_rank_argument_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:

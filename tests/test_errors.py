@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import pytest
@@ -54,6 +55,31 @@ def test_cuda_without_a_gpu_is_refused() -> None:
         ember.Trainer(accelerator="cuda")
     with pytest.raises(ValueError, match="no CUDA device"):
         ember.Trainer(gpus=1)
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "missing"),
+    [("gpu", "no GPU (CUDA or Apple MPS)"), ("cuda", "no CUDA device"), ("mps", "no Apple MPS device")],
+)
+def test_an_accelerator_the_machine_lacks_says_what_to_pass_instead(
+    accelerator: str, missing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    expected = rf"accelerator='{accelerator}': {re.escape(missing)} is available on this machine; pass "
+    expected += "accelerator='cpu'"
+    for devices in ("auto", 1):
+        with pytest.raises(ValueError, match=expected) as error:
+            ember.Trainer(accelerator=accelerator, devices=devices)
+        assert "'auto'" in str(error.value) and "devices=0" not in str(error.value)
+
+
+def test_gpu_means_apple_mps_on_a_mac_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.strategies import _device_type
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert _device_type("gpu") == "mps"
 
 
 def test_older_gpus_flag_zero_means_cpu() -> None:

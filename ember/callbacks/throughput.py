@@ -7,7 +7,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -47,8 +47,13 @@ _PEAK_FLOPS: list[tuple[tuple[str, ...], dict[str, float]]] = [
 _WARMUP_BATCHES = 2
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The peak FLOP/s of ``device`` at ``precision`` (a Trainer precision name), or None if unknown."""
+def peak_flops(device: torch.device, precision: str, *, convolutions: bool = False) -> float | None:
+    """The peak FLOP/s of ``device`` at ``precision`` (a Trainer precision name), or None if unknown.
+
+    In float32 that is TF32's where torch lets the operations use TF32 tensor cores: matrix products
+    by the matmul precision, and with ``convolutions=True`` cuDNN's convolutions, which use them by
+    default.
+    """
     if device.type != "cuda":
         return None
     words = set(re.split(r"[^a-z0-9]+", torch.cuda.get_device_name(device).lower()))
@@ -62,8 +67,37 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     elif precision == "64-true":
         dtype = "fp64"
     else:
-        dtype = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+        dtype = "tf32" if _uses_tf32(convolutions) else "fp32"
     return peaks.get(dtype, peaks["fp32"] if dtype == "tf32" else None)  # no TF32 before Ampere
+
+
+def step_peak_flops(device: torch.device, precision: str, flops: Mapping[Any, float]) -> float | None:
+    """The peak FLOP/s of a step whose FLOPs per operator are ``flops`` (``FlopCounterMode``'s counts): its
+    FLOPs over the time they take with convolutions and the rest each at their own peak."""
+    matmuls, convolutions = peak_flops(device, precision), peak_flops(device, precision, convolutions=True)
+    total = sum(flops.values())
+    if matmuls is None or convolutions is None or not total:
+        return matmuls
+    in_convolutions = sum(count for op, count in flops.items() if "convolution" in str(op))
+    return total / (in_convolutions / convolutions + (total - in_convolutions) / matmuls)
+
+
+def _uses_tf32(convolutions: bool) -> bool:
+    """Whether float32 matrix products (or cuDNN convolutions) may run on TF32 tensor cores.
+
+    torch has two ways to say it: ``fp32_precision`` ("tf32", "ieee", or "none": as its parent says) on
+    ``torch.backends`` and its backends, and the older flags. The older getters raise once the newer
+    API has been used, so the newer settings are read first, the older flags only where none is set.
+    """
+    backends = torch.backends
+    chain = [getattr(backends.cudnn, "conv", None), backends.cudnn] if convolutions else [backends.cuda.matmul]
+    for backend in [*chain, backends]:
+        setting = getattr(backend, "fp32_precision", "none")  # absent in older torch
+        if setting != "none":
+            return setting == "tf32"
+    if convolutions:
+        return bool(backends.cudnn.allow_tf32)
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 class ThroughputMonitor(Callback):
@@ -83,6 +117,9 @@ class ThroughputMonitor(Callback):
             FLOP figures. Once measured, the attribute holds the count.
         peak_flops: the device's peak FLOP/s for MFU; by default looked up for common NVIDIA GPUs
             (H100, H200, A100, A10G, L4, L40S, V100, T4, RTX 4090, ...) in the dtype the precision uses.
+            In float32, convolutions and matrix products may differ (cuDNN runs convolutions on TF32
+            tensor cores by default, matrix products only with ``float32_matmul_precision="high"``): with
+            measured FLOPs, each counts at its own peak; with given ones, the matrix products' peak is used.
         batch_size_fn: the number of samples in a batch; by default the first dimension of the first
             tensor in it (read from its shape, so the device is not waited for).
         log_every_n_steps: how often to log; by default the Trainer's ``log_every_n_steps``.
@@ -159,6 +196,8 @@ class ThroughputMonitor(Callback):
         if self._counting is not None:
             self._stop_counting()
             self._set_measured_flops(self._counter.get_total_flops() / self.batch_size_fn(batch))
+            if self.peak_flops is None:  # now the share of convolutions, whose peak may differ, is known
+                self._peak = step_peak_flops(self._device, trainer.precision, self._counter.get_flop_counts()["Global"])
         self._seen += 1
         if self._seen <= _WARMUP_BATCHES:
             if self._seen == _WARMUP_BATCHES:

@@ -37,25 +37,28 @@ _ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 def _device_type(accelerator: str) -> str:
     if accelerator not in _ACCELERATORS:
         raise ValueError(f"accelerator={accelerator!r} is not supported; choose one of {_ACCELERATORS}")
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
     if accelerator == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        if torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-    if accelerator == "gpu":
-        return "cuda"
-    if accelerator == "cuda" and not torch.cuda.is_available():
-        raise ValueError("accelerator='cuda': no CUDA device is available on this machine")
-    if accelerator == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("accelerator='mps': no Apple MPS device is available on this machine")
+        return "cuda" if cuda else "mps" if mps else "cpu"
+    if not {"cpu": True, "cuda": cuda, "mps": mps, "gpu": cuda or mps}[accelerator]:
+        missing = {"gpu": "no GPU (CUDA or Apple MPS)", "cuda": "no CUDA device", "mps": "no Apple MPS device"}
+        raise ValueError(
+            f"accelerator={accelerator!r}: {missing[accelerator]} is available on this machine; pass "
+            "accelerator='cpu', or 'auto' to use whatever device it has"
+        )
+    if accelerator == "gpu":  # as in Lightning: whichever kind of GPU the machine has
+        return "cuda" if cuda else "mps"
     return accelerator
 
 
-def _parse_devices(
-    devices: int | str | Sequence[int], device_type: str, limit_to_cores: bool = True
-) -> list[torch.device]:
-    """The devices of this node: "auto", a count, -1 (all), a list of indices or "0,2"."""
+def _parse_devices(devices: int | str | Sequence[int], device_type: str, launched: bool = False) -> list[torch.device]:
+    """The devices of this node's processes: "auto", a count, -1 (all), a list of indices or "0,2".
+
+    With ``launched`` (a launcher started this node's processes), a count is the launcher's business
+    wherever each process has a device of its own and sees no other: CPU processes, and GPU processes
+    that see one GPU each (``srun --gpus-per-task=1``, ``CUDA_VISIBLE_DEVICES`` set per process).
+    Every entry is then that one device, as each process sees it.
+    """
     import os
 
     available = {
@@ -64,27 +67,14 @@ def _parse_devices(
         "cpu": os.cpu_count() or 1,
     }[device_type]
     what = {"cuda": "CUDA devices", "mps": "MPS device", "cpu": "CPU cores"}[device_type]
-    if devices == "auto":
-        devices = -1 if device_type == "cuda" else 1
-    if isinstance(devices, str):
-        text = devices.strip()
-        if text.lstrip("-").isdigit():
-            devices = int(text)
-        else:
-            try:
-                devices = [int(part) for part in text.split(",") if part.strip()]
-            except ValueError:
-                raise ValueError(
-                    f"devices={devices!r}: use 'auto', a count, -1 for all, or indices like '0,1'"
-                ) from None
-    if isinstance(devices, bool) or not isinstance(devices, (int, Sequence)):
-        raise ValueError(f"devices={devices!r}: use 'auto', a count, -1 for all, or a list of indices")
+    own_device = launched and (device_type == "cpu" or (device_type == "cuda" and available == 1))
+    devices = _count_or_indices(devices, device_type)
     if isinstance(devices, int):
         if devices == -1:
             devices = available if device_type != "cpu" else 1
         if devices < 1:
             raise ValueError(f"devices={devices}: at least one device is needed (-1 means all)")
-        if devices > available and (device_type != "cpu" or limit_to_cores):
+        if devices > available and not own_device:
             raise ValueError(f"devices={devices}, but this machine has {available} {what}")
         indices = list(range(devices))
     else:
@@ -96,7 +86,26 @@ def _parse_devices(
             raise ValueError(f"devices={devices!r}: {bad} out of range; this machine has {available} {what}")
     if device_type == "cpu":
         return [torch.device("cpu")] * len(indices)
+    if own_device:
+        return [torch.device(device_type, 0)] * len(indices)
     return [torch.device(device_type, index) for index in indices]
+
+
+def _count_or_indices(devices: int | str | Sequence[int], device_type: str) -> int | Sequence[int]:
+    """``devices`` as a count (-1: all) or a sequence of indices, from any of its spellings."""
+    if devices == "auto":
+        return -1 if device_type == "cuda" else 1
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text.lstrip("-").isdigit():
+            return int(text)
+        try:
+            return [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"devices={devices!r}: use 'auto', a count, -1 for all, or indices like '0,1'") from None
+    if isinstance(devices, bool) or not isinstance(devices, (int, Sequence)):
+        raise ValueError(f"devices={devices!r}: use 'auto', a count, -1 for all, or a list of indices")
+    return devices  # type: ignore[return-value]  # mypy: isinstance(_, Sequence) lets str back in
 
 
 def select_strategy(
@@ -114,8 +123,7 @@ def select_strategy(
     device_type = _device_type(accelerator)
     if environment is not None and devices == "auto":
         devices = environment.local_world_size  # one device per process the launcher started here
-    # A launcher already chose how many processes run here; the machine's core count is its business.
-    parallel_devices = _parse_devices(devices, device_type, limit_to_cores=environment is None)
+    parallel_devices = _parse_devices(devices, device_type, launched=environment is not None)
     if environment is not None:
         _check_against_launcher(environment, len(parallel_devices), num_nodes)
     processes = len(parallel_devices) * num_nodes

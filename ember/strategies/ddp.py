@@ -291,27 +291,32 @@ class _Switch(contextlib.AbstractContextManager):
 
 
 def _listen_on_loopback(environment: ClusterEnvironment) -> None:
-    if environment.single_machine and environment.main_address in ("127.0.0.1", "localhost"):
+    """On one machine, the process group's own sockets listen on 127.0.0.1 too, where the rendezvous is:
+    the store Ember serves for SLURM and mpirun jobs, or a launcher's store at a loopback address."""
+    ember_store = environment.launcher != "torchelastic"
+    if environment.single_machine and (ember_store or environment.main_address in ("127.0.0.1", "localhost")):
         interface = loopback_interface()
-        if interface is not None:  # the process group's own sockets listen on 127.0.0.1 too
+        if interface is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
 
 def _make_store(environment: ClusterEnvironment, timeout: timedelta) -> Any:
-    """The rendezvous store of a job started by SLURM or mpirun: rank zero serves it, the others connect."""
+    """The rendezvous store of a job started by SLURM or mpirun: rank zero serves it, the others connect.
+
+    On one machine it listens on 127.0.0.1 only (nothing outside the machine can reach it) and every rank
+    dials that address, not the node's name: that may resolve to a LAN address where nothing listens.
+    """
     from torch.distributed import TCPStore
 
     is_server = environment.global_rank == 0
+    host = "127.0.0.1" if environment.single_machine else environment.main_address
     options: dict[str, Any] = {}
     if is_server and environment.single_machine:
-        # Served from a socket bound to the loopback address: nothing outside the machine can reach it.
-        server = listening_socket("127.0.0.1", environment.main_port)
+        server = listening_socket(host, environment.main_port)
         options["master_listen_fd"] = server.fileno()
         _keep_alive.append(server)
-    return TCPStore(
-        environment.main_address, environment.main_port, environment.world_size, is_server, timeout, **options
-    )
+    return TCPStore(host, environment.main_port, environment.world_size, is_server, timeout, **options)
 
 
 _keep_alive: list[Any] = []

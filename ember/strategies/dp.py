@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ember.launch import ClusterEnvironment
+from ember.precision import Precision
 from ember.strategies.strategy import Strategy
 
 
@@ -16,7 +17,9 @@ class DataParallelStrategy(Strategy):
     the step runs on a replica of the module per GPU, and the losses are averaged.
 
     DDP (one process per GPU) is faster; this exists for scripts that use ``torch.nn.DataParallel``.
-    Values logged with ``self.log`` come from the first GPU's share of the batch.
+    Values logged with ``self.log`` come from the first GPU's share of the batch. The training step's
+    loss is the mean of the shares' losses; the other steps' outputs are gathered: tensors concatenated
+    along the batch dimension, Python numbers and 0-dim tensors into a vector of one value per GPU.
     """
 
     name = "dp"
@@ -55,23 +58,67 @@ class DataParallelStrategy(Strategy):
     def step(self, name: str, *args: Any) -> Any:
         if len(self.parallel_devices) == 1:
             return super().step(name, *args)
-        from torch.nn.parallel import gather, parallel_apply, replicate, scatter_kwargs
+        from torch.nn.parallel import parallel_apply, replicate
+        from torch.nn.parallel.scatter_gather import scatter_kwargs
 
         device_ids = [device.index for device in self.parallel_devices]
         inputs, _ = scatter_kwargs(args, None, device_ids)
-        replicas = replicate(self._module, device_ids[: len(inputs)], not torch.is_grad_enabled())
+        device_ids = device_ids[: len(inputs)]  # a batch smaller than the number of GPUs uses fewer
+        assert self._module is not None
+        replicas = replicate(self._module, device_ids, not torch.is_grad_enabled())
         for replica in replicas[1:]:
-            replica._trainer = None  # only the first share logs, or every value would be recorded N times
+            # Only the first share logs, or every value would be recorded once per GPU. The replicas keep
+            # the trainer (self.trainer, self.optimizers()), which they share with the module.
+            vars(replica)["log"] = _log_nothing
+        steps = [_in_context(self.precision, getattr(replica, name)) for replica in replicas]
         with self.precision.forward_context():
-            outputs = parallel_apply([getattr(replica, name) for replica in replicas], inputs)
+            outputs = parallel_apply(steps, inputs, None, device_ids)  # type: ignore[arg-type]  # any callables
         if all(output is None for output in outputs):
             return None
-        return _average_losses(gather(outputs, self.root_device))
+        output = _gather(outputs, self.root_device)
+        return _average_loss(output) if name == "training_step" else output
 
 
-def _average_losses(output: Any) -> Any:
-    """The replicas' losses were gathered into a vector; the step's loss is their mean."""
-    if isinstance(output, torch.Tensor) and output.dim() == 1:
+def _in_context(precision: Precision, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run in the precision's context in the thread that calls it.
+
+    Autocast's state is per thread: ``parallel_apply`` runs each replica in a thread of its own, which
+    re-enters autocast with the device's default dtype (float16 on CUDA), not the precision's.
+    """
+
+    def run(*args: Any) -> Any:
+        with precision.forward_context():
+            return function(*args)
+
+    return run
+
+
+def _log_nothing(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` on the replicas after the first."""
+
+
+def _gather(outputs: list[Any], device: torch.device) -> Any:
+    """The replicas' outputs as one, as ``DataParallel`` gathers them: tensors concatenated along the batch
+    dimension on ``device`` (0-dim ones, and Python numbers, into a vector of one value per replica),
+    containers item by item; other values are the first replica's."""
+    first = outputs[0]
+    rebuild: Any = type(first)
+    if isinstance(first, torch.Tensor):
+        tensors = [output.to(device) for output in outputs]
+        return torch.stack(tensors) if first.dim() == 0 else torch.cat(tensors)
+    if isinstance(first, (int, float)):
+        return torch.tensor(outputs, device=device)
+    if isinstance(first, Mapping):
+        return rebuild({key: _gather([output[key] for output in outputs], device) for key in first})
+    if isinstance(first, (list, tuple)):
+        items = [_gather(list(parts), device) for parts in zip(*outputs)]
+        return rebuild(*items) if hasattr(first, "_fields") else rebuild(items)
+    return first
+
+
+def _average_loss(output: Any) -> Any:
+    """The training step's loss is the mean of the replicas' losses, gathered into a vector."""
+    if isinstance(output, torch.Tensor):
         return output.mean()
     if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
         return {**output, "loss": output["loss"].mean()}

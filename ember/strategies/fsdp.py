@@ -44,12 +44,14 @@ class FSDPStrategy(ShardedStrategy):
             gradients. By default every micro-batch's gradients are reduce-scattered into the shards.
         process_group_backend, timeout: as for ``DDPStrategy``.
 
-    ``precision="bf16-mixed"`` computes with bfloat16 copies of the parameters and reduces gradients in
-    float32; a module built under ``torch.device("meta")`` is allocated shard by shard.
+    ``precision="bf16-mixed"`` (or ``"16-mixed"``) computes with 16-bit copies of the parameters and
+    reduces gradients in float32; a module built under ``torch.device("meta")`` is allocated shard by
+    shard.
     """
 
     name = "fsdp"
     converts_batchnorm = True
+    scales_losses_in_step = True  # every gradient is sharded alike over the one "data" mesh
 
     def __init__(
         self,
@@ -84,6 +86,14 @@ class FSDPStrategy(ShardedStrategy):
             raise ValueError(
                 "FSDPStrategy(cpu_offload=True) keeps the model's state in CPU memory between GPU computations; "
                 "on accelerator='cpu' it is there already, so leave cpu_offload off"
+            )
+        if self.cpu_offload and self.precision.name == "16-mixed":
+            # The overflow flag of gradients offloaded to the CPU would be all-reduced over NCCL, which takes
+            # GPU tensors only.
+            raise ValueError(
+                "FSDPStrategy(cpu_offload=True) with precision='16-mixed': the loss scaler checks the gradients "
+                "where they are offloaded, on the CPU, and cannot agree on the result across GPUs; use "
+                "precision='bf16-mixed'"
             )
 
     def lay_out(self, module: Module) -> None:

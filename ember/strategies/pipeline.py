@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ember._utils import apply_to_tensors
 from ember.strategies.sharded import ShardedStrategy, refuse_wrappers
 from ember.strategies.strategy import is_on_meta_device, materialize
 
@@ -226,8 +227,6 @@ class PipelineStrategy(ShardedStrategy):
             del self._module.forward
 
     def _forward_all_stages(self, *inputs: torch.Tensor) -> Any:
-        import torch.distributed as dist
-
         schedule = self._schedule("evaluate", inputs)
         del self._module.forward  # the stage itself runs the module's own forward
         try:
@@ -235,9 +234,33 @@ class PipelineStrategy(ShardedStrategy):
         finally:
             self._module.forward = self._forward_all_stages
         # Every stage returns the output, so that the step logs the same values on each rank.
-        holder = [output]
+        return self._broadcast_output(output)
+
+    def _broadcast_output(self, output: Any) -> Any:
+        """The last stage's ``output`` on every stage: its structure, with the tensors' shapes and dtypes,
+        pickled; the tensors themselves broadcast into tensors on this rank's device (a pickled GPU
+        tensor would be unpickled on the GPU it came from, the last stage's)."""
+        import torch.distributed as dist
+
+        sent: list[torch.Tensor] = []
+
+        def describe(tensor: torch.Tensor) -> torch.Tensor:
+            sent.append(tensor)
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+        holder = [apply_to_tensors(output, describe) if self._is_last_stage else None]
         dist.broadcast_object_list(holder, src=self._last_stage_rank, group=self._group, device=self.root_device)
-        return holder[0]
+        sending = iter(sent)
+
+        def fill(placeholder: torch.Tensor) -> torch.Tensor:
+            if self._is_last_stage:
+                tensor = next(sending).contiguous()
+            else:
+                tensor = torch.empty(placeholder.shape, dtype=placeholder.dtype, device=self.root_device)
+            dist.broadcast(tensor, src=self._last_stage_rank, group=self._group)
+            return tensor
+
+        return apply_to_tensors(holder[0], fill)
 
     def _schedule(self, kind: str, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None = None) -> Any:
         """The schedule for batches of these shapes: a stage infers its messages' shapes once."""

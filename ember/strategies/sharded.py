@@ -28,6 +28,12 @@ class ShardedStrategy(ParallelStrategy):
 
     #: Whether ``sync_batchnorm=True`` is honoured (the others refuse it rather than ignore it).
     converts_batchnorm = False
+    #: Whether ``precision="16-mixed"`` keeps the ranks in step: GradScaler's overflow check all-reduces
+    #: its flag over the mesh of the first DTensor gradient, with that gradient's placements, which
+    #: reaches every rank only when all gradients are sharded alike over one mesh (FSDP). Replicated
+    #: gradients (tensor parallel) and ordinary ones (pipeline stages) would let a rank whose gradients
+    #: overflowed skip a step that the others take.
+    scales_losses_in_step = False
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -37,11 +43,11 @@ class ShardedStrategy(ParallelStrategy):
         super().configure(**flags)
         if self.sync_batchnorm and not self.converts_batchnorm:
             raise ValueError(f"sync_batchnorm=True is not supported with strategy={self.name!r}; use strategy='fsdp'")
-        if self.precision.name == "16-mixed":
-            # GradScaler would skip a step on the ranks whose shards overflowed and take it on the others.
+        if self.precision.name == "16-mixed" and not self.scales_losses_in_step:
             raise ValueError(
-                f"precision='16-mixed' scales the loss per rank, which strategy={self.name!r} cannot keep in "
-                "step across shards; use precision='bf16-mixed'"
+                f"precision='16-mixed' skips the steps whose gradients overflowed, which strategy={self.name!r} "
+                "cannot decide alike on every rank (a rank would skip a step the others take); use "
+                "precision='bf16-mixed'"
             )
 
     def _device_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -64,7 +70,9 @@ class ShardedStrategy(ParallelStrategy):
                 tensor.clamp_(-max_value, max_value)
             return None
         norm = self._total_norm(grads)
-        torch._foreach_mul_(local, torch.clamp(max_value / (norm + 1e-6), max=1.0))
+        if local:
+            scale = torch.clamp(max_value / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(local, scale.to(local[0].device))  # offloaded gradients are on the CPU
         return norm
 
     def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -78,8 +86,12 @@ class ShardedStrategy(ParallelStrategy):
         squares = []
         for group in layouts.values():
             norm = torch.nn.utils.get_total_norm(group)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            squares.append(norm.float().square())
+            if isinstance(norm, DTensor):
+                # Reduced over the mesh, whose collectives (NCCL) take tensors on this rank's GPU only; with
+                # FSDP's cpu_offload the gradients, and so this rank's part of the norm, are on the CPU.
+                local = norm.to_local().to(self.root_device)
+                norm = DTensor.from_local(local, norm.device_mesh, norm.placements).full_tensor()
+            squares.append(norm.to(self.root_device).float().square())
         total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.root_device)
         group = self._split_group()
         if group is not None:

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Every GPU path of Ember in one command, on a machine with one or more NVIDIA GPUs:
+#
+#     bash bench/gpu_check.sh
+#
+# 1. the tests marked cuda (pytest -m cuda);
+# 2. bench/gpt.py: GPT-2 small in fp32, bf16-mixed and bf16-mixed + compile, tokens/s and MFU of Ember
+#    against the hand-written loop;
+# 3. with two or more GPUs: bench/memory.py (DDP against FSDP, memory per rank, two processes), and smoke
+#    runs of DDP, FSDP, dp and manual optimization on two GPUs (bench/gpu_smoke.py).
+#
+# It ends with one table: each item, pass/fail, and its key figure; the logs of failed items are shown
+# above it. The exit status is 1 if any item failed. On a machine without a GPU it says so and exits 0.
+# It needs python3 with torch and pytest (PYTHON=... picks another interpreter); Ember is imported from
+# this checkout. Each item has a time limit (seconds), which CHECK_TIMEOUT=... overrides.
+
+set -u
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON="${PYTHON:-python3}"
+
+if ! GPUS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)"; then
+    echo "gpu_check: cannot import torch with $PYTHON (set PYTHON=... to the interpreter that has it)"
+    exit 1
+fi
+if [ "$GPUS" -eq 0 ]; then
+    echo "gpu_check: skipped: no GPU (torch.cuda.device_count() is 0 with $PYTHON)"
+    exit 0
+fi
+
+LOGS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+ROWS=()    # "item|pass or FAIL|key figure"
+FAILED=0
+
+# run NAME SECONDS COMMAND...: run COMMAND with its output in $LOGS/NAME.log; its status is kept in $STATUS.
+run() {
+    local name="$1" seconds="${CHECK_TIMEOUT:-$2}"
+    shift 2
+    echo "gpu_check: $name ..." >&2
+    timeout --kill-after=30 "$seconds" "$@" >"$LOGS/$name.log" 2>&1
+    STATUS=$?
+    if [ "$STATUS" -eq 124 ] || [ "$STATUS" -eq 137 ]; then
+        echo "(timed out after $seconds s)" >>"$LOGS/$name.log"
+    fi
+}
+
+# trim: strip the spaces around each line of stdin.
+trim() { sed -e 's/^ *//' -e 's/ *$//'; }
+
+# row NAME FIGURE: record the last command's result.
+row() {
+    local verdict=pass
+    if [ "$STATUS" -ne 0 ]; then
+        verdict=FAIL
+        FAILED=1
+        echo "===== $1 failed (exit status $STATUS); the end of $LOGS/$1.log:"
+        tail -n 40 "$LOGS/$1.log"
+        echo
+    fi
+    ROWS+=("$1|$verdict|$2")
+}
+
+# ------------------------------------------------------------------------------------ the tests
+run cuda-tests 1800 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" tests
+# pytest exits 5 when every test was deselected: no cuda test at all is a failure here too.
+row cuda-tests "$(grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)' "$LOGS/cuda-tests.log" | tail -n 1 | tr -d '=' | trim)"
+
+# ------------------------------------------------------------------------------------ GPT-2 small
+run gpt 1800 "$PYTHON" bench/gpt.py
+# One row per mode: the last five fields of a table line are hand tok/s, MFU, Ember tok/s, MFU, Ember/hand.
+MODES="$(awk 'NF >= 6 && $NF ~ /^[0-9.]+x$/ {
+    label = $1; for (i = 2; i <= NF - 5; i++) label = label " " $i
+    printf "gpt %s|pass|Ember %d tok/s (MFU %s), hand-written %d tok/s (MFU %s): Ember/hand %s\n",
+           label, $(NF - 2), $(NF - 1), $(NF - 4), $(NF - 3), $NF }' "$LOGS/gpt.log")"
+if [ "$STATUS" -eq 0 ] && [ -n "$MODES" ]; then
+    while IFS= read -r line; do
+        ROWS+=("$line")
+    done <<<"$MODES"
+else
+    [ "$STATUS" -eq 0 ] && STATUS=1  # it ran, but printed no figures
+    row gpt "no figures"
+fi
+
+# ------------------------------------------------------------------------------------ two GPUs
+if [ "$GPUS" -ge 2 ]; then
+    run memory 1200 "$PYTHON" bench/memory.py --accelerator cuda
+    # The table's rows: | strategy | parameters + optimizer state | peak allocated |, per rank.
+    row memory "$(awk -F'|' '$2 ~ /DDP|FSDP/ { gsub(/^ +| +$/, "", $2); gsub(/^ +| +$/, "", $3);
+        gsub(/^ +| +$/, "", $4); printf "%s%s: %s held, %s peak", sep, $2, $3, $4; sep = "; " }' "$LOGS/memory.log")"
+    for smoke in ddp fsdp dp manual; do
+        run "smoke-$smoke" 600 "$PYTHON" bench/gpu_smoke.py "$smoke"
+        row "smoke-$smoke" "$(grep -E '^smoke: ' "$LOGS/smoke-$smoke.log" | tail -n 1 | cut -d: -f3- | trim)"
+    done
+else
+    ROWS+=("memory|skipped|needs two GPUs (two processes)")
+    ROWS+=("2-GPU smoke runs|skipped|needs two GPUs")
+fi
+
+# ------------------------------------------------------------------------------------ the table
+echo
+echo "gpu_check on $GPUS GPU(s): $("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0), "- torch", torch.__version__)')"
+printf '%-34s %-8s %s\n' "item" "result" "key figure"
+printf '%-34s %-8s %s\n' "----" "------" "----------"
+for entry in "${ROWS[@]}"; do
+    IFS='|' read -r name verdict figure <<<"$entry"
+    printf '%-34s %-8s %s\n' "$name" "$verdict" "${figure:-(none: see the log)}"
+done
+echo "logs: $LOGS"
+exit "$FAILED"

@@ -1,0 +1,106 @@
+"""A smoke run on two GPUs, for ``bench/gpu_check.sh``: a small MLP trained for a few dozen steps.
+
+    python bench/gpu_smoke.py ddp|fsdp|dp|manual [--accelerator cuda|cpu]
+
+ddp, fsdp and dp are the strategies of those names; manual is manual optimization (``self.optimizers()``,
+``self.manual_backward``) under DDP. ddp, fsdp and manual run in two processes (the script starts them), dp
+in one that drives both GPUs. The run passes when the loss falls and stays finite and, with two processes,
+the ranks end with the same parameters. Rank zero prints one line, ``smoke: <run> ok|FAILED: ...``, and the
+exit status is 1 when it failed. ``--accelerator cpu`` runs the same (but dp) on two CPU processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+
+RUNS = ("ddp", "fsdp", "dp", "manual")
+STEPS, BATCH = 60, 64
+
+
+class Regression(ember.Module):
+    def __init__(self, manual: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+        self.automatic_optimization = not manual
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        x, y = batch
+        loss = F.mse_loss(self(x).float(), y)  # through forward: FSDP gathers the parameters in its hooks
+        self.losses.append(loss.detach())
+        self.log("loss", loss)
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        fused = self.device.type == "cuda"  # no per-step host sync under 16-mixed
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=fused or None)
+
+
+def data(samples: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 32, generator=generator)
+    y = x[:, :4].sum(dim=1, keepdim=True) / 2
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+
+
+def checksum(module: nn.Module) -> torch.Tensor:
+    """One number from all of the parameters (gathered whole from their shards)."""
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
+    return torch.stack([p.detach().double().sum() for p in whole]).sum()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", choices=RUNS)
+    parser.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda")
+    args = parser.parse_args()
+    if args.run == "dp" and args.accelerator != "cuda":
+        parser.error("dp drives several GPUs from one process; it needs --accelerator cuda")
+    cuda = args.accelerator == "cuda"
+    precision = "bf16-mixed" if cuda and torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
+    trainer = ember.Trainer(
+        accelerator=args.accelerator, devices=2, strategy="ddp" if args.run == "manual" else args.run,
+        precision=precision if cuda else "32-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    model = Regression(manual=args.run == "manual")
+    start = time.perf_counter()
+    trainer.fit(model, data(STEPS * BATCH * 2))
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    losses = torch.stack(model.losses).float().cpu()
+    first, last = losses[:5].mean().item(), losses[-5:].mean().item()
+    sums = trainer.strategy.all_gather(checksum(model).to(trainer.strategy.root_device)).cpu()
+    ok = bool(losses.isfinite().all()) and last < 0.8 * first and bool((sums == sums[0]).all())
+    samples_per_second = trainer.global_step * BATCH * trainer.world_size / seconds
+    trainer.print(
+        f"smoke: {args.run} {'ok' if ok else 'FAILED'}: loss {first:.3f} -> {last:.3f}, "
+        f"{samples_per_second:.0f} samples/s, {trainer.global_step} steps, {trainer.world_size} process(es), "
+        f"{precision if cuda else '32-true'}, ranks {'agree' if bool((sums == sums[0]).all()) else 'DISAGREE'}"
+    )
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
