@@ -22,6 +22,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -578,7 +579,7 @@ def _user_frame(direct: bool = False) -> str | None:
     None if Ember made it (its reads happen at log time, by design) or, with ``direct``, if torch's
     own code made it on the user's behalf.
     """
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith(_EMBER_DIR):

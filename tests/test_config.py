@@ -62,6 +62,7 @@ def test_the_config_is_frozen_keyword_only_and_derives_its_defaults() -> None:
 def test_every_field_is_documented() -> None:
     import ast
     import inspect
+    import itertools
 
     from ember import config
 
@@ -69,7 +70,7 @@ def test_every_field_is_documented() -> None:
     body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "TrainerConfig").body
     documented = {
         field.target.id
-        for field, following in zip(body, body[1:])
+        for field, following in itertools.pairwise(body)
         if isinstance(field, ast.AnnAssign)
         and isinstance(field.target, ast.Name)
         and isinstance(following, ast.Expr)

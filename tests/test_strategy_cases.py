@@ -66,10 +66,15 @@ def test_a_two_optimizer_gan_step_keeps_the_ranks_equal(two_ranks: dict[str, lis
         assert torch.equal(mine, theirs)
 
 
+COMPILED = [
+    ("fsdp_compile", [[""], [""]]),  # the whole (sharded) module
+    ("model_parallel_compile", [[""], [""]]),
+    ("pipeline_compile", [["layers.0"], ["layers.1", "layers.2"]]),  # each stage's own layers
+]
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("case", "expected"), [("fsdp_compile", [[""], [""]]),
-                                                ("model_parallel_compile", [[""], [""]]),
-                                                ("pipeline_compile", [["layers.0"], ["layers.1", "layers.2"]])])  # fmt: skip
+@pytest.mark.parametrize(("case", "expected"), COMPILED)
 def test_compile_is_applied_under_sharded_strategies(
     two_ranks: dict[str, list[dict[str, Any]]], case: str, expected: list[list[str]]
 ) -> None:

@@ -205,7 +205,7 @@ class ThroughputMonitor(Callback):
             return
         self._batches += 1
         self._samples += self.batch_size_fn(batch)
-        if trainer.fit_loop.stepped and trainer.global_step % self._every == 0:
+        if self._start is not None and trainer.fit_loop.stepped and trainer.global_step % self._every == 0:
             now = self._now()
             figures = self._figures(self._elapsed + now - self._start, trainer)
             trainer.run_metrics.write(figures, trainer.global_step, trainer.current_epoch)

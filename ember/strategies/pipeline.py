@@ -210,29 +210,31 @@ class PipelineStrategy(ShardedStrategy):
         else:
             loss = torch.zeros((), device=self.root_device)
         dist.broadcast(loss, src=self._last_stage_rank, group=self._group)
+        assert self._step_loss is not None  # the step made it before its backward ran this
         self._step_loss.copy_(loss)
 
     def _micro_batch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self._module.pipeline_loss(output, target)
+        loss = self.module.pipeline_loss(output, target)
         self._losses.append(loss.detach())
+        assert self._loss_scale is not None  # set by _train_micro_batches before the schedule runs
         return loss * self._loss_scale
 
     @contextlib.contextmanager
     def _forward_runs_pipeline(self) -> Iterator[None]:
         """While active, calling the module runs every stage and returns the last one's output."""
-        self._module.forward = self._forward_all_stages
+        self.module.forward = self._forward_all_stages
         try:
             yield
         finally:
-            del self._module.forward
+            del self.module.forward
 
     def _forward_all_stages(self, *inputs: torch.Tensor) -> Any:
         schedule = self._schedule("evaluate", inputs)
-        del self._module.forward  # the stage itself runs the module's own forward
+        del self.module.forward  # the stage itself runs the module's own forward
         try:
             output = schedule.step(*self._first_stage(inputs))
         finally:
-            self._module.forward = self._forward_all_stages
+            self.module.forward = self._forward_all_stages
         # Every stage returns the output, so that the step logs the same values on each rank.
         return self._broadcast_output(output)
 
@@ -273,7 +275,7 @@ class PipelineStrategy(ShardedStrategy):
             )
         key = (kind, *((tensor.shape, tensor.dtype) for tensor in (*inputs, *([target] if target is not None else []))))
         if key not in self._schedules:
-            stage = PipelineStage(self._module, self.stage_index, self.num_stages, self.root_device, group=self._group)
+            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.root_device, group=self._group)
             if kind == "evaluate":
                 self._schedules[key] = ScheduleGPipe(stage, self.n_microbatches)  # no loss: forwards only
             else:
@@ -295,7 +297,7 @@ class PipelineStrategy(ShardedStrategy):
         return self._group
 
     def _own_entries(self, state: dict[str, Any]) -> dict[str, Any]:
-        own = self._module.state_dict().keys()
+        own = self.module.state_dict().keys()
         return {key: value for key, value in state.items() if key in own}
 
 

@@ -93,9 +93,9 @@ class ShardedStrategy(ParallelStrategy):
                 norm = DTensor.from_local(local, norm.device_mesh, norm.placements).full_tensor()
             squares.append(norm.to(self.root_device).float().square())
         total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.root_device)
-        group = self._split_group()
-        if group is not None:
-            torch.distributed.all_reduce(total, group=group)  # the other stages' parameters
+        stages = self._split_group()
+        if stages is not None:
+            torch.distributed.all_reduce(total, group=stages)  # the other stages' parameters
         return total.sqrt()
 
     def _split_group(self) -> ProcessGroup | None:
@@ -106,7 +106,7 @@ class ShardedStrategy(ParallelStrategy):
     def module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self._module)
+        return get_model_state_dict(self.module)
 
     def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -114,7 +114,7 @@ class ShardedStrategy(ParallelStrategy):
         full = not _has_dtensors(state.values())  # from an ordinary file: every rank takes its part
         if full:
             state = self._own_entries(state)
-        set_model_state_dict(self._module, state, options=StateDictOptions(full_state_dict=full, strict=strict))
+        set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=full, strict=strict))
 
     def _own_entries(self, state: dict[str, Any]) -> dict[str, Any]:
         """The entries of a whole model's state dict that this rank holds."""
@@ -125,7 +125,7 @@ class ShardedStrategy(ParallelStrategy):
 
         # Flattened and keyed by parameter name: no two ranks write different values under one key.
         options = StateDictOptions(flatten_optimizer_state_dict=True)
-        return get_optimizer_state_dict(self._module, optimizer, options=options)
+        return get_optimizer_state_dict(self.module, optimizer, options=options)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -133,17 +133,17 @@ class ShardedStrategy(ParallelStrategy):
         full = "param_groups" in state  # Optimizer.state_dict()'s format, from an ordinary file
         if full:
             names = self._parameter_names()[self._optimizers.index(optimizer)]
-            kept = {name for name, _ in self._module.named_parameters()}
+            kept = {name for name, _ in self.module.named_parameters()}
             state = sharded_checkpoint.name_optimizer_state(state, names, kept)
         # Whole states are given nested: torch reads flattened ones only when they are shards.
         options = StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=not full)
-        set_optimizer_state_dict(self._module, optimizer, state, options=options)
+        set_optimizer_state_dict(self.module, optimizer, state, options=options)
 
     def _parameter_names(self) -> list[list[list[str]]]:
         """Per optimizer, per param group: the names of its parameters on all ranks, in rank order."""
         import torch.distributed as dist
 
-        names = {parameter: name for name, parameter in self._module.named_parameters()}
+        names = {parameter: name for name, parameter in self.module.named_parameters()}
         local = [[[names[p] for p in group["params"]] for group in opt.param_groups] for opt in self._optimizers]
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, local)

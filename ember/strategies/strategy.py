@@ -74,6 +74,13 @@ class Strategy:
         return self.parallel_devices[0]
 
     @property
+    def module(self) -> Module:
+        """The module ``setup_module`` set up (an error before that)."""
+        if self._module is None:
+            raise RuntimeError(f"{type(self).__name__}.setup_module() has not been called")
+        return self._module
+
+    @property
     def world_size(self) -> int:
         return 1
 
