@@ -12,6 +12,7 @@ import copy
 import functools
 import math
 import random
+import signal
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
@@ -120,8 +121,8 @@ def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: 
             prepared.pin_memory = True
         else:
             prepared.collate_fn = functools.partial(_pinned, loader.collate_fn)
-    if loader.num_workers > 0 and loader.worker_init_fn is None:
-        prepared.worker_init_fn = _seed_worker
+    if loader.num_workers > 0:
+        prepared.worker_init_fn = _WorkerStart(loader.worker_init_fn)
     return prepared
 
 
@@ -161,6 +162,28 @@ def _shard_sampler(loader: DataLoader, strategy: Strategy) -> DistributedSampler
         )
         return None
     return _ShardSampler(loader.dataset, shuffle=isinstance(loader.sampler, RandomSampler), **options)
+
+
+class _WorkerStart:
+    """What a loader worker runs first: it leaves the signals that stop training to the main process, then
+    seeds the worker (unless the user's ``worker_init_fn``, run instead, does its own seeding).
+
+    A launcher (torchrun, SLURM's ``scancel --signal``, Ctrl-C in a terminal) signals the whole process
+    group: were the workers to die of it, the main process could not fetch the batches it needs to reach
+    the step where it saves. They end with the main process instead.
+    """
+
+    def __init__(self, user_init: Callable[[int], None] | None) -> None:
+        self.user_init = user_init
+
+    def __call__(self, worker_id: int) -> None:
+        for name in ("SIGTERM", "SIGINT", "SIGUSR1"):
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        if self.user_init is not None:
+            self.user_init(worker_id)
+        else:
+            _seed_worker(worker_id)
 
 
 def _seed_worker(worker_id: int) -> None:

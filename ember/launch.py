@@ -239,12 +239,28 @@ def run(
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as failure:
+        stopped = _stopped_by_signal(failure)
+        if stopped is not None:  # the workers saved and exited as asked: one line, not a failure report
+            print(f"ember run: the workers stopped on {stopped.name} after saving a checkpoint", file=sys.stderr)
+            return 128 + int(stopped)
         print(failure.format_msg(), file=sys.stderr)
         return 1
     except SignalException as interrupted:
         print(f"ember run: stopped by {interrupted.sigval.name}; all workers were ended", file=sys.stderr)
         return 128 + int(interrupted.sigval)
     return 0
+
+
+def _stopped_by_signal(failure: Exception) -> signal.Signals | None:
+    """The signal the workers stopped on, when a Trainer saved and exited on it (SIGTERM, Ctrl-C or SLURM's
+    SIGUSR1) with its usual status 128 + N; the agent may have ended the others with the same signal
+    (status -N) as the first one left. None when any worker failed otherwise."""
+    codes = {process.exitcode for process in getattr(failure, "failures", {}).values()}
+    for name in ("SIGTERM", "SIGINT", "SIGUSR1"):
+        number = int(getattr(signal, name, 0))
+        if number and 128 + number in codes and codes <= {128 + number, -number}:
+            return signal.Signals(number)
+    return None
 
 
 _LOOPBACK_BACKEND = "ember-loopback"

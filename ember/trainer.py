@@ -10,6 +10,7 @@ import contextlib
 import functools
 import math
 import os
+import signal
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -17,12 +18,14 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
+from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar
 from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig
 from ember.data import prepare_loader
 from ember.doctor import Doctor, DoctorDone, active_doctor
 from ember.loggers import CSVLogger, Logger
+from ember.loggers.logger import VersionedLogger, claim_version, lineage_version, settle_versions
 from ember.loops import EvaluationLoop, FitLoop, Hooks, PredictionLoop
 from ember.metrics import RunMetrics
 from ember.module import DataModule, Module
@@ -121,6 +124,8 @@ class Trainer:
         self.lightning_module: Module | None = None
         self.datamodule: DataModule | None = None
         self._environment_ready = False
+        self._run_settled = False
+        self._run_version: int | None = None  # the run directory's version when no logger keeps one
         self._doctor: Doctor | None = None
 
     # ----------------------------------------------------------------------- process layout
@@ -289,8 +294,29 @@ class Trainer:
 
     @property
     def log_dir(self) -> str | None:
-        """The first logger's run directory (the same on every rank once a stage has started)."""
-        return self.loggers[0].log_dir if self.loggers else None
+        """This run's directory: the first logger's (the same on every rank once a stage has started), or,
+        when no logger keeps files, one claimed under ``runs_dir`` for the run's checkpoints."""
+        log_dir = self.loggers[0].log_dir if self.loggers else None
+        if log_dir is None and self._run_version is not None:
+            return os.path.join(self.runs_dir, f"version_{self._run_version}")
+        return log_dir
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where this run's checkpoints go: the first ModelCheckpoint's directory, else ``<log_dir>/checkpoints``."""
+        callback = self.checkpoint_callback
+        if callback is not None and callback.dirpath:
+            return callback.dirpath
+        return os.path.join(self.log_dir or self.default_root_dir, "checkpoints")
+
+    @property
+    def runs_dir(self) -> str:
+        """Where this run's directory and its predecessors' (``version_N``) are: the first file-keeping
+        logger's ``<save_dir>/<name>``, else ``<default_root_dir>/ember_logs``."""
+        for logger in self.loggers:
+            if isinstance(logger, VersionedLogger):
+                return logger.runs_dir
+        return os.path.join(self.default_root_dir, "ember_logs")
 
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
@@ -356,11 +382,14 @@ class Trainer:
             train_loader = self._loaders("train", train_dataloaders, required=True)[0]
             val_loaders = self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
             path = self._resolve_checkpoint(ckpt_path)
+            # Resumed with "last", the run continues its predecessor in place; otherwise it is a run of its own.
+            self._settle_run_directory(continuing=path if ckpt_path == "last" else None)
             restore = functools.partial(self._restore, path, weights_only) if path is not None else None
             self.fit_loop.run(train_loader, val_loaders, restore)
         if self.preempted:
-            self.print("stopped by a preemption signal after saving a checkpoint; exiting")
-            raise SystemExit(0)
+            # The usual status of a process ended by that signal (143 for SIGTERM, 130 for Ctrl-C), so that
+            # schedulers and launchers see the run was stopped, not finished.
+            raise SystemExit(128 + (self.fit_loop.stop_signal or signal.SIGTERM))
 
     def validate(
         self,
@@ -431,8 +460,20 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:
-        """Write the training state (or only the weights) to ``filepath``; call it on every rank."""
+        """Write the training state (or only the weights) to ``filepath``; call it on every rank.
+
+        Non-finite weights are never saved: a NaN or infinity raises a ``FloatingPointError`` instead, and
+        the checkpoints saved before stay as they are.
+        """
         self.fit_loop.check_losses()  # a NaN loss must never be saved over a good checkpoint
+        module = self.lightning_module
+        nonfinite = checkpoint_state.nonfinite_parameters(module) if module is not None else []
+        if self.strategy.reduce(torch.tensor(float(len(nonfinite))), "max") > 0:
+            shown = f" ({', '.join(nonfinite[:5])}{', ...' if len(nonfinite) > 5 else ''})" if nonfinite else ""
+            raise FloatingPointError(
+                f"the weights hold NaN or infinite values at global step {self.global_step}{shown}: "
+                f"{os.fspath(filepath)!r} was not saved, and the checkpoints saved before are kept"
+            )
         checkpoint = checkpoint_state.training_state(self, weights_only=weights_only)
         self.strategy.save_checkpoint(checkpoint, os.fspath(filepath))
 
@@ -481,7 +522,7 @@ class Trainer:
             status = "interrupted"  # `ember doctor` has seen enough steps
             raise
         except BaseException as exception:
-            if isinstance(exception, KeyboardInterrupt):
+            if isinstance(exception, KeyboardInterrupt):  # Ctrl-C outside training, or a second one in it
                 status = "interrupted"
             if self._hooks is not None:
                 self._hooks.call_callbacks("on_exception", exception)
@@ -501,10 +542,8 @@ class Trainer:
         if not self._environment_ready:
             self.strategy.setup_environment()
             self._environment_ready = True
-            # Rank zero picks each run's version before anything is written, so that loggers sharing a
-            # directory write into the same run; the other ranks follow it.
-            for logger in self.loggers:
-                logger.use_version(self.strategy.broadcast(logger.version if self.is_global_zero else None))
+        if stage != "fit":  # fit settles it once it knows whether it continues an earlier run
+            self._settle_run_directory()
         if datamodule is not None:
             if self.local_rank == 0:
                 datamodule.prepare_data()
@@ -536,6 +575,46 @@ class Trainer:
             self.strategy.teardown()
             self.stage = None
             self._hooks = None
+
+    def _settle_run_directory(self, continuing: str | None = None) -> None:
+        """Rank zero claims this run's directory (or, continuing a checkpoint in place, takes the one that
+        holds it) and checks that it can write there, before any work; every rank then uses the same one."""
+        if self._run_settled:
+            return
+        outcome = self._claim_run_directory(continuing) if self.is_global_zero else None
+        versions, run_version, problem = self.strategy.broadcast(outcome)
+        if problem is not None:
+            raise OSError(problem)
+        for logger, version in zip(self.loggers, versions):
+            logger.use_version(version)
+        self._run_version = run_version
+        self._run_settled = True
+
+    def _claim_run_directory(self, continuing: str | None) -> tuple[list[int | str], int | None, str | None]:
+        try:
+            versions = settle_versions(self.loggers, continuing)
+            run_version = None
+            # Without a logger that keeps files, checkpoints that have no directory of their own still get one
+            # that belongs to this run alone.
+            homeless = any(callback.dirpath is None for callback in self.checkpoint_callbacks)
+            if self.stage == "fit" and homeless and not any(logger.log_dir for logger in self.loggers):
+                run_version = lineage_version(self.runs_dir, continuing)
+                run_version = claim_version(self.runs_dir) if run_version is None else run_version
+            self._run_version = run_version
+            for directory in self._directories_written():
+                checkpoint_io.prepare_directory(directory)
+        except OSError as error:
+            return [], None, str(error)
+        return versions, run_version, None
+
+    def _directories_written(self) -> list[str]:
+        """The directories this run writes into: its run directory and its checkpoints' directories."""
+        log_dir = self.log_dir
+        directories = [log_dir] if log_dir is not None else []
+        default = os.path.join(log_dir or self.default_root_dir, "checkpoints")
+        if self.stage == "fit":
+            directories += [callback.dirpath or default for callback in self.checkpoint_callbacks]
+        return directories
 
     def _start_doctor(self) -> None:
         doctor = active_doctor()  # `ember doctor` runs this script

@@ -109,15 +109,16 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
         launcher += ["-m", "ember", "run", "--nproc-per-node", str(processes)]
     job = subprocess.Popen(
         [*launcher, SCRIPT, "--out", out, "--pause", "0.05", "--accumulate", str(accumulate)],
-        cwd=out, stdout=subprocess.PIPE, text=True,
+        cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     workers = wait_for_workers(job, "resume_job", processes, settle=0) if processes > 1 else [job.pid]
     _wait_for_a_checkpoint(out)  # training has begun (the signal handlers are in place) and is far from done
     # With two processes only the last worker is told: the ranks must still agree to stop at the same step.
     os.kill(workers[-1], signal.SIGTERM)
-    stdout, _ = job.communicate(timeout=60)
-    assert job.returncode == 0, stdout
-    assert "preemption signal received: saved" in stdout
+    stdout, stderr = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGTERM, stdout + stderr  # the usual status of a SIGTERM'd process
+    assert "preemption signal received: saved" in stdout and 'ckpt_path="last"' in stdout
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr
     last = checkpoint_state.find_checkpoint(quiet_trainer(default_root_dir=out), "last")
     assert last is not None and last.endswith("last.ckpt")
     assert 0 < checkpoint_io.load(last)["global_step"] < 70
@@ -125,6 +126,65 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for rank in range(processes):
         _assert_identical(_final(out, rank), _final(uninterrupted(processes, accumulate), rank))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("processes", "signal_name"), [(2, "SIGTERM"), (1, "SIGINT")])
+def test_a_signal_to_the_whole_job_with_loader_workers_saves_and_resumes_exactly(
+    processes: int, signal_name: str, uninterrupted: Callable[[int, int], str], tmp_path: Any
+) -> None:
+    """What torchrun, SLURM's scancel and Ctrl-C in a terminal do: signal every process of the job, the
+    DataLoader workers (two per rank here) and the launcher included. The save must not need the workers."""
+    out = str(tmp_path)
+    launcher = [sys.executable] + (["-m", "ember", "run", "--nproc-per-node", str(processes)] if processes > 1 else [])
+    job = subprocess.Popen(
+        [*launcher, SCRIPT, "--out", out, "--pause", "0.05", "--accumulate", "2"],
+        cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    _wait_for_a_checkpoint(out)
+    number = getattr(signal, signal_name)
+    os.killpg(job.pid, number)
+    stdout, stderr = job.communicate(timeout=90)
+    assert job.returncode == 128 + number, stdout + stderr[-3000:]
+    assert stdout.count("preemption signal received: saved") == 1, stdout  # one line, from rank zero
+    assert "Traceback" not in stderr, stderr[-3000:]
+    resumed = _job(out, "--ckpt-path", "last", "--accumulate", "2", processes=processes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in range(processes):
+        _assert_identical(_final(out, rank), _final(uninterrupted(processes, 2), rank))
+
+
+class _CtrlC(Callback):
+    """Presses Ctrl-C (SIGINT to this process) ``times`` times at the end of batch ``at``."""
+
+    def __init__(self, at: int, times: int) -> None:
+        self.at, self.times = at, times
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if trainer.global_step == self.at:
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_exits_with_130(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trainer = quiet_trainer(max_epochs=5, default_root_dir=str(tmp_path), callbacks=[_CtrlC(at=3, times=1)])
+    with pytest.raises(SystemExit) as exited:
+        trainer.fit(Regressor(), make_loader())
+    assert exited.value.code == 130 and trainer.global_step == 3
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and "saved" in printed[0] and "(SIGINT)" in printed[0] and 'ckpt_path="last"' in printed[0]
+    assert checkpoint_io.load(os.path.join(trainer.checkpoint_dir, "last.ckpt"))["global_step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back after fit
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path: Any) -> None:
+    trainer = quiet_trainer(max_epochs=5, default_root_dir=str(tmp_path), callbacks=[_CtrlC(at=3, times=2)])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(Regressor(), make_loader())
+    assert trainer.global_step == 3 and not os.path.exists(os.path.join(trainer.checkpoint_dir, "last.ckpt"))
 
 
 def _wait_for_a_checkpoint(directory: str) -> None:
@@ -302,7 +362,7 @@ def test_a_preemption_signal_under_slurm_saves_requeues_and_exits(
     trainer = quiet_trainer(max_epochs=5, default_root_dir=root, slurm_requeue=True, callbacks=[Preempted()])
     with pytest.raises(SystemExit) as exited:
         trainer.fit(Regressor(), make_loader())
-    assert exited.value.code == 0 and trainer.preempted
+    assert exited.value.code == 128 + getattr(signal, signal_name) and trainer.preempted  # the usual status
     assert commands == [["scontrol", "requeue", "4242"]]
     saved = checkpoint_io.load(os.path.join(trainer.log_dir, "checkpoints", "last.ckpt"))
     progress = saved["loops"]["fit_loop"]["progress"]

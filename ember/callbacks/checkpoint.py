@@ -152,11 +152,15 @@ class ModelCheckpoint(Callback):
             "latest_paths": list(self._latest_paths),
         }
 
+    def on_load_checkpoint(self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]) -> None:
+        self._default_dirpath(trainer)  # the state is this callback's own only if it was saved from here
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.dirpath is None:
-            self.dirpath = state.get("dirpath")  # a resumed run keeps saving where the run did
+        # A run continued in place ("last") saves where its predecessor did and takes over its files. A
+        # run started from another run's checkpoint has a directory of its own: the other run's bookkeeping
+        # does not describe it, and its files are not this run's to replace or delete.
         if state.get("dirpath") != self.dirpath:
-            return  # a different directory: its bookkeeping does not describe ours
+            return
         self.best_model_path = state["best_model_path"]
         self.best_model_score = state["best_model_score"]
         self.best_k_models = dict(state["best_k_models"])
@@ -168,11 +172,9 @@ class ModelCheckpoint(Callback):
         if self._last_saved_step == trainer.global_step:
             return  # nothing trained since the last save (accumulating micro-batches share a step)
         self._last_saved_step = trainer.global_step
-        if self.dirpath is None:
-            # Decided at the first save: a resumed run has adopted its predecessor's run directory by then.
-            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+        directory = self._default_dirpath(trainer)
         path, evicted = self._choose_path(trainer)
-        last = os.path.join(self.dirpath, self.LAST_NAME + self.FILE_EXTENSION) if self.save_last else None
+        last = os.path.join(directory, self.LAST_NAME + self.FILE_EXTENSION) if self.save_last else None
         if last is not None:
             self.last_model_path = last
         # The bookkeeping above is final before writing, so each checkpoint carries its own save's state.
@@ -189,6 +191,11 @@ class ModelCheckpoint(Callback):
                 if old != path:
                     checkpoint_io.remove(old)  # a file, or a sharded checkpoint's directory
         trainer.strategy.barrier()
+
+    def _default_dirpath(self, trainer: Trainer) -> str:
+        if self.dirpath is None:  # decided once the run directory is: "checkpoints" in it
+            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+        return self.dirpath
 
     def _choose_path(self, trainer: Trainer) -> tuple[str | None, list[str]]:
         """Where this save goes (None: only ``last``), and the kept files it pushes out of the top k."""

@@ -12,10 +12,12 @@ from ember.checkpoint.io import (
     link,
     load_file,
     plain_values,
+    prepare_directory,
     remove,
     replace_directory,
     save,
     staging_path,
+    verify,
 )
 
 __all__ = [
@@ -24,10 +26,12 @@ __all__ = [
     "load",
     "load_file",
     "plain_values",
+    "prepare_directory",
     "remove",
     "replace_directory",
     "save",
     "staging_path",
+    "verify",
 ]
 
 

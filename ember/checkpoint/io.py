@@ -6,43 +6,138 @@ This module knows files only; what a checkpoint holds is ``ember.checkpoint.stat
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
 import pickle
 import re
+import secrets
 import shutil
-import tempfile
+import struct
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file could not be used."""
+    """A checkpoint file could not be written or used; the message names the path and what is wrong."""
+
+
+# Every checkpoint file ends with a trailer, written last, that says how long the content before it is
+# and what its SHA-256 digest is: loading verifies it, so a truncated or damaged file is recognised as
+# such, and "last" passes over it. torch.load reads the content and ignores what follows the archive.
+_TRAILER_MAGIC = b"EMBER-CHECKPOINT-1"
+_TRAILER = struct.Struct(f"<{len(_TRAILER_MAGIC)}sQ32s")
+_CHUNK = 1 << 22
 
 
 def save(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Write ``checkpoint`` to ``path`` so that ``path`` is always either the old file or the new one.
 
     The bytes go to a temporary file in the same directory, are flushed to disk, and the file is
-    renamed over ``path``: a process killed mid-write leaves the previous checkpoint intact.
+    renamed over ``path``: a process killed mid-write, or a disk that fills up, leaves the previous
+    checkpoint intact. The file follows the umask, like any file the user writes.
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as file:
-            torch.save(dict(checkpoint), file)
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"could not save {path!r}: {_reason(error)}") from error
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temporary, "xb") as file:
+            writer = _DigestWriter(file)
+            try:
+                torch.save(dict(checkpoint), cast(BinaryIO, writer))
+            except RuntimeError as error:  # torch's archive writer replaces the OS error with its own
+                raise writer.error or error from None
+            file.write(_TRAILER.pack(_TRAILER_MAGIC, writer.size, writer.digest.digest()))
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise CheckpointError(f"could not save {path!r}: {_reason(error)}; the previous file is intact") from error
         raise
     _fsync_directory(directory)
+
+
+class _DigestWriter:
+    """A file that torch.save writes through: it counts and digests the bytes, and keeps the OS error
+    of a failed write (a full disk, a quota), which torch would otherwise replace with its own."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self.digest = hashlib.sha256()
+        self.size = 0
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            written = self._file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+        self.digest.update(data)
+        self.size += len(data)
+        return written
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def _reason(error: OSError) -> str:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"{error.strerror} (the disk is full, or a quota or file size limit was reached)"
+    return error.strerror or str(error)
+
+
+def prepare_directory(directory: str) -> None:
+    """Create ``directory`` and check that it takes files, before a run does any work; then remove what
+    saves that were cut short left there (sharded staging directories, temporary files of ended
+    processes). An ``OSError`` names the directory and the reason."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-check.{os.getpid()}.{secrets.token_hex(4)}")
+        with open(probe, "xb"):
+            pass
+        os.unlink(probe)
+    except OSError as error:
+        raise OSError(
+            f"cannot write to {directory!r}: {error.strerror or error}; pass a default_root_dir (or a "
+            "ModelCheckpoint dirpath) you can write to"
+        ) from error
+    for name in os.listdir(directory):
+        if _is_leftover(name):
+            with contextlib.suppress(OSError):
+                remove(os.path.join(directory, name))
+
+
+_STAGING = re.compile(r"^\..+\.(partial|old)$")
+_TEMPORARY = re.compile(r"^\..+\.(\d+)(\.[0-9a-f]+)?\.tmp$")
+
+
+def _is_leftover(name: str) -> bool:
+    """A staging directory of a sharded save, or a temporary file whose writer is no longer running."""
+    if _STAGING.match(name):
+        return True
+    match = _TEMPORARY.match(name)
+    return match is not None and not _running(int(match.group(1)))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def link(source: str | os.PathLike, destination: str | os.PathLike) -> None:
@@ -59,6 +154,7 @@ def link(source: str | os.PathLike, destination: str | os.PathLike) -> None:
         replace_directory(staging, destination)
         return
     directory = os.path.dirname(os.path.abspath(destination))
+    os.makedirs(directory, exist_ok=True)
     temporary = os.path.join(directory, f".{os.path.basename(destination)}.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
         os.unlink(temporary)
@@ -73,27 +169,104 @@ def link(source: str | os.PathLike, destination: str | os.PathLike) -> None:
 def load_file(path: str | os.PathLike, map_location: Any = "cpu", *, trust_pickles: bool = False) -> dict[str, Any]:
     """Read a checkpoint file with ``torch.load(weights_only=True)``: tensors and plain Python values only.
 
-    A file carrying other pickled objects is refused before any of them is built, so nothing in
-    it runs. ``trust_pickles=True`` lifts that for files from a source you trust.
+    The file is verified first (its length and digest, when Ember wrote it); every way it can fail to
+    be a checkpoint raises one ``CheckpointError`` that names the path and what is wrong. A file
+    carrying pickled objects other than tensors and plain values is refused before any of them is
+    built, so nothing in it runs; ``trust_pickles=True`` lifts that for files from a source you trust.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"ckpt_path={path!r}: no such checkpoint file")
+    verify(path)
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=not trust_pickles)
     except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        culprit = f"it references {found.group(1)}" if found else str(err).splitlines()[0]
+        if "Weights only load failed" not in str(err):
+            raise CheckpointError(f"{path!r} is not a checkpoint: {str(err).splitlines()[0]}") from None
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        culprit = f"it references {found.group(1)}" if found else "objects torch does not load safely"
         raise CheckpointError(
-            f"{path!r} holds pickled objects other than tensors and plain Python values ({culprit}), so it "
-            "was not loaded and nothing in it ran. If you trust where the file comes from, load it with "
+            f"{path!r} holds pickled objects other than tensors and plain Python values ({culprit}), so it was "
+            "not loaded and nothing in it ran. If you trust where the file comes from, load it with "
             "weights_only=False."
         ) from None
-    except (RuntimeError, EOFError) as err:
-        raise CheckpointError(f"{path!r} is not a readable checkpoint: {err}") from err
+    except (RuntimeError, EOFError, ValueError, KeyError) as err:
+        reason = str(err).split(". ")[0]
+        raise CheckpointError(
+            f"{path!r} is not a readable checkpoint: it is truncated or damaged (torch cannot read it: {reason})"
+        ) from err
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{path!r} holds a {type(checkpoint).__name__}, not a checkpoint dict")
     return checkpoint
+
+
+def verify(path: str | os.PathLike) -> bool:
+    """Raise a ``CheckpointError`` saying what is wrong unless ``path`` looks like a complete checkpoint:
+    Ember's files must match the length and digest written with them; other files must at least start
+    like what ``torch.save`` writes. Returns whether the digest was checked (Ember wrote the file)."""
+    path = os.fspath(path)
+    if os.path.islink(path) and not os.path.exists(path):
+        raise CheckpointError(f"{path!r} is a link to {os.readlink(path)!r}, which does not exist")
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is a directory, not a checkpoint file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path!r}: no such checkpoint file")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise CheckpointError(f"{path!r} is empty: whatever wrote it did not finish")
+    with open(path, "rb") as file:
+        start = file.read(8)
+        trailer = _read_trailer(file, size)
+        if trailer is None:
+            _check_start(path, start)
+            return False
+        length, digest = trailer
+        if length != size - _TRAILER.size:
+            raise CheckpointError(
+                f"{path!r} is damaged: it says it holds {length} bytes before its trailer, but has "
+                f"{size - _TRAILER.size}"
+            )
+        if _digest_of(file, length) != digest:
+            raise CheckpointError(
+                f"{path!r} is damaged: its content no longer matches the digest written with it (it was truncated "
+                "or changed after it was saved)"
+            )
+    return True
+
+
+def _read_trailer(file: BinaryIO, size: int) -> tuple[int, bytes] | None:
+    if size < _TRAILER.size:
+        return None
+    file.seek(size - _TRAILER.size)
+    magic, length, digest = _TRAILER.unpack(file.read(_TRAILER.size))
+    return (length, digest) if magic == _TRAILER_MAGIC else None
+
+
+def _digest_of(file: BinaryIO, length: int) -> bytes:
+    digest = hashlib.sha256()
+    file.seek(0)
+    remaining = length
+    while remaining > 0:
+        chunk = file.read(min(_CHUNK, remaining))
+        if not chunk:
+            break
+        digest.update(chunk)
+        remaining -= len(chunk)
+    return digest.digest()
+
+
+def _check_start(path: str, start: bytes) -> None:
+    """A file without Ember's trailer (torch.save's own, another framework's) must start like one."""
+    if start.startswith(b"PK\x03\x04") or start[:1] == b"\x80":  # torch.save's zip archive, or its older pickle
+        return
+    text = start.lstrip()
+    if text[:1] in (b"{", b"["):
+        raise CheckpointError(f"{path!r} holds JSON (or other text), not a checkpoint written by torch.save")
+    try:
+        start.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{path!r} is not a checkpoint: it does not start like a file written by torch.save"
+        ) from None
+    raise CheckpointError(f"{path!r} is a text file, not a checkpoint written by torch.save")
 
 
 def remove(path: str | os.PathLike) -> None:

@@ -31,7 +31,7 @@ from ember.checkpoint import io as checkpoint_io
 SHARDED_ENTRIES = ("state_dict", "optimizer_states")
 #: Per optimizer, per parameter group: the names of its parameters, in order.
 PARAMETER_NAMES = "optimizer_parameter_names"
-_TRAINER_STATE = "trainer_state.pt"
+TRAINER_STATE = "trainer_state.pt"
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
@@ -53,7 +53,7 @@ def save(checkpoint: dict[str, Any], path: str, *, is_global_zero: bool, barrier
     dcp.save(_sharded_part(checkpoint), storage_writer=dcp.FileSystemWriter(staging))  # returns once .metadata exists
     if is_global_zero:
         rest = {key: value for key, value in checkpoint.items() if key not in SHARDED_ENTRIES}
-        checkpoint_io.save(rest, os.path.join(staging, _TRAINER_STATE))
+        checkpoint_io.save(rest, os.path.join(staging, TRAINER_STATE))
         checkpoint_io.replace_directory(staging, path)
     barrier()
 
@@ -164,10 +164,10 @@ def _count_optimizers(metadata: Any) -> int:
 
 
 def _trainer_state(path: str, trust_pickles: bool) -> dict[str, Any]:
-    state_file = os.path.join(path, _TRAINER_STATE)
+    state_file = os.path.join(path, TRAINER_STATE)
     if not is_sharded(path) or not os.path.isfile(state_file):
         raise checkpoint_io.CheckpointError(
-            f"{path!r} is a directory but not a complete sharded checkpoint (it needs .metadata and {_TRAINER_STATE})"
+            f"{path!r} is a directory but not a complete sharded checkpoint (it needs .metadata and {TRAINER_STATE})"
         )
     return checkpoint_io.load_file(state_file, trust_pickles=trust_pickles)
 

@@ -14,13 +14,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember import checkpoint as checkpoint_io
+from ember.checkpoint import sharded
 from ember.checkpoint.io import CheckpointError, plain_values
 from ember.data import why_not_resumable
+from ember.loggers.logger import run_versions
 from ember.version import __version__
 
 if TYPE_CHECKING:
     from ember.module import Module
     from ember.trainer import Trainer
+
+#: In the name of a checkpoint saved after a failure with non-finite weights: "last" never picks it.
+FAILURE_MARK = ".nonfinite"
 
 
 def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True) -> dict[str, Any]:
@@ -60,6 +65,23 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
     return checkpoint
 
 
+def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
+    """The names of the parameters of ``module`` that hold a NaN or an infinity (this rank's shards only)."""
+    named = [(name, _local(parameter.detach())) for name, parameter in module.named_parameters()]
+    named = [(name, tensor) for name, tensor in named if tensor.numel() and tensor.is_floating_point()]
+    if not named:
+        return []
+    # One norm per tensor and one read for all of them: a norm is finite exactly when every element is.
+    norms = torch.stack([norm.float() for norm in torch._foreach_norm([tensor for _, tensor in named])])
+    finite = torch.isfinite(norms).tolist()
+    return [name for (name, _), ok in zip(named, finite) if not ok]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # a DTensor's shard on this rank
+    return to_local() if to_local is not None else tensor
+
+
 def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
     """Put the module, optimizers, schedulers, callbacks, loggers, data and the loop where ``checkpoint``
     says; called once ``fit`` has built the optimizers."""
@@ -81,8 +103,6 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
         callback.on_load_checkpoint(trainer, module, checkpoint)
         if callback.state_key in saved_callbacks:
             callback.load_state_dict(saved_callbacks[callback.state_key])
-    for logger, saved in zip(trainer.loggers, checkpoint.get("loggers", [])):
-        logger.use_version(saved["version"])  # the resumed run keeps writing to the same run directory
     if trainer.datamodule is not None and "datamodule" in checkpoint:
         trainer.datamodule.load_state_dict(checkpoint["datamodule"])
     _restore_position(trainer, checkpoint, path)
@@ -132,7 +152,13 @@ def _restore_position(trainer: Trainer, checkpoint: dict[str, Any], path: str) -
 
 
 def find_checkpoint(trainer: Trainer, which: str) -> str | None:
-    """The newest complete checkpoint ("last") or the best one ("best") of this run's directories."""
+    """The checkpoint "last" or "best" names for this run, or None if there is none.
+
+    "last" is the newest complete, verified checkpoint of this run's lineage: in the ModelCheckpoint
+    ``dirpath`` the user gave, else in the newest version directory under ``trainer.runs_dir`` that
+    holds one. Files that fail verification (cut short, damaged) are passed over with a warning that
+    names them; failure checkpoints (non-finite weights) are never picked.
+    """
     if which == "best":
         callback = trainer.checkpoint_callback
         if callback is not None and callback.best_model_path:
@@ -143,15 +169,49 @@ def find_checkpoint(trainer: Trainer, which: str) -> str | None:
         saved = checkpoint_io.load(newest, trust_pickles=False).get("callbacks", {})
         paths = [state.get("best_model_path") for key, state in saved.items() if key.startswith("ModelCheckpoint")]
         return next((path for path in paths if path and os.path.exists(path)), None)
-    roots = [trainer.default_root_dir] + [c.dirpath for c in trainer.checkpoint_callbacks if c.dirpath]
+    for directory in lineage_directories(trainer):
+        found = _newest_complete(directory)
+        if found is not None:
+            return found
+    return None
+
+
+def lineage_directories(trainer: Trainer) -> list[str]:
+    """Where "last" looks, in order: the checkpoint directories the user gave, else this run's version
+    directories, newest first."""
+    given = [callback.dirpath for callback in trainer.checkpoint_callbacks if callback.dirpath]
+    if given:
+        return given
+    runs_dir = trainer.runs_dir
+    return [os.path.join(runs_dir, f"version_{version}") for version in reversed(run_versions(runs_dir))]
+
+
+def _newest_complete(directory: str) -> str | None:
     candidates = []
-    for root in roots:
-        for directory, subdirectories, files in os.walk(root):
-            for name in files + subdirectories:
-                # Files being written are hidden temporaries; only complete checkpoints carry the name.
-                if name.endswith(".ckpt") and not name.startswith("."):
-                    candidates.append(os.path.join(directory, name))
-    return max(candidates, key=os.path.getmtime, default=None)
+    for parent, subdirectories, files in os.walk(directory):
+        for name in files + subdirectories:
+            # Files being written are hidden temporaries; failure checkpoints are kept for post-mortems only.
+            if name.endswith(".ckpt") and not name.startswith(".") and FAILURE_MARK not in name:
+                candidates.append(os.path.join(parent, name))
+    for path in sorted(candidates, key=os.path.getmtime, reverse=True):
+        problem = _problem(path)
+        if problem is None:
+            return path
+        warnings.warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=4)
+    return None
+
+
+def _problem(path: str) -> str | None:
+    """Why ``path`` is not a complete checkpoint Ember wrote, or None if it is one."""
+    if os.path.isdir(path):
+        if not sharded.is_sharded(path):
+            return "a directory that is not a complete sharded checkpoint"
+        path = os.path.join(path, sharded.TRAINER_STATE)
+    try:
+        digest_checked = checkpoint_io.verify(path)
+    except (OSError, CheckpointError) as error:
+        return str(error)
+    return None if digest_checked else "not written by Ember (it carries no digest to verify)"
 
 
 def _module(trainer: Trainer) -> Module:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -50,8 +50,9 @@ class Logger:
 class VersionedLogger(Logger):
     """A logger that writes into ``<save_dir>/<name>/version_<N>``, N one more than the last run's.
 
-    The version is picked when first asked for (by the Trainer, on rank zero, before anything is
-    written), so loggers sharing ``save_dir`` and ``name`` write into the same run directory.
+    The version is claimed when first asked for (by the Trainer, on rank zero, before anything is
+    written): its directory is created then, atomically, so two runs started together in one folder
+    never share one. Loggers sharing ``save_dir`` and ``name`` write into the same run directory.
     """
 
     def __init__(self, save_dir: str | os.PathLike, name: str, version: int | str | None) -> None:
@@ -66,11 +67,21 @@ class VersionedLogger(Logger):
     @property
     def version(self) -> int | str:
         if self._version is None:
-            self._version = next_version(os.path.join(self._save_dir, self._name))
+            self._version = claim_version(self.runs_dir)
         return self._version
+
+    @property
+    def runs_dir(self) -> str:
+        """The directory this logger's runs (``version_<N>``) live in."""
+        return os.path.join(self._save_dir, self._name)
 
     def use_version(self, version: int | str) -> None:
         self._version = version
+
+    @property
+    def has_version(self) -> bool:
+        """Whether the version was given or claimed already (else the next ``version`` claims one)."""
+        return self._version is not None
 
     @property
     def save_dir(self) -> str:
@@ -95,10 +106,67 @@ _VERSION_DIR = re.compile(r"^version_(\d+)$")
 
 def next_version(root: str) -> int:
     """One more than the highest ``version_N`` directory under ``root`` (0 if there is none)."""
+    versions = run_versions(root)
+    return versions[-1] + 1 if versions else 0
+
+
+def run_versions(root: str) -> list[int]:
+    """The ``N`` of every ``version_N`` directory under ``root``, in increasing order."""
     if not os.path.isdir(root):
-        return 0
-    versions = [int(m.group(1)) for entry in os.listdir(root) if (m := _VERSION_DIR.match(entry))]
-    return max(versions) + 1 if versions else 0
+        return []
+    return sorted(int(m.group(1)) for entry in os.listdir(root) if (m := _VERSION_DIR.match(entry)))
+
+
+def settle_versions(loggers: Sequence[Logger], continuing: str | None) -> list[int | str]:
+    """Give each logger its run directory and return their versions (rank zero decides; the others adopt).
+
+    A run that continues the checkpoint ``continuing`` in place keeps writing into the version directory
+    that holds it; otherwise each runs directory gets a version claimed anew, shared by the loggers that
+    write under it. A version the user gave is kept as it is.
+    """
+    claimed: dict[str, int | str] = {}
+    for logger in loggers:
+        if not isinstance(logger, VersionedLogger):
+            continue
+        if not logger.has_version:
+            version = lineage_version(logger.runs_dir, continuing)
+            shared = claimed.get(logger.runs_dir) if version is None else version
+            if shared is not None:
+                logger.use_version(shared)
+        claimed.setdefault(logger.runs_dir, logger.version)
+    return [logger.version for logger in loggers]
+
+
+def lineage_version(runs_dir: str, path: str | None) -> int | None:
+    """N when ``path`` lies inside ``runs_dir/version_N`` (a checkpoint of that run), else None."""
+    if path is None:
+        return None
+    relative = os.path.relpath(os.path.abspath(path), os.path.abspath(runs_dir))
+    match = _VERSION_DIR.match(relative.split(os.sep)[0])
+    return int(match.group(1)) if match and not relative.startswith("..") else None
+
+
+def claim_version(root: str) -> int:
+    """Create ``root/version_N`` for the next free N and return N.
+
+    ``os.mkdir`` either creates the directory or finds it there: two runs that pick the same N (two
+    jobs of an array, or nodes sharing a file system) cannot both create it, and the loser takes the
+    next number.
+    """
+    try:
+        os.makedirs(root, exist_ok=True)
+        version = next_version(root)
+        while True:
+            try:
+                os.mkdir(os.path.join(root, f"version_{version}"))
+                return version
+            except FileExistsError:
+                version += 1
+    except OSError as error:
+        raise OSError(
+            f"cannot create a run directory under {root!r}: {error.strerror or error}; pass a "
+            "default_root_dir (or a logger save_dir) you can write to"
+        ) from error
 
 
 def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import signal
 import subprocess
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -76,8 +77,10 @@ class FitLoop:
         self.progress = Progress()
         #: Set by callbacks (EarlyStopping, ...) to end training after the current step or epoch.
         self.should_stop = False
-        #: True once a preemption signal made ``fit`` save a checkpoint and stop.
+        #: True once a signal (SIGTERM, Ctrl-C, SLURM's SIGUSR1) made ``fit`` save a checkpoint and stop.
         self.preempted = False
+        #: The number of that signal.
+        self.stop_signal: int | None = None
         #: Whether the latest training batch ended with an optimizer step.
         self.stepped = False
         #: True while a validation runs at the end of an epoch (False in the middle of one).
@@ -170,6 +173,7 @@ class FitLoop:
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         self.should_stop = self.preempted = False
+        self.stop_signal = None
         self.data_seed = strategy.broadcast(torch.initial_seed() % 2**63)
         self._next_log_step = config.log_every_n_steps
         self.interruptions.reset(config.max_time_seconds)
@@ -358,23 +362,27 @@ class FitLoop:
 
     # ------------------------------------------------------------------- stopping and logging
     def _interrupted(self) -> bool:
-        """Whether training must stop now for ``max_time`` or a preemption signal (then ``preempted`` is
-        set); every rank gets the same answer, at the same step."""
-        stop, preempted = self.interruptions.check(self.trainer.strategy)
-        self.preempted = self.preempted or preempted
+        """Whether training must stop now for ``max_time`` or a signal (then ``stop_signal`` is set); every
+        rank gets the same answer, at the same step."""
+        stop, signal_number = self.interruptions.check(self.trainer.strategy)
+        if signal_number is not None:
+            self.preempted, self.stop_signal = True, signal_number
         self.should_stop = self.should_stop or stop
         return stop
 
     def _save_for_preemption(self) -> None:
-        """Save where "last" finds it first, and ask SLURM to requeue the job when the Trainer was told to."""
+        """Save where "last" finds it first, and ask SLURM to requeue the job when the Trainer was told to.
+
+        The save needs no more data: the loader's workers may be gone (a launcher signals them too)."""
         trainer = self.trainer
-        callback = trainer.checkpoint_callback
-        directory = callback.dirpath if callback is not None and callback.dirpath else None
-        directory = directory or os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
-        path = os.path.join(directory, "last.ckpt")
+        path = os.path.join(trainer.checkpoint_dir, "last.ckpt")
         trainer.save_checkpoint(path)
         trainer.strategy.barrier()
-        trainer.print(f"preemption signal received: saved {path} at global step {self.progress.global_step}")
+        name = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal"
+        trainer.print(
+            f"preemption signal received: saved {path} at global step {self.progress.global_step} ({name}); "
+            'resume with Trainer.fit(..., ckpt_path="last")'
+        )
         if trainer.config.slurm_requeue and trainer.is_global_zero and "SLURM_JOB_ID" in os.environ:
             subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
 

@@ -1,5 +1,6 @@
-"""When training stops before its planned end: ``max_time``, and preemption signals (SIGTERM, SLURM's
-SIGUSR1). Every rank must stop at the same step, so with several processes the ranks agree on it."""
+"""When training stops before its planned end: ``max_time``, and the signals that ask for a checkpoint and
+an exit (SIGTERM from a scheduler or launcher, SLURM's SIGUSR1, Ctrl-C). Every rank must stop at the same
+step, so with several processes the ranks agree on it."""
 
 from __future__ import annotations
 
@@ -50,42 +51,48 @@ class Interruptions:
         self.signal_received = None
         self._agreement = StopAgreement()
 
-    def check(self, strategy: Strategy) -> tuple[bool, bool]:
-        """``(stop now, because of a preemption signal)``, the same on every rank; call at step boundaries.
+    def check(self, strategy: Strategy) -> tuple[bool, int | None]:
+        """``(stop now, the signal that asked for it or None)``, the same on every rank; call at step
+        boundaries.
 
         With several processes the ranks agree about every half second: the check is then a local
-        countdown on all the other steps.
+        countdown on all the other steps. A signal that reached some ranks only stops them all.
         """
-        signal_received = self.signal_received is not None
+        signal_number = self.signal_received or 0
         now = time.monotonic()
         out_of_time = now >= self.deadline
         if strategy.world_size > 1:
             agreement = self._agreement
             agreement.countdown -= 1
             if agreement.countdown > 0:
-                return False, False
+                return False, None
             pace = (now - agreement.since) / agreement.steps
             proposal = min(StopAgreement.MAX_STEPS, max(1, int(StopAgreement.SECONDS / max(pace, 1e-9))))
             # The "max" of the negated proposals is the fewest steps any rank proposes.
-            flags = strategy.reduce(torch.tensor([float(signal_received), float(out_of_time), -proposal]), "max")
+            flags = strategy.reduce(torch.tensor([float(signal_number), float(out_of_time), -proposal]), "max")
             signal_flag, time_flag, fewest = flags.tolist()
-            signal_received, out_of_time = signal_flag > 0, time_flag > 0
+            signal_number, out_of_time = int(signal_flag), time_flag > 0
             agreement.steps = agreement.countdown = int(-fewest)
             agreement.since = now
-        return signal_received or out_of_time, signal_received
+        return bool(signal_number) or out_of_time, signal_number or None
 
     @contextlib.contextmanager
     def catching_signals(self) -> Iterator[None]:
-        """While training, SIGTERM (and SIGUSR1, SLURM's warning before preemption) ask for a checkpoint
-        and a clean exit at the next step boundary instead of killing the process mid-step."""
+        """While training, SIGTERM, Ctrl-C (SIGINT) and, under SLURM, SIGUSR1 (its warning before preemption)
+        ask for a checkpoint and an exit at the next step boundary instead of killing the process mid-step.
+        A second Ctrl-C stops at once, without saving (under a launcher, which passes each Ctrl-C on to its
+        workers, stopping at once is left to the launcher)."""
         if threading.current_thread() is not threading.main_thread():
             yield  # Python handles signals in the main thread only
             return
-        names = ["SIGTERM"] + (["SIGUSR1"] if "SLURM_JOB_ID" in os.environ else [])
+        names = ["SIGTERM", "SIGINT"] + (["SIGUSR1"] if "SLURM_JOB_ID" in os.environ else [])
         numbers = [getattr(signal, name) for name in names if hasattr(signal, name)]
+        escalate = "TORCHELASTIC_RUN_ID" not in os.environ
 
         def remember(number: int, frame: object) -> None:
             self.signal_received = number
+            if number == signal.SIGINT and escalate:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
 
         previous = {number: signal.signal(number, remember) for number in numbers}
         try:
