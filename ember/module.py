@@ -13,6 +13,7 @@ from torch import nn
 
 from ember import checkpoint as checkpoint_io
 from ember._utils import AttributeDict
+from ember.checkpoint.state import load_weights
 from ember.metrics import ReduceFx
 
 if TYPE_CHECKING:
@@ -279,7 +280,7 @@ class Module(_HyperparametersMixin, nn.Module):
         init_args = {**checkpoint.get("hyper_parameters", {}), **init_overrides}
         module = cls(**init_args)
         module.on_load_checkpoint(checkpoint)
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        load_weights(lambda state: module.load_state_dict(state, strict=strict), module, checkpoint, checkpoint_path)
         return module
 
 

@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import signal
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -494,7 +495,12 @@ class Trainer:
                     "ckpt_path='best': no best checkpoint is known (none was saved with a monitor under "
                     f"{self.default_root_dir!r})"
                 )
-            self.print(f"ckpt_path='last': no checkpoint under {self.default_root_dir!r} yet; starting from scratch")
+            if self.is_global_zero:
+                warnings.warn(
+                    f"ckpt_path='last': no complete checkpoint of this run under {self.runs_dir!r} yet; "
+                    "training starts from scratch",
+                    stacklevel=3,
+                )
         else:
             self.print(f"resuming from {found}")
         return found
@@ -503,9 +509,10 @@ class Trainer:
         if ckpt_path is None:
             return
         checkpoint = self.strategy.load_checkpoint(ckpt_path, trust_pickles=not weights_only)
-        assert self.lightning_module is not None
-        self.lightning_module.on_load_checkpoint(checkpoint)
-        self.strategy.load_module_state_dict(checkpoint["state_dict"])
+        module = self.lightning_module
+        assert module is not None
+        module.on_load_checkpoint(checkpoint)
+        checkpoint_state.load_weights(self.strategy.load_module_state_dict, module, checkpoint, ckpt_path)
 
     # ------------------------------------------------------------------------------ stages
     @contextlib.contextmanager
@@ -653,9 +660,11 @@ def _checked_path(ckpt_path: str | os.PathLike | None) -> str | None:
     if ckpt_path is None:
         return None
     ckpt_path = os.fspath(ckpt_path)
-    if ckpt_path not in ("last", "best") and not os.path.exists(ckpt_path):
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint (pass a path, 'last' or 'best')")
-    return ckpt_path
+    if ckpt_path in ("last", "best") or os.path.exists(ckpt_path):
+        return ckpt_path
+    if os.path.islink(ckpt_path):
+        checkpoint_io.verify(ckpt_path)  # says where the dangling link points
+    raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint (pass a path, 'last' or 'best')")
 
 
 def _check_module(model: Any, stage: str) -> None:

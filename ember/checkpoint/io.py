@@ -188,7 +188,7 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu", *, trust_pickl
             "not loaded and nothing in it ran. If you trust where the file comes from, load it with "
             "weights_only=False."
         ) from None
-    except (RuntimeError, EOFError, ValueError, KeyError) as err:
+    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as err:  # torch's reader, cut short
         reason = str(err).split(". ")[0]
         raise CheckpointError(
             f"{path!r} is not a readable checkpoint: it is truncated or damaged (torch cannot read it: {reason})"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,7 +97,7 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
         )
     module = _module(trainer)
     module.on_load_checkpoint(checkpoint)
-    trainer.strategy.load_module_state_dict(checkpoint["state_dict"])
+    load_weights(trainer.strategy.load_module_state_dict, module, checkpoint, path)
     _restore_optimization(trainer, checkpoint, path)
     saved_callbacks = checkpoint.get("callbacks", {})
     for callback in trainer.callbacks:
@@ -106,6 +107,24 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
     if trainer.datamodule is not None and "datamodule" in checkpoint:
         trainer.datamodule.load_state_dict(checkpoint["datamodule"])
     _restore_position(trainer, checkpoint, path)
+
+
+def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: str) -> None:
+    """``load(checkpoint["state_dict"])``, or an error that says the checkpoint is another model's."""
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{path!r} holds no model weights (no 'state_dict' entry): it is not a training checkpoint"
+        )
+    try:
+        load(state)
+    except RuntimeError as error:
+        if "state_dict" not in str(error):
+            raise
+        details = " ".join(line.strip() for line in str(error).splitlines()[1:4])
+        raise CheckpointError(
+            f"{path!r} holds the weights of another model than this {type(module).__name__}: {details}"
+        ) from None
 
 
 def _restore_optimization(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -13,8 +15,8 @@ from ember.loggers.logger import VersionedLogger
 class CSVLogger(VersionedLogger):
     """Writes ``<save_dir>/<name>/version_<N>/metrics.csv`` (one row per logged step) and ``hparams.yaml``.
 
-    Rows are buffered and written every ``flush_logs_every_n_steps`` steps and at the end of a stage;
-    when a new metric appears, the file is rewritten with the wider header.
+    Rows are buffered and appended every ``flush_logs_every_n_steps`` steps and at the end of a stage;
+    when a new metric appears, a complete file with the wider header replaces the old one atomically.
     """
 
     def __init__(
@@ -54,6 +56,12 @@ class CSVLogger(VersionedLogger):
             self.save()
 
     def save(self) -> None:
+        """Append the buffered rows to ``metrics.csv``.
+
+        The file is only ever appended to: a failed write (a full disk) is cut back to the rows written
+        before. When a new metric appears, a complete file with the wider header replaces it at once
+        (written beside it, then renamed), so the history is never truncated either.
+        """
         if not self._rows:
             return
         os.makedirs(self.log_dir, exist_ok=True)
@@ -62,16 +70,50 @@ class CSVLogger(VersionedLogger):
             self._file_columns = _read_header(path)
         widened = self._file_columns == [] or any(column not in self._file_columns for column in self._columns)
         self._columns = self._file_columns + [column for column in self._columns if column not in self._file_columns]
-        earlier_rows = _read_rows(path) if widened else []
-        with open(path, "w" if widened else "a", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=self._columns)
-            if widened:
-                writer.writeheader()
-                writer.writerows(earlier_rows)
-            writer.writerows(self._rows)
+        if widened:
+            _replace(path, _csv_text(self._columns, [*_read_rows(path), *self._rows], header=True))
+        else:
+            _append(path, _csv_text(self._columns, self._rows, header=False))
         self._file_columns = list(self._columns)
         self._last_flush_step = self._rows[-1]["step"]
         self._rows.clear()
+
+
+def _csv_text(columns: list[str], rows: list[dict[str, Any]], header: bool) -> str:
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns)
+    if header:
+        writer.writeheader()
+    writer.writerows(rows)
+    return text.getvalue()
+
+
+def _append(path: str, text: str) -> None:
+    """Append ``text`` whole or not at all: a write cut short (a full disk) is truncated back to where it began."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        remaining = memoryview(text.encode())
+        try:
+            while remaining:
+                remaining = remaining[os.write(fd, remaining) :]
+        except OSError:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _replace(path: str, text: str) -> None:
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w", newline="") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def _read_header(path: str) -> list[str]:

@@ -1,0 +1,360 @@
+"""Runs that never lose or mix work: run directories, what "last" means, checkpoint integrity, disks, and
+weights that went non-finite."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, quiet_trainer
+
+import ember
+from ember import checkpoint as checkpoint_io
+from ember.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from ember.checkpoint import state as checkpoint_state
+from ember.loggers.csv_logger import CSVLogger
+from ember.loggers.logger import claim_version
+
+# ------------------------------------------------------------------------------------ run directories
+_RUN = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    sys.path.insert(0, {tests!r})
+    from conftest import Regressor
+    import ember
+
+    marker = float(sys.argv[1])
+    x = torch.randn(64, 4)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    trainer = ember.Trainer(accelerator="cpu", max_epochs=2, default_root_dir={root!r}, log_every_n_steps=2,
+                            enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Regressor(lr=marker), loader, loader)
+    print(trainer.log_dir)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_two_runs_started_together_in_one_folder_never_share_a_directory(tmp_path: Any) -> None:
+    root = str(tmp_path / "shared")
+    script = tmp_path / "run.py"
+    script.write_text(_RUN.format(tests=os.path.dirname(__file__), root=root))
+    runs = [
+        subprocess.Popen([sys.executable, str(script), lr], stdout=subprocess.PIPE, text=True)
+        for lr in ("0.01", "0.02")
+    ]
+    log_dirs = []
+    for run in runs:
+        stdout, _ = run.communicate(timeout=100)
+        assert run.returncode == 0
+        log_dirs.append(stdout.strip().splitlines()[-1])
+    assert sorted(os.path.basename(path) for path in log_dirs) == ["version_0", "version_1"]
+    for log_dir in log_dirs:
+        with open(os.path.join(log_dir, "hparams.yaml")) as file:
+            learning_rate = file.read()
+        rows = open(os.path.join(log_dir, "metrics.csv")).read().splitlines()
+        assert len(rows) == 1 + 8  # the header, and a row every 2 of 16 steps (epoch values share one)
+        assert len([name for name in os.listdir(os.path.join(log_dir, "checkpoints"))]) == 1
+        assert learning_rate != ""  # each run wrote its own hyperparameters
+    contents = [open(os.path.join(path, "hparams.yaml")).read() for path in log_dirs]
+    assert contents[0] != contents[1]
+
+
+def test_claiming_versions_at_the_same_time_gives_each_claimant_its_own(tmp_path: Any) -> None:
+    root = str(tmp_path / "runs")
+    claimed: list[int] = []
+    start = threading.Barrier(8)
+
+    def claim() -> None:
+        start.wait()
+        claimed.append(claim_version(root))
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(claimed) == list(range(8)) and sorted(os.listdir(root)) == [f"version_{n}" for n in range(8)]
+
+
+class _Scored(Regressor):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("score", float(self.current_epoch))
+
+
+def _snapshot(directory: str) -> dict[str, float]:
+    return {name: os.path.getmtime(os.path.join(directory, name)) for name in os.listdir(directory)}
+
+
+def test_a_run_started_from_another_runs_checkpoint_writes_only_into_its_own_directory(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    first = quiet_trainer(max_epochs=3, default_root_dir=root,
+                          callbacks=[ModelCheckpoint(monitor="score", mode="max", save_top_k=1, save_last=True)])  # fmt: skip
+    first.fit(_Scored(), make_loader(16), make_loader(8))
+    first_dir = first.checkpoint_dir
+    before = _snapshot(first_dir)
+    second = quiet_trainer(max_epochs=6, default_root_dir=root,
+                           callbacks=[ModelCheckpoint(monitor="score", mode="max", save_top_k=1, save_last=True)])  # fmt: skip
+    second.fit(_Scored(), make_loader(16), make_loader(8), ckpt_path=os.path.join(first_dir, "epoch=2-step=6.ckpt"))
+    assert second.global_step == 12 and second.log_dir != first.log_dir
+    assert _snapshot(first_dir) == before  # nothing replaced, nothing pruned
+    assert sorted(os.listdir(second.checkpoint_dir)) == ["epoch=5-step=12.ckpt", "last.ckpt"]
+
+
+def test_a_run_resumed_with_last_continues_its_lineage_in_place(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    callbacks = lambda: [ModelCheckpoint(monitor="score", mode="max", save_top_k=1, save_last=True)]  # noqa: E731
+    first = quiet_trainer(max_epochs=2, default_root_dir=root, callbacks=callbacks())
+    first.fit(_Scored(), make_loader(16), make_loader(8))
+    second = quiet_trainer(max_epochs=4, default_root_dir=root, callbacks=callbacks())
+    second.fit(_Scored(), make_loader(16), make_loader(8), ckpt_path="last")
+    assert second.log_dir == first.log_dir
+    # The lineage's top-1 moved on: its earlier best file is gone, as in one long run.
+    assert sorted(os.listdir(second.checkpoint_dir)) == ["epoch=3-step=8.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(os.path.join(root, "ember_logs"))) == ["version_0"]
+
+
+# --------------------------------------------------------------------------------------- "last"
+def test_last_ignores_files_outside_the_lineage_and_skips_a_damaged_newest_one(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    run = quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=[ModelCheckpoint(save_top_k=-1)])
+    run.fit(Regressor(), make_loader(16))
+    directory = run.checkpoint_dir
+    # Newer files that are not this lineage's: a pretrained model and a backup copy beside the runs.
+    torch.save({"state_dict": Regressor().state_dict()}, os.path.join(root, "pretrained.ckpt"))
+    checkpoint_io.save(
+        checkpoint_io.load(os.path.join(directory, "epoch=0-step=2.ckpt")), os.path.join(root, "backup.ckpt")
+    )
+    fresh = quiet_trainer(default_root_dir=root)
+    assert checkpoint_state.find_checkpoint(fresh, "last") == os.path.join(directory, "epoch=2-step=6.ckpt")
+    newest = os.path.join(directory, "epoch=2-step=6.ckpt")
+    with open(newest, "r+b") as file:
+        file.truncate(os.path.getsize(newest) // 2)  # cut short, as a copy or a crashed disk leaves it
+    with pytest.warns(UserWarning, match=r"passing over .*epoch=2-step=6\.ckpt.*truncated or damaged|passing over"):
+        found = checkpoint_state.find_checkpoint(fresh, "last")
+    assert found == os.path.join(directory, "epoch=1-step=4.ckpt")
+    resumed = quiet_trainer(max_epochs=3, default_root_dir=root)
+    with pytest.warns(UserWarning, match="passing over"):
+        resumed.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert resumed.global_step == 6  # epoch 2 run again from the end of epoch 1
+
+
+def test_last_without_a_complete_checkpoint_warns_and_starts_fresh(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    version = tmp_path / "ember_logs" / "version_0" / "checkpoints"
+    version.mkdir(parents=True)
+    (version / "last.ckpt").write_bytes(b"")  # a save that never finished
+    trainer = quiet_trainer(max_epochs=1, default_root_dir=root)
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(Regressor(), make_loader(16), ckpt_path="last")
+    messages = [str(warning.message) for warning in caught]
+    assert any("last.ckpt" in message and "is empty" in message for message in messages)
+    assert any("starts from scratch" in message for message in messages)
+    assert trainer.global_step == 2
+
+
+# ------------------------------------------------------------------------------------ integrity
+def _good_checkpoint(tmp_path: Any) -> str:
+    trainer = quiet_trainer(max_epochs=1, default_root_dir=str(tmp_path / "good"), logger=False)
+    trainer.fit(Regressor(), make_loader(16))
+    assert trainer.checkpoint_callback is not None
+    return trainer.checkpoint_callback.best_model_path
+
+
+def _make_bad(kind: str, tmp_path: Any) -> str:
+    path = str(tmp_path / f"{kind}.ckpt")
+    good = _good_checkpoint(tmp_path)
+    content = open(good, "rb").read()
+    if kind == "empty":
+        open(path, "wb").close()
+    elif kind == "truncated":
+        open(path, "wb").write(content[: len(content) // 3])
+    elif kind == "flipped":
+        open(path, "wb").write(content[:300] + bytes([content[300] ^ 1]) + content[301:])
+    elif kind == "random":
+        open(path, "wb").write(random.Random(0).randbytes(4096))
+    elif kind == "json":
+        open(path, "w").write(json.dumps({"state_dict": {}, "epoch": 1}))
+    elif kind == "text":
+        open(path, "w").write("epoch: 3\nweights: see the other file\n")
+    elif kind == "directory":
+        os.makedirs(path)
+        open(os.path.join(path, "notes.txt"), "w").write("not a sharded checkpoint")
+    elif kind == "dangling":
+        os.symlink(str(tmp_path / "gone.ckpt"), path)
+    elif kind == "other_model":
+        state = checkpoint_io.load(good)
+        state["state_dict"] = torch.nn.Linear(7, 3).state_dict()
+        checkpoint_io.save(state, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("empty", "is empty"),
+        ("truncated", "is not a readable checkpoint: it is truncated or damaged"),
+        ("flipped", "is damaged: its content no longer matches the digest"),
+        ("random", "is not a checkpoint: it does not start like a file written by torch.save"),
+        ("json", "holds JSON"),
+        ("text", "is a text file, not a checkpoint"),
+        ("directory", "is a directory but not a complete sharded checkpoint"),
+        ("dangling", "is a link to .*gone.ckpt.*, which does not exist"),
+        ("other_model", "holds the weights of another model than this Regressor"),
+    ],
+)
+def test_every_way_a_file_can_fail_to_be_a_checkpoint_gives_one_error_naming_it(
+    kind: str, message: str, tmp_path: Any
+) -> None:
+    path = _make_bad(kind, tmp_path)
+    for attempt in (
+        lambda: quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), make_loader(16), ckpt_path=path),
+        lambda: quiet_trainer(logger=False).validate(Regressor(), make_loader(16), ckpt_path=path, verbose=False),
+        lambda: Regressor.load_from_checkpoint(path),
+    ):
+        with pytest.raises(checkpoint_io.CheckpointError, match=message) as raised:
+            attempt()
+        assert repr(path) in str(raised.value) or path in str(raised.value)
+
+
+def test_every_checkpoint_carries_what_verifies_it(tmp_path: Any) -> None:
+    path = _good_checkpoint(tmp_path)
+    assert checkpoint_io.verify(path) is True  # a digest was there and matched
+    plain = str(tmp_path / "plain.ckpt")
+    torch.save({"state_dict": {}}, plain)
+    assert checkpoint_io.verify(plain) is False  # torch.save's own file: plausible, not verified
+
+
+# ---------------------------------------------------------------------------------------- disks
+def test_an_unwritable_run_directory_fails_before_the_first_step(tmp_path: Any) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    steps: list[int] = []
+
+    class Count(Callback):
+        def on_train_batch_start(self, trainer: ember.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            steps.append(batch_idx)
+
+    root = str(tmp_path / "a-file" / "runs")
+    with pytest.raises(OSError, match=r"cannot (create a run directory under|write to) .*a-file"):
+        quiet_trainer(max_epochs=1, default_root_dir=root, callbacks=[Count()]).fit(Regressor(), make_loader(16))
+    assert steps == []
+    unwritable_checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "a-file" / "checkpoints"))
+    with pytest.raises(OSError, match=r"cannot write to .*a-file.*checkpoints"):
+        quiet_trainer(max_epochs=1, callbacks=[unwritable_checkpoints, Count()], logger=False).fit(
+            Regressor(), make_loader(16)
+        )
+    assert steps == []
+
+
+def _with_file_size_limit(limit: int, work: Any, *args: Any) -> tuple[str, str]:
+    """Run ``work(*args)`` in a child process that may write files of ``limit`` bytes at most (a full disk,
+    as far as the writer can tell); returns ("ok", "") or (exception type, message)."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+
+    def child() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        try:
+            work(*args)
+            results.put(("ok", ""))
+        except BaseException as error:
+            results.put((type(error).__name__, str(error)))
+
+    process = context.Process(target=child)
+    process.start()
+    process.join(60)
+    return results.get(timeout=5)
+
+
+def _save_big(path: str) -> None:
+    checkpoint_io.save({"weights": torch.zeros(200_000)}, path)
+
+
+def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_one(tmp_path: Any) -> None:
+    path = str(tmp_path / "run.ckpt")
+    checkpoint_io.save({"weights": torch.ones(10)}, path)
+    kind, message = _with_file_size_limit(100_000, _save_big, path)
+    assert kind == "CheckpointError", message
+    assert repr(path) in message and "disk is full" in message and "previous file is intact" in message
+    assert torch.equal(checkpoint_io.load(path)["weights"], torch.ones(10))
+    assert os.listdir(tmp_path) == ["run.ckpt"]  # no temporary left behind
+
+
+def _log_until_full(directory: str) -> None:
+    logger = CSVLogger(directory, version=0, flush_logs_every_n_steps=1)
+    for step in range(100_000):
+        logger.log_metrics({"loss": 1.0 / (step + 1), "epoch": 0}, step)
+    logger.save()
+
+
+def test_metrics_csv_is_appended_and_a_full_disk_keeps_its_history_whole(tmp_path: Any) -> None:
+    kind, message = _with_file_size_limit(30_000, _log_until_full, str(tmp_path))
+    assert kind == "OSError", message
+    path = tmp_path / "ember_logs" / "version_0" / "metrics.csv"
+    lines = path.read_text().splitlines()
+    assert lines[0] == "step,loss,epoch" and len(lines) > 100
+    steps = [int(line.split(",")[0]) for line in lines[1:]]
+    assert steps == list(range(len(steps)))  # every row whole, none lost before the disk filled up
+    assert path.read_text().endswith("\n")
+
+
+def test_a_stale_partial_save_is_removed_at_the_next_start(tmp_path: Any) -> None:
+    directory = tmp_path / "checkpoints"
+    (directory / ".epoch=1-step=4.ckpt.partial").mkdir(parents=True)  # a sharded save that was cut short
+    (directory / ".epoch=1-step=4.ckpt.partial" / "__0_0.distcp").write_bytes(b"x")
+    (directory / ".last.ckpt.999999.0a1b2c3d.tmp").write_bytes(b"x")  # its writer is gone
+    trainer = quiet_trainer(max_epochs=1, logger=False, callbacks=[ModelCheckpoint(dirpath=str(directory))])
+    trainer.fit(Regressor(), make_loader(16))
+    assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt"]
+
+
+# ----------------------------------------------------------------------------- non-finite weights
+class _Diverging(Regressor):
+    """Its loss turns NaN at global step 5, after which its weights do too."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step >= 5 else loss
+
+
+def test_non_finite_weights_are_never_saved_where_last_finds_them(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    on_exception = OnExceptionCheckpoint(os.path.join(root, "crash"))
+    trainer = quiet_trainer(max_epochs=10, default_root_dir=root, log_every_n_steps=1,
+                            callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1), on_exception])  # fmt: skip
+    with pytest.raises(FloatingPointError):
+        trainer.fit(_Diverging(), make_loader(16))
+    failure = os.path.join(root, "crash", "on_exception.nonfinite.ckpt")
+    saved = checkpoint_io.load(failure)
+    assert "nonfinite_parameters" in saved["failure"]  # kept for a post-mortem, and marked
+    last = checkpoint_state.find_checkpoint(quiet_trainer(default_root_dir=root), "last")
+    assert last is not None and last.endswith("epoch=1-step=4.ckpt")  # before the loss (step 5) diverged
+    state = checkpoint_io.load(last)["state_dict"]
+    assert all(torch.isfinite(tensor).all() for tensor in state.values())
+
+
+def test_a_save_of_non_finite_weights_is_refused_and_keeps_the_previous_file(tmp_path: Any) -> None:
+    path = str(tmp_path / "model.ckpt")
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    module = Regressor()
+    trainer.fit(module, make_loader(16))
+    trainer.save_checkpoint(path)
+    with torch.no_grad():
+        module.layer.weight[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"NaN or infinite values .*layer\.weight.*was not saved"):
+        trainer.save_checkpoint(path)
+    assert torch.isfinite(checkpoint_io.load(path)["state_dict"]["layer.weight"]).all()
