@@ -90,10 +90,10 @@ class _Reading(Regressor):
 def test_trainer_doctor_counts_what_waits_for_the_device_and_training_goes_on(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ember.doctor
+    import ember.doctor.watch
 
     # The CPU stands in for a GPU: every tensor counts as on a device.
-    monkeypatch.setattr(ember.doctor, "_on_accelerator", lambda tensor: isinstance(tensor, torch.Tensor))
+    monkeypatch.setattr(ember.doctor.watch, "_on_accelerator", lambda tensor: isinstance(tensor, torch.Tensor))
     nonzero = torch.nonzero
     trainer = quiet_trainer(max_epochs=3, doctor=10, logger=False)
     trainer.fit(_Reading(), make_loader(64, batch_size=4))
