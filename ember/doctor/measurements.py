@@ -63,7 +63,7 @@ class Measurements:
     local_processes: int = 1
     #: A matrix product's time with ``threads`` threads and with ``cores_per_process`` (only when more threads).
     matmul_seconds: tuple[float, float] | None = None
-    #: One all-reduce of the gradients (only when DDP all-reduces on more micro-batches than it steps on).
+    #: One all-reduce of the gradients (only when DDP all-reduced on enough micro-batches per step for the finding).
     all_reduce_seconds: float | None = None
     #: Whether a CUDA device is available.
     cuda_available: bool = False
