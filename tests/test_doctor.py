@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 from conftest import Regressor, make_loader, quiet_trainer
 
-from ember.doctor import Doctor
+from ember.doctor import Doctor, Measurements, diagnose, findings, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = os.path.join(HERE, "scripts", "doctor_cases.py")
@@ -90,10 +92,10 @@ class _Reading(Regressor):
 def test_trainer_doctor_counts_what_waits_for_the_device_and_training_goes_on(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ember.doctor
+    import ember.doctor.watch
 
     # The CPU stands in for a GPU: every tensor counts as on a device.
-    monkeypatch.setattr(ember.doctor, "_on_accelerator", lambda tensor: isinstance(tensor, torch.Tensor))
+    monkeypatch.setattr(ember.doctor.watch, "_on_accelerator", lambda tensor: isinstance(tensor, torch.Tensor))
     nonzero = torch.nonzero
     trainer = quiet_trainer(max_epochs=3, doctor=10, logger=False)
     trainer.fit(_Reading(), make_loader(64, batch_size=4))
@@ -125,3 +127,146 @@ def test_doctor_options_are_checked(tmp_path: Any) -> None:
     command = [sys.executable, "-m", "ember", "doctor", "--steps", "3", CASES]
     bad = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--steps=3" in bad.stderr
+
+
+def test_installing_and_removing_the_doctor_leaves_torch_as_it_was() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+    from torch.utils.data import DistributedSampler
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    owners = [torch, torch.cuda, torch.Tensor, _BaseDataLoaderIter, DistributedDataParallel, DistributedSampler]
+    before = [dict(vars(owner)) for owner in owners]
+    hooks = dict(_global_optimizer_post_hooks)
+    doctor = Doctor(steps=10).install()
+    assert torch.Tensor.item.__qualname__ != "TensorBase.item" and "__next__" in vars(_BaseDataLoaderIter)
+    doctor.uninstall()
+    for owner, namespace in zip(owners, before):
+        after = vars(owner)
+        assert after.keys() == namespace.keys() and all(after[name] is namespace[name] for name in namespace), owner
+    assert dict(_global_optimizer_post_hooks) == hooks
+
+
+# ------------------------------------------------------------------------ each finding, on figures made by hand
+def _measured(**figures: Any) -> Measurements:
+    """A clean run (25 steps of 10 ms, one process, two cores, no DDP), changed by ``figures``."""
+    clean = Measurements(
+        steps_seen=30, measured_steps=25, window_seconds=0.25, data_wait=0.01, data_cpu=0.01,
+        loaders=Counter({(0, False, False): 25}), threads=2, cores_per_process=2,
+    )  # fmt: skip
+    return dataclasses.replace(clean, **figures)
+
+
+def _ddp(**figures: Any) -> Measurements:
+    """A clean run with one DDP model that syncs once per step, changed by ``figures``."""
+    return _measured(**{"ddp_models": 1, "syncing_forwards": 25, "all_reduce_seconds": 0.001, **figures})
+
+
+def test_a_clean_run_has_no_findings_and_every_finding_shows_in_report_order() -> None:
+    assert diagnose(_measured()) == [] and diagnose(_ddp()) == []
+    everything = _ddp(
+        data_wait=0.15, graph_tensors=30, syncs=Counter({"a.py:1 in f (item)": 50}), precision_seconds=(0.01, 0.004),
+        peak_memory=2**30, total_memory=80 * 2**30, batch_size=32, bare_forwards=Counter({"a.py:2 in f": 25}),
+        ddp_models_searching_unused=1, sampler_epochs={1: [0, 0]}, threads=8, matmul_seconds=(0.004, 0.001),
+        syncing_forwards=100,
+    )  # fmt: skip
+    assert [finding.id for finding in diagnose(everything)] == [
+        "input-bound", "graph-kept", "host-sync", "precision", "small-batch", "ddp-bare-forward", "ddp-find-unused",
+        "ddp-sampler-epoch", "cpu-oversubscribed", "ddp-sync-every-micro-batch",
+    ]  # fmt: skip
+    assert diagnose(dataclasses.replace(everything, measured_steps=0)) == []  # nothing measured, nothing found
+
+
+def test_input_bound() -> None:
+    assert findings.input_bound(_measured(data_wait=0.04)) is None  # 16% of the time
+    reading = findings.input_bound(_measured(data_wait=0.15))  # 6 ms of each 10 ms step, mostly sleeping on I/O
+    assert reading is not None and reading.title == "Training waits for data 60% of the time"
+    assert reading.fix.startswith("DataLoader(..., num_workers=2);") and reading.estimated_gain == pytest.approx(0.6)
+    computing = findings.input_bound(_measured(data_wait=0.15, data_cpu=0.15, cores_per_process=2))
+    assert computing is not None and computing.fix.startswith("DataLoader(..., num_workers=1);")  # a core for training
+    workers = findings.input_bound(
+        _measured(data_wait=0.15, loaders=Counter({(2, False, False): 25}), cuda_available=True)
+    )
+    assert workers is not None and "num_workers=3, persistent_workers=True, pin_memory=True" in workers.fix
+
+
+def test_graphs_kept() -> None:
+    assert findings.graphs_kept(_measured(graph_tensors=3)) is None
+    kept = findings.graphs_kept(_measured(graph_tensors=25, graph_bytes=2**20, graph_holders=["list 'kept'"]))
+    assert kept is not None and kept.locations == ["list 'kept'"]
+    assert "25 more tensors with a grad_fn alive after 25 steps (about 1.0 per step)" in kept.measured
+    assert "1.00 MB" in kept.measured
+
+
+def test_host_syncs() -> None:
+    assert findings.host_syncs(_measured(syncs=Counter({"a.py:1 in f (item)": 24}))) is None
+    syncs = findings.host_syncs(_measured(syncs=Counter({"a.py:1 in f (item)": 50}), sync_seconds=0.05))
+    assert syncs is not None and syncs.title.startswith("2.0 host-device synchronisations per step")
+    assert syncs.locations == ["a.py:1 in f (item): 50 calls"] and syncs.estimated_gain == pytest.approx(0.2)
+
+
+def test_precision() -> None:
+    assert findings.precision(_measured()) is None  # not measured: no GPU, or not float32
+    assert findings.precision(_measured(precision_seconds=(0.01, 0.0095))) is None
+    faster = findings.precision(_measured(precision_seconds=(0.01, 0.004), gpu_name="a GPU"))
+    assert faster is not None and "2.5x faster" in faster.title and faster.measured.endswith("on a GPU")
+    assert faster.estimated_gain == pytest.approx(0.6)
+
+
+def test_batch_headroom() -> None:
+    assert findings.batch_headroom(_measured()) is None  # not measured: no GPU
+    assert findings.batch_headroom(_measured(peak_memory=40 * 2**30, total_memory=80 * 2**30, batch_size=32)) is None
+    small = findings.batch_headroom(_measured(peak_memory=2**30, total_memory=80 * 2**30, batch_size=32))
+    assert small is not None and small.title == "The batch uses 1% of the GPU's memory"
+    assert "batches of about 2048" in small.fix and "x64 linear, or x8.0 square-root" in small.fix
+
+
+def test_bare_forward() -> None:
+    assert findings.bare_forward(_ddp()) is None
+    bare = findings.bare_forward(_ddp(bare_forwards=Counter({"a.py:2 in f": 25})))
+    assert bare is not None and bare.locations == ["a.py:2 in f: 25 calls"] and bare.measured.startswith("25 forward")
+
+
+def test_unneeded_unused_search() -> None:
+    assert findings.unneeded_unused_search(_ddp(unused_search_seconds=0.025)) is None  # not searching
+    needed = _ddp(ddp_models_searching_unused=1, unused_search_seconds=0.025, all_parameters_used=False)
+    assert findings.unneeded_unused_search(needed) is None
+    unneeded = findings.unneeded_unused_search(dataclasses.replace(needed, all_parameters_used=True))
+    assert unneeded is not None and "1.00 ms per step" in unneeded.measured
+    assert unneeded.estimated_gain == pytest.approx(0.1)
+
+
+def test_sampler_epochs() -> None:
+    assert findings.sampler_epochs(_ddp(sampler_epochs={1: [0, 1, 2], 2: [0]})) is None
+    stuck = findings.sampler_epochs(_ddp(sampler_epochs={1: [0, 1], 2: [0, 0, 0]}))
+    assert stuck is not None and stuck.measured == "iterated 3 times with epoch=0 each time"
+
+
+def test_oversubscribed() -> None:
+    assert findings.oversubscribed(_measured(matmul_seconds=(0.004, 0.001))) is None  # 2 threads on 2 cores
+    crowded = findings.oversubscribed(_measured(threads=16, local_processes=2, matmul_seconds=(0.004, 0.001)))
+    assert crowded is not None and crowded.title == "16 CPU threads x 2 process(es) on 4 cores"
+    assert crowded.fix.startswith("torch.set_num_threads(2)") and crowded.estimated_gain == pytest.approx(0.75)
+
+
+def test_sync_every_micro_batch() -> None:
+    assert findings.sync_every_micro_batch(_ddp(syncing_forwards=30)) is None
+    assert findings.sync_every_micro_batch(_measured(syncing_forwards=100)) is None  # no DDP model
+    every = findings.sync_every_micro_batch(_ddp(syncing_forwards=100, all_reduce_seconds=0.001))
+    assert every is not None and "(4.0 per optimizer step)" in every.title
+    assert every.estimated_gain == pytest.approx(75 * 0.001 / 0.25)
+
+
+def test_the_report_as_text_and_json() -> None:
+    measured = _measured(data_wait=0.15)
+    found = diagnose(measured)
+    text = report.text(measured, found)
+    assert text.startswith("ember doctor: 25 steps measured (after 5 of warm-up), 10.0 ms per step, 1 process(es)")
+    assert "\n[input-bound] Training waits for data 60% of the time\n  measured: " in text
+    assert "estimated gain: 60%" in text
+    assert report.text(_measured(), []).endswith("no findings: nothing the doctor checks is slowing this run")
+    short = _measured(steps_seen=3, measured_steps=0)
+    assert report.text(short, []) == "ember doctor: the run made 3 optimizer steps; more than 5 are needed"
+    as_json = json.loads(report.as_json(measured, found))
+    assert as_json["measured_steps"] == 25 and as_json["step_ms"] == pytest.approx(10.0)
+    assert as_json["findings"][0]["id"] == "input-bound" and as_json["findings"][0]["estimated_gain"] == 0.6

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember._utils import is_overridden
 from ember.callbacks import Callback
+from ember.instrument import Patches
 from ember.module import Module
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class Profiler:
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str = "profile") -> None:
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
         self.filename = filename
-        self._undo: list[Callable[[], None]] = []
+        self._patches = Patches()
         self._phase = "train"  # the kind of loader the latest batch came from
 
     def start(self, action: str) -> None:
@@ -93,8 +94,7 @@ class Profiler:
 
     def teardown(self, trainer: Trainer, stage: str) -> None:
         """Stop profiling: remove the wrappers, then write and print the summary."""
-        while self._undo:
-            self._undo.pop()()
+        self._patches.undo()
         report = self.summary()
         if not report:
             return
@@ -113,7 +113,8 @@ class Profiler:
 
     # ------------------------------------------------------------------------------- wrapping
     def _wrap(self, owner: Any, name: str, action: str | Callable[..., str]) -> None:
-        """Make ``owner.<name>(...)`` report itself as ``action``, or as ``action(...)`` of its arguments."""
+        """Make ``owner.<name>(...)`` report itself as ``action``, or as ``action(...)`` of its arguments,
+        on this instance only, until ``teardown``."""
         original = getattr(owner, name)
 
         @functools.wraps(original)
@@ -125,17 +126,7 @@ class Profiler:
             finally:
                 self.stop(label)
 
-        self._replace(owner, name, profiled)
-
-    def _replace(self, owner: Any, name: str, replacement: Callable[..., Any]) -> None:
-        """Set ``owner.<name>`` on the instance, remembering how to put back what was there."""
-        own = owner.__dict__
-        if name in own:
-            previous = own[name]
-            self._undo.append(lambda: own.__setitem__(name, previous))
-        else:
-            self._undo.append(lambda: own.pop(name, None))
-        own[name] = replacement  # straight into __dict__: nn.Module.__setattr__ has no business here
+        self._patches.replace(owner, name, profiled)
 
 
 class PassThroughProfiler(Profiler):

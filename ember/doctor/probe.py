@@ -1,0 +1,160 @@
+"""The figures the doctor measures once, at the end of the window.
+
+Some cost time (a garbage collection and a search of the heap, timed training steps, matrix products,
+all-reduces), so each is measured only where a finding can use it. Some are measured by all ranks
+together: every rank must call ``measure``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember._utils import batch_size_of
+from ember.data import cores_per_process
+from ember.doctor.findings import KEPT_GRAPHS_PER_STEP, SYNCING_FORWARDS_PER_STEP
+from ember.doctor.measurements import Measurements
+from ember.loops.step import StepRunner
+
+if TYPE_CHECKING:
+    from ember.trainer import Trainer
+
+
+def measure(
+    m: Measurements, graph_tensors_at_start: set[int], ddp_models: Iterable[Any], trainer: Trainer | None
+) -> None:
+    """Fill the figures of ``m`` taken at the end of a window of at least one step. ``graph_tensors_at_start``:
+    the ids of the tensors with a graph when the window began; ``trainer``: the Ember run's, if it is one."""
+    _graphs(m, graph_tensors_at_start)
+    _gpu(m, trainer)
+    _threads(m)
+    if m.ddp_models and m.syncing_forwards >= SYNCING_FORWARDS_PER_STEP * m.measured_steps:
+        m.all_reduce_seconds = _all_reduce_seconds(next(iter(ddp_models)))
+
+
+def _graphs(m: Measurements, before: set[int]) -> None:
+    gc.collect()
+    new = [tensor for tensor in graph_tensors() if id(tensor) not in before]
+    m.graph_tensors = len(new)
+    m.graph_bytes = sum(tensor.untyped_storage().nbytes() for tensor in new)
+    if len(new) >= KEPT_GRAPHS_PER_STEP * m.measured_steps:  # where they are kept: a search of the heap
+        m.graph_holders = _holders(new[:20])
+
+
+def _gpu(m: Measurements, trainer: Trainer | None) -> None:
+    m.cuda_available = torch.cuda.is_available()
+    if trainer is None or trainer.strategy.root_device.type != "cuda":
+        return
+    device = trainer.strategy.root_device
+    batch = trainer.run_metrics.train.batch
+    m.gpu_name = torch.cuda.get_device_name(device)
+    if trainer.precision == "32-true" and torch.cuda.is_bf16_supported() and batch is not None:
+        m.precision_seconds = (_time_step(trainer, batch, None), _time_step(trainer, batch, torch.bfloat16))
+    m.peak_memory = torch.cuda.max_memory_allocated(device)
+    m.total_memory = torch.cuda.get_device_properties(device).total_memory
+    m.batch_size = batch_size_of(batch)
+
+
+def _threads(m: Measurements) -> None:
+    m.threads = torch.get_num_threads()
+    m.local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    fair = m.cores_per_process = cores_per_process()
+    if m.threads > fair:
+        # Interleaved and the best of three, since other processes on the machine add noise to each run.
+        timings = [(_matmul_seconds(m.threads), _matmul_seconds(fair)) for _ in range(3)]
+        m.matmul_seconds = (min(now for now, _ in timings), min(fixed for _, fixed in timings))
+
+
+def graph_tensors() -> list[torch.Tensor]:
+    """Every live tensor that keeps an autograd graph."""
+    with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.grad_fn is not None]
+
+
+def _holders(tensors: list[torch.Tensor]) -> list[str]:
+    """Where tensors are kept: a global variable or an object's attribute holding the containers they are in."""
+    places: Counter[str] = Counter()
+    for tensor in tensors:
+        for container in gc.get_referrers(tensor):
+            if not isinstance(container, (list, dict, tuple, set)):
+                continue
+            for owner in gc.get_referrers(container):
+                if not isinstance(owner, dict):
+                    continue
+                name = next((key for key, value in owner.items() if value is container), None)
+                if name is None:
+                    continue
+                if "__name__" in owner and "__file__" in owner:
+                    places[f"{type(container).__name__} {name!r}, a global of {owner['__file__']}"] += 1
+                else:
+                    holder = next((o for o in gc.get_referrers(owner) if getattr(o, "__dict__", None) is owner), None)
+                    kind = f" of a {type(holder).__name__}" if holder is not None else ""
+                    places[f"{type(container).__name__} in attribute {name!r}{kind}"] += 1
+    return [f"{place} ({count} of the tensors sampled)" for place, count in places.most_common(3)]
+
+
+def _time_step(trainer: Trainer, batch: Any, dtype: torch.dtype | None, repeats: int = 3) -> float:
+    """Seconds for the module's training step and its backward on ``batch`` (gradients discarded), run by
+    fit's own step runner, in autocast to ``dtype`` when given."""
+    module = trainer.lightning_module
+    assert module is not None
+    runner = StepRunner(trainer.strategy, module, [])
+    seconds = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            runner.forward_backward(batch, 0, window_size=1, sync=False)  # no gradient all-reduce
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        module.zero_grad(set_to_none=True)
+    return min(seconds[1:])
+
+
+def _matmul_seconds(threads: int, size: int = 384, repeats: int = 8) -> float:
+    """A matrix-product benchmark with ``threads`` threads, all ranks at the same time."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    _barrier()
+    torch.mm(a, b)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    elapsed = (time.perf_counter() - start) / repeats
+    torch.set_num_threads(previous)
+    _barrier()
+    return elapsed
+
+
+def _all_reduce_seconds(ddp: Any, repeats: int = 5) -> float:
+    """Time of one all-reduce of as many numbers as the model has parameters (all ranks together)."""
+    import torch.distributed as dist
+
+    parameter = next(ddp.module.parameters())
+    numbers = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+    buffer = torch.zeros(numbers, device=parameter.device)
+    dist.all_reduce(buffer)
+    _barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(buffer)
+    if buffer.is_cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
