@@ -62,15 +62,18 @@ def test_two_runs_started_together_in_one_folder_never_share_a_directory(tmp_pat
         assert run.returncode == 0
         log_dirs.append(stdout.strip().splitlines()[-1])
     assert sorted(os.path.basename(path) for path in log_dirs) == ["version_0", "version_1"]
+    hyperparameters = []
     for log_dir in log_dirs:
-        with open(os.path.join(log_dir, "hparams.yaml")) as file:
-            learning_rate = file.read()
-        rows = open(os.path.join(log_dir, "metrics.csv")).read().splitlines()
+        hyperparameters.append(_read(os.path.join(log_dir, "hparams.yaml")))
+        rows = _read(os.path.join(log_dir, "metrics.csv")).splitlines()
         assert len(rows) == 1 + 8  # the header, and a row every 2 of 16 steps (epoch values share one)
-        assert len([name for name in os.listdir(os.path.join(log_dir, "checkpoints"))]) == 1
-        assert learning_rate != ""  # each run wrote its own hyperparameters
-    contents = [open(os.path.join(path, "hparams.yaml")).read() for path in log_dirs]
-    assert contents[0] != contents[1]
+        assert len(os.listdir(os.path.join(log_dir, "checkpoints"))) == 1
+    assert hyperparameters[0] != hyperparameters[1]  # each run wrote its own
+
+
+def _read(path: str) -> str:
+    with open(path) as file:
+        return file.read()
 
 
 def test_claiming_versions_at_the_same_time_gives_each_claimant_its_own(tmp_path: Any) -> None:
@@ -177,22 +180,20 @@ def _good_checkpoint(tmp_path: Any) -> str:
 def _make_bad(kind: str, tmp_path: Any) -> str:
     path = str(tmp_path / f"{kind}.ckpt")
     good = _good_checkpoint(tmp_path)
-    content = open(good, "rb").read()
-    if kind == "empty":
-        open(path, "wb").close()
-    elif kind == "truncated":
-        open(path, "wb").write(content[: len(content) // 3])
-    elif kind == "flipped":
-        open(path, "wb").write(content[:300] + bytes([content[300] ^ 1]) + content[301:])
-    elif kind == "random":
-        open(path, "wb").write(random.Random(0).randbytes(4096))
-    elif kind == "json":
-        open(path, "w").write(json.dumps({"state_dict": {}, "epoch": 1}))
-    elif kind == "text":
-        open(path, "w").write("epoch: 3\nweights: see the other file\n")
+    content = (tmp_path / good).read_bytes()
+    written = {
+        "empty": b"",
+        "truncated": content[: len(content) // 3],
+        "flipped": content[:300] + bytes([content[300] ^ 1]) + content[301:],
+        "random": random.Random(0).randbytes(4096),
+        "json": json.dumps({"state_dict": {}, "epoch": 1}).encode(),
+        "text": b"epoch: 3\nweights: see the other file\n",
+    }
+    if kind in written:
+        (tmp_path / path).write_bytes(written[kind])
     elif kind == "directory":
         os.makedirs(path)
-        open(os.path.join(path, "notes.txt"), "w").write("not a sharded checkpoint")
+        (tmp_path / path / "notes.txt").write_text("not a sharded checkpoint")
     elif kind == "dangling":
         os.symlink(str(tmp_path / "gone.ckpt"), path)
     elif kind == "other_model":
