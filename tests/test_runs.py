@@ -98,19 +98,21 @@ class _Scored(Regressor):
         self.log("score", float(self.current_epoch))
 
 
+def _best_and_last() -> ModelCheckpoint:
+    return ModelCheckpoint(monitor="score", mode="max", save_top_k=1, save_last=True)
+
+
 def _snapshot(directory: str) -> dict[str, float]:
     return {name: os.path.getmtime(os.path.join(directory, name)) for name in os.listdir(directory)}
 
 
 def test_a_run_started_from_another_runs_checkpoint_writes_only_into_its_own_directory(tmp_path: Any) -> None:
     root = str(tmp_path)
-    first = quiet_trainer(max_epochs=3, default_root_dir=root,
-                          callbacks=[ModelCheckpoint(monitor="score", mode="max", save_top_k=1, save_last=True)])  # fmt: skip
+    first = quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=[_best_and_last()])
     first.fit(_Scored(), make_loader(16), make_loader(8))
     first_dir = first.checkpoint_dir
     before = _snapshot(first_dir)
-    second = quiet_trainer(max_epochs=6, default_root_dir=root,
-                           callbacks=[ModelCheckpoint(monitor="score", mode="max", save_top_k=1, save_last=True)])  # fmt: skip
+    second = quiet_trainer(max_epochs=6, default_root_dir=root, callbacks=[_best_and_last()])
     second.fit(_Scored(), make_loader(16), make_loader(8), ckpt_path=os.path.join(first_dir, "epoch=2-step=6.ckpt"))
     assert second.global_step == 12 and second.log_dir != first.log_dir
     assert _snapshot(first_dir) == before  # nothing replaced, nothing pruned
@@ -119,10 +121,9 @@ def test_a_run_started_from_another_runs_checkpoint_writes_only_into_its_own_dir
 
 def test_a_run_resumed_with_last_continues_its_lineage_in_place(tmp_path: Any) -> None:
     root = str(tmp_path)
-    callbacks = lambda: [ModelCheckpoint(monitor="score", mode="max", save_top_k=1, save_last=True)]  # noqa: E731
-    first = quiet_trainer(max_epochs=2, default_root_dir=root, callbacks=callbacks())
+    first = quiet_trainer(max_epochs=2, default_root_dir=root, callbacks=[_best_and_last()])
     first.fit(_Scored(), make_loader(16), make_loader(8))
-    second = quiet_trainer(max_epochs=4, default_root_dir=root, callbacks=callbacks())
+    second = quiet_trainer(max_epochs=4, default_root_dir=root, callbacks=[_best_and_last()])
     second.fit(_Scored(), make_loader(16), make_loader(8), ckpt_path="last")
     assert second.log_dir == first.log_dir
     # The lineage's top-1 moved on: its earlier best file is gone, as in one long run.
@@ -335,8 +336,8 @@ class _Diverging(Regressor):
 def test_non_finite_weights_are_never_saved_where_last_finds_them(tmp_path: Any) -> None:
     root = str(tmp_path)
     on_exception = OnExceptionCheckpoint(os.path.join(root, "crash"))
-    trainer = quiet_trainer(max_epochs=10, default_root_dir=root, log_every_n_steps=1,
-                            callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1), on_exception])  # fmt: skip
+    every_two_steps = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
+    trainer = quiet_trainer(max_epochs=10, default_root_dir=root, callbacks=[every_two_steps, on_exception])
     with pytest.raises(FloatingPointError):
         trainer.fit(_Diverging(), make_loader(16))
     failure = os.path.join(root, "crash", "on_exception.nonfinite.ckpt")
