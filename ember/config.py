@@ -31,7 +31,7 @@ _FLOAT32_MATMUL = ("highest", "high", "medium")
 _PROFILERS = ("simple", "pytorch")
 _BOOL_FLAGS = (
     "enable_progress_bar", "enable_checkpointing", "enable_model_summary", "inference_mode", "detect_anomaly",
-    "use_distributed_sampler", "sync_batchnorm", "slurm_requeue",
+    "use_distributed_sampler", "sync_batchnorm", "slurm_requeue", "restart_on_data_change",
 )  # fmt: skip
 
 
@@ -170,6 +170,16 @@ class TrainerConfig:
     slurm_requeue: bool = False
     """On SLURM's preemption signal, requeue the job after saving the checkpoint."""
 
+    restart_on_data_change: bool = False
+    """Resuming with a dataset of another length, or another seed (``seed_everything``), than the
+    checkpoint's is refused, since the saved position in the epoch means something else then; True
+    accepts the change and starts the interrupted epoch over, with a warning."""
+
+    timeout: int | float | timedelta | None = None
+    """How long (seconds, or a ``timedelta``) the processes of a multi-process run wait for each other in
+    a collective before the run stops with a message naming the rank that did not arrive and the step it
+    was last seen at; None keeps the strategy's own (10 minutes unless it was given one)."""
+
     gpus: int | str | Sequence[int] | None = None
     """The older spelling of ``accelerator="cuda", devices=...``."""
 
@@ -194,6 +204,7 @@ class TrainerConfig:
             _check_bool("deterministic", self.deterministic, also="'warn'")
         if self.benchmark is not None:
             _check_bool("benchmark", self.benchmark, also="None")
+        self._check_timeout()
         if self.deterministic and self.benchmark:
             raise FlagError("benchmark=True picks kernels by speed, which deterministic=True forbids")
         self._check_gpus()
@@ -243,6 +254,12 @@ class TrainerConfig:
         if not isinstance(doctor, bool) and (not isinstance(doctor, int) or doctor <= 5):
             raise FlagError(f"doctor={doctor!r}: True (watch 30 steps), False, or a number of steps above 5")
 
+    def _check_timeout(self) -> None:
+        timeout = self.timeout
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+            raise FlagError(f"timeout={timeout!r}: expected a number of seconds > 0, a datetime.timedelta, or None")
+
     def _check_gpus(self) -> None:
         if self.gpus is None:
             return
@@ -282,6 +299,13 @@ class TrainerConfig:
         if self.doctor is False:
             return 0
         return 30 if self.doctor is True else int(self.doctor)
+
+    @property
+    def timeout_seconds(self) -> float | None:
+        timeout = self.timeout
+        if timeout is None:
+            return None
+        return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
     @property
     def root_dir(self) -> str:

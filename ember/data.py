@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
     DistributedSampler,
     IterableDataset,
     RandomSampler,
@@ -35,27 +36,45 @@ if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
 
 
-class _SeededRandomSampler(Sampler[int]):
-    """A random permutation per epoch, drawn from ``seed + epoch``: any epoch can be drawn again."""
+class EpochOrder(Sampler[int]):
+    """This rank's part of an epoch's global order, from position ``start`` of it on.
 
-    def __init__(self, num_samples: int) -> None:
-        self.num_samples = num_samples
+    The global order is a function of the run's data seed, the epoch and the dataset's length only: a
+    permutation drawn from ``seed + epoch`` when shuffling (the order ``DistributedSampler`` draws), or
+    0..N-1. It is the same whatever the number of ranks or the batch size. Rank r of W reads positions
+    r, r+W, r+2W, ... of what remains after ``start``, padded as ``DistributedSampler`` pads so that
+    every rank reads as many. After every rank has read n batches of b, the ranks together have read
+    exactly the first n*b*W positions: a resumed run, with any W and b, continues at that position.
+    """
+
+    def __init__(self, length: int, shuffle: bool, num_replicas: int = 1, rank: int = 0) -> None:
+        self.length = length
+        self.shuffle = shuffle
+        self.num_replicas = num_replicas
+        self.rank = rank
         self.seed = 0
         self.epoch = 0
+        #: Positions of the epoch's global order already read (by a run this one resumes).
+        self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[int]:
+    def global_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.length))
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+        return torch.randperm(self.length, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        remaining = self.global_order()[self.start :]
+        total = len(self) * self.num_replicas
+        while remaining and len(remaining) < total:  # every rank reads as many
+            remaining += remaining[: total - len(remaining)]
+        return iter(remaining[self.rank : total : self.num_replicas])
 
     def __len__(self) -> int:
-        return self.num_samples
-
-
-class _ShardSampler(DistributedSampler):
-    """A ``DistributedSampler`` whose seed the Trainer sets: the run's data seed, shared by all ranks."""
+        return math.ceil(max(0, self.length - self.start) / self.num_replicas)
 
 
 class _Skippable(Sampler[Any]):
@@ -86,12 +105,14 @@ class _Skippable(Sampler[Any]):
 def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: bool = True) -> Iterable:
     """A copy of ``loader`` as the run needs it; the user's loader itself is not changed.
 
-    - with several processes, each reads its own shard: the sampler becomes a ``DistributedSampler``
-      (shuffling as the loader did, the seed shared by all ranks); ``shard=False`` opts out;
-    - a training loader's order comes from the run's data seed and the epoch, and it can skip
-      batches, so that a resumed run continues where its predecessor stopped;
-    - workers are seeded from that seed too (never from the global random state, which the loader
-      would otherwise advance each time it is iterated);
+    - a map-style dataset read in order or shuffled is read through an ``EpochOrder``: with several
+      processes each reads its own shard (``shard=False`` opts out), and a training loader's order
+      comes from the run's data seed and the epoch, so that a resumed run continues at the very
+      sample its predecessor stopped at, with any number of processes and any batch size;
+    - other training loaders can at least skip batches (when nothing else changed);
+    - a sample that fails to load is named: its index is added to the error;
+    - workers are seeded from the data seed too (never from the global random state, which the loader
+      would otherwise advance each time it is iterated), and ignore the signals that stop a run;
     - batches bound for a GPU are pinned in host memory, so copies to the device run asynchronously
       (unless the loader pins them already). Worker processes hand over CPU tensors, which the loader
       pins in its background thread (``pin_memory=True``); without workers the dataset runs in this
@@ -102,19 +123,18 @@ def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: 
         return loader
     prepared = copy.copy(loader)
     object.__setattr__(prepared, "_iterator", None)  # a loader with persistent workers keeps its iterator
-    sampler = _shard_sampler(loader, strategy) if shard else None
-    if sampler is None and train and _plain_shuffle(loader.sampler):
-        sampler = _SeededRandomSampler(len(loader.dataset))  # type: ignore[arg-type]
-    # DataLoader forbids assigning samplers after construction; the copy is not shared with anyone.
-    if sampler is not None:
-        object.__setattr__(prepared, "sampler", sampler)
+    # DataLoader forbids assigning these after construction; the copy is not shared with anyone.
+    if not isinstance(loader.dataset, IterableDataset):
+        object.__setattr__(prepared, "dataset", _SampleNamed(loader.dataset))
+    order = _epoch_order(loader, strategy, train, shard)
+    if order is not None:
+        object.__setattr__(prepared, "sampler", order)
         if loader.batch_sampler is not None:
-            object.__setattr__(prepared, "batch_sampler", BatchSampler(sampler, loader.batch_size, loader.drop_last))
-    if train:
-        if prepared.batch_sampler is not None:
-            object.__setattr__(prepared, "batch_sampler", _Skippable(prepared.batch_sampler))
-        else:
-            object.__setattr__(prepared, "sampler", _Skippable(prepared.sampler))
+            object.__setattr__(prepared, "batch_sampler", BatchSampler(order, loader.batch_size or 1, loader.drop_last))
+    elif train and prepared.batch_sampler is not None:
+        object.__setattr__(prepared, "batch_sampler", _Skippable(prepared.batch_sampler))
+    elif train:
+        object.__setattr__(prepared, "sampler", _Skippable(prepared.sampler))
     prepared.generator = torch.Generator().manual_seed(0)  # reseeded per epoch for training
     if strategy.root_device.type == "cuda" and not loader.pin_memory:
         if loader.num_workers > 0:
@@ -126,6 +146,19 @@ def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: 
     return prepared
 
 
+def _epoch_order(loader: DataLoader, strategy: Strategy, train: bool, shard: bool) -> EpochOrder | None:
+    """The ``EpochOrder`` that replaces ``loader``'s sampler, or None when it keeps its own."""
+    options = strategy.distributed_sampler_kwargs if shard else None
+    if options is not None and not _shardable(loader):
+        return None
+    plain = isinstance(loader.sampler, SequentialSampler) or _plain_shuffle(loader.sampler)
+    if not plain or (options is None and not train) or type(loader.batch_sampler) not in (BatchSampler, type(None)):
+        return None
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    layout = options or {"num_replicas": 1, "rank": 0}
+    return EpochOrder(len(loader.dataset), shuffle, layout["num_replicas"], layout["rank"])  # type: ignore[arg-type]
+
+
 def _pinned(collate: Callable[[Any], Any], samples: Any) -> Any:
     """The batch ``collate`` makes of ``samples``, its CPU tensors pinned."""
     return apply_to_tensors(
@@ -133,35 +166,60 @@ def _pinned(collate: Callable[[Any], Any], samples: Any) -> Any:
     )
 
 
-def _plain_shuffle(sampler: Sampler) -> bool:
+def _plain_shuffle(sampler: Any) -> bool:
     """A ``RandomSampler`` that draws a permutation (not with replacement, not a subset)."""
     return isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None
 
 
-def _shard_sampler(loader: DataLoader, strategy: Strategy) -> DistributedSampler | None:
-    """The sampler that gives this rank its shard of ``loader``'s data, or None if it needs none."""
-    options = strategy.distributed_sampler_kwargs
-    if options is None or isinstance(loader.sampler, DistributedSampler):
-        return None  # one process, or the user sharded the data already
+def _shardable(loader: DataLoader) -> bool:
+    """Whether a sampler can give each rank its shard of ``loader``'s data (a warning says why not)."""
+    if isinstance(loader.sampler, DistributedSampler):
+        return False  # the user sharded the data already
     if isinstance(loader.dataset, IterableDataset):
         _warn_once(
             "an IterableDataset cannot be sharded by a sampler: each rank reads what its dataset yields, so "
             "shard it yourself (torch.utils.data.get_worker_info() and the rank) or every rank sees the same data"
         )
-        return None
+        return False
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         _warn_once(
             "a DataLoader with a custom batch_sampler is left as it is: every rank gets the same batches unless "
             "the batch sampler shards them (use_distributed_sampler=False silences this)"
         )
-        return None
+        return False
     if not (isinstance(loader.sampler, SequentialSampler) or _plain_shuffle(loader.sampler)):
         _warn_once(
             f"a DataLoader with a {type(loader.sampler).__name__} is left as it is: every rank draws from the "
             "whole dataset; give it a DistributedSampler of your own to shard it"
         )
-        return None
-    return _ShardSampler(loader.dataset, shuffle=isinstance(loader.sampler, RandomSampler), **options)
+        return False
+    return True
+
+
+class SampleError(RuntimeError):
+    """A dataset failed to give one sample: the message names its index (and the original error)."""
+
+
+class _SampleNamed(Dataset):
+    """A map-style dataset whose failures name the index of the sample that failed."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, index: Any) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as error:
+            raise SampleError(f"sample index {index}: {type(error).__name__}: {error}") from error
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Code that inspects loader.dataset (its attributes, a Subset's indices) sees the user's dataset.
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 class _WorkerStart:
@@ -231,8 +289,12 @@ def count_batches(loader: Iterable, limit: int | float | None, flag: str) -> flo
 
 
 # ----------------------------------------------------------------------------- epochs and resuming
-def epoch_batches(loader: Iterable, epoch: int, skip: int, seed: int, rank: int) -> Iterator[Any]:
-    """Iterate ``loader`` for ``epoch``, leaving out its first ``skip`` batches.
+def epoch_batches(
+    loader: Iterable, epoch: int, skip: int, seed: int, rank: int, *, start_sample: int | None = None
+) -> Iterator[Any]:
+    """Iterate ``loader`` for ``epoch``, continuing a resumed epoch: from position ``start_sample`` of the
+    epoch's global order when the loader reads through an ``EpochOrder``, else after its first ``skip``
+    batches.
 
     ``seed`` is the run's data seed: it sets the order of the training loaders the Trainer prepared,
     and the seeds of their workers, for this epoch and rank.
@@ -240,11 +302,13 @@ def epoch_batches(loader: Iterable, epoch: int, skip: int, seed: int, rank: int)
     if isinstance(loader, DataLoader):
         sampler = _unwrapped(loader.sampler)
         index_sampler = _unwrapped(loader.batch_sampler) if loader.batch_sampler is not None else sampler
-        if isinstance(sampler, (_SeededRandomSampler, _ShardSampler)):
+        if isinstance(sampler, EpochOrder):
             sampler.seed = seed
+            sampler.start, skip = (start_sample, 0) if start_sample is not None else (0, skip)
         for candidate in (sampler, getattr(index_sampler, "sampler", None)):
-            if callable(getattr(candidate, "set_epoch", None)):
-                candidate.set_epoch(epoch)
+            set_epoch = getattr(candidate, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
                 break
         if loader.generator is not None and not _is_stateful(loader):
             # Persistent workers keep the seeds of the epoch that started them, in a resumed run too.
@@ -257,10 +321,26 @@ def epoch_batches(loader: Iterable, epoch: int, skip: int, seed: int, rank: int)
     return islice(iterator, skip, None) if skip and isinstance(loader, Sequence) else iterator
 
 
+def resumes_at_the_sample(loader: Iterable) -> bool:
+    """Whether ``loader`` continues a resumed epoch at a sample position (through an ``EpochOrder``)."""
+    return isinstance(_unwrapped(getattr(loader, "sampler", None)), EpochOrder)
+
+
 def data_replicas(loader: Iterable) -> int:
-    """How many ranks read disjoint shards of ``loader``'s data: its ``DistributedSampler``'s replicas, else 1."""
+    """How many ranks read disjoint shards of ``loader``'s data (its sampler's replicas), else 1."""
     sampler = _unwrapped(getattr(loader, "sampler", None))
-    return sampler.num_replicas if isinstance(sampler, DistributedSampler) else 1
+    return sampler.num_replicas if isinstance(sampler, (EpochOrder, DistributedSampler)) else 1
+
+
+def dataset_length(loader: Iterable) -> int | None:
+    """The length of ``loader``'s map-style dataset, or None."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, IterableDataset):
+        return None
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def _unwrapped(sampler: Any) -> Any:
@@ -295,7 +375,7 @@ def why_not_resumable(loader: Iterable) -> str | None:
         )
     index_sampler = _unwrapped(loader.batch_sampler if loader.batch_sampler is not None else loader.sampler)
     sampler = _unwrapped(loader.sampler)
-    deterministic = (SequentialSampler, _SeededRandomSampler, DistributedSampler)
+    deterministic = (SequentialSampler, EpochOrder, DistributedSampler)
     if loader.batch_sampler is not None and type(index_sampler) is not BatchSampler:
         return f"its {type(index_sampler).__name__} may order batches differently each time it is iterated"
     if not isinstance(sampler, deterministic):

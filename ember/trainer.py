@@ -87,6 +87,8 @@ class Trainer:
         use_distributed_sampler: bool = True,
         sync_batchnorm: bool = False,
         slurm_requeue: bool = False,
+        restart_on_data_change: bool = False,
+        timeout: int | float | timedelta | None = None,
         doctor: bool | int = False,
         gpus: int | str | Sequence[int] | None = None,
     ) -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from typing import Any
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -110,8 +112,8 @@ class _Trainer:
     """What the module reaches through ``self.trainer`` in these steps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._results = _Logs()
-        self._manual_optimizers = [optimizer]
+        self.run_metrics = SimpleNamespace(active=_Logs())
+        self.fit_loop = SimpleNamespace(manual_optimizers=[optimizer])
 
 
 class _Shares(torch.nn.Module):
@@ -179,7 +181,7 @@ def test_dp_averages_only_the_training_loss_and_gathers_other_outputs(monkeypatc
     module = strategy._module
     expected = torch.nn.functional.mse_loss(module.layer(x), y)
     torch.testing.assert_close(loss, expected)  # equal shares: the mean of their losses
-    assert module._trainer._results.names == ["share"]  # logged once, from the first share
+    assert module.trainer.run_metrics.active.names == ["share"]  # logged once, from the first share
     with torch.no_grad():
         predictions = strategy.step("predict_step", (x, y), 0)
     torch.testing.assert_close(predictions["per_sample"], module.layer(x).squeeze(1))

@@ -52,7 +52,7 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
         precision=strategy.precision.state_dict(),
         callbacks={callback.state_key: callback.state_dict() for callback in trainer.callbacks},
         loggers=[{"version": logger.version} for logger in trainer.loggers],
-        data={"seed": fit_loop.data_seed},
+        data=fit_loop.data_state(),
         ranks=dict(enumerate(strategy.all_gather_object(own))) if gather else {trainer.global_rank: own},
     )
     if trainer.datamodule is not None:
@@ -145,19 +145,19 @@ def _restore_optimization(trainer: Trainer, checkpoint: dict[str, Any], path: st
 def _restore_position(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
     fit_loop = trainer.fit_loop
     fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"])
-    fit_loop.data_seed = checkpoint["data"]["seed"]
+    window_kept = fit_loop.resume_data(checkpoint["data"], path)
     ranks = checkpoint["ranks"]
     own = ranks.get(trainer.global_rank)
     if own is None or len(ranks) != trainer.world_size:
         warnings.warn(
             f"ckpt_path={path!r} was written by {len(ranks)} process(es) and is resumed by "
-            f"{trainer.world_size}: the weights and loop position carry over, the random state and data "
-            "order of each rank start afresh",
+            f"{trainer.world_size}: the weights, optimizers and position in the data carry over; the random "
+            "state of each rank starts afresh",
             stacklevel=4,
         )
         own = None
     else:
-        fit_loop.load_rank_state(own)
+        fit_loop.load_rank_state(own, gradients=window_kept)
     progress = fit_loop.progress
     loader = fit_loop.train_loader
     reason = why_not_resumable(loader) if progress.epoch_batches and loader is not None else None

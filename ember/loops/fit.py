@@ -12,13 +12,23 @@ import math
 import os
 import signal
 import subprocess
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember._utils import batch_size_of
-from ember.data import count_batches, data_replicas, epoch_batches, loader_state, restore_loader_state, with_last_flag
+from ember.data import (
+    count_batches,
+    data_replicas,
+    dataset_length,
+    epoch_batches,
+    loader_state,
+    restore_loader_state,
+    resumes_at_the_sample,
+    with_last_flag,
+)
 from ember.loops.evaluate import EvaluationLoop
 from ember.loops.progress import Progress
 from ember.loops.step import ManualOptimizer, StepRunner
@@ -219,9 +229,11 @@ class FitLoop:
         trainer, progress = self.trainer, self.progress
         assert self.train_loader is not None
         first = progress.epoch_batches
-        loader_batches = trainer.profiler.timed_batches(
-            epoch_batches(self.train_loader, progress.epoch, first, self.data_seed, trainer.global_rank), "train"
-        )
+        batches = epoch_batches(
+            self.train_loader, progress.epoch, first, self.data_seed, trainer.global_rank,
+            start_sample=progress.epoch_samples,
+        )  # fmt: skip
+        loader_batches = trainer.profiler.timed_batches(batches, "train")
         if self._pending_random_state is not None:
             # A resumed run continues the random streams (dropout, ...) exactly where its predecessor stopped.
             set_random_state(self._pending_random_state)
@@ -432,6 +444,73 @@ class FitLoop:
         if self.runner is not None:
             self.runner.micro_batches = state["micro_batches"]
 
+    def data_state(self) -> dict[str, Any]:
+        """What the saved position in the epoch is relative to: the data seed and the data's layout."""
+        loader = self.train_loader
+        accumulate = self.trainer.config.accumulate_grad_batches
+        return {
+            "seed": self.data_seed,
+            "global_seed": os.environ.get("EMBER_GLOBAL_SEED"),  # set by seed_everything
+            "dataset_length": dataset_length(loader) if loader is not None else None,
+            "batch_size": getattr(loader, "batch_size", None),
+            "replicas": self._replicas,
+            "accumulate": accumulate if isinstance(accumulate, int) else 1,
+        }
+
+    def resume_data(self, saved: dict[str, Any], path: str) -> bool:
+        """Continue the epoch where a checkpoint's data section ``saved`` says, with this run's data and
+        layout; returns whether the gradients of an unfinished accumulation window still apply."""
+        now = self.data_state()
+        self.data_seed = saved["seed"]
+        changed = _changes(saved, now, ("dataset_length", "global_seed"))
+        if changed:
+            self._accept_data_change(changed, path)
+            return False
+        layout = _changes(saved, now, ("batch_size", "replicas", "accumulate"))
+        if not layout:
+            return True
+        self._continue_with_new_layout(saved, now, layout)
+        return False
+
+    def _accept_data_change(self, changed: list[str], path: str) -> None:
+        what = ", ".join(changed)
+        if not self.trainer.config.restart_on_data_change:
+            raise ValueError(
+                f"ckpt_path={path!r} was saved with other data than this run's ({what}), so its position in "
+                f"epoch {self.progress.epoch} would mean something else now; pass "
+                "Trainer(restart_on_data_change=True) to resume anyway, starting that epoch over"
+            )
+        if self.progress.epoch_batches and not self.progress.epoch_finished:
+            warnings.warn(f"the data changed ({what}): epoch {self.progress.epoch} starts over", stacklevel=5)
+        self.progress.restart_epoch()
+
+    def _continue_with_new_layout(self, saved: dict[str, Any], now: dict[str, Any], layout: list[str]) -> None:
+        progress, loader = self.progress, self.train_loader
+        assert loader is not None
+        if progress.window_batches:  # its gradients were summed for another window: that window runs again
+            progress.drop_unfinished_window()
+        if resumes_at_the_sample(loader):
+            progress.epoch_batches = progress.epoch_samples // max(1, (now["batch_size"] or 1) * now["replicas"])
+            self.trainer.print(
+                f"resuming with {', '.join(layout)}: epoch {progress.epoch} continues at sample "
+                f"{progress.epoch_samples} of its order"
+            )
+        elif progress.epoch_batches:
+            warnings.warn(
+                f"resuming with {', '.join(layout)}: the train dataloader cannot continue at a sample (it does not "
+                f"read a map-style dataset in order or shuffled), so epoch {progress.epoch} starts over",
+                stacklevel=5,
+            )
+            progress.restart_epoch()
+        before, after = _steps_per_epoch(saved), _steps_per_epoch(now)
+        if before != after and self.runner is not None and self.runner.scheduler_configs:
+            warnings.warn(
+                f"an epoch is now {after} optimizer steps instead of {before}: learning-rate schedulers continue by "
+                f"optimizer step (from global step {progress.global_step}), so a schedule planned in epochs no "
+                "longer ends with an epoch",
+                stacklevel=5,
+            )
+
     def rank_state(self) -> dict[str, Any]:
         """What differs per rank: the random generators, a stateful loader's position, and the gradients
         of an unfinished accumulation window."""
@@ -442,11 +521,13 @@ class FitLoop:
             "accumulated_gradients": self._unfinished_window_gradients(),
         }
 
-    def load_rank_state(self, state: dict[str, Any]) -> None:
+    def load_rank_state(self, state: dict[str, Any], gradients: bool = True) -> None:
+        """Put back what ``rank_state`` saved (the unfinished window's gradients only when ``gradients``)."""
         self._pending_random_state = state["random_state"]  # applied when training resumes
         if self.train_loader is not None:
             restore_loader_state(self.train_loader, state["loader_state"])
-        _restore_gradients(self.trainer.lightning_module, state["accumulated_gradients"])
+        if gradients:
+            _restore_gradients(self.trainer.lightning_module, state["accumulated_gradients"])
 
     def _unfinished_window_gradients(self) -> list[torch.Tensor | None] | None:
         """The gradients accumulated so far in an accumulation window that has not stepped yet.
@@ -514,6 +595,22 @@ def _fraction_of_epoch(fraction: float, num_batches: float) -> int:
             "length; pass a number of batches instead"
         )
     return max(1, int(num_batches * fraction))
+
+
+def _changes(saved: dict[str, Any], now: dict[str, Any], names: tuple[str, ...]) -> list[str]:
+    """``"name old -> new"`` for each of ``names`` that both know and that differ."""
+    return [
+        f"{name.replace('_', ' ')} {saved[name]} -> {now[name]}"
+        for name in names
+        if saved.get(name) is not None and now.get(name) is not None and saved[name] != now[name]
+    ]
+
+
+def _steps_per_epoch(data: dict[str, Any]) -> int | None:
+    if None in (data.get("dataset_length"), data.get("batch_size"), data.get("replicas"), data.get("accumulate")):
+        return None
+    batches = math.ceil(math.ceil(data["dataset_length"] / data["replicas"]) / data["batch_size"])
+    return math.ceil(batches / data["accumulate"])
 
 
 def _with_detached_loss(output: Any, loss: torch.Tensor | None) -> Any:

@@ -37,6 +37,9 @@ class Progress:
     epoch_samples: int = 0
     """Samples of the current epoch's global order that all ranks together have consumed."""
 
+    window_samples: int = 0
+    """Of those, the samples of the unfinished accumulation window (0 at a step boundary)."""
+
     epoch_finished: bool = False
     """Whether the current epoch's training and its end-of-epoch work are done (a checkpoint saved at
     the end of an epoch resumes at the start of the next one)."""
@@ -48,6 +51,7 @@ class Progress:
         self.epoch_batches += 1
         self.epoch_samples += samples
         self.window_batches = 0 if closes_window else self.window_batches + 1
+        self.window_samples = 0 if closes_window else self.window_samples + samples
 
     def count_step(self) -> None:
         self.global_step += 1
@@ -55,8 +59,19 @@ class Progress:
 
     def start_next_epoch(self) -> None:
         self.epoch += 1
-        self.epoch_batches = self.epoch_steps = self.window_batches = self.epoch_samples = 0
+        self.restart_epoch()
+
+    def restart_epoch(self) -> None:
+        """Go back to the start of the current epoch (its optimizer steps stay counted in ``global_step``)."""
+        self.epoch_batches = self.epoch_steps = self.epoch_samples = 0
+        self.window_batches = self.window_samples = 0
         self.epoch_finished = False
+
+    def drop_unfinished_window(self) -> None:
+        """Go back to the start of the unfinished accumulation window (its gradients are not kept)."""
+        self.epoch_batches -= self.window_batches
+        self.epoch_samples -= self.window_samples
+        self.window_batches = self.window_samples = 0
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
