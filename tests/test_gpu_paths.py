@@ -7,9 +7,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
-
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
