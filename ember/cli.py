@@ -121,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     plot.add_argument(
         "--metrics", default=None, metavar="A,B",
-        help="comma-separated metrics or panels to draw (default: all); 'loss' draws every *loss* metric",
+        help=(
+            "comma-separated metrics or panels to draw (default: all); a panel is a metric's name without its "
+            "stage prefix and _step/_epoch suffix: 'loss' draws loss, train_loss, val_loss and test_loss"
+        ),
     )  # fmt: skip
     plot.add_argument(
         "--x", choices=("step", "epoch"), default="step",

@@ -12,6 +12,7 @@ import copy
 import functools
 import math
 import random
+import re
 import signal
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -200,6 +201,54 @@ class SampleError(RuntimeError):
     """A dataset failed to give one sample: the message names its index (and the original error)."""
 
 
+class DataLoadingError(RuntimeError):
+    """A batch could not be loaded: the message says which loader, epoch and batch, and which sample and
+    worker when they are known; the original error is chained to it."""
+
+
+def named_failures(batches: Iterable[Any], where: str, first_index: int = 0) -> Iterator[Any]:
+    """``batches``, an error while producing one re-raised as a ``DataLoadingError`` that names ``where``
+    (the loader and epoch), the batch index, and the sample index and worker when they are known."""
+    iterator = iter(batches)
+    index = first_index
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except DataLoadingError:
+            raise
+        except Exception as error:
+            raise DataLoadingError(_loading_failure(where, index, error)) from error
+        yield batch
+        index += 1
+
+
+_SAMPLE = re.compile(r"sample index (\S+?): (.*)")
+_WORKER = re.compile(r"in DataLoader worker process (\d+)")
+
+
+def _loading_failure(where: str, batch_index: int, error: Exception) -> str:
+    """The message of a failure to load batch ``batch_index``: the sample and worker are read from what the
+    failing sample (``SampleError``) and the DataLoader (the worker that failed) put in the error."""
+    text = str(error)
+    worker = _WORKER.search(text)
+    samples = _SAMPLE.findall(text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if samples:
+        cause = samples[-1][1]
+    elif worker and lines:  # the worker's own traceback is in the text: its last line is the error
+        cause = lines[-1]
+    else:
+        cause = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    details = [f"batch {batch_index}"]
+    if samples:
+        details.append(f"sample index {samples[-1][0]}")
+    if worker:
+        details.append(f"worker {worker.group(1)}")
+    return f"loading {where} failed at {', '.join(details)}: {cause.strip()}"
+
+
 class _SampleNamed(Dataset):
     """A map-style dataset whose failures name the index of the sample that failed."""
 
@@ -228,20 +277,39 @@ class _WorkerStart:
 
     A launcher (torchrun, SLURM's ``scancel --signal``, Ctrl-C in a terminal) signals the whole process
     group: were the workers to die of it, the main process could not fetch the batches it needs to reach
-    the step where it saves. They end with the main process instead.
+    the step where it saves. So a worker ignores Ctrl-C, and lets the first SIGTERM (or SLURM's SIGUSR1)
+    pass; the next one ends it, as the main process ends its workers when it shuts down.
     """
 
     def __init__(self, user_init: Callable[[int], None] | None) -> None:
         self.user_init = user_init
 
     def __call__(self, worker_id: int) -> None:
-        for name in ("SIGTERM", "SIGINT", "SIGUSR1"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for name in ("SIGTERM", "SIGUSR1"):
             if hasattr(signal, name):
-                signal.signal(getattr(signal, name), signal.SIG_IGN)
+                signal.signal(getattr(signal, name), _let_one_pass)
         if self.user_init is not None:
             self.user_init(worker_id)
         else:
             _seed_worker(worker_id)
+
+
+def _let_one_pass(number: int, frame: object) -> None:
+    """In a loader worker: the first such signal comes from the launcher and is left to the main process;
+    the next one has the signal's default effect."""
+    for name in ("SIGTERM", "SIGUSR1"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
+def release_workers(loader: Iterable) -> None:
+    """End the worker processes a loader with ``persistent_workers`` keeps between epochs (they would
+    otherwise be left to the interpreter's exit, which waits for them)."""
+    iterator = getattr(loader, "_iterator", None) if isinstance(loader, DataLoader) else None
+    if iterator is not None:
+        iterator._shutdown_workers()
+        object.__setattr__(loader, "_iterator", None)
 
 
 def _seed_worker(worker_id: int) -> None:

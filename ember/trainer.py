@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import signal
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -23,7 +24,7 @@ from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar
 from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig
-from ember.data import prepare_loader
+from ember.data import prepare_loader, release_workers
 from ember.doctor import Doctor, DoctorDone, active_doctor
 from ember.loggers import CSVLogger, Logger
 from ember.loggers.logger import VersionedLogger, claim_version, lineage_version, settle_versions
@@ -106,6 +107,7 @@ class Trainer:
             precision=config.precision,
             sync_batchnorm=config.sync_batchnorm,
             compile_options=config.compile_options,
+            timeout=timedelta(seconds=config.timeout_seconds) if config.timeout_seconds is not None else None,
         )
         rank_zero_only.rank = self.strategy.global_rank  # type: ignore[attr-defined]
         _set_determinism(config)
@@ -127,6 +129,7 @@ class Trainer:
         self.lightning_module: Module | None = None
         self.datamodule: DataModule | None = None
         self._environment_ready = False
+        self._stage_loaders: list[Iterable] = []  # the loaders of the stage in progress
         self._run_settled = False
         self._run_version: int | None = None  # the run directory's version when no logger keeps one
         self._doctor: Doctor | None = None
@@ -533,8 +536,12 @@ class Trainer:
         except BaseException as exception:
             if isinstance(exception, KeyboardInterrupt):  # Ctrl-C outside training, or a second one in it
                 status = "interrupted"
+            earlier = self.strategy.announce_failure(exception) if isinstance(exception, Exception) else None
             if self._hooks is not None:
                 self._hooks.call_callbacks("on_exception", exception)
+            if earlier is not None:  # the traceback to read is that rank's, not this consequence's
+                print(f"[rank{self.global_rank}]: stopping because {earlier}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
             raise
         finally:
             self._end_stage(stage, module, datamodule, status)
@@ -550,6 +557,7 @@ class Trainer:
             datamodule.trainer = self
         if not self._environment_ready:
             self.strategy.setup_environment()
+            self.strategy.describe_position(self._position)
             self._environment_ready = True
         if stage != "fit":  # fit settles it once it knows whether it continues an earlier run
             self._settle_run_directory()
@@ -581,6 +589,9 @@ class Trainer:
                 for logger in self.loggers:
                     logger.finalize(status)
         finally:
+            for loader in self._stage_loaders:
+                release_workers(loader)
+            self._stage_loaders = []
             self.strategy.teardown()
             self.stage = None
             self._hooks = None
@@ -625,6 +636,12 @@ class Trainer:
             directories += [callback.dirpath or default for callback in self.checkpoint_callbacks]
         return directories
 
+    def _position(self) -> str:
+        """Where the run is, in words (for the messages of a parallel strategy's watchdog)."""
+        if self.stage is None or self.stage == "fit":
+            return f"global step {self.global_step} (epoch {self.current_epoch})"
+        return f"{self.stage} batch {self.strategy.batches_moved}"
+
     def _start_doctor(self) -> None:
         doctor = active_doctor()  # `ember doctor` runs this script
         if doctor is None and self.config.doctor_steps:
@@ -653,7 +670,9 @@ class Trainer:
         if kind == "train" and len(loaders) != 1:
             raise ValueError(f"fit() trains on one dataloader; got {len(loaders)}")
         shard = self.config.use_distributed_sampler
-        return [prepare_loader(loader, self.strategy, train=kind == "train", shard=shard) for loader in loaders]
+        prepared = [prepare_loader(loader, self.strategy, train=kind == "train", shard=shard) for loader in loaders]
+        self._stage_loaders += prepared
+        return prepared
 
 
 # -------------------------------------------------------------------------- flag checking

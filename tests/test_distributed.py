@@ -164,6 +164,26 @@ def test_a_failing_rank_ends_the_job_quickly_with_its_traceback(tmp_path: Any) -
     assert result.returncode != 0
     assert "RuntimeError: boom on rank 1" in result.stderr
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end"
+    # The failed rank's traceback is the first one, prefixed with its rank; the other rank shows none.
+    tracebacks = [line for line in result.stderr.splitlines() if "Traceback (most recent call last)" in line]
+    assert tracebacks and tracebacks[0].startswith("[rank1]")
+    assert not any(line.startswith("[rank0]") and "Traceback" in line for line in tracebacks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_that_hangs_is_named_and_the_job_ends_within_the_timeout(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    hang = ["--fail-rank", "1", "--fail-step", "3", "--hang", "--timeout", "8"]
+    command = [*LAUNCHES["ember run"](), "--out", out, *hang]
+    started = time.monotonic()
+    result = _run(command, out, timeout=100)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+    report = [line for line in result.stderr.splitlines() if "waited for each other longer than the timeout" in line]
+    assert len(report) == 1, result.stderr[-3000:]
+    assert "rank 1" in report[0] and "global step 3" in report[0] and "in training_step (train_ddp.py:" in report[0]
 
 
 def _listening_addresses(pids: list[int]) -> set[str]:

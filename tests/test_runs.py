@@ -360,3 +360,34 @@ def test_a_save_of_non_finite_weights_is_refused_and_keeps_the_previous_file(tmp
     with pytest.raises(FloatingPointError, match=r"NaN or infinite values .*layer\.weight.*was not saved"):
         trainer.save_checkpoint(path)
     assert torch.isfinite(checkpoint_io.load(path)["state_dict"]["layer.weight"]).all()
+
+
+_PERSISTENT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from torch.utils.data import DataLoader
+    sys.path.insert(0, {tests!r})
+    from conftest import Regressor, make_data
+    import ember
+    from ember.callbacks import Callback
+
+    class Preempt(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    loader = DataLoader(make_data(64), batch_size=4, num_workers=2, persistent_workers=True)
+    trainer = ember.Trainer(accelerator="cpu", max_epochs=2, default_root_dir={root!r}, callbacks=[Preempt()],
+                            enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Regressor(), loader)
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_a_preempted_run_with_persistent_loader_workers_saves_and_exits(tmp_path: Any) -> None:
+    script = tmp_path / "persistent.py"
+    script.write_text(_PERSISTENT.format(tests=os.path.dirname(__file__), root=str(tmp_path)))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
+    assert "preemption signal received: saved" in result.stdout

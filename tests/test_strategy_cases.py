@@ -18,7 +18,15 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "st
 sys.path.insert(0, os.path.dirname(SCRIPT))
 import strategy_cases  # noqa: E402
 
-CASES = ("manual", "manual_accumulate", "gan", "fsdp_compile", "pipeline_compile", "model_parallel_compile")
+CASES = (
+    "manual",
+    "manual_accumulate",
+    "gan",
+    "fsdp_compile",
+    "pipeline_compile",
+    "model_parallel_compile",
+    "fsdp_validate",
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +79,13 @@ COMPILED = [
     ("model_parallel_compile", [[""], [""]]),
     ("pipeline_compile", [["layers.0"], ["layers.1", "layers.2"]]),  # each stage's own layers
 ]
+
+
+@pytest.mark.timeout(200)
+def test_fsdp_trains_after_validating_under_inference_mode(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    results = two_ranks["fsdp_validate"]
+    assert [result["global_step"] for result in results] == [8, 8]
+    assert all(torch.isfinite(torch.tensor(result["last_loss"])) for result in results)
 
 
 @pytest.mark.timeout(200)

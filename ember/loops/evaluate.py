@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ember._utils import apply_to_tensors
-from ember.data import count_batches
+from ember.data import count_batches, named_failures
 from ember.metrics import to_floats
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class EvaluationLoop:
         if self.stage == "validate":
             hooks.call_callbacks("on_validation_start")
         pass_index = len(loaders) > 1 and takes_dataloader_idx(getattr(module, f"{self._hook}_step"))
-        with _no_grad(trainer.config.inference_mode):
+        with _no_grad(trainer.config.inference_mode and trainer.strategy.allows_inference_mode):
             hooks.call(f"on_{self._hook}_epoch_start")
             for dataloader_idx, (loader, count) in enumerate(zip(loaders, counts)):
                 store.name_suffix = f"/dataloader_idx_{dataloader_idx}" if len(loaders) > 1 else ""
@@ -78,7 +78,8 @@ class EvaluationLoop:
         batch_end = hooks.implementations(f"on_{self._hook}_batch_end", include_module=False)
         step_name = f"{self._hook}_step"
         kind = "val" if self.stage == "validate" else "test"
-        for batch_idx, batch in enumerate(trainer.profiler.timed_batches(limited(loader, count), kind)):
+        named = named_failures(limited(loader, count), f"{kind} dataloader {dataloader_idx}")
+        for batch_idx, batch in enumerate(trainer.profiler.timed_batches(named, kind)):
             batch = strategy.batch_to_device(batch)
             store.batch = batch
             args = (batch, batch_idx, dataloader_idx) if pass_index else (batch, batch_idx)
@@ -105,11 +106,12 @@ class PredictionLoop:
         batch_end = hooks.implementations("on_predict_batch_end", include_module=False)
         predictions: list[list[Any]] = []
         module.eval()
-        with _no_grad(trainer.config.inference_mode):
+        with _no_grad(trainer.config.inference_mode and trainer.strategy.allows_inference_mode):
             hooks.call("on_predict_epoch_start")
             for dataloader_idx, (loader, count) in enumerate(zip(loaders, self.num_batches)):
                 outputs = []
-                for batch_idx, batch in enumerate(trainer.profiler.timed_batches(limited(loader, count), "predict")):
+                named = named_failures(limited(loader, count), f"predict dataloader {dataloader_idx}")
+                for batch_idx, batch in enumerate(trainer.profiler.timed_batches(named, "predict")):
                     batch = strategy.batch_to_device(batch)
                     args = (batch, batch_idx, dataloader_idx) if pass_index else (batch, batch_idx)
                     output = strategy.step("predict_step", *args)

@@ -25,6 +25,7 @@ from ember.data import (
     dataset_length,
     epoch_batches,
     loader_state,
+    named_failures,
     restore_loader_state,
     resumes_at_the_sample,
     with_last_flag,
@@ -115,6 +116,8 @@ class FitLoop:
         self._batch_end_hooks: list[Callable[..., Any]] = []
         self._module_batch_start: Callable[..., Any] | None = None
         self._replicas = 1  # the ranks that read disjoint shards of the training data
+        self._epoch_losses = 0  # training steps of the epoch that returned a loss
+        self._reported_idle = False
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -214,6 +217,7 @@ class FitLoop:
         store.clear()
         store.default_on_step = True
         metrics.active = store
+        self._epoch_losses = 0
         module.train()
         trainer.hooks.call("on_train_epoch_start")
         outcome = _Outcome.CONTINUE
@@ -233,7 +237,8 @@ class FitLoop:
             self.train_loader, progress.epoch, first, self.data_seed, trainer.global_rank,
             start_sample=progress.epoch_samples,
         )  # fmt: skip
-        loader_batches = trainer.profiler.timed_batches(batches, "train")
+        named = named_failures(batches, f"the train dataloader in epoch {progress.epoch}", first)
+        loader_batches = trainer.profiler.timed_batches(named, "train")
         if self._pending_random_state is not None:
             # A resumed run continues the random streams (dropout, ...) exactly where its predecessor stopped.
             set_random_state(self._pending_random_state)
@@ -311,6 +316,7 @@ class FitLoop:
         progress = self.progress
         progress.finish_batch(batch_size_of(batch) * self._replicas, window.closing)
         if loss is not None:
+            self._epoch_losses += 1
             self.last_loss = loss
             self._recent_losses.append((loss, progress.epoch, batch_idx, progress.global_step))
         if self._batch_end_hooks:
@@ -340,6 +346,7 @@ class FitLoop:
         module, metrics = trainer.lightning_module, trainer.run_metrics
         assert module is not None and self.runner is not None
         self.check_losses()
+        self._report_idle_epoch()
         metrics.train.default_on_step = False  # values logged in epoch-end hooks are epoch values
         module.on_train_epoch_end()
         for callback in trainer.callbacks:
@@ -355,6 +362,19 @@ class FitLoop:
                 callback.on_train_epoch_end(trainer, module)
         if completed:
             progress.start_next_epoch()
+
+    def _report_idle_epoch(self) -> None:
+        """Say once when an epoch trained nothing: every training_step skipped its batch."""
+        module, batches = self.trainer.lightning_module, self.progress.epoch_batches
+        if self._reported_idle or not batches or self._epoch_losses or module is None:
+            return
+        if module.automatic_optimization:
+            self._reported_idle = True
+            warnings.warn(
+                f"epoch {self.progress.epoch} ended without an optimizer step: training_step returned None "
+                f"for each of its {batches} batches, so nothing was trained",
+                stacklevel=4,
+            )
 
     # --------------------------------------------------------------------------- validation
     def _validate(self, at_epoch_end: bool) -> None:

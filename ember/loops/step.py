@@ -71,7 +71,7 @@ class StepRunner:
         output and its detached loss (None when the step skipped the batch)."""
         with self.strategy.no_sync(not sync):
             output = self.strategy.step("training_step", batch, batch_idx)
-            loss = training_loss(output)
+            loss = training_loss(output, self.module)
             if loss is None:
                 return output, None
             # Dividing by the window size makes k micro-batches of b the same as one batch of k*b.
@@ -109,7 +109,7 @@ class StepRunner:
         with self.strategy.no_sync(True):
             for piece in split_batch(batch, self.micro_batches):
                 output = self.strategy.step("training_step", piece, batch_idx)
-                piece_loss = training_loss(output)
+                piece_loss = training_loss(output, self.module)
                 if piece_loss is not None:
                     weight = batch_size_of(piece) / total
                     self.strategy.backward(piece_loss * weight)
@@ -209,7 +209,7 @@ class ManualOptimizer:
         return getattr(self.optimizer, name)
 
 
-def training_loss(output: Any) -> torch.Tensor | None:
+def training_loss(output: Any, module: torch.nn.Module | None = None) -> torch.Tensor | None:
     """The loss in what ``training_step`` returned (None skips the batch), or a clear error."""
     if output is None:
         return None
@@ -226,11 +226,17 @@ def training_loss(output: Any) -> torch.Tensor | None:
             "(for example with .mean()) before returning it"
         )
     if not loss.requires_grad:
-        raise ValueError(
-            "training_step returned a loss that does not require grad: it was computed under "
-            "torch.no_grad(), from detached tensors, or from a module whose parameters are all frozen"
-        )
+        raise ValueError(f"training_step returned a loss that does not require grad: {_why_no_grad(module)}")
     return loss
+
+
+def _why_no_grad(module: torch.nn.Module | None) -> str:
+    if module is not None and not any(parameter.requires_grad for parameter in module.parameters()):
+        return "every parameter of the module is frozen (requires_grad=False), so there is nothing to train"
+    return (
+        "it was computed under torch.no_grad() (or torch.inference_mode()), or from tensors cut off the graph "
+        "(.detach(), .item(), .numpy(), torch.tensor(value)); compute it from the module's output as it is"
+    )
 
 
 def _scale_gradients(optimizer: torch.optim.Optimizer, factor: float) -> None:

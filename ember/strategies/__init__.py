@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -117,6 +118,7 @@ def select_strategy(
     precision: str | int,
     sync_batchnorm: bool,
     compile_options: Mapping[str, Any] | None = None,
+    timeout: timedelta | None = None,
 ) -> Strategy:
     """Turn the Trainer's layout flags into one configured ``Strategy`` (the only place they are decided)."""
     environment = detect_environment()
@@ -145,6 +147,7 @@ def select_strategy(
         sync_batchnorm=sync_batchnorm,
         environment=environment,
         compile_options=compile_options,
+        timeout=timeout,
     )
     return chosen
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,11 @@ from ember.launch import (
     relaunch,
 )
 from ember.strategies.strategy import _NO_CONTEXT, ReduceOp, Strategy
+from ember.strategies.watchdog import Watchdog
+
+#: How long a rank waits for the others in a collective when no timeout is given.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+_BACKSTOP = timedelta(seconds=30)
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -48,13 +54,21 @@ class ParallelStrategy(Strategy):
 
     Args:
         process_group_backend: "nccl", "gloo", ... (default: NCCL on CUDA, Gloo on CPU).
-        timeout: how long a collective may wait for the other ranks before failing.
+        timeout: how long a rank may wait for the others in a collective (default 10 minutes, or the
+            Trainer's ``timeout``); then the run ends, naming the rank that did not arrive.
     """
 
-    def __init__(self, *, process_group_backend: str | None = None, timeout: timedelta = timedelta(minutes=30)) -> None:
+    def __init__(self, *, process_group_backend: str | None = None, timeout: timedelta | None = None) -> None:
         super().__init__()
         self.process_group_backend = process_group_backend
-        self.timeout = timeout
+        self.timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+        self._watchdog: Watchdog | None = None
+
+    def configure(self, **flags: Any) -> None:
+        timeout = flags.get("timeout")
+        super().configure(**flags)
+        if timeout is not None:  # the Trainer's, which takes precedence
+            self.timeout = timeout
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -106,7 +120,8 @@ class ParallelStrategy(Strategy):
         if dist.is_initialized():
             return
         backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        options: dict[str, Any] = {"backend": backend, "timeout": self.timeout}
+        # The backend's own timeout is a backstop: the watchdog names the missing rank and ends the run first.
+        options: dict[str, Any] = {"backend": backend, "timeout": self.timeout + _BACKSTOP}
         if backend == "nccl":
             options["device_id"] = self.root_device
         if environment is None:
@@ -122,6 +137,24 @@ class ParallelStrategy(Strategy):
                 store=store, rank=environment.global_rank, world_size=environment.world_size, **options
             )
         atexit.register(close_process_group)
+        if self.world_size > 1:
+            default_store: Any = dist.distributed_c10d._get_default_store()
+            store = default_store.clone()  # the watchdog's own connection: the main thread may be using its
+            self._watchdog = Watchdog(store, self.global_rank, self.world_size, self.timeout.total_seconds(),
+                                      progress=lambda: self.batches_moved)  # fmt: skip
+            self._watchdog.start()
+
+    def describe_position(self, position: Callable[[], str]) -> None:
+        if self._watchdog is not None:
+            self._watchdog.position = position
+
+    def announce_failure(self, error: BaseException) -> str | None:
+        if self._watchdog is None:
+            return None
+        try:
+            return self._watchdog.announce_failure(error)
+        except Exception:  # the failure itself matters more than telling of it
+            return None
 
     # ---------------------------------------------------------------------- communication
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
@@ -173,7 +206,7 @@ class DDPStrategy(ParallelStrategy):
         gradient_as_bucket_view: gradients share memory with the communication buckets (saves memory).
         bucket_cap_mb: size of the gradient buckets that are all-reduced together.
         process_group_backend: "nccl", "gloo", ... (default: NCCL on CUDA, Gloo on CPU).
-        timeout: how long a collective may wait for the other ranks before failing.
+        timeout: how long a rank may wait for the others (see ``ParallelStrategy``).
     """
 
     name = "ddp"
@@ -186,7 +219,7 @@ class DDPStrategy(ParallelStrategy):
         gradient_as_bucket_view: bool = False,
         bucket_cap_mb: float | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta = timedelta(minutes=30),
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.find_unused_parameters = find_unused_parameters

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ class DataParallelStrategy(Strategy):
         sync_batchnorm: bool,
         environment: ClusterEnvironment | None,
         compile_options: Mapping[str, Any] | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         if device_type != "cuda":
             raise ValueError(
@@ -53,6 +55,7 @@ class DataParallelStrategy(Strategy):
             sync_batchnorm=sync_batchnorm,
             environment=environment,
             compile_options=compile_options,
+            timeout=timeout,
         )
 
     def step(self, name: str, *args: Any) -> Any:

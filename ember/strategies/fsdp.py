@@ -62,7 +62,7 @@ class FSDPStrategy(ShardedStrategy):
         cpu_offload: bool = False,
         accumulate_full_gradients: bool = False,
         process_group_backend: str | None = None,
-        timeout: timedelta = timedelta(minutes=30),
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.auto_wrap_policy = _check_policy("auto_wrap_policy", auto_wrap_policy)

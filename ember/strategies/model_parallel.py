@@ -44,7 +44,7 @@ class ModelParallelStrategy(ShardedStrategy):
         tensor_parallel_size: Size = "auto",
         *,
         process_group_backend: str | None = None,
-        timeout: timedelta = timedelta(minutes=30),
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         for flag, value in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):

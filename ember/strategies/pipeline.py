@@ -69,7 +69,7 @@ class PipelineStrategy(ShardedStrategy):
         split_fn: SplitFn | None = None,
         data_parallel_size: int = 1,
         process_group_backend: str | None = None,
-        timeout: timedelta = timedelta(minutes=30),
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:

@@ -28,6 +28,9 @@ class ShardedStrategy(ParallelStrategy):
 
     #: Whether ``sync_batchnorm=True`` is honoured (the others refuse it rather than ignore it).
     converts_batchnorm = False
+    # fully_shard keeps the gathered parameters it makes in an evaluation: made under inference_mode, they
+    # are inference tensors that the next training step may not update.
+    allows_inference_mode = False
     #: Whether ``precision="16-mixed"`` keeps the ranks in step: GradScaler's overflow check all-reduces
     #: its flag over the mesh of the first DTensor gradient, with that gradient's placements, which
     #: reaches every rank only when all gradients are sharded alike over one mesh (FSDP). Replicated

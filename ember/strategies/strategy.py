@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,6 +32,9 @@ class Strategy:
     """
 
     name = "single_device"
+    #: Whether evaluation may run under ``torch.inference_mode`` (``Trainer(inference_mode=True)``); else it
+    #: runs under ``torch.no_grad``.
+    allows_inference_mode = True
 
     def __init__(self) -> None:
         self.device_type = "cpu"
@@ -47,6 +51,8 @@ class Strategy:
         self._batch_device: torch.device | None = None
         # Where batches go when the user placed the module's layers on devices themselves (else None).
         self._input_device: torch.device | None = None
+        #: Batches moved to the device so far (by every loop).
+        self.batches_moved = 0
 
     # ----------------------------------------------------------------------------------- layout
     def configure(
@@ -59,8 +65,11 @@ class Strategy:
         sync_batchnorm: bool,
         environment: ClusterEnvironment | None,
         compile_options: Mapping[str, Any] | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
-        """Receive the Trainer's resolved flags and the launcher's description of this process; called once."""
+        """Receive the Trainer's resolved flags and the launcher's description of this process; called once.
+        ``timeout`` is how long the processes of a parallel strategy wait for each other (one process has
+        none to wait for)."""
         self.device_type = device_type
         self.parallel_devices = list(parallel_devices)
         self.num_nodes = num_nodes
@@ -181,7 +190,16 @@ class Strategy:
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------------ the steps
+    def describe_position(self, position: Callable[[], str]) -> None:
+        """Tell the strategy how to say where the run is ("global step 38"), for its messages."""
+
+    def announce_failure(self, error: BaseException) -> str | None:
+        """This process failed: a parallel strategy tells the others, so that they end without ado. Returns
+        what failed first on another process, when this failure is a consequence of that one."""
+        return None
+
     def batch_to_device(self, batch: Any) -> Any:
+        self.batches_moved += 1  # a sign of life the watchdog of a parallel strategy reads
         if self._batch_device is not None:
             batch = move_to_device(batch, self._batch_device)
         if self.precision.converts_input:

@@ -114,6 +114,10 @@ class Stages(ember.Module):
         x, y = batch
         return F.mse_loss(self(x), y)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(output, target)
 
@@ -135,6 +139,11 @@ def run_case(case: str, devices: int, batch_size: int = 8) -> dict[str, Any]:
         run = trainer(devices)
     elif case == "gan":
         model, run = TinyGAN(), trainer(devices, max_epochs=1)
+    elif case == "fsdp_validate":  # the sanity check's forward comes first, under inference_mode by default
+        model, run = Stages(), trainer(devices, strategy="fsdp", num_sanity_val_steps=2)
+        run.fit(model, loader, DataLoader(dataset(16), batch_size=8))
+        return {"parameters": None, "global_step": run.global_step, "compiled": [],
+                "last_loss": float(run.callback_metrics["val_loss"])}  # fmt: skip
     else:  # "<strategy>_compile"
         model = Stages()
         run = trainer(devices, strategy=case.removesuffix("_compile"), compile={"backend": "eager"})

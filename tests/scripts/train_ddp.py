@@ -26,15 +26,20 @@ def dataset(n: int = 64) -> TensorDataset:
 
 
 class Regressor(ember.Module):
-    def __init__(self, fail_rank: int = -1, fail_step: int = -1, sleep: float = 0.0, oom_above: int = 0) -> None:
+    def __init__(
+        self, fail_rank: int = -1, fail_step: int = -1, sleep: float = 0.0, oom_above: int = 0, hang: bool = False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(4, 1)
-        self.fail_rank, self.fail_step, self.sleep = fail_rank, fail_step, sleep
+        self.fail_rank, self.fail_step, self.sleep, self.hang = fail_rank, fail_step, sleep, hang
         self.oom_above = oom_above  # on rank 1 only: pretend batches above this size do not fit
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_rank == self.fail_rank and self.global_step == self.fail_step:
+            if self.hang:
+                while True:  # a deadlock in user code
+                    time.sleep(1)
             raise RuntimeError(f"boom on rank {self.global_rank}")
         if self.sleep:
             time.sleep(self.sleep)
@@ -83,6 +88,8 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-step", type=int, default=-1)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--hang", action="store_true", help="at --fail-rank/--fail-step, sleep forever")
+    parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--count-comms", action="store_true")
     args = parser.parse_args()  # no --local-rank here: Ember strips what the legacy launcher adds
 
@@ -92,8 +99,9 @@ def main() -> None:
         max_epochs=args.epochs, num_sanity_val_steps=0,
         accumulate_grad_batches=args.accumulate if args.accumulate == "auto" else int(args.accumulate),
         enable_progress_bar=False, default_root_dir=args.out, callbacks=[counter] if args.count_comms else None,
+        timeout=args.timeout,
     )  # fmt: skip
-    model = Regressor(args.fail_rank, args.fail_step, args.sleep, args.oom_above)
+    model = Regressor(args.fail_rank, args.fail_step, args.sleep, args.oom_above, args.hang)
     loader = DataLoader(dataset(), batch_size=args.batch_size)
     trainer.fit(model, loader, DataLoader(dataset(16), batch_size=4))
     rank = trainer.global_rank
