@@ -5,9 +5,6 @@ The marker ``<!-- trainer-flags -->`` in a page becomes a table of every field o
 field's attribute docstring (the string literal on the line after the field). The source is parsed with
 ``ast``, not imported, so the docs build needs neither torch nor an installed Ember.
 
-``EMBER_DOCS_CONFIG=path/to/file.py`` reads another file with the same class instead (to preview the
-site against a draft of the config).
-
 The build fails, loudly, if the file, the class, a field's docstring or the marker is missing: a page
 that silently lost its table would drift from the code without anyone noticing.
 """
@@ -15,6 +12,7 @@ that silently lost its table would drift from the code without anyone noticing.
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import os
 import re
@@ -48,12 +46,13 @@ def read_flags(path: str, class_name: str = CONFIG_CLASS) -> list[Flag]:
     classes = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
     if not classes:
         raise FlagsError(f"{path} defines no class {class_name}; the Trainer flags page is generated from it")
+    aliases = _type_aliases(tree)
     body = classes[0].body
     flags = []
     for index, node in enumerate(body):
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        annotation = _source(node.annotation)
+        annotation = _source(_AliasExpander(aliases).visit(copy.deepcopy(node.annotation)))
         if node.target.id.startswith("_") or annotation.startswith(("ClassVar", "typing.ClassVar")):
             continue  # not a flag: private, or not a field at all
         following = body[index + 1] if index + 1 < len(body) else None
@@ -70,6 +69,32 @@ def read_flags(path: str, class_name: str = CONFIG_CLASS) -> list[Flag]:
     if not flags:
         raise FlagsError(f"{path}: {class_name} has no fields")
     return flags
+
+
+def _type_aliases(tree: ast.Module) -> dict[str, ast.expr]:
+    """Module-level type aliases such as ``Limit = int | float | None``, by name."""
+    aliases: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            name, value = node.target.id, node.value
+        else:
+            continue
+        is_union = isinstance(value, ast.BinOp) and isinstance(value.op, ast.BitOr)
+        if is_union or isinstance(value, ast.Subscript):
+            aliases[name] = value
+    return aliases
+
+
+class _AliasExpander(ast.NodeTransformer):
+    """Replaces the names of module-level type aliases in an annotation by what they stand for."""
+
+    def __init__(self, aliases: dict[str, ast.expr]) -> None:
+        self.aliases = aliases
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        return copy.deepcopy(self.aliases[node.id]) if node.id in self.aliases else node
 
 
 def _default(value: ast.expr | None) -> str | None:
@@ -115,8 +140,8 @@ def render_table(flags: list[Flag]) -> str:
 
 
 def flags_table(root: str) -> str:
-    """The table for the repository at ``root`` (or for the file ``$EMBER_DOCS_CONFIG``, when it is set)."""
-    return render_table(read_flags(os.environ.get("EMBER_DOCS_CONFIG") or os.path.join(root, CONFIG_FILE)))
+    """The table for the repository at ``root``."""
+    return render_table(read_flags(os.path.join(root, CONFIG_FILE), CONFIG_CLASS))
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:

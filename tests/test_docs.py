@@ -81,13 +81,14 @@ def _hooks() -> types.ModuleType:
 def test_the_flags_table_renders_fields_in_order_with_types_defaults_and_docstrings() -> None:
     hooks = _hooks()
     flags = hooks.read_flags(FIXTURE, "TrainerConfig")
-    names = ["accelerator", "devices", "gradient_clip_algorithm", "callbacks", "max_epochs"]
+    names = ["accelerator", "devices", "gradient_clip_algorithm", "callbacks", "limit_val_batches", "max_epochs"]
     assert [flag.name for flag in flags] == names  # ClassVars, private fields and methods are not flags
     by_name = {flag.name: flag for flag in flags}
     assert by_name["devices"].type == "int | str | Sequence[int]"
     assert by_name["gradient_clip_algorithm"].type == 'Literal["norm", "value"]'
     assert by_name["accelerator"].default == '"auto"'
     assert by_name["callbacks"].default == "tuple()" and by_name["max_epochs"].default == "None"
+    assert by_name["limit_val_batches"].type == "int | float | None"  # a module-level alias, spelt out
     paragraphs = ["How many devices of this machine to use (one process each), or which.", "``-1`` means all of them."]
     assert by_name["devices"].doc == "<br>".join(paragraphs)
     table = hooks.render_table(flags)
