@@ -59,7 +59,7 @@ def test_digits_reaches_its_accuracy_and_fails_below_its_target(tmp_path: Any) -
 
 def test_ddp_started_by_the_trainer(tmp_path: Any) -> None:
     pytest.importorskip("sklearn")
-    result = _example("ddp.py", cwd=tmp_path)  # Trainer(devices=2) starts the second process itself
+    result = _example("ddp.py", "--max-epochs", "8", cwd=tmp_path)  # Trainer(devices=2) starts the other process
     assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
     assert "best val_acc" in result.stdout
 
@@ -72,7 +72,7 @@ def test_fsdp_started_by_ember_run(tmp_path: Any) -> None:
 
 
 def test_char_gpt_learns_from_context(tmp_path: Any) -> None:
-    result = _example("char_gpt.py", "--max-steps", "300", cwd=tmp_path)
+    result = _example("char_gpt.py", "--max-steps", "300", "--context", "32", cwd=tmp_path)
     assert "unigram entropy" in result.stdout and "sample:" in result.stdout
 
 
