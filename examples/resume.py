@@ -9,7 +9,7 @@ processes, dropout, AdamW, a one-cycle schedule stepped every step, gradient acc
 1. a reference run, never interrupted (in this process);
 2. the same run in a child process, which receives SIGTERM in the middle of an epoch, as a cluster
    scheduler sends before preempting a job: the Trainer finishes the step, saves ``last.ckpt`` and the
-   process exits with status 0;
+   process exits with status 143 (128 + SIGTERM), as a process ended by SIGTERM does;
 3. a fresh Trainer and a freshly initialised model in this process, with a different seed, calling
    ``fit(ckpt_path="last")``: it continues from the child's checkpoint (weights, optimizer, schedule,
    random generators, data order and position in the epoch) to the end.
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from digits import DigitsCNN, DigitsData
+from torch.utils.data import DataLoader
 
 import ember
 from ember.callbacks import Callback, ModelCheckpoint
@@ -48,6 +49,14 @@ class SigtermAtStep(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class ShuffledByWorkers(DigitsData):
+    """The digits, read by worker processes started afresh each epoch (see docs/troubleshooting.md on
+    persistent workers and signals)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, num_workers=2)
+
+
 def train(root_dir: str, seed: int, ckpt_path: str | None = None, stop_at_step: int | None = None) -> DigitsCNN:
     ember.seed_everything(seed)
     callbacks: list[Callback] = [ModelCheckpoint(save_last=True)]
@@ -63,7 +72,7 @@ def train(root_dir: str, seed: int, ckpt_path: str | None = None, stop_at_step: 
         enable_model_summary=False,
     )
     model = DigitsCNN(lr=3e-3, dropout=0.2)
-    trainer.fit(model, datamodule=DigitsData(batch_size=64, num_workers=2), ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=ShuffledByWorkers(batch_size=64, num_workers=2), ckpt_path=ckpt_path)
     return model
 
 
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupted_dir = os.path.join(args.root_dir, "interrupted")
     if args.child:
         train(interrupted_dir, seed=0, stop_at_step=args.stop_at_step)
-        print("FAILED: the run was not stopped")  # fit raises SystemExit(0) after saving, so this is not reached
+        print("FAILED: the run was not stopped")  # fit raises SystemExit(143) after saving: this is not reached
         return 1
 
     # Run 2 starts first, in its own process, while this process does run 1.
@@ -89,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
          "--stop-at-step", str(args.stop_at_step)],
     )  # fmt: skip
     reference = train(os.path.join(args.root_dir, "reference"), seed=0)
-    if child.wait(timeout=300) != 0:
-        print(f"FAILED: the preempted run exited with status {child.returncode}")
+    if child.wait(timeout=300) != 128 + signal.SIGTERM:
+        print(f"FAILED: the preempted run exited with status {child.returncode}, not 128 + SIGTERM")
         return 1
 
     print("resuming from the preempted run's last checkpoint")
