@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = DigitsCNN(lr=args.lr)
     trainer.fit(model, datamodule=DigitsData(args.batch_size, args.num_workers))
-    best = float(checkpoint.best_model_score)
+    best = float(checkpoint.best_model_score or 0.0)  # None: never validated
     trainer.print(f"best val_acc {best:.4f} (target {args.target}); checkpoint {checkpoint.best_model_path}")
     trainer.print(f"metrics: {trainer.log_dir}/metrics.csv")
     if best < args.target:

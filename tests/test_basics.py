@@ -1,10 +1,9 @@
-"""Module basics, batch transfer, the command line, import cost, and the digits example."""
+"""Module basics, batch transfer, the command line and import cost (the examples are in test_examples.py)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import subprocess
 import sys
 from collections import namedtuple
@@ -16,8 +15,6 @@ from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
 from ember._utils import batch_size_of, move_to_device
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_save_hyperparameters_records_init_arguments() -> None:
@@ -113,15 +110,3 @@ def test_import_is_cheap_and_pulls_in_no_optional_packages() -> None:
     )
     result = _run("-c", code)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
-
-
-@pytest.mark.slow
-def test_digits_example_reaches_its_accuracy(tmp_path: Any) -> None:
-    pytest.importorskip("sklearn")
-    result = _run(os.path.join(REPO, "examples", "digits.py"), "--root-dir", str(tmp_path))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "best val_acc" in result.stdout
-    assert os.path.exists(os.path.join(str(tmp_path), "ember_logs", "version_0", "metrics.csv"))
-    failing = _run(os.path.join(REPO, "examples", "digits.py"), "--root-dir", str(tmp_path), "--max-epochs", "1",
-                   "--target", "0.999")  # fmt: skip
-    assert failing.returncode == 1 and "FAILED" in failing.stdout

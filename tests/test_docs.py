@@ -1,0 +1,134 @@
+"""The documentation: its runnable code blocks run, and the Trainer flags table is generated from the code.
+
+A code block is runnable when the line just before its opening fence is the HTML comment
+``<!-- runnable -->`` (invisible on GitHub and on the site). Every such block in ``docs/**/*.md`` and
+``README.md`` runs here, in-process (``exec``, in a fresh namespace whose ``__name__`` is ``"__main__"``),
+in the test's own temporary working directory, so whatever it writes is thrown away. Blocks must stay
+small (a few epochs on tiny data) and run on a CPU in one process: blocks that need GPUs or several
+processes are left unmarked.
+
+The site itself is built in strict mode by ``.ci/run`` (``python -m mkdocs build --strict``).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import inspect
+import os
+import re
+import types
+from typing import Any
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARKER = "<!-- runnable -->"
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "trainer_config.py")
+
+
+def _documents() -> list[str]:
+    pages = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    return [*pages, os.path.join(ROOT, "README.md")]
+
+
+def _runnable_blocks() -> list[tuple[str, int, str]]:
+    """``(file, line, code)`` of every runnable block; a marker not followed by a Python block is an error."""
+    blocks = []
+    for path in _documents():
+        with open(path, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+        name = os.path.relpath(path, ROOT)
+        for index, line in enumerate(lines):
+            if line.strip() != MARKER:
+                continue
+            fence = lines[index + 1] if index + 1 < len(lines) else ""
+            if not re.fullmatch(r"```(python|py)\s*", fence):
+                raise ValueError(f"{name}:{index + 1}: {MARKER} must be followed by a ```python block")
+            end = next((i for i in range(index + 2, len(lines)) if lines[i].strip() == "```"), None)
+            if end is None:
+                raise ValueError(f"{name}:{index + 2}: the runnable block is never closed")
+            blocks.append((name, index + 3, "\n".join(lines[index + 2 : end]) + "\n"))
+    return blocks
+
+
+BLOCKS = _runnable_blocks()
+
+
+def test_the_docs_have_runnable_blocks() -> None:
+    files = {name for name, _, _ in BLOCKS}
+    assert "README.md" in files and len(BLOCKS) >= 10, sorted(files)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("name", "line", "code"), BLOCKS, ids=[f"{name}:{line}" for name, line, _ in BLOCKS])
+def test_runnable_block(name: str, line: int, code: str) -> None:
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    # The file name and line make a traceback point into the Markdown file.
+    exec(compile("\n" * (line - 1) + code, os.path.join(ROOT, name), "exec"), namespace)
+
+
+# ------------------------------------------------------------------------------ the flags table
+def _hooks() -> types.ModuleType:
+    pytest.importorskip("mkdocs")
+    spec = importlib.util.spec_from_file_location("ember_docs_hooks", os.path.join(ROOT, "docs", "hooks.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_flags_table_renders_fields_in_order_with_types_defaults_and_docstrings() -> None:
+    hooks = _hooks()
+    flags = hooks.read_flags(FIXTURE, "TrainerConfig")
+    names = ["accelerator", "devices", "gradient_clip_algorithm", "callbacks", "limit_val_batches", "max_epochs"]
+    assert [flag.name for flag in flags] == names  # ClassVars, private fields and methods are not flags
+    by_name = {flag.name: flag for flag in flags}
+    assert by_name["devices"].type == "int | str | Sequence[int]"
+    assert by_name["gradient_clip_algorithm"].type == 'Literal["norm", "value"]'
+    assert by_name["accelerator"].default == '"auto"'
+    assert by_name["callbacks"].default == "tuple()" and by_name["max_epochs"].default == "None"
+    assert by_name["limit_val_batches"].type == "int | float | None"  # a module-level alias, spelt out
+    paragraphs = ["How many devices of this machine to use (one process each), or which.", "``-1`` means all of them."]
+    assert by_name["devices"].doc == "<br>".join(paragraphs)
+    table = hooks.render_table(flags)
+    assert table.splitlines()[0] == "| Flag | Type | Default | Description |"
+    assert '| `devices` | `int | str | Sequence[int]` | `"auto"` |' in table
+    assert "Epochs to train (`int | None`): a count \\| -1 for no limit. |" in table  # a | outside code is escaped
+    assert len(table.splitlines()) == 2 + len(flags)
+
+
+def test_the_flags_table_fails_loudly_without_its_source(tmp_path: Any) -> None:
+    hooks = _hooks()
+    with pytest.raises(hooks.FlagsError, match="no such file"):
+        hooks.read_flags(str(tmp_path / "config.py"))
+    with pytest.raises(hooks.FlagsError, match="defines no class Missing"):
+        hooks.read_flags(FIXTURE, "Missing")
+    with pytest.raises(hooks.FlagsError, match="Undocumented.precision has no docstring"):
+        hooks.read_flags(FIXTURE, "Undocumented")
+    with pytest.raises(hooks.FlagsError, match="no such file"):
+        hooks.flags_table(str(tmp_path))  # a repository without ember/config.py
+
+
+def test_the_flags_page_keeps_its_marker() -> None:
+    hooks = _hooks()
+    with open(os.path.join(ROOT, "docs", "trainer-flags.md"), encoding="utf-8") as file:
+        assert hooks.MARKER in file.read()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="trainer-flags.md"))
+    config = types.SimpleNamespace(config_file_path=os.path.join(ROOT, "mkdocs.yml"))
+    with pytest.raises(hooks.FlagsError, match="lost its"):
+        hooks.on_page_markdown("# Flags\n", page, config, None)
+    other = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="index.md"))
+    assert hooks.on_page_markdown("# Home\n", other, config, None) == "# Home\n"
+
+
+def test_the_flags_table_covers_every_trainer_flag() -> None:
+    if not os.path.exists(os.path.join(ROOT, "ember", "config.py")):
+        pytest.skip("ember/config.py (TrainerConfig) is not in this tree yet")
+    import ember
+
+    hooks = _hooks()
+    documented = [flag.name for flag in hooks.read_flags(os.path.join(ROOT, "ember", "config.py"))]
+    parameters = inspect.signature(ember.Trainer.__init__).parameters
+    flags = [name for name, parameter in parameters.items() if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert sorted(documented) == sorted(flags)
