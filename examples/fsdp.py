@@ -78,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
         callbacks=[checkpoint],
         default_root_dir=args.root_dir,
         enable_model_summary=False,
-        inference_mode=False,
         log_every_n_steps=25,
     )
     model = ShardedCharGPT(len(alphabet), context=context, width=args.width, lr=1e-2)

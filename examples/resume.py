@@ -50,11 +50,13 @@ class SigtermAtStep(Callback):
 
 
 class ShuffledByWorkers(DigitsData):
-    """The digits, read by worker processes started afresh each epoch (see docs/troubleshooting.md on
-    persistent workers and signals)."""
+    """The digits, read by two worker processes that live through the epochs (a SIGTERM to the whole job
+    reaches them too: the save must not need them)."""
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, num_workers=2)
+        return DataLoader(
+            self.train_set, batch_size=self.hparams.batch_size, shuffle=True, num_workers=2, persistent_workers=True
+        )
 
 
 def train(root_dir: str, ckpt_path: str | None = None, stop_at_step: int | None = None) -> DigitsCNN:
