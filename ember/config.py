@@ -31,7 +31,7 @@ _FLOAT32_MATMUL = ("highest", "high", "medium")
 _PROFILERS = ("simple", "pytorch")
 _BOOL_FLAGS = (
     "enable_progress_bar", "enable_checkpointing", "enable_model_summary", "inference_mode", "detect_anomaly",
-    "use_distributed_sampler", "sync_batchnorm", "slurm_requeue", "restart_on_data_change",
+    "use_distributed_sampler", "sync_batchnorm", "slurm_requeue", "restart_on_data_change", "async_checkpoint",
 )  # fmt: skip
 
 
@@ -174,6 +174,10 @@ class TrainerConfig:
     """Resuming with a dataset of another length, or another seed (``seed_everything``), than the
     checkpoint's is refused, since the saved position in the epoch means something else then; True
     accepts the change and starts the interrupted epoch over, with a warning."""
+
+    async_checkpoint: bool = False
+    """Write checkpoints in the background: a save blocks training only while the state is copied to host
+    memory; the end of ``fit``, a preemption signal and an error wait for the write in flight."""
 
     timeout: int | float | timedelta | None = None
     """How long (seconds, or a ``timedelta``) the processes of a multi-process run wait for each other in

@@ -250,7 +250,11 @@ def _loading_failure(where: str, batch_index: int, error: Exception) -> str:
 
 
 class _SampleNamed(Dataset):
-    """A map-style dataset whose failures name the index of the sample that failed."""
+    """A map-style dataset whose failures name the index of the sample that failed.
+
+    A loader with a batch size asks for a batch's samples in one ``__getitems__`` call: one ``try`` per
+    batch, and the samples read as the loader would read them itself.
+    """
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -260,6 +264,19 @@ class _SampleNamed(Dataset):
             return self.dataset[index]
         except Exception as error:
             raise SampleError(f"sample index {index}: {type(error).__name__}: {error}") from error
+
+    def __getitems__(self, indices: list[Any]) -> list[Any]:
+        own = getattr(self.dataset, "__getitems__", None)
+        if own is not None:  # the dataset reads batches itself: the failing sample is not known
+            return own(indices)
+        dataset, samples = self.dataset, []
+        index = None
+        try:
+            for index in indices:
+                samples.append(dataset[index])
+        except Exception as error:
+            raise SampleError(f"sample index {index}: {type(error).__name__}: {error}") from error
+        return samples
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]

@@ -89,6 +89,7 @@ class Trainer:
         sync_batchnorm: bool = False,
         slurm_requeue: bool = False,
         restart_on_data_change: bool = False,
+        async_checkpoint: bool = False,
         timeout: int | float | timedelta | None = None,
         doctor: bool | int = False,
         gpus: int | str | Sequence[int] | None = None,
@@ -108,6 +109,7 @@ class Trainer:
             sync_batchnorm=config.sync_batchnorm,
             compile_options=config.compile_options,
             timeout=timedelta(seconds=config.timeout_seconds) if config.timeout_seconds is not None else None,
+            async_checkpoint=config.async_checkpoint,
         )
         rank_zero_only.rank = self.strategy.global_rank  # type: ignore[attr-defined]
         _set_determinism(config)
@@ -529,6 +531,7 @@ class Trainer:
             self._begin_stage(stage, module, datamodule)
             with torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
                 yield
+            self.strategy.wait_for_checkpoints()  # a save in flight completes before the stage does
             status = "success"
         except DoctorDone:
             status = "interrupted"  # `ember doctor` has seen enough steps
@@ -576,6 +579,9 @@ class Trainer:
 
     def _end_stage(self, stage: str, module: Module, datamodule: DataModule | None, status: str) -> None:
         try:
+            if status != "success":  # the write in flight still completes (its error, if any, is secondary)
+                with contextlib.suppress(Exception):
+                    self.strategy.wait_for_checkpoints()
             self.profiler.teardown(self, stage)
             if self._doctor is not None and status != "interrupted":
                 self._doctor.finish()  # fit ended before the doctor saw all its steps: report what it saw

@@ -82,6 +82,9 @@ def test_sharded_checkpoints_resume_reshard_and_consolidate(sharded_run: str, tm
     expected = _one_process(jobs.Net(), _regression(16), max_epochs=3, **FSDP_FLAGS)
     for result in _ranks(sharded_run, "resume"):
         _assert_close(result["resumed"], expected)
+        # Written in the background (torch.distributed.checkpoint's async_save), resumed bit for bit alike.
+        assert all(torch.equal(result["resumed_async"][name], value) for name, value in result["resumed"].items())
+    assert sorted(os.listdir(os.path.join(sharded_run, "fsdp-async"))) == ["epoch=1-step=4.ckpt", "last.ckpt"]
 
     # One rank resumes from the two ranks' shards.
     resharded = jobs.Net()

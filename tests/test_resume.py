@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Sampler
 import ember
 from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from ember.checkpoint import io as file_io
 from ember.checkpoint import state as checkpoint_state
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "resume_job.py")
@@ -81,6 +82,55 @@ def test_a_killed_run_resumes_to_the_same_parameters(
     reference = uninterrupted(processes, accumulate)
     for rank in range(processes):
         _assert_identical(_final(out, rank), _final(reference, rank))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_kill_during_a_background_write_keeps_the_previous_last_and_resumes_exactly(
+    processes: int, uninterrupted: Callable[[int, int], str], tmp_path: Any
+) -> None:
+    out = str(tmp_path)
+    killed = _job(out, "--async-checkpoint", "--kill-during-write", "35", processes=processes)
+    assert killed.returncode != 0  # SIGKILL while step 35's checkpoint was written in the background
+    last = checkpoint_state.find_checkpoint(quiet_trainer(default_root_dir=out), "last")
+    assert last is not None and checkpoint_io.load(last)["global_step"] == 30  # the previous, complete one
+    resumed = _job(out, "--async-checkpoint", "--ckpt-path", "last", processes=processes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step=30" in resumed.stdout
+    for rank in range(processes):
+        _assert_identical(_final(out, rank), _final(uninterrupted(processes, 1), rank))
+
+
+def test_the_end_of_fit_waits_for_the_write_in_flight(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = file_io.save
+    monkeypatch.setattr(file_io, "save", lambda checkpoint, path: (time.sleep(0.3), original(checkpoint, path)))
+    trainer = quiet_trainer(max_epochs=2, async_checkpoint=True, default_root_dir=str(tmp_path),
+                            callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1, save_last=True)])  # fmt: skip
+    trainer.fit(Regressor(), make_loader(32))
+    last = os.path.join(trainer.checkpoint_dir, "last.ckpt")
+    assert checkpoint_io.verify(last) and checkpoint_io.load(last)["global_step"] == 8
+    assert len(os.listdir(trainer.checkpoint_dir)) == 5  # steps 2, 4, 6, 8 and last
+
+
+def test_a_failed_background_write_is_raised_and_nothing_is_linked_or_removed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = file_io.save
+
+    def failing(checkpoint: Any, path: Any) -> None:
+        if "step=4" in str(path):
+            raise checkpoint_io.CheckpointError(f"could not save {path!r}: No space left on device")
+        original(checkpoint, path)
+
+    monkeypatch.setattr(file_io, "save", failing)
+    trainer = quiet_trainer(max_epochs=2, async_checkpoint=True, default_root_dir=str(tmp_path),
+                            callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)])  # fmt: skip
+    with pytest.raises(checkpoint_io.CheckpointError, match="No space left"):
+        trainer.fit(Regressor(), make_loader(32))
+    names = sorted(os.listdir(trainer.checkpoint_dir))
+    assert names == ["epoch=0-step=2.ckpt", "last.ckpt"]  # step 2 kept: its successor was never written
+    assert checkpoint_io.load(os.path.join(trainer.checkpoint_dir, "last.ckpt"))["global_step"] == 2
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ember import checkpoint as checkpoint_io
 from ember.callbacks.callback import Callback
 
 if TYPE_CHECKING:
@@ -178,19 +177,21 @@ class ModelCheckpoint(Callback):
         if last is not None:
             self.last_model_path = last
         # The bookkeeping above is final before writing, so each checkpoint carries its own save's state.
+        # With async_checkpoint the write goes on in the background; the strategy links and removes files
+        # only after it, so "last" and the top k never point at a file that is not complete.
+        strategy = trainer.strategy
         if path is not None:
             trainer.save_checkpoint(path, weights_only=self.save_weights_only)
-            if last is not None and trainer.is_global_zero:
-                checkpoint_io.link(path, last)
+            if last is not None:
+                strategy.link_checkpoint(path, last)
         elif last is not None:
             trainer.save_checkpoint(last, weights_only=self.save_weights_only)
         if self.verbose and path is not None:
             trainer.print(f"ModelCheckpoint: saved {path}")
-        if trainer.is_global_zero:
-            for old in evicted:
-                if old != path:
-                    checkpoint_io.remove(old)  # a file, or a sharded checkpoint's directory
-        trainer.strategy.barrier()
+        for old in evicted:
+            if old != path:
+                strategy.remove_checkpoint(old)  # a file, or a sharded checkpoint's directory
+        strategy.barrier()
 
     def _default_dirpath(self, trainer: Trainer) -> str:
         if self.dirpath is None:  # decided once the run directory is: "checkpoints" in it

@@ -22,11 +22,13 @@ import os
 import pickle
 import warnings
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, cast
 
 import torch
 
 from ember.checkpoint import io as checkpoint_io
+from ember.checkpoint.writer import Writer
 
 SHARDED_ENTRIES = ("state_dict", "optimizer_states")
 #: Per optimizer, per parameter group: the names of its parameters, in order.
@@ -38,24 +40,53 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def save(checkpoint: dict[str, Any], path: str, *, is_global_zero: bool, barrier: Callable[[], None]) -> None:
+def save(
+    checkpoint: dict[str, Any],
+    path: str,
+    *,
+    is_global_zero: bool,
+    barrier: Callable[[], None],
+    writer: Writer,
+    background_group: Any = None,
+) -> None:
     """Write ``checkpoint`` to the directory ``path``; every rank calls it with its own shards.
 
     The shards go to a staging directory that replaces ``path`` only once it is complete, so a run
-    killed while saving leaves the previous checkpoint intact.
+    killed while saving leaves the previous checkpoint intact. With a writer that works in the background,
+    ``torch.distributed.checkpoint.async_save`` copies this rank's shards to host memory and writes them
+    in a thread of its own, meeting the other ranks through ``background_group`` (not the group training
+    uses); rank zero then finishes the directory in the writer's thread.
     """
     import torch.distributed.checkpoint as dcp
 
+    writer.wait()  # one save in flight at most
     staging = checkpoint_io.staging_path(path, "partial")
     if is_global_zero:
         checkpoint_io.remove(staging)
     barrier()
-    dcp.save(_sharded_part(checkpoint), storage_writer=dcp.FileSystemWriter(staging))  # returns once .metadata exists
-    if is_global_zero:
-        rest = {key: value for key, value in checkpoint.items() if key not in SHARDED_ENTRIES}
-        checkpoint_io.save(rest, os.path.join(staging, TRAINER_STATE))
-        checkpoint_io.replace_directory(staging, path)
-    barrier()
+    rest = {key: value for key, value in checkpoint.items() if key not in SHARDED_ENTRIES}
+    storage = dcp.FileSystemWriter(staging)
+    if not writer.in_background:
+        dcp.save(_sharded_part(checkpoint), storage_writer=storage)  # returns once .metadata exists
+        if is_global_zero:
+            _finish(rest, staging, path)
+        barrier()
+        return
+    started = dcp.async_save(_sharded_part(checkpoint), storage_writer=storage, process_group=background_group)
+    written = cast("Future[Any]", started)
+    snapshot = writer.snapshot(rest) if is_global_zero else None
+
+    def complete() -> None:
+        written.result()  # on rank zero: done once every rank's shards and .metadata are written
+        if snapshot is not None:
+            _finish(snapshot, staging, path)
+
+    writer.submit(complete)
+
+
+def _finish(rest: dict[str, Any], staging: str, path: str) -> None:
+    checkpoint_io.save(rest, os.path.join(staging, TRAINER_STATE))
+    checkpoint_io.replace_directory(staging, path)
 
 
 def load(path: str, template: dict[str, Any], *, trust_pickles: bool = False) -> dict[str, Any]:

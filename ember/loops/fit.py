@@ -409,6 +409,7 @@ class FitLoop:
         trainer = self.trainer
         path = os.path.join(trainer.checkpoint_dir, "last.ckpt")
         trainer.save_checkpoint(path)
+        trainer.strategy.wait_for_checkpoints()  # the process exits next: the line below must be true
         trainer.strategy.barrier()
         name = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal"
         trainer.print(

@@ -119,6 +119,7 @@ def select_strategy(
     sync_batchnorm: bool,
     compile_options: Mapping[str, Any] | None = None,
     timeout: timedelta | None = None,
+    async_checkpoint: bool = False,
 ) -> Strategy:
     """Turn the Trainer's layout flags into one configured ``Strategy`` (the only place they are decided)."""
     environment = detect_environment()
@@ -148,6 +149,7 @@ def select_strategy(
         environment=environment,
         compile_options=compile_options,
         timeout=timeout,
+        async_checkpoint=async_checkpoint,
     )
     return chosen
 

@@ -36,6 +36,7 @@ class DataParallelStrategy(Strategy):
         environment: ClusterEnvironment | None,
         compile_options: Mapping[str, Any] | None = None,
         timeout: timedelta | None = None,
+        async_checkpoint: bool = False,
     ) -> None:
         if device_type != "cuda":
             raise ValueError(
@@ -56,6 +57,7 @@ class DataParallelStrategy(Strategy):
             environment=environment,
             compile_options=compile_options,
             timeout=timeout,
+            async_checkpoint=async_checkpoint,
         )
 
     def step(self, name: str, *args: Any) -> Any:

@@ -41,6 +41,7 @@ class ShardedStrategy(ParallelStrategy):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._checkpoint_group: Any = None
 
     def configure(self, **flags: Any) -> None:
         super().configure(**flags)
@@ -158,7 +159,21 @@ class ShardedStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
         if "optimizer_states" in checkpoint:
             checkpoint = {**checkpoint, sharded_checkpoint.PARAMETER_NAMES: self._parameter_names()}
-        sharded_checkpoint.save(checkpoint, path, is_global_zero=self.is_global_zero, barrier=self.barrier)
+        sharded_checkpoint.save(
+            checkpoint, path, is_global_zero=self.is_global_zero, barrier=self.barrier,
+            writer=self.checkpoint_writer, background_group=self._background_group(),
+        )  # fmt: skip
+
+    def _background_group(self) -> Any:
+        """A gloo group of all ranks for the collectives of saves in the background: on the group training
+        uses they would interleave with the training's own. Made at the first such save (by every rank)."""
+        import torch.distributed as dist
+
+        if not self.checkpoint_writer.in_background:
+            return None
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return self._checkpoint_group
 
     def load_checkpoint(self, path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
         if not sharded_checkpoint.is_sharded(path):

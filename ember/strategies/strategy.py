@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -14,6 +15,7 @@ from torch import nn
 
 from ember import checkpoint as checkpoint_io
 from ember._utils import move_to_device
+from ember.checkpoint.writer import AsyncWriter, Writer
 from ember.precision import Precision, build_precision
 
 if TYPE_CHECKING:
@@ -53,6 +55,8 @@ class Strategy:
         self._input_device: torch.device | None = None
         #: Batches moved to the device so far (by every loop).
         self.batches_moved = 0
+        #: How checkpoint files are written: at once, or in the background (``async_checkpoint=True``).
+        self.checkpoint_writer: Writer = Writer()
 
     # ----------------------------------------------------------------------------------- layout
     def configure(
@@ -66,6 +70,7 @@ class Strategy:
         environment: ClusterEnvironment | None,
         compile_options: Mapping[str, Any] | None = None,
         timeout: timedelta | None = None,
+        async_checkpoint: bool = False,
     ) -> None:
         """Receive the Trainer's resolved flags and the launcher's description of this process; called once.
         ``timeout`` is how long the processes of a parallel strategy wait for each other (one process has
@@ -77,6 +82,7 @@ class Strategy:
         self.environment = environment
         self.precision = build_precision(precision, self.root_device)
         self.compile_options = dict(compile_options) if compile_options is not None else None
+        self.checkpoint_writer = AsyncWriter() if async_checkpoint else Writer()
 
     @property
     def root_device(self) -> torch.device:
@@ -283,9 +289,24 @@ class Strategy:
         optimizer.load_state_dict(state)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Write ``checkpoint`` atomically; only the global-zero process writes."""
+        """Write ``checkpoint`` atomically (in the background with ``async_checkpoint``); only the
+        global-zero process writes."""
         if self.is_global_zero:
-            checkpoint_io.save(checkpoint, path)
+            self.checkpoint_writer.write(checkpoint, path)
+
+    def link_checkpoint(self, source: str, destination: str) -> None:
+        """Make ``destination`` a copy of ``source`` once ``source`` is written (the global-zero process)."""
+        if self.is_global_zero:
+            self.checkpoint_writer.then(functools.partial(checkpoint_io.link, source, destination))
+
+    def remove_checkpoint(self, path: str) -> None:
+        """Remove a checkpoint once the saves before it are written (the global-zero process)."""
+        if self.is_global_zero:
+            self.checkpoint_writer.then(functools.partial(checkpoint_io.remove, path))
+
+    def wait_for_checkpoints(self) -> None:
+        """Return once every checkpoint asked for is written; raise the error of a write that failed."""
+        self.checkpoint_writer.wait()
 
     def load_checkpoint(self, path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
         # Into CPU memory: each part's load_state_dict puts its tensors on its own device, and some

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, ModelCheckpoint
+from ember.checkpoint import io as checkpoint_io
 
 
 class Net(ember.Module):
@@ -37,6 +38,31 @@ class Net(ember.Module):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.8)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class KillDuringWrite(Callback):
+    """SIGKILL this process while the checkpoint of ``step`` is being written: that write is made slow (as
+    a large one on a slow disk is), and the kill comes at the next batch."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.slow = False
+        original = checkpoint_io.save
+
+        def save(checkpoint: Any, path: Any) -> None:
+            if self.slow:
+                time.sleep(5)
+            original(checkpoint, path)
+
+        checkpoint_io.save = save  # type: ignore[assignment]
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.slow = trainer.global_step == self.step and trainer.fit_loop.stepped  # before ModelCheckpoint saves
+
+    def on_train_batch_start(self, trainer: ember.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        if self.slow and trainer.global_rank == 0:
+            time.sleep(0.5)  # well inside the write
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Interrupt(Callback):
@@ -65,6 +91,8 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=0.0, help="seconds to sleep after each batch")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--async-checkpoint", action="store_true")
+    parser.add_argument("--kill-during-write", type=int, default=-1, help="SIGKILL while this step's save is written")
     args = parser.parse_args()
 
     ember.seed_everything(123)
@@ -72,10 +100,12 @@ def main() -> None:
     x = torch.randn(96, 8, generator=generator)
     data = TensorDataset(x, x.mean(dim=1, keepdim=True))
     loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=2)
+    callbacks = [ModelCheckpoint(every_n_train_steps=5, save_last=True), Interrupt(args.kill_at, args.pause)]
+    if args.kill_during_write >= 0:
+        callbacks.append(KillDuringWrite(args.kill_during_write))
     trainer = ember.Trainer(
         accelerator="cpu", max_steps=args.steps, accumulate_grad_batches=args.accumulate, default_root_dir=args.out,
-        callbacks=[ModelCheckpoint(every_n_train_steps=5, save_last=True), Interrupt(args.kill_at, args.pause)],
-        enable_progress_bar=False, log_every_n_steps=5,
+        callbacks=callbacks, enable_progress_bar=False, log_every_n_steps=5, async_checkpoint=args.async_checkpoint,
     )  # fmt: skip
     model = Net()
     trainer.fit(model, loader, ckpt_path=args.ckpt_path)

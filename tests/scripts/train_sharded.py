@@ -192,7 +192,19 @@ def fsdp_jobs(out: str) -> None:
         resumed = Net()
     again = trainer(out, strategy=FSDPStrategy(auto_wrap_policy={Block}), **{**flags, "max_epochs": 3})
     again.fit(resumed, loader, ckpt_path=checkpoints.last_model_path)
-    torch.save({"resumed": full_parameters(resumed)}, os.path.join(out, f"resume-rank{rank}.pt"))
+    # The same, with the checkpoints written in the background.
+    written_later = ModelCheckpoint(dirpath=os.path.join(out, "fsdp-async"), save_last=True)
+    strategy = FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block})
+    trainer(out, strategy=strategy, callbacks=[written_later], enable_checkpointing=True, async_checkpoint=True,
+            **flags).fit(Net(), loader, DataLoader(regression_data(16), batch_size=4))  # fmt: skip
+    with torch.device("meta"):
+        resumed_async = Net()
+    trainer(out, strategy=FSDPStrategy(auto_wrap_policy={Block}), async_checkpoint=True,
+            **{**flags, "max_epochs": 3}).fit(resumed_async, loader, ckpt_path=written_later.last_model_path)  # fmt: skip
+    torch.save(
+        {"resumed": full_parameters(resumed), "resumed_async": full_parameters(resumed_async)},
+        os.path.join(out, f"resume-rank{rank}.pt"),
+    )
 
 
 def tensor_parallel_job(out: str) -> None:
