@@ -105,8 +105,10 @@ def test_a_kill_during_a_background_write_keeps_the_previous_last_and_resumes_ex
 def test_the_end_of_fit_waits_for_the_write_in_flight(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     original = file_io.save
     monkeypatch.setattr(file_io, "save", lambda checkpoint, path: (time.sleep(0.3), original(checkpoint, path)))
-    trainer = quiet_trainer(max_epochs=2, async_checkpoint=True, default_root_dir=str(tmp_path),
-                            callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1, save_last=True)])  # fmt: skip
+    every_two_steps = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1, save_last=True)
+    trainer = quiet_trainer(
+        max_epochs=2, async_checkpoint=True, default_root_dir=str(tmp_path), callbacks=[every_two_steps]
+    )
     trainer.fit(Regressor(), make_loader(32))
     last = os.path.join(trainer.checkpoint_dir, "last.ckpt")
     assert checkpoint_io.verify(last) and checkpoint_io.load(last)["global_step"] == 8
@@ -124,8 +126,8 @@ def test_a_failed_background_write_is_raised_and_nothing_is_linked_or_removed(
         original(checkpoint, path)
 
     monkeypatch.setattr(file_io, "save", failing)
-    trainer = quiet_trainer(max_epochs=2, async_checkpoint=True, default_root_dir=str(tmp_path),
-                            callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)])  # fmt: skip
+    best_two = ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)
+    trainer = quiet_trainer(max_epochs=2, async_checkpoint=True, default_root_dir=str(tmp_path), callbacks=[best_two])
     with pytest.raises(checkpoint_io.CheckpointError, match="No space left"):
         trainer.fit(Regressor(), make_loader(32))
     names = sorted(os.listdir(trainer.checkpoint_dir))

@@ -199,8 +199,9 @@ def fsdp_jobs(out: str) -> None:
             **flags).fit(Net(), loader, DataLoader(regression_data(16), batch_size=4))  # fmt: skip
     with torch.device("meta"):
         resumed_async = Net()
-    trainer(out, strategy=FSDPStrategy(auto_wrap_policy={Block}), async_checkpoint=True,
-            **{**flags, "max_epochs": 3}).fit(resumed_async, loader, ckpt_path=written_later.last_model_path)  # fmt: skip
+    again_async = trainer(out, strategy=FSDPStrategy(auto_wrap_policy={Block}), async_checkpoint=True,
+                          **{**flags, "max_epochs": 3})  # fmt: skip
+    again_async.fit(resumed_async, loader, ckpt_path=written_later.last_model_path)
     torch.save(
         {"resumed": full_parameters(resumed), "resumed_async": full_parameters(resumed_async)},
         os.path.join(out, f"resume-rank{rank}.pt"),
