@@ -4,10 +4,8 @@ weights that went non-finite."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
-import resource
 import signal
 import subprocess
 import sys
@@ -261,25 +259,26 @@ def test_an_unwritable_run_directory_fails_before_the_first_step(tmp_path: Any) 
     assert steps == []
 
 
-def _with_file_size_limit(limit: int, work: Any, *args: Any) -> tuple[str, str]:
-    """Run ``work(*args)`` in a child process that may write files of ``limit`` bytes at most (a full disk,
-    as far as the writer can tell); returns ("ok", "") or (exception type, message)."""
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-
-    def child() -> None:
+def _with_file_size_limit(limit: int, work: str, *args: str) -> tuple[str, str]:
+    """Run ``work(*args)`` (a function of this file) in a process that may write files of ``limit`` bytes at
+    most (a full disk, as far as the writer can tell); returns ("ok", "") or (exception type, message)."""
+    code = textwrap.dedent(
+        f"""
+        import json, resource, signal, sys
+        sys.path[:0] = [{os.path.dirname(__file__)!r}]
+        import test_runs
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
         try:
-            work(*args)
-            results.put(("ok", ""))
+            test_runs.{work}(*{list(args)!r})
+            print(json.dumps(["ok", ""]))
         except BaseException as error:
-            results.put((type(error).__name__, str(error)))
-
-    process = context.Process(target=child)
-    process.start()
-    process.join(60)
-    return results.get(timeout=5)
+            print(json.dumps([type(error).__name__, str(error)]))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    kind, message = json.loads(result.stdout.strip().splitlines()[-1])
+    return kind, message
 
 
 def _save_big(path: str) -> None:
@@ -289,7 +288,7 @@ def _save_big(path: str) -> None:
 def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_one(tmp_path: Any) -> None:
     path = str(tmp_path / "run.ckpt")
     checkpoint_io.save({"weights": torch.ones(10)}, path)
-    kind, message = _with_file_size_limit(100_000, _save_big, path)
+    kind, message = _with_file_size_limit(100_000, "_save_big", path)
     assert kind == "CheckpointError", message
     assert repr(path) in message and "disk is full" in message and "previous file is intact" in message
     assert torch.equal(checkpoint_io.load(path)["weights"], torch.ones(10))
@@ -304,7 +303,7 @@ def _log_until_full(directory: str) -> None:
 
 
 def test_metrics_csv_is_appended_and_a_full_disk_keeps_its_history_whole(tmp_path: Any) -> None:
-    kind, message = _with_file_size_limit(30_000, _log_until_full, str(tmp_path))
+    kind, message = _with_file_size_limit(30_000, "_log_until_full", str(tmp_path))
     assert kind == "OSError", message
     path = tmp_path / "ember_logs" / "version_0" / "metrics.csv"
     lines = path.read_text().splitlines()

@@ -1,0 +1,144 @@
+"""What checkpointing costs a run, written at once and in the background, measured side by side in one run.
+
+A ~50M-parameter MLP with AdamW (about 600 MB of state) trains on random data, saving a checkpoint every
+``--every`` optimizer steps (``ModelCheckpoint(every_n_train_steps=...)``, the two newest kept). Each round
+runs the same steps three times, in the order none / at once / in the background, so that a drift in
+machine speed touches all three alike. It reports:
+
+- the time training is blocked per save: the whole write (``async_checkpoint=False``) against the copy
+  to host memory (``async_checkpoint=True``);
+- the throughput (steps per second, after a warm-up) with checkpointing every ``--every`` steps, against
+  none;
+- the time to resume: from ``fit(ckpt_path="last")`` to the first training step (reading and verifying
+  the file, restoring model, optimizer and position).
+
+    python bench/checkpoint.py [--rounds 2] [--steps 150] [--every 50] [--width 4096] [--batch-size 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import Callback, ModelCheckpoint
+
+WARMUP_STEPS = 5
+
+
+class Wide(ember.Module):
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks: list[torch.nn.Module] = []
+        for _ in range(layers):
+            blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*blocks[:-1])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class StepClock(Callback):
+    """When each training step began, and when the first one of a run did (for the time to resume)."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer: ember.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        self.starts.append(time.perf_counter())
+
+    def steps_per_second(self) -> float:
+        timed = self.starts[WARMUP_STEPS:]
+        return (len(timed) - 1) / (timed[-1] - timed[0])
+
+
+def run(args: argparse.Namespace, root: str, mode: str, ckpt_path: str | None = None) -> dict[str, Any]:
+    """Train ``args.steps`` steps with checkpoints written ``mode`` ("none", "sync" or "async")."""
+    clock = StepClock()
+    callbacks: list[Callback] = [clock]
+    if mode != "none":
+        callbacks.append(ModelCheckpoint(every_n_train_steps=args.every, save_top_k=2, save_last=True))
+    trainer = ember.Trainer(
+        accelerator="cpu", max_steps=args.steps, default_root_dir=root, callbacks=callbacks,
+        enable_checkpointing=mode != "none", async_checkpoint=mode == "async", logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    blocked: list[float] = []
+    save = trainer.save_checkpoint
+
+    def timed_save(*save_args: Any, **save_kwargs: Any) -> None:
+        started = time.perf_counter()
+        save(*save_args, **save_kwargs)
+        blocked.append(time.perf_counter() - started)
+
+    trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch_size * 8, args.width, generator=generator)
+    loader = DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=args.batch_size, shuffle=True)
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.fit(Wide(args.width, args.layers), loader, ckpt_path=ckpt_path)
+    return {
+        "blocked": blocked,
+        "steps_per_second": clock.steps_per_second() if ckpt_path is None else None,
+        "to_first_step": clock.starts[0] - started,
+        "last": trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--every", type=int, default=50, help="optimizer steps between checkpoints")
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=48)
+    args = parser.parse_args()
+
+    parameters = sum(p.numel() for p in Wide(args.width, args.layers).parameters())
+    results: dict[str, list[dict[str, Any]]] = {"none": [], "sync": [], "async": []}
+    with tempfile.TemporaryDirectory() as root:
+        for _ in range(args.rounds):
+            for mode in results:
+                results[mode].append(run(args, f"{root}/{mode}", mode))
+        last = results["sync"][-1]["last"]
+        args_resume = argparse.Namespace(**{**vars(args), "steps": args.steps + 2})
+        resumed = run(args_resume, f"{root}/resume", "none", ckpt_path=last)
+        fresh = run(args_resume, f"{root}/fresh", "none")
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(value for result in results[mode] for value in _values(result[key]))
+
+    none, sync, asynchronous = (median(mode, "steps_per_second") for mode in ("none", "sync", "async"))
+    blocked_sync, blocked_async = median("sync", "blocked"), median("async", "blocked")
+    print(f"ember {ember.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{parameters / 1e6:.0f}M parameters with AdamW, a checkpoint every {args.every} steps, {args.rounds} rounds")  # fmt: skip
+    print(f"  training blocked per save: {blocked_sync:.3f} s written at once, {blocked_async:.3f} s in the "
+          f"background ({blocked_async / blocked_sync:.0%} of it)")  # fmt: skip
+    print(f"  steps/s: {none:.3f} without checkpoints, {sync:.3f} written at once ({1 - sync / none:+.1%} cost), "
+          f"{asynchronous:.3f} in the background ({1 - asynchronous / none:+.1%} cost)")  # fmt: skip
+    print(f"  to the first training step: {resumed['to_first_step']:.2f} s resuming from a checkpoint, "
+          f"{fresh['to_first_step']:.2f} s starting fresh")  # fmt: skip
+
+
+def _values(value: Any) -> list[float]:
+    return value if isinstance(value, list) else [value]
+
+
+if __name__ == "__main__":
+    main()
