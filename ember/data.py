@@ -224,6 +224,22 @@ def named_failures(batches: Iterable[Any], where: str, first_index: int = 0) -> 
         index += 1
 
 
+def numbered_batches(batches: Iterable[Any], where: str, first: int, last: int) -> Iterator[tuple[int, Any, bool]]:
+    """``(index, batch, index == last)`` for indices ``first`` to ``last``, a failure to load a batch raised
+    as ``named_failures`` raises it: the training loop's one generator per batch."""
+    iterator = iter(batches)
+    for index in range(first, last + 1):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except DataLoadingError:
+            raise
+        except Exception as error:
+            raise DataLoadingError(_loading_failure(where, index, error)) from error
+        yield index, batch, index == last
+
+
 _SAMPLE = re.compile(r"sample index (\S+?): (.*)")
 _WORKER = re.compile(r"in DataLoader worker process (\d+)")
 
@@ -269,14 +285,11 @@ class _SampleNamed(Dataset):
         own = getattr(self.dataset, "__getitems__", None)
         if own is not None:  # the dataset reads batches itself: the failing sample is not known
             return own(indices)
-        dataset, samples = self.dataset, []
-        index = None
+        dataset, index = self.dataset, None
         try:
-            for index in indices:
-                samples.append(dataset[index])
+            return [dataset[(index := each)] for each in indices]  # the loader's own way, noting each index
         except Exception as error:
             raise SampleError(f"sample index {index}: {type(error).__name__}: {error}") from error
-        return samples
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]

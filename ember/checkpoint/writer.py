@@ -11,6 +11,8 @@ or linked in place of a file that was never written.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 from ember.checkpoint import io as checkpoint_io
 
 Task = Callable[[], None]
+_NICENESS = 10
 
 
 class Writer:
@@ -93,6 +96,9 @@ class AsyncWriter(Writer):
             raise error
 
     def _run(self) -> None:
+        # Training comes first: on a machine whose cores it keeps busy, the writer takes what they leave.
+        with contextlib.suppress(AttributeError, OSError):  # a thread's own priority: Linux only
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICENESS)
         while True:
             with self._condition:
                 while not self._tasks:

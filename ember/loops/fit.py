@@ -26,6 +26,7 @@ from ember.data import (
     epoch_batches,
     loader_state,
     named_failures,
+    numbered_batches,
     restore_loader_state,
     resumes_at_the_sample,
     with_last_flag,
@@ -116,6 +117,9 @@ class FitLoop:
         self._batch_end_hooks: list[Callable[..., Any]] = []
         self._module_batch_start: Callable[..., Any] | None = None
         self._replicas = 1  # the ranks that read disjoint shards of the training data
+        # Flags read per batch, looked up once per run.
+        self._split = False  # accumulate_grad_batches="auto"
+        self._max_steps: float = math.inf
         self._epoch_losses = 0  # training steps of the epoch that returned a loss
         self._reported_idle = False
 
@@ -189,6 +193,8 @@ class FitLoop:
         self.stop_signal = None
         self.data_seed = strategy.broadcast(torch.initial_seed() % 2**63)
         self._next_log_step = config.log_every_n_steps
+        self._split = config.accumulate_grad_batches == "auto"
+        self._max_steps = config.max_steps if config.max_steps != -1 else math.inf
         self.interruptions.reset(config.max_time_seconds)
 
     def _log_hyperparameters(self) -> None:
@@ -237,18 +243,17 @@ class FitLoop:
             self.train_loader, progress.epoch, first, self.data_seed, trainer.global_rank,
             start_sample=progress.epoch_samples,
         )  # fmt: skip
-        named = named_failures(batches, f"the train dataloader in epoch {progress.epoch}", first)
-        loader_batches = trainer.profiler.timed_batches(named, "train")
+        loader_batches = trainer.profiler.timed_batches(batches, "train")
         if self._pending_random_state is not None:
             # A resumed run continues the random streams (dropout, ...) exactly where its predecessor stopped.
             set_random_state(self._pending_random_state)
             self._pending_random_state = None
+        where = f"the train dataloader in epoch {progress.epoch}"
         if math.isinf(self.num_training_batches):
             # Without a length, the last batch is found by looking one batch ahead.
-            flagged = with_last_flag(loader_batches)
+            flagged = with_last_flag(named_failures(loader_batches, where, first))
             return ((index, batch, is_last) for index, (batch, is_last) in enumerate(flagged, first))
-        last = int(self.num_training_batches) - 1
-        return ((index, batch, index == last) for index, batch in zip(range(first, last + 1), loader_batches))
+        return numbered_batches(loader_batches, where, first, int(self.num_training_batches) - 1)
 
     def _windows(self, batches: Iterator[tuple[int, Any, bool]]) -> Iterator[Window]:
         """The epoch's accumulation windows: k micro-batches each (one under manual optimization or
@@ -301,7 +306,7 @@ class FitLoop:
             output, loss = runner.manual_step(batch, batch_idx)
             self.stepped = self.progress.global_step != steps_before
             return output, loss
-        if self.trainer.config.accumulate_grad_batches == "auto":
+        if self._split:
             output, loss = runner.split_forward_backward(batch, batch_idx)
         else:
             # Micro-batches that do not close the window accumulate gradients locally; only the last syncs.
@@ -330,8 +335,7 @@ class FitLoop:
         """What comes after this batch: its window goes on, the epoch ends, or training stops."""
         if window.ends_epoch:
             return _Outcome.EPOCH_DONE
-        max_steps = self.trainer.config.max_steps
-        if self.should_stop or (max_steps != -1 and self.progress.global_step >= max_steps):
+        if self.should_stop or self.progress.global_step >= self._max_steps:
             return _Outcome.STOP
         # Only at a step boundary, which every rank reaches at the same batch (the check may be a collective).
         if window.closing and self._interrupted():
@@ -574,6 +578,7 @@ class _ValidationSchedule:
         self.every_n_epochs = every_n_epochs
         self.loaders = loaders
         self.counts = counts
+        self.enabled = sum(counts) > 0
 
     @classmethod
     def build(cls, trainer: Trainer, num_batches: float, loaders: list[Iterable]) -> _ValidationSchedule:
@@ -590,10 +595,6 @@ class _ValidationSchedule:
                 )
             every = interval
         return cls(every, per_epoch, loaders, trainer.validate_loop.count(loaders))
-
-    @property
-    def enabled(self) -> bool:
-        return sum(self.counts) > 0
 
     def due(self, progress: Progress, batch_idx: int, is_last: bool) -> bool:
         """Whether to validate after training batch ``batch_idx`` (``is_last``: the epoch's last)."""
