@@ -306,6 +306,21 @@ class RunMetrics:
         self.write(for_loggers, step, epoch)
         return published
 
+    def log_values(self, values: Mapping[str, float], step: int, epoch: int) -> None:
+        """Values a callback measured itself (learning rates, device memory): written to the loggers and,
+        like logged metrics, readable in the callback metrics."""
+        self._epoch_values.update(values)
+        self.write(values, step, epoch)
+
+    def reset(self) -> None:
+        """Forget everything logged: each stage (fit, validate, test, predict) starts with no metrics."""
+        self.train.clear()
+        self.eval.clear()
+        self.active = self.train
+        self._epoch_values.clear()
+        self._prog_bar_epoch_values.clear()
+        self.logged.clear()
+
     def write_step_values(self, step: int, epoch: int) -> None:
         """Write the training values logged per step since the last call."""
         self.write(self.train.step_values(fresh_only=True, for_logger=True), step, epoch)

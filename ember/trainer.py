@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -122,6 +124,7 @@ class Trainer:
         self.datamodule: DataModule | None = None
         self._environment_ready = False
         self._doctor: Doctor | None = None
+        self._callbacks_added_by: Module | None = None  # the module whose configure_callbacks() joined
 
     # ----------------------------------------------------------------------- process layout
     @property
@@ -364,40 +367,47 @@ class Trainer:
 
     def validate(
         self,
-        model: Module,
+        model: Module | None = None,
         dataloaders: _Loaders | DataModule = None,
         ckpt_path: str | os.PathLike | None = None,
         datamodule: DataModule | None = None,
         verbose: bool = True,
         weights_only: bool = True,
     ) -> list[dict[str, float]]:
-        """Run ``validation_step`` over the validation data; one dict of metrics per dataloader."""
+        """Run ``validation_step`` over the validation data; one dict of metrics per dataloader.
+
+        Without ``model``, the module of the last ``fit`` is used, with the weights of ``ckpt_path``: "best"
+        (the default then), "last" or a path.
+        """
         return self._evaluate(self.validate_loop, model, dataloaders, ckpt_path, datamodule, verbose, weights_only)
 
     def test(
         self,
-        model: Module,
+        model: Module | None = None,
         dataloaders: _Loaders | DataModule = None,
         ckpt_path: str | os.PathLike | None = None,
         datamodule: DataModule | None = None,
         verbose: bool = True,
         weights_only: bool = True,
     ) -> list[dict[str, float]]:
-        """Run ``test_step`` over the test data; one dict of metrics per dataloader."""
+        """Run ``test_step`` over the test data; one dict of metrics per dataloader (``model`` and ``ckpt_path``
+        as for ``validate``)."""
         return self._evaluate(self.test_loop, model, dataloaders, ckpt_path, datamodule, verbose, weights_only)
 
     def predict(
         self,
-        model: Module,
+        model: Module | None = None,
         dataloaders: _Loaders | DataModule = None,
         datamodule: DataModule | None = None,
         return_predictions: bool = True,
         ckpt_path: str | os.PathLike | None = None,
         weights_only: bool = True,
     ) -> list[Any] | None:
-        """Run ``predict_step``; the outputs (on the CPU) as a list, a list per dataloader when there are several."""
+        """Run ``predict_step``; the outputs (on the CPU) as a list, a list per dataloader when there are several
+        (``model`` and ``ckpt_path`` as for ``validate``)."""
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
+        model, ckpt_path = self._evaluated_module(model, "predict", ckpt_path)
         _check_module(model, "predict")
         self.strategy.launch()
         ckpt_path = _checked_path(ckpt_path)
@@ -409,7 +419,7 @@ class Trainer:
     def _evaluate(
         self,
         loop: EvaluationLoop,
-        model: Module,
+        model: Module | None,
         dataloaders: _Loaders | DataModule,
         ckpt_path: str | os.PathLike | None,
         datamodule: DataModule | None,
@@ -418,6 +428,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
+        model, ckpt_path = self._evaluated_module(model, loop.stage, ckpt_path)
         _check_module(model, loop.stage)
         self.strategy.launch()
         ckpt_path = _checked_path(ckpt_path)
@@ -428,6 +439,24 @@ class Trainer:
             if verbose and self.is_global_zero:
                 _print_results(loop.stage, results)
             return results
+
+    def _evaluated_module(
+        self, model: Module | None, stage: str, ckpt_path: str | os.PathLike | None
+    ) -> tuple[Module, str | os.PathLike | None]:
+        """The module to evaluate and the checkpoint to load into it: without a module, the fitted one, with
+        its best checkpoint unless ``ckpt_path`` names another."""
+        if model is not None:
+            return model, ckpt_path
+        if self.lightning_module is None:
+            raise ValueError(f"Trainer.{stage}() needs a module: pass one, or call fit() first to use the fitted one")
+        if ckpt_path is None and self.checkpoint_callback is not None:
+            ckpt_path = "best"
+            warnings.warn(
+                f".{stage}(ckpt_path=None) without a model: the best checkpoint of the last fit is loaded; pass "
+                f"ckpt_path='best', 'last' or a path to choose (and silence this warning)",
+                stacklevel=3,
+            )
+        return self.lightning_module, ckpt_path
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:
@@ -449,9 +478,9 @@ class Trainer:
         found = self.strategy.broadcast(found)
         if found is None:
             if ckpt_path == "best":
+                why = "no ModelCheckpoint saved one" if self.checkpoint_callback is None else "none was saved"
                 raise FileNotFoundError(
-                    "ckpt_path='best': no best checkpoint is known (none was saved with a monitor under "
-                    f"{self.default_root_dir!r})"
+                    f"ckpt_path='best': no best checkpoint is known ({why} under {self.default_root_dir!r})"
                 )
             self.print(f"ckpt_path='last': no checkpoint under {self.default_root_dir!r} yet; starting from scratch")
         else:
@@ -491,11 +520,16 @@ class Trainer:
 
     def _begin_stage(self, stage: str, module: Module, datamodule: DataModule | None) -> None:
         self.stage = stage
+        self.run_metrics.reset()
         self.lightning_module = module
         module.trainer = self
         self.datamodule = datamodule
+        if module is not self._callbacks_added_by:  # the module's own callbacks join once
+            self.callbacks = _with_module_callbacks(self.callbacks, module)
+            self._callbacks_added_by = module
         # Hook lists are found lazily, at the first call: after the profiler below wrapped what it times.
-        self._hooks = Hooks(self, module, self.callbacks)
+        self._hooks = hooks = Hooks(self, module, self.callbacks, datamodule)
+        hooks.check()
         if datamodule is not None:
             datamodule.trainer = self
         if not self._environment_ready:
@@ -505,18 +539,28 @@ class Trainer:
             # directory write into the same run; the other ranks follow it.
             for logger in self.loggers:
                 logger.use_version(self.strategy.broadcast(logger.version if self.is_global_zero else None))
-        if datamodule is not None:
-            if self.local_rank == 0:
-                datamodule.prepare_data()
-            self.strategy.barrier()
-            datamodule.setup(stage)
+        self._prepare_data(stage, module, datamodule)
         module.setup(stage)
         for callback in self.callbacks:
             callback.setup(self, module, stage)
+        configure_model = hooks.module_hook("configure_model")
+        if configure_model is not None and not inspect.signature(configure_model).parameters:
+            configure_model()  # Lightning's form; the form that takes a device mesh is the strategy's to call
         if stage == "fit":
             self._start_doctor()  # before the model is wrapped, so that the wrapper is watched too
         self.strategy.setup_module(module, training=stage == "fit")
         self.profiler.setup(self, stage)
+
+    def _prepare_data(self, stage: str, module: Module, datamodule: DataModule | None) -> None:
+        """``prepare_data`` once per machine (the module's and the datamodule's), then the datamodule's ``setup``."""
+        if self.local_rank == 0:
+            if self.hooks.module_hook("prepare_data") is not None:
+                module.prepare_data()
+            if datamodule is not None:
+                datamodule.prepare_data()
+        self.strategy.barrier()
+        if datamodule is not None:
+            datamodule.setup(stage)
 
     def _end_stage(self, stage: str, module: Module, datamodule: DataModule | None, status: str) -> None:
         try:
@@ -632,6 +676,18 @@ def _build_callbacks(config: TrainerConfig) -> list[Callback]:
         raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
     # Callbacks that read epoch metrics (checkpointing, early stopping) run last, in the given order.
     return sorted(given, key=lambda callback: callback.reads_epoch_metrics)
+
+
+def _with_module_callbacks(callbacks: list[Callback], module: Module) -> list[Callback]:
+    """The Trainer's callbacks with those of ``module.configure_callbacks()``, which replace any of the same type."""
+    returned = module.configure_callbacks()
+    added = [returned] if isinstance(returned, Callback) else list(returned)
+    if not added:
+        return callbacks
+    replaced = {type(callback) for callback in added}
+    kept = [callback for callback in callbacks if type(callback) not in replaced]
+    # Callbacks that read epoch metrics (checkpointing, early stopping) run last, as in _build_callbacks.
+    return sorted(kept + added, key=lambda callback: callback.reads_epoch_metrics)
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:

@@ -50,11 +50,11 @@ class LearningRateMonitor(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
         if self._interval == "epoch":
-            trainer.run_metrics.write(self._values(trainer), trainer.global_step, trainer.current_epoch)
+            trainer.run_metrics.log_values(self._values(trainer), trainer.global_step, trainer.current_epoch)
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._interval == "step" and at_logging_step(trainer):
-            trainer.run_metrics.write(self._values(trainer), trainer.global_step, trainer.current_epoch)
+            trainer.run_metrics.log_values(self._values(trainer), trainer.global_step, trainer.current_epoch)
 
     def _values(self, trainer: Trainer) -> dict[str, float]:
         values = {}

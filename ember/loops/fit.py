@@ -101,6 +101,7 @@ class FitLoop:
         self._batch_start_hooks: list[Callable[..., Any]] = []
         self._batch_end_hooks: list[Callable[..., Any]] = []
         self._module_batch_start: Callable[..., Any] | None = None
+        self._to_device: Callable[[Any], Any] = trainer.strategy.batch_to_device
         self._replicas = 1  # the ranks that read disjoint shards of the training data
 
     @property
@@ -156,14 +157,17 @@ class FitLoop:
                 "exactly one. For several (GANs, ...), set self.automatic_optimization = False and step them "
                 "in training_step with self.optimizers() and self.manual_backward(loss)"
             )
+        if not module.automatic_optimization:
+            _check_manual_flags(config.accumulate_grad_batches, config.gradient_clip_val)
         strategy.setup_optimizers(optimizers)
+        hooks = trainer.hooks
         self.runner = StepRunner(
             strategy, module, optimizers, scheduler_configs, self.progress,
             clip_val=config.gradient_clip_val, clip_algorithm=config.gradient_clip_algorithm,
-            before_step_hooks=trainer.hooks.implementations("on_before_optimizer_step"),
-            metrics=lambda: trainer.callback_metrics,
+            before_step_hooks=hooks.implementations("on_before_optimizer_step"),
+            metrics=lambda: trainer.callback_metrics, hooks=hooks.step_hooks(),
         )  # fmt: skip
-        hooks = trainer.hooks
+        self._to_device = hooks.batch_transfer(strategy)
         self._batch_start_hooks = hooks.implementations("on_train_batch_start", include_module=False)
         self._batch_end_hooks = hooks.implementations("on_train_batch_end")
         self._module_batch_start = hooks.module_hook("on_train_batch_start")
@@ -178,7 +182,7 @@ class FitLoop:
         trainer = self.trainer
         module, datamodule = trainer.lightning_module, trainer.datamodule
         assert module is not None
-        hyperparameters = {**module.hparams, **(datamodule.hparams if datamodule is not None else {})}
+        hyperparameters = {**module.hparams_for_logger, **(datamodule.hparams_for_logger if datamodule else {})}
         if hyperparameters and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_hyperparams(hyperparameters)
@@ -200,7 +204,7 @@ class FitLoop:
         store.clear()
         store.default_on_step = True
         metrics.active = store
-        module.train()
+        # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         trainer.hooks.call("on_train_epoch_start")
         outcome = _Outcome.CONTINUE
         for window in self._windows(self._epoch_batches()):
@@ -249,7 +253,7 @@ class FitLoop:
         trainer = self.trainer
         store = trainer.run_metrics.train
         for batch_idx, batch in window:
-            batch = trainer.strategy.batch_to_device(batch)
+            batch = self._to_device(batch)
             store.batch = batch
             if self._module_batch_start is not None and self._module_batch_start(batch, batch_idx) == -1:
                 return _Outcome.EPOCH_DONE  # the module skips the rest of this epoch
@@ -282,6 +286,15 @@ class FitLoop:
             return output, loss
         if self.trainer.config.accumulate_grad_batches == "auto":
             output, loss = runner.split_forward_backward(batch, batch_idx)
+        elif runner.hooked:  # the module or a callback overrides a hook of the step: Lightning's order
+            had_gradients = window.has_gradients
+            output, loss = runner.hooked_micro_batch(
+                batch, batch_idx, window.size, first=window.seen == 1, closing=window.closing,
+                had_gradients=had_gradients, gradient_scale=lambda: window.gradient_scale,
+            )  # fmt: skip
+            window.has_gradients = had_gradients or loss is not None
+            self.stepped = window.closing and window.has_gradients
+            return output, loss
         else:
             # Micro-batches that do not close the window accumulate gradients locally; only the last syncs.
             output, loss = runner.forward_backward(batch, batch_idx, window.size, sync=window.closing)
@@ -348,13 +361,22 @@ class FitLoop:
 
     def _sanity_check(self) -> None:
         """Run a few validation batches before training, so a broken validation_step fails in seconds."""
-        limit = self.trainer.config.num_sanity_val_steps
+        trainer = self.trainer
+        limit = trainer.config.num_sanity_val_steps
         self.sanity_checking = True
         try:
+            trainer.hooks.call_callbacks("on_sanity_check_start")
             counts = [count if limit == -1 else min(count, limit) for count in self._validation.counts]
-            self.trainer.validate_loop.run(self._validation.loaders, counts, sanity_check=True)
+            trainer.validate_loop.run(self._validation.loaders, counts, sanity_check=True)
+            trainer.hooks.call_callbacks("on_sanity_check_end")
         finally:
             self.sanity_checking = False
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """``Module.manual_backward``: the backward of the step runner, with its hooks."""
+        if self.runner is None:
+            raise RuntimeError("manual_backward() is available during fit only")
+        self.runner.backward(loss)
 
     # ------------------------------------------------------------------- stopping and logging
     def _interrupted(self) -> bool:
@@ -497,6 +519,20 @@ class _ValidationSchedule:
 
     def run(self, loop: EvaluationLoop) -> None:
         loop.run(self.loaders, self.counts)
+
+
+def _check_manual_flags(accumulate: int | str, clip_val: float | None) -> None:
+    """Under manual optimization the module steps and clips itself: the Trainer's flags for that would be ignored."""
+    if accumulate != 1:
+        raise ValueError(
+            f"accumulate_grad_batches={accumulate!r} with manual optimization (automatic_optimization = False): "
+            "the module steps its optimizers itself; accumulate in training_step, or leave the flag at 1"
+        )
+    if clip_val:
+        raise ValueError(
+            f"gradient_clip_val={clip_val!r} with manual optimization (automatic_optimization = False): clip in "
+            "training_step with self.clip_gradients(optimizer, ...) before stepping, or leave the flag unset"
+        )
 
 
 def _fraction_of_epoch(fraction: float, num_batches: float) -> int:
