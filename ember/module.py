@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import chain
 from types import FrameType
@@ -225,7 +226,9 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
         detached, until a logger writes them. ``sync_dist=True`` reduces epoch values across ranks.
         """
         trainer = self._trainer
-        if trainer is not None:
+        if trainer is not None and trainer.config.barebones:
+            warnings.warn(f"self.log({name!r}, ...) does nothing with barebones=True", stacklevel=2)
+        elif trainer is not None:
             store = trainer.run_metrics.active
             store.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
 

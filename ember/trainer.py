@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import math
 import os
@@ -22,9 +23,9 @@ from torch.utils.data import DataLoader
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar
 from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig
-from ember.data import prepare_loader
+from ember.data import in_order, prepare_loader
 from ember.doctor import Doctor, DoctorDone, active_doctor
-from ember.loggers import CSVLogger, Logger
+from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops import EvaluationLoop, FitLoop, Hooks, PredictionLoop
 from ember.metrics import RunMetrics
 from ember.module import DataModule, Module
@@ -59,11 +60,16 @@ class Trainer:
         compile: bool | Mapping[str, Any] = False,
         max_epochs: int | None = None,
         max_steps: int = -1,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
         max_time: str | timedelta | Mapping[str, int] | None = None,
         limit_train_batches: _Limit = None,
         limit_val_batches: _Limit = None,
         limit_test_batches: _Limit = None,
         limit_predict_batches: _Limit = None,
+        overfit_batches: int | float = 0.0,
+        fast_dev_run: bool | int = False,
+        reload_dataloaders_every_n_epochs: int = 0,
         val_check_interval: int | float = 1.0,
         check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int = 2,
@@ -77,6 +83,8 @@ class Trainer:
         enable_checkpointing: bool = True,
         enable_model_summary: bool = True,
         profiler: str | Profiler | None = None,
+        enable_autolog_hparams: bool = True,
+        barebones: bool = False,
         default_root_dir: str | os.PathLike | None = None,
         deterministic: bool | Literal["warn"] = False,
         benchmark: bool | None = None,
@@ -89,8 +97,10 @@ class Trainer:
         gpus: int | str | Sequence[int] | None = None,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name != "self"}
-        #: The flags, checked.
-        self.config = config = TrainerConfig(**flags)
+        given = TrainerConfig(**flags)
+        given.warn_deprecated()
+        #: The flags, checked, as the loops apply them (see ``TrainerConfig.resolved``).
+        self.config = config = given.resolved()
         if config.float32_matmul_precision is not None:
             torch.set_float32_matmul_precision(config.float32_matmul_precision)
         accelerator, devices = config.layout
@@ -104,8 +114,11 @@ class Trainer:
             compile_options=config.compile_options,
         )
         rank_zero_only.rank = self.strategy.global_rank  # type: ignore[attr-defined]
+        if config.fast_dev_run:
+            self.print(f"fast_dev_run: running {int(config.fast_dev_run)} batch(es) of each loop; logging, "
+                       "checkpointing and early stopping are off")  # fmt: skip
         _set_determinism(config)
-        self.loggers: list[Logger] = _build_loggers(config.logger, config.root_dir)
+        self.loggers: list[Logger] = _build_loggers(config)
         self.callbacks: list[Callback] = _build_callbacks(config)
         self.profiler: Profiler = select_profiler(config.profiler)
         #: What the run has logged with ``self.log`` and what went to the loggers.
@@ -215,6 +228,10 @@ class Trainer:
     @property
     def default_root_dir(self) -> str:
         return self.config.root_dir
+
+    @property
+    def fast_dev_run(self) -> bool | int:
+        return self.config.fast_dev_run
 
     # ---------------------------------------------------------------------- the loop's state
     @property
@@ -355,12 +372,15 @@ class Trainer:
             ckpt_path = "last"  # restarted by the elastic agent after a failure: continue the run
         ckpt_path = _checked_path(ckpt_path)
         self.strategy.launch()
-        with self._stage("fit", model, datamodule):
+        def loaders() -> tuple[Iterable, list[Iterable]]:
             train_loader = self._loaders("train", train_dataloaders, required=True)[0]
-            val_loaders = self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
+            return train_loader, self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
+
+        with self._stage("fit", model, datamodule):
+            train_loader, val_loaders = loaders()
             path = self._resolve_checkpoint(ckpt_path)
             restore = functools.partial(self._restore, path, weights_only) if path is not None else None
-            self.fit_loop.run(train_loader, val_loaders, restore)
+            self.fit_loop.run(train_loader, val_loaders, restore, reload=loaders)
         if self.preempted:
             self.print("stopped by a preemption signal after saving a checkpoint; exiting")
             raise SystemExit(0)
@@ -449,7 +469,7 @@ class Trainer:
             return model, ckpt_path
         if self.lightning_module is None:
             raise ValueError(f"Trainer.{stage}() needs a module: pass one, or call fit() first to use the fitted one")
-        if ckpt_path is None and self.checkpoint_callback is not None:
+        if ckpt_path is None and self.checkpoint_callback is not None and not self.fast_dev_run:
             ckpt_path = "best"
             warnings.warn(
                 f".{stage}(ckpt_path=None) without a model: the best checkpoint of the last fit is loaded; pass "
@@ -608,6 +628,8 @@ class Trainer:
         loaders = list(given) if several else [given]
         if kind == "train" and len(loaders) != 1:
             raise ValueError(f"fit() trains on one dataloader; got {len(loaders)}")
+        if self.config.overfit_batches and kind in ("train", "val"):
+            loaders = [in_order(loader, "overfit_batches") for loader in loaders]  # the same batches every epoch
         shard = self.config.use_distributed_sampler
         return [prepare_loader(loader, self.strategy, train=kind == "train", shard=shard) for loader in loaders]
 
@@ -649,11 +671,17 @@ def _set_determinism(config: TrainerConfig) -> None:
         torch.backends.cudnn.benchmark = config.benchmark
 
 
-def _build_loggers(logger: bool | Logger | Sequence[Logger], root_dir: str) -> list[Logger]:
-    if logger is True:
-        return [CSVLogger(root_dir)]
+def _build_loggers(config: TrainerConfig) -> list[Logger]:
+    logger = config.logger
     if logger is False:
         return []
+    if config.fast_dev_run:
+        return [DummyLogger()]  # nothing is kept, but code that writes to trainer.logger still runs
+    if logger is True:
+        # As Lightning's default, TensorBoard when it is installed (trainer.logger.experiment is its writer);
+        # metrics.csv is written beside it, for `ember plot` and for reading without TensorBoard.
+        csv = CSVLogger(config.root_dir)
+        return [TensorBoardLogger(config.root_dir), csv] if importlib.util.find_spec("tensorboard") else [csv]
     return [logger] if isinstance(logger, Logger) else list(logger)
 
 

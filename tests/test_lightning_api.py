@@ -554,3 +554,123 @@ def test_prepare_data_of_the_module_runs_once_per_stage() -> None:
     trainer.fit(model, make_loader())
     trainer.validate(model, make_loader(), verbose=False)
     assert calls == ["prepare", "prepare"]
+
+
+# ------------------------------------------------------------------------------------ flags
+class _StopAtOnce(Callback):
+    """Asks to stop after every batch, as an early-stopping callback might."""
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer.should_stop = True
+
+
+def test_min_epochs_and_min_steps_hold_off_stopping() -> None:
+    trainer = quiet_trainer(max_epochs=10, callbacks=[_StopAtOnce()], logger=False)
+    trainer.fit(Regressor(), make_loader())  # 8 batches per epoch
+    assert trainer.global_step == 1
+    trainer = quiet_trainer(max_epochs=10, min_epochs=2, callbacks=[_StopAtOnce()], logger=False)
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.global_step == 16 and trainer.current_epoch == 2
+    trainer = quiet_trainer(max_epochs=10, min_steps=11, callbacks=[_StopAtOnce()], logger=False)
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.global_step == 11
+
+
+def test_fast_dev_run_runs_a_few_batches_of_each_loop_and_keeps_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    model = _Tracked()
+    trainer = quiet_trainer(fast_dev_run=True, max_epochs=5, callbacks=[ModelCheckpoint(monitor="val_loss")])
+    trainer.fit(model, make_loader(), make_loader())
+    assert trainer.global_step == 1 and trainer.current_epoch == 1 and trainer.num_val_batches == [1]
+    assert not os.path.exists("ember_logs") and trainer.checkpoint_callback.best_model_path == ""  # type: ignore[union-attr]
+    assert "fast_dev_run" in capsys.readouterr().out
+    trainer.test(model, make_loader(), verbose=False)
+    assert trainer.num_test_batches == [1]
+    trainer = quiet_trainer(fast_dev_run=3)
+    trainer.fit(Regressor(), make_loader(), make_loader())
+    assert trainer.global_step == 3 and trainer.num_val_batches == [3]
+    assert trainer.logger is not None and trainer.logger.experiment.add_image("x", torch.zeros(3, 2, 2)) is None
+
+
+def test_overfit_batches_uses_the_same_few_batches_unshuffled() -> None:
+    seen: list[list[float]] = []
+
+    class Watching(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(batch[1].flatten().tolist())
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_epochs=2, overfit_batches=2, logger=False)
+    with pytest.warns(UserWarning, match="overfit_batches: the train dataloader shuffles"):
+        trainer.fit(Watching(), make_loader(shuffle=True), make_loader())
+    targets = make_data().tensors[1].flatten().tolist()
+    assert seen == [targets[:8], targets[8:16]] * 2 and trainer.num_val_batches == [2]
+
+
+def test_dataloaders_are_reloaded_every_n_epochs() -> None:
+    requests: list[int] = []
+
+    class Reloading(Regressor):
+        def train_dataloader(self) -> DataLoader:
+            requests.append(self.current_epoch)
+            return make_loader(8 * (len(requests)))  # one more batch each time
+
+    trainer = quiet_trainer(max_epochs=4, reload_dataloaders_every_n_epochs=2, logger=False)
+    trainer.fit(Reloading())
+    assert requests == [0, 2] and trainer.global_step == 1 + 1 + 2 + 2
+
+
+def test_barebones_turns_off_everything_that_costs_time() -> None:
+    trainer = ember.Trainer(accelerator="cpu", barebones=True, max_epochs=1)
+    assert trainer.loggers == [] and trainer.callbacks == [] and trainer.config.num_sanity_val_steps == 0
+    with pytest.warns(UserWarning, match=r"self.log\('train_loss', ...\) does nothing with barebones=True"):
+        trainer.fit(Regressor(), make_loader())
+    assert trainer.callback_metrics == {} and not os.path.exists("ember_logs")
+    for flags, name in (({"logger": CSVLogger(".")}, "logger"), ({"profiler": "simple"}, "profiler"),
+                        ({"fast_dev_run": True}, "fast_dev_run"), ({"detect_anomaly": True}, "detect_anomaly"),
+                        ({"callbacks": [ModelCheckpoint()]}, "callbacks")):  # fmt: skip
+        with pytest.raises(ember.config.FlagError, match=f"barebones=True.*{name}="):
+            ember.Trainer(barebones=True, **flags)
+
+
+def test_hyperparameters_are_not_logged_when_asked_not_to() -> None:
+    trainer = quiet_trainer(max_steps=1, enable_autolog_hparams=False)
+    trainer.fit(Regressor(), make_loader())
+    assert not os.path.exists(os.path.join(trainer.log_dir, "hparams.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("name", "find_unused"),
+    [("ddp_find_unused_parameters_true", True), ("ddp_spawn", False), ("ddp_fork", False),
+     ("ddp_notebook_find_unused_parameters_true", True)],
+)  # fmt: skip
+def test_lightnings_strategy_names(name: str, find_unused: bool) -> None:
+    strategy = ember.Trainer(accelerator="cpu", devices=1, strategy=name).strategy
+    assert isinstance(strategy, ember.strategies.DDPStrategy) and strategy.find_unused_parameters is find_unused
+
+
+def test_strategy_names_ember_lacks_say_what_to_use() -> None:
+    with pytest.raises(ValueError, match=r"strategy='deepspeed_stage_2'.*DeepSpeed.*'fsdp'"):
+        ember.Trainer(accelerator="cpu", strategy="deepspeed_stage_2")
+    with pytest.raises(ValueError, match=r"FSDPStrategy\(cpu_offload=True\).*on accelerator='cpu'"):
+        ember.Trainer(accelerator="cpu", strategy="fsdp_cpu_offload")  # the name is known; CPUs need no offload
+
+
+def test_the_older_gpus_flag_warns_with_the_flags_to_use() -> None:
+    with pytest.warns(FutureWarning, match=r"gpus=0 is Lightning 1's spelling.*accelerator='cpu'"):
+        assert ember.Trainer(gpus=0).strategy.root_device.type == "cpu"
+
+
+def test_the_default_logger_is_tensorboard_with_a_csv_file_beside_it() -> None:
+    pytest.importorskip("tensorboard")
+    from ember.loggers import TensorBoardLogger
+
+    class Images(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.logger.experiment.add_image("input", batch[0][:1].reshape(1, 2, 2), self.global_step)
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_steps=2, log_every_n_steps=1)
+    trainer.fit(Images(), make_loader())
+    assert isinstance(trainer.logger, TensorBoardLogger) and isinstance(trainer.loggers[1], CSVLogger)
+    files = os.listdir(trainer.log_dir)
+    assert "metrics.csv" in files and any(name.startswith("events.out.tfevents") for name in files)

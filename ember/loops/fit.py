@@ -103,6 +103,9 @@ class FitLoop:
         self._module_batch_start: Callable[..., Any] | None = None
         self._to_device: Callable[[Any], Any] = trainer.strategy.batch_to_device
         self._replicas = 1  # the ranks that read disjoint shards of the training data
+        self._reload: Callable[[], tuple[Iterable, list[Iterable]]] | None = None
+        self._loaded_at_epoch = 0  # the epoch whose start asked for the loaders last
+        self._told_about_minimum = False
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -115,11 +118,18 @@ class FitLoop:
         return self.runner.manual_optimizers
 
     # ------------------------------------------------------------------------------------ run
-    def run(self, train_loader: Iterable, val_loaders: list[Iterable], restore: Callable[[], None] | None) -> None:
+    def run(
+        self,
+        train_loader: Iterable,
+        val_loaders: list[Iterable],
+        restore: Callable[[], None] | None,
+        reload: Callable[[], tuple[Iterable, list[Iterable]]] | None = None,
+    ) -> None:
         """Train on ``train_loader``, validating on ``val_loaders``; ``restore`` puts a checkpoint's state in
-        place once the optimizers exist."""
+        place once the optimizers exist; ``reload`` asks for new loaders (``reload_dataloaders_every_n_epochs``)."""
         trainer = self.trainer
         config, hooks = trainer.config, trainer.hooks
+        self._reload = reload
         self._set_up(train_loader, val_loaders)
         if restore is not None:
             restore()  # may bring the gradients of an unfinished window
@@ -128,16 +138,19 @@ class FitLoop:
         if self._validation.enabled and config.num_sanity_val_steps:
             self._sanity_check()
         hooks.call("on_train_start")
+        self._loaded_at_epoch = self.progress.epoch
         with self.interruptions.catching_signals():
-            while self.num_training_batches and not self.done():
+            while not self.done():
+                self._reload_loaders_when_due()
+                if not self.num_training_batches:
+                    break
                 self._run_epoch()
         hooks.call("on_train_end")
         hooks.call("on_fit_end")
 
-    def _set_up(self, train_loader: Iterable, val_loaders: list[Iterable]) -> None:
+    def _set_loaders(self, train_loader: Iterable, val_loaders: list[Iterable]) -> None:
         trainer = self.trainer
-        config, strategy, module = trainer.config, trainer.strategy, trainer.lightning_module
-        assert module is not None
+        config = trainer.config
         self.train_loader = train_loader
         self._replicas = data_replicas(train_loader)
         self.num_training_batches = count_batches(train_loader, config.limit_train_batches, "limit_train_batches")
@@ -145,6 +158,18 @@ class FitLoop:
             raise ValueError("the train dataloader is empty: it has no batches to train on")
         self._validation = _ValidationSchedule.build(trainer, self.num_training_batches, val_loaders)
         self.validation_enabled = self._validation.enabled
+
+    def _reload_loaders_when_due(self) -> None:
+        every = self.trainer.config.reload_dataloaders_every_n_epochs
+        if every and self._reload is not None and self.progress.epoch - self._loaded_at_epoch >= every:
+            self._set_loaders(*self._reload())
+            self._loaded_at_epoch = self.progress.epoch
+
+    def _set_up(self, train_loader: Iterable, val_loaders: list[Iterable]) -> None:
+        trainer = self.trainer
+        config, strategy, module = trainer.config, trainer.strategy, trainer.lightning_module
+        assert module is not None
+        self._set_loaders(train_loader, val_loaders)
         if config.accumulate_grad_batches == "auto" and not strategy.averages_split_gradients:
             raise ValueError(
                 f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
@@ -173,7 +198,7 @@ class FitLoop:
         self._module_batch_start = hooks.module_hook("on_train_batch_start")
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
-        self.should_stop = self.preempted = False
+        self.should_stop = self.preempted = self._told_about_minimum = False
         self.data_seed = strategy.broadcast(torch.initial_seed() % 2**63)
         self._next_log_step = config.log_every_n_steps
         self.interruptions.reset(config.max_time_seconds)
@@ -182,6 +207,8 @@ class FitLoop:
         trainer = self.trainer
         module, datamodule = trainer.lightning_module, trainer.datamodule
         assert module is not None
+        if not trainer.config.enable_autolog_hparams:
+            return
         hyperparameters = {**module.hparams_for_logger, **(datamodule.hparams_for_logger if datamodule else {})}
         if hyperparameters and trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -190,10 +217,23 @@ class FitLoop:
     def done(self) -> bool:
         config, progress = self.trainer.config, self.progress
         return (
-            self.should_stop
+            (self.should_stop and self._may_stop())
             or (config.max_steps != -1 and progress.global_step >= config.max_steps)
             or (config.epoch_limit != -1 and progress.epoch >= config.epoch_limit)
         )
+
+    def _may_stop(self) -> bool:
+        """Whether a request to stop (``should_stop``) may be followed: ``min_epochs`` and ``min_steps`` are done."""
+        config, progress = self.trainer.config, self.progress
+        if (config.min_epochs or 0) <= progress.epoch and (config.min_steps or 0) <= progress.global_step:
+            return True
+        if not self._told_about_minimum:
+            self._told_about_minimum = True
+            self.trainer.print(
+                f"stopping was requested, but min_epochs={config.min_epochs} or min_steps={config.min_steps} "
+                "is not reached yet: training goes on"
+            )
+        return False
 
     # ---------------------------------------------------------------------------------- epochs
     def _run_epoch(self) -> None:
@@ -322,7 +362,7 @@ class FitLoop:
         if window.ends_epoch:
             return _Outcome.EPOCH_DONE
         max_steps = self.trainer.config.max_steps
-        if self.should_stop or (max_steps != -1 and self.progress.global_step >= max_steps):
+        if (self.should_stop and self._may_stop()) or (max_steps != -1 and self.progress.global_step >= max_steps):
             return _Outcome.STOP
         # Only at a step boundary, which every rank reaches at the same batch (the check may be a collective).
         if window.closing and self._interrupted():
