@@ -146,8 +146,8 @@ class PredictionLoop:
         self.num_batches: list[float] = []
         #: The outputs kept so far (a list per loader when there are several).
         self.predictions: list[Any] = []
-        #: The sample indices of each batch so far (a list per loader when there are several).
-        self.epoch_batch_indices: list[Any] = []
+        #: Per loader, the sample indices of each batch so far.
+        self.epoch_batch_indices: list[list[list[int]]] = []
         #: The sample indices of the batch being predicted (empty when the loader has no batch sampler).
         self.current_batch_indices: list[int] = []
 
@@ -170,8 +170,8 @@ class PredictionLoop:
                 self.predictions.append(outputs)
                 self.epoch_batch_indices.append(indices)
                 self._run_loader(loader, count, dataloader_idx, arguments, outputs if keep else None, indices)
-            if len(loaders) == 1:  # as Lightning gives them to prediction writers
-                self.predictions, self.epoch_batch_indices = self.predictions[0], self.epoch_batch_indices[0]
+            if len(loaders) == 1:  # as Lightning gives them to prediction writers (the indices stay per loader)
+                self.predictions = self.predictions[0]
             hooks.call("on_predict_epoch_end")
         hooks.call("on_predict_end")
         _restore_mode(hooks, module, None, modes)  # prediction has no hook of its own for this
