@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 from typing import Any
 
@@ -674,3 +675,40 @@ def test_the_default_logger_is_tensorboard_with_a_csv_file_beside_it() -> None:
     assert isinstance(trainer.logger, TensorBoardLogger) and isinstance(trainer.loggers[1], CSVLogger)
     files = os.listdir(trainer.log_dir)
     assert "metrics.csv" in files and any(name.startswith("events.out.tfevents") for name in files)
+
+
+def test_learning_rate_monitor_logs_the_rate_each_logging_step_uses() -> None:
+    rates: list[float] = []
+
+    class Halving(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            rates.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self) -> Any:
+            first = torch.optim.Adam(self.layer.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1, gamma=0.5)
+            return {"optimizer": first, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    trainer = quiet_trainer(max_steps=4, log_every_n_steps=2, callbacks=[LearningRateMonitor()])
+    trainer.fit(Halving(), make_loader())
+    with open(os.path.join(trainer.log_dir, "metrics.csv"), newline="") as file:
+        logged = [(int(row["step"]), float(row["lr-Adam"])) for row in csv.DictReader(file) if row.get("lr-Adam")]
+    assert logged == [(2, rates[1]), (4, rates[3])] and rates == [0.1, 0.05, 0.025, 0.0125]
+    monitor = LearningRateMonitor()
+
+    class Two(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.other = nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.Adam(self.layer.parameters()), torch.optim.Adam(self.other.parameters())]
+
+    trainer = quiet_trainer(max_steps=1, limit_train_batches=1, max_epochs=1, callbacks=[monitor])
+    trainer.fit(Two(), make_loader())
+    assert set(trainer.callback_metrics) == {"lr-Adam", "lr-Adam-1"}  # the second of a kind gets "-1"

@@ -96,5 +96,7 @@ class Callback:
 
 
 def at_logging_step(trainer: Trainer) -> bool:
-    """Whether the training batch that just ended stepped the optimizer onto a ``log_every_n_steps`` multiple."""
-    return trainer.fit_loop.stepped and trainer.global_step % trainer.log_every_n_steps == 0
+    """Whether the training batch that just ended stepped onto a ``log_every_n_steps`` multiple (of optimizer
+    steps; under manual optimization, of training batches)."""
+    loop = trainer.fit_loop
+    return loop.stepped and loop.logging_step % trainer.log_every_n_steps == 0

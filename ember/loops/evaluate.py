@@ -69,7 +69,7 @@ class EvaluationLoop:
             store.clear()  # a sanity check's values describe nothing
             published = {}
         else:
-            published = metrics.publish_epoch(store, trainer.global_step, trainer.current_epoch)
+            published = metrics.publish_epoch(store, trainer.fit_loop.logging_step, trainer.current_epoch)
         hooks.call(f"on_{self._hook}_end")
         metrics.active = previous
         _restore_mode(hooks, module, self._hook, modes)

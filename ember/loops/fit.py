@@ -106,6 +106,13 @@ class FitLoop:
         self._reload: Callable[[], tuple[Iterable, list[Iterable]]] | None = None
         self._loaded_at_epoch = 0  # the epoch whose start asked for the loaders last
         self._told_about_minimum = False
+        self._manual = False  # whether the module steps its optimizers itself
+
+    @property
+    def logging_step(self) -> int:
+        """What ``log_every_n_steps`` counts and logged values are labelled with: optimizer steps, or under
+        manual optimization training batches (one per batch, however many optimizers it steps)."""
+        return self.progress.total_batches if self._manual else self.progress.global_step
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -182,7 +189,8 @@ class FitLoop:
                 "exactly one. For several (GANs, ...), set self.automatic_optimization = False and step them "
                 "in training_step with self.optimizers() and self.manual_backward(loss)"
             )
-        if not module.automatic_optimization:
+        self._manual = not module.automatic_optimization
+        if self._manual:
             _check_manual_flags(config.accumulate_grad_batches, config.gradient_clip_val)
         strategy.setup_optimizers(optimizers)
         hooks = trainer.hooks
@@ -354,7 +362,7 @@ class FitLoop:
             hook_output = _with_detached_loss(output, loss)
             for hook in self._batch_end_hooks:
                 hook(hook_output, batch, batch_idx)
-        if progress.global_step >= self._next_log_step:
+        if (progress.total_batches if self._manual else progress.global_step) >= self._next_log_step:
             self._write_step_logs()
 
     def _after_batch(self, window: Window) -> _Outcome:
@@ -382,7 +390,7 @@ class FitLoop:
         for callback in trainer.callbacks:
             if not callback.reads_epoch_metrics:
                 callback.on_train_epoch_end(trainer, module)
-        metrics.publish_epoch(metrics.train, progress.global_step, progress.epoch)
+        metrics.publish_epoch(metrics.train, self.logging_step, progress.epoch)
         if completed:
             if module.automatic_optimization:
                 self.runner.step_schedulers("epoch", progress.epoch + 1)
@@ -442,7 +450,7 @@ class FitLoop:
 
     def _write_step_logs(self) -> None:
         every = self.trainer.config.log_every_n_steps
-        step = self.progress.global_step
+        step = self.logging_step
         self._next_log_step = (step // every + 1) * every
         self.check_losses()
         self.trainer.run_metrics.write_step_values(step, self.progress.epoch)
