@@ -564,7 +564,7 @@ class Trainer:
         for callback in self.callbacks:
             callback.setup(self, module, stage)
         configure_model = hooks.module_hook("configure_model")
-        if configure_model is not None and not inspect.signature(configure_model).parameters:
+        if configure_model is not None and _callable_without_arguments(configure_model):
             configure_model()  # Lightning's form; the form that takes a device mesh is the strategy's to call
         if stage == "fit":
             self._start_doctor()  # before the model is wrapped, so that the wrapper is watched too
@@ -704,6 +704,13 @@ def _build_callbacks(config: TrainerConfig) -> list[Callback]:
         raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
     # Callbacks that read epoch metrics (checkpointing, early stopping) run last, in the given order.
     return sorted(given, key=lambda callback: callback.reads_epoch_metrics)
+
+
+def _callable_without_arguments(function: Any) -> bool:
+    return all(
+        parameter.default is not parameter.empty or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        for parameter in inspect.signature(function).parameters.values()
+    )
 
 
 def _with_module_callbacks(callbacks: list[Callback], module: Module) -> list[Callback]:

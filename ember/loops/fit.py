@@ -362,7 +362,9 @@ class FitLoop:
             hook_output = _with_detached_loss(output, loss)
             for hook in self._batch_end_hooks:
                 hook(hook_output, batch, batch_idx)
-        if (progress.total_batches if self._manual else progress.global_step) >= self._next_log_step:
+        # Logs are written every log_every_n_steps, and at each step once stopping is asked for (as Lightning).
+        step = progress.total_batches if self._manual else progress.global_step
+        if step >= self._next_log_step or self.should_stop:
             self._write_step_logs()
 
     def _after_batch(self, window: Window) -> _Outcome:
