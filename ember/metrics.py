@@ -83,6 +83,7 @@ class MetricStore:
         reduce_fx: ReduceFx,
         sync_dist: bool,
         batch_size: int | None,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """Record one ``self.log`` call (arguments as ``Module.log`` documents them).
 
@@ -91,7 +92,7 @@ class MetricStore:
         """
         if reduce_fx not in _REDUCE_FX:
             raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): choose one of {sorted(_REDUCE_FX)}")
-        key = name + self.name_suffix if self.name_suffix else name
+        key = name + self.name_suffix if self.name_suffix and add_dataloader_idx else name
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Logged()

@@ -216,21 +216,32 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
         on_step: bool | None = None,
         on_epoch: bool | None = None,
         reduce_fx: ReduceFx = "mean",
+        enable_graph: bool = False,
         sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
         batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
     ) -> None:
         """Log a number, a one-element tensor or a torchmetrics ``Metric`` under ``name``.
 
         In ``training_step`` values are logged per step by default, elsewhere per epoch (the
         batch-size-weighted mean unless ``reduce_fx`` says otherwise). Values stay on the device,
         detached, until a logger writes them. ``sync_dist=True`` reduces epoch values across ranks.
+        With several evaluation loaders the name gets ``/dataloader_idx_N`` unless ``add_dataloader_idx``
+        is False. ``rank_zero_only=True`` says the call is made on global rank zero only (it cannot then be
+        synchronised). ``metric_attribute`` is accepted for Lightning's sake: Ember reads a Metric directly.
         """
+        if enable_graph or sync_dist_group is not None or (rank_zero_only and sync_dist):
+            raise ValueError(_unsupported_log_option(name, enable_graph, sync_dist_group))
         trainer = self._trainer
         if trainer is not None and trainer.config.barebones:
             warnings.warn(f"self.log({name!r}, ...) does nothing with barebones=True", stacklevel=2)
         elif trainer is not None:
             store = trainer.run_metrics.active
-            store.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
+            store.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size,
+                      add_dataloader_idx)  # fmt: skip
 
     def log_dict(self, dictionary: Mapping[str, Any], **options: Any) -> None:
         """``self.log`` for each item of ``dictionary``, with the same options."""
@@ -410,6 +421,14 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
         module.on_load_checkpoint(checkpoint)
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
         return module
+
+
+def _unsupported_log_option(name: str, enable_graph: bool, sync_dist_group: Any) -> str:
+    if enable_graph:
+        return f"self.log({name!r}, enable_graph=True): logged values never keep the autograd graph in Ember"
+    if sync_dist_group is not None:
+        return f"self.log({name!r}, sync_dist_group=...): sync_dist reduces over all processes; leave the group out"
+    return f"self.log({name!r}, rank_zero_only=True, sync_dist=True): a value logged on one process cannot be synced"
 
 
 def _parameters_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -712,3 +712,20 @@ def test_learning_rate_monitor_logs_the_rate_each_logging_step_uses() -> None:
     trainer = quiet_trainer(max_steps=1, limit_train_batches=1, max_epochs=1, callbacks=[monitor])
     trainer.fit(Two(), make_loader())
     assert set(trainer.callback_metrics) == {"lr-Adam", "lr-Adam-1"}  # the second of a kind gets "-1"
+
+
+def test_the_options_of_self_log_that_lightning_has() -> None:
+    class Options(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            x, y = batch
+            self.log(f"loss_{dataloader_idx}", F.mse_loss(self(x), y), add_dataloader_idx=False)
+            self.log("plain", 1.0, rank_zero_only=True, metric_attribute="unused")
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(Options(), make_loader(), [make_loader(16), make_loader(16)])
+    assert {"loss_0", "loss_1", "plain/dataloader_idx_0"} <= set(trainer.callback_metrics)
+    for options, message in (({"enable_graph": True}, "never keep the autograd graph"),
+                             ({"sync_dist_group": object()}, "leave the group out"),
+                             ({"rank_zero_only": True, "sync_dist": True}, "cannot be synced")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            Regressor().log("x", 1.0, **options)

@@ -13,6 +13,7 @@ import csv
 import dataclasses
 import importlib.util
 import itertools
+import json
 import math
 import os
 import subprocess
@@ -299,3 +300,44 @@ def compare(name: str, ours: Outcome, theirs: Outcome) -> None:
 
 def _logged_counts(outcome: Outcome, source: str) -> dict[str, int]:
     return {k: len(v) for k, v in outcome.logged.items() if k.startswith(source) and not k.endswith(":epoch")}
+
+
+# ------------------------------------------------------------------------- two-process programs
+#: How Ember starts each two-process program: with ember run's two workers, or from one plain process
+#: whose Trainer(devices=2) starts them (the hook must reach the workers either way).
+TWO_PROCESSES = {
+    "ddp_classifier": ["-m", "ember", "run", "--lightning", "--nproc-per-node", "2"],
+    "ddp_gan": ["-m", "ember.lightning_compat"],
+}
+
+
+def _start(command: list[str], root: str) -> subprocess.Popen:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def _finish(process: subprocess.Popen, root: str) -> Outcome:
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 0, output[-4000:]
+    with open(os.path.join(root, "summary.json")) as file:
+        values = json.load(file)
+    outcome = summarize({}, root)
+    return Outcome(values, outcome.logged, outcome.checkpoints, [f for f in outcome.files if f != "summary.json"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(TWO_PROCESSES))
+def test_two_process_program_runs_on_ember_as_on_lightning(name: str, tmp_path: Any) -> None:
+    script = os.path.join(PROGRAMS, f"{name}.py")
+    ours_root, theirs_root = str(tmp_path / "ember"), str(tmp_path / "lightning")
+    os.makedirs(ours_root)
+    os.makedirs(theirs_root)
+    ours = _start([sys.executable, *TWO_PROCESSES[name], script, ours_root], ours_root)
+    # Lightning starts its second process itself, by running the script again.
+    theirs = _start([sys.executable, script, theirs_root], theirs_root) if HAS_LIGHTNING else None
+    ours_outcome = _finish(ours, ours_root)
+    assert ours_outcome.values["trainer.global_step"] > 0
+    if theirs is not None:
+        compare(name, ours_outcome, _finish(theirs, theirs_root))
