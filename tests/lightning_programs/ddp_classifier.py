@@ -11,13 +11,12 @@ import sys
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from _summary import write_summary
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from _summary import write_summary
 
 
 class DistributedClassifier(pl.LightningModule):

@@ -11,10 +11,9 @@ import sys
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from _summary import write_summary
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from _summary import write_summary
 
 
 class RingGAN(pl.LightningModule):
