@@ -453,6 +453,9 @@ class DataModule(_HyperparametersMixin, DataHooks):
     def teardown(self, stage: str) -> None:
         """Called at the end of each stage."""
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when the stage in progress fails with ``exception`` (after the callbacks' ``on_exception``)."""
+
     def state_dict(self) -> dict[str, Any]:
         """What the data module needs to resume; saved in checkpoints."""
         return {}

@@ -534,6 +534,8 @@ class Trainer:
                 status = "interrupted"
             if self._hooks is not None:
                 self._hooks.call_callbacks("on_exception", exception)
+            if datamodule is not None:
+                datamodule.on_exception(exception)
             raise
         finally:
             self._end_stage(stage, module, datamodule, status)

@@ -729,3 +729,22 @@ def test_the_options_of_self_log_that_lightning_has() -> None:
                              ({"rank_zero_only": True, "sync_dist": True}, "cannot be synced")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             Regressor().log("x", 1.0, **options)
+
+
+def test_the_datamodule_hears_of_a_failed_stage() -> None:
+    seen: list[str] = []
+
+    class Data(ember.DataModule):
+        def train_dataloader(self) -> DataLoader:
+            return make_loader()
+
+        def on_exception(self, exception: BaseException) -> None:
+            seen.append(str(exception))
+
+    class Failing(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise RuntimeError("broken step")
+
+    with pytest.raises(RuntimeError, match="broken step"):
+        quiet_trainer(max_steps=1, logger=False).fit(Failing(), datamodule=Data())
+    assert seen == ["broken step"]
