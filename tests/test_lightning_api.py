@@ -748,3 +748,20 @@ def test_the_datamodule_hears_of_a_failed_stage() -> None:
     with pytest.raises(RuntimeError, match="broken step"):
         quiet_trainer(max_steps=1, logger=False).fit(Failing(), datamodule=Data())
     assert seen == ["broken step"]
+
+
+def test_the_tuner_runs_the_modules_step_hooks() -> None:
+    from ember.tuner import Tuner
+
+    calls: list[int] = []
+
+    class Hooked(Regressor):
+        def train_dataloader(self) -> DataLoader:
+            return make_loader(64, batch_size=8)
+
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            calls.append(batch_idx)
+            optimizer.step(closure=optimizer_closure)
+
+    Tuner(quiet_trainer(logger=False)).lr_find(Hooked(), num_training=5, early_stop_threshold=None)
+    assert calls == [0, 1, 2, 3, 4]
