@@ -2,8 +2,10 @@
 
 ``TrainerConfig`` holds the flags as the user gave them, each checked for its type and range when
 the record is built; the values the run derives from them (the epoch limit when none was given,
-``max_time`` in seconds, the ``torch.compile`` options) are properties. Each field's docstring is
-the flag's documentation: the docs site's flag reference is generated from this file.
+``max_time`` in seconds, the ``torch.compile`` options) are properties. The flags that stand for others
+(``fast_dev_run``, ``overfit_batches``, ``barebones``) are applied once, by ``resolved()``, into the record
+the Trainer keeps, so the loops read only the usual flags. Each field's docstring is the flag's
+documentation: the docs site's flag reference is generated from this file.
 """
 
 from __future__ import annotations
