@@ -355,7 +355,7 @@ class EmberCLI:
 def _instantiate(group: type | tuple[type, ...], spec: Namespace | dict[str, Any], first: Any) -> Any:
     """Build a configured optimizer or scheduler with ``first`` as its first argument (parameters, or the
     optimizer): ``spec`` is ``class_path``/``init_args``, or only the arguments when ``group`` is one class."""
-    spec = dict(spec)
+    spec = spec.as_dict() if isinstance(spec, Namespace) else dict(spec)
     if isinstance(group, type):
         return group(first, **spec)
     module, _, name = spec["class_path"].rpartition(".")

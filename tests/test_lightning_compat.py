@@ -311,14 +311,22 @@ TWO_PROCESSES = {
 }
 
 
+#: Variables that would tell a program it is a worker of a running job (a test may leave one behind).
+_JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                  "EMBER_DOCTOR")  # fmt: skip
+
+
 def _start(command: list[str], root: str) -> subprocess.Popen:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    """Start ``command`` as a user would from a shell: no variables of a running job."""
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in _JOB_VARIABLES and not name.startswith("TORCHELASTIC_")}  # fmt: skip
+    environment["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
     return subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
 
 
 def _finish(process: subprocess.Popen, root: str) -> Outcome:
-    output, _ = process.communicate(timeout=240)
+    output, _ = process.communicate(timeout=200)
     assert process.returncode == 0, output[-4000:]
     with open(os.path.join(root, "summary.json")) as file:
         values = json.load(file)
