@@ -127,7 +127,8 @@ def main() -> None:
     none, sync, asynchronous = (median(mode, "steps_per_second") for mode in ("none", "sync", "async"))
     blocked_sync, blocked_async = median("sync", "blocked"), median("async", "blocked")
     print(f"ember {ember.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{parameters / 1e6:.0f}M parameters with AdamW, a checkpoint every {args.every} steps, {args.rounds} rounds")  # fmt: skip
+          f"{parameters / 1e6:.0f}M parameters with AdamW, a checkpoint every {args.every} steps, "
+          f"{args.rounds} rounds")  # fmt: skip
     print(f"  training blocked per save: {blocked_sync:.3f} s written at once, {blocked_async:.3f} s in the "
           f"background ({blocked_async / blocked_sync:.0%} of it)")  # fmt: skip
     print(f"  steps/s: {none:.3f} without checkpoints, {sync:.3f} written at once ({1 - sync / none:+.1%} cost), "

@@ -15,6 +15,7 @@ examples:
   ember run --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 train.py   on node 0 of two
   ember run --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29400 train.py   on node 1
   ember run --nproc-per-node 4 -m mypackage.train         run a module, as python -m does
+  ember run --lightning --nproc-per-node 2 train.py       a Lightning script, unchanged, on Ember
 
 Each worker sees RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the script's Trainer
 picks them up (devices="auto" becomes the number of processes per node). If any worker fails, the
@@ -76,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
         help="restart all workers up to K times after a failure (default 0)",
     )  # fmt: skip
+    run.add_argument(
+        "--lightning", action="store_true",
+        help="run a Lightning script unchanged: its imports of lightning, lightning.pytorch and pytorch_lightning "
+        "get Ember's classes (see ember.lightning_compat)",
+    )  # fmt: skip
     _add_script_arguments(run)
     run.set_defaults(handler=_run)
 
@@ -94,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimizer steps to run before the report; the first 5 are warm-up and not measured (default 30)",
     )  # fmt: skip
     doctor.add_argument("--json", action="store_true", help="print the report as JSON, for programs")
+    doctor.add_argument(
+        "--lightning", action="store_true", help="a Lightning script, run with the import hook of ember run --lightning"
+    )
     doctor.add_argument(
         "--nproc-per-node", "--nproc_per_node", default="1", metavar="N",
         help="start the script in N processes with ember run (default 1: in this process)",
@@ -165,6 +174,10 @@ def _add_script_arguments(command: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     from ember import launch
 
+    module, script, script_args = args.module, args.script, args.script_args
+    if args.lightning:  # each worker installs the import hook, then runs the script
+        script_args = [*(["-m"] if module else []), script, *script_args]
+        module, script = True, "ember.lightning_compat"
     try:
         return launch.run(
             nproc_per_node=args.nproc_per_node,
@@ -173,9 +186,9 @@ def _run(args: argparse.Namespace) -> int:
             rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=args.rdzv_id,
             max_restarts=args.max_restarts,
-            module=args.module,
-            script=args.script,
-            script_args=args.script_args,
+            module=module,
+            script=script,
+            script_args=script_args,
         )
     except ValueError as error:
         print(f"ember run: {error}", file=sys.stderr)
@@ -191,10 +204,15 @@ def _doctor(args: argparse.Namespace) -> int:
     processes = launch.processes_per_node(args.nproc_per_node)
     if processes > 1:  # each worker runs the doctor itself, on the script
         flags = ["--steps", str(args.steps), *(["--json"] if args.json else []), *(["-m"] if args.module else [])]
+        flags += ["--lightning"] if args.lightning else []
         return launch.run(
             nproc_per_node=str(processes), nnodes=1, node_rank=None, rdzv_endpoint=None, rdzv_id="ember",
             max_restarts=0, module=True, script="ember", script_args=["doctor", *flags, args.script, *args.script_args],
         )  # fmt: skip
+    if args.lightning:
+        from ember import lightning_compat
+
+        lightning_compat.install()
     return doctor.run_script(args.script, args.script_args, steps=args.steps, as_json=args.json, module=args.module)
 
 

@@ -2,8 +2,10 @@
 
 ``TrainerConfig`` holds the flags as the user gave them, each checked for its type and range when
 the record is built; the values the run derives from them (the epoch limit when none was given,
-``max_time`` in seconds, the ``torch.compile`` options) are properties. Each field's docstring is
-the flag's documentation: the docs site's flag reference is generated from this file.
+``max_time`` in seconds, the ``torch.compile`` options) are properties. The flags that stand for others
+(``fast_dev_run``, ``overfit_batches``, ``barebones``) are applied once, by ``resolved()``, into the record
+the Trainer keeps, so the loops read only the usual flags. Each field's docstring is the flag's
+documentation: the docs site's flag reference is generated from this file.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -18,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from ember._utils import parse_max_time
-from ember.callbacks import Callback
+from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
 from ember.loggers import Logger
 from ember.precision import canonical_precision
 from ember.profilers import Profiler
@@ -29,9 +32,11 @@ Limit = int | float | None
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 _FLOAT32_MATMUL = ("highest", "high", "medium")
 _PROFILERS = ("simple", "pytorch")
+_COSTLY_CALLBACKS = (ModelCheckpoint, ProgressBar, ModelSummary)  # what barebones=True leaves out
 _BOOL_FLAGS = (
     "enable_progress_bar", "enable_checkpointing", "enable_model_summary", "inference_mode", "detect_anomaly",
     "use_distributed_sampler", "sync_batchnorm", "slurm_requeue", "restart_on_data_change", "async_checkpoint",
+    "enable_autolog_hparams", "barebones",
 )  # fmt: skip
 
 
@@ -77,6 +82,13 @@ class TrainerConfig:
     max_steps: int = -1
     """Optimizer steps to train (-1: no limit)."""
 
+    min_epochs: int | None = None
+    """Epochs to train at least: a request to stop earlier (``trainer.should_stop``, set by
+    ``EarlyStopping``) waits until they are done."""
+
+    min_steps: int | None = None
+    """Optimizer steps to take at least before a request to stop is followed."""
+
     max_time: str | timedelta | Mapping[str, int] | None = None
     """Wall-clock limit: "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict such as
     ``{"hours": 2}``; training stops at the first step boundary past it."""
@@ -92,6 +104,17 @@ class TrainerConfig:
 
     limit_predict_batches: Limit = None
     """Prediction batches: an int counts batches, a float in [0, 1] is a fraction."""
+
+    overfit_batches: int | float = 0.0
+    """Train and validate on the same few batches (an int counts them, a float in [0, 1] is a fraction of
+    the training data), in order: a model that cannot fit them has a bug. 0 turns it off."""
+
+    fast_dev_run: bool | int = False
+    """True (or n) runs 1 (or n) batches of training, validation, test and prediction, with no sanity check,
+    logging, checkpointing or early stopping: a quick check that the code runs end to end."""
+
+    reload_dataloaders_every_n_epochs: int = 0
+    """Ask the module or datamodule for new training and validation dataloaders every n epochs (0: once)."""
 
     # ---------------------------------------------------------------------------- validation
     val_check_interval: int | float = 1.0
@@ -139,6 +162,14 @@ class TrainerConfig:
     profiler: str | Profiler | None = None
     """"simple" (a table of where the time goes), "pytorch" (a trace) or a ``Profiler``."""
 
+    enable_autolog_hparams: bool = True
+    """Write the hyperparameters of ``save_hyperparameters()`` to the loggers when ``fit`` starts."""
+
+    barebones: bool = False
+    """Turn off everything that costs time besides the steps, to measure the loop's own overhead: loggers,
+    ``self.log``, checkpointing, the progress bar, the model summary and the sanity check (asking for any of
+    them, or for a profiler, anomaly detection or ``fast_dev_run``, is an error)."""
+
     default_root_dir: str | os.PathLike[str] | None = None
     """Where logs and checkpoints go when no path is given (default: the working directory)."""
 
@@ -185,7 +216,8 @@ class TrainerConfig:
     was last seen at; None keeps the strategy's own (10 minutes unless it was given one)."""
 
     gpus: int | str | Sequence[int] | None = None
-    """The older spelling of ``accelerator="cuda", devices=...``."""
+    """Lightning 1's spelling of ``accelerator="gpu", devices=...`` (deprecated: it warns, naming the flags to
+    use)."""
 
     def __post_init__(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -212,14 +244,22 @@ class TrainerConfig:
         if self.deterministic and self.benchmark:
             raise FlagError("benchmark=True picks kernels by speed, which deterministic=True forbids")
         self._check_gpus()
+        self._check_barebones()
 
     def _check_length(self) -> None:
         if self.max_epochs is not None:
             _check_int("max_epochs", self.max_epochs, minimum=-1)
         _check_int("max_steps", self.max_steps, minimum=-1)
+        for flag in ("min_epochs", "min_steps"):
+            if getattr(self, flag) is not None:
+                _check_int(flag, getattr(self, flag), minimum=0, also="None")
         parse_max_time(self.max_time)
-        for flag in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
+        for flag in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                     "overfit_batches"):  # fmt: skip
             _check_limit(flag, getattr(self, flag))
+        if not isinstance(self.fast_dev_run, bool):
+            _check_int("fast_dev_run", self.fast_dev_run, minimum=0, also="True or False")
+        _check_int("reload_dataloaders_every_n_epochs", self.reload_dataloaders_every_n_epochs, minimum=0)
 
     def _check_validation(self) -> None:
         value = self.val_check_interval
@@ -271,6 +311,52 @@ class TrainerConfig:
         if self.accelerator != "auto" or self.devices != "auto":
             raise FlagError("gpus= is the older spelling of accelerator='cuda', devices=...; pass only one of them")
 
+    def warn_deprecated(self) -> None:
+        """Warn about flags that still work but are on their way out, naming what to write instead."""
+        if self.gpus is not None:
+            accelerator, devices = self.layout
+            instead = "accelerator='cpu'" if accelerator == "cpu" else f"accelerator='gpu', devices={devices!r}"
+            # Lightning 2 no longer takes gpus=; Ember still does, for now, and says what to write instead.
+            warnings.warn(
+                f"gpus={self.gpus!r} is Lightning 1's spelling, which Lightning 2 refuses and Ember will too: "
+                f"write {instead}",
+                FutureWarning,
+                stacklevel=3,
+            )
+
+    def _check_barebones(self) -> None:
+        """``barebones=True`` turns the costly features off; asking for one of them as well is an error."""
+        if not self.barebones:
+            return
+        asked = {"logger": self.logger not in (True, False), "profiler": self.profiler is not None,
+                 "fast_dev_run": bool(self.fast_dev_run),
+                 "detect_anomaly": self.detect_anomaly,
+                 "callbacks": any(isinstance(callback, _COSTLY_CALLBACKS) for callback in _as_list(self.callbacks))}
+        for flag, conflicts in asked.items():  # fmt: skip
+            if conflicts:
+                raise FlagError(
+                    f"barebones=True turns off everything that costs time besides the steps, but {flag}="
+                    f"{getattr(self, flag)!r} asks for some of it; drop one of the two"
+                )
+
+    def resolved(self) -> TrainerConfig:
+        """The flags as the loops apply them: ``fast_dev_run``, ``overfit_batches`` and ``barebones`` set the
+        limits, the validation schedule and the features they imply (the loops then read only the usual flags)."""
+        changes: dict[str, Any] = {}
+        if self.barebones:
+            changes.update(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                           enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+        batches = int(self.fast_dev_run)
+        if batches:
+            changes.update(
+                limit_train_batches=batches, limit_val_batches=batches, limit_test_batches=batches,
+                limit_predict_batches=batches, max_steps=batches, max_epochs=1, max_time=None,
+                num_sanity_val_steps=0, val_check_interval=1.0, check_val_every_n_epoch=1,
+            )  # fmt: skip
+        if self.overfit_batches:
+            changes.update(limit_train_batches=self.overfit_batches, limit_val_batches=self.overfit_batches)
+        return dataclasses.replace(self, **changes) if changes else self
+
     # ---------------------------------------------------------------------------- derived
     @property
     def layout(self) -> tuple[str, int | str | Sequence[int]]:
@@ -317,6 +403,10 @@ class TrainerConfig:
 
 
 # ------------------------------------------------------------------------------------ checks
+def _as_list(callbacks: Callback | Sequence[Callback] | None) -> list[Callback]:
+    return [] if callbacks is None else [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+
+
 def _check_bool(flag: str, value: Any, also: str = "") -> None:
     if not isinstance(value, bool):
         allowed = "True or False" + (f" or {also}" if also else "")

@@ -551,3 +551,19 @@ def _with_workers(loader: DataLoader, workers: int) -> DataLoader:
     if loader.batch_sampler is not None:
         return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **options)
     return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **options)
+
+
+def in_order(loader: Iterable, flag: str) -> Iterable:
+    """A copy of ``loader`` that reads its dataset in order instead of shuffling it (``flag`` needs that)."""
+    if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, RandomSampler):
+        return loader
+    warnings.warn(f"{flag}: the train dataloader shuffles; it is read in order instead", stacklevel=4)
+    ordered = copy.copy(loader)
+    sampler = SequentialSampler(loader.dataset)  # type: ignore[arg-type]
+    # DataLoader forbids assigning samplers after construction; the copy is not shared with anyone.
+    object.__setattr__(ordered, "_iterator", None)
+    object.__setattr__(ordered, "sampler", sampler)
+    if loader.batch_sampler is not None:
+        batch_sampler = BatchSampler(sampler, loader.batch_sampler.batch_size, loader.drop_last)  # type: ignore[attr-defined]
+        object.__setattr__(ordered, "batch_sampler", batch_sampler)
+    return ordered

@@ -318,6 +318,10 @@ def relaunch(nproc_per_node: int) -> None:
             "process has no script to re-run (an interactive session or python -c); put the code in a "
             "file, or start it with: ember run --nproc-per-node N script.py"
         )
+    from ember.lightning_compat import is_installed
+
+    if is_installed():  # a Lightning script: its workers need the import hook too
+        target = ["--lightning", *target]
     doctor = os.environ.get("EMBER_DOCTOR")
     if doctor is not None:  # the script runs under `ember doctor`: its workers must run under it too
         options = json.loads(doctor)

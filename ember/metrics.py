@@ -83,6 +83,7 @@ class MetricStore:
         reduce_fx: ReduceFx,
         sync_dist: bool,
         batch_size: int | None,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """Record one ``self.log`` call (arguments as ``Module.log`` documents them).
 
@@ -91,7 +92,7 @@ class MetricStore:
         """
         if reduce_fx not in _REDUCE_FX:
             raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): choose one of {sorted(_REDUCE_FX)}")
-        key = name + self.name_suffix if self.name_suffix else name
+        key = name + self.name_suffix if self.name_suffix and add_dataloader_idx else name
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Logged()
@@ -305,6 +306,21 @@ class RunMetrics:
                 for_loggers[name] = value
         self.write(for_loggers, step, epoch)
         return published
+
+    def log_values(self, values: Mapping[str, float], step: int, epoch: int) -> None:
+        """Values a callback measured itself (learning rates, device memory): written to the loggers and,
+        like logged metrics, readable in the callback metrics."""
+        self._epoch_values.update(values)
+        self.write(values, step, epoch)
+
+    def reset(self) -> None:
+        """Forget everything logged: each stage (fit, validate, test, predict) starts with no metrics."""
+        self.train.clear()
+        self.eval.clear()
+        self.active = self.train
+        self._epoch_values.clear()
+        self._prog_bar_epoch_values.clear()
+        self.logged.clear()
 
     def write_step_values(self, step: int, epoch: int) -> None:
         """Write the training values logged per step since the last call."""

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import chain
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ember import checkpoint as checkpoint_io
 from ember._utils import AttributeDict
 from ember.checkpoint.state import load_weights
 from ember.metrics import ReduceFx
+from ember.module_hooks import DataHooks, ModuleHooks
 
 if TYPE_CHECKING:
+    from ember.loggers import Logger
     from ember.trainer import Trainer
 
 
@@ -24,14 +30,20 @@ class _HyperparametersMixin:
     """``save_hyperparameters()`` and ``hparams``, shared by ``Module`` and ``DataModule``."""
 
     _hparams: AttributeDict
+    _log_hparams = True
 
     def save_hyperparameters(
-        self, *args: Any, ignore: Sequence[str] | str | None = None, frame: FrameType | None = None
+        self,
+        *args: Any,
+        ignore: Sequence[str] | str | None = None,
+        frame: FrameType | None = None,
+        logger: bool = True,
     ) -> None:
         """Record the arguments of ``__init__`` (or the names or dict given) in ``self.hparams``.
 
-        They are written to the logger and the checkpoint, and ``load_from_checkpoint`` rebuilds
-        the object from them.
+        They are written to the checkpoint, and to the logger unless ``logger=False``;
+        ``load_from_checkpoint`` rebuilds the object from them. Each call adds to what earlier calls
+        saved (a subclass may save more than its parent did), and ``ignore`` removes names.
         """
         ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
         if len(args) == 1 and isinstance(args[0], Mapping):
@@ -39,8 +51,7 @@ class _HyperparametersMixin:
         elif len(args) == 1 and hasattr(args[0], "__dict__") and not isinstance(args[0], str):
             chosen = dict(vars(args[0]))  # an argparse.Namespace
         else:
-            caller = frame or _caller_frame()
-            init_args = _init_arguments(caller)
+            init_args = _init_arguments(frame or _caller_frame(), self)
             missing = [name for name in args if name not in init_args]
             if missing:
                 raise ValueError(
@@ -48,13 +59,21 @@ class _HyperparametersMixin:
                     f"(it has {sorted(init_args)})"
                 )
             chosen = {name: init_args[name] for name in args} if args else init_args
-        self._hparams = AttributeDict({k: v for k, v in chosen.items() if k not in ignored})
+        self.hparams.update({k: v for k, v in chosen.items() if k not in ignored})
+        for name in ignored:
+            self.hparams.pop(name, None)
+        self._log_hparams = logger
 
     @property
     def hparams(self) -> AttributeDict:
         if not hasattr(self, "_hparams"):
             self._hparams = AttributeDict()
         return self._hparams
+
+    @property
+    def hparams_for_logger(self) -> dict[str, Any]:
+        """The hyperparameters to send to the loggers (none after ``save_hyperparameters(logger=False)``)."""
+        return dict(self.hparams) if self._log_hparams else {}
 
 
 def _caller_frame() -> FrameType:
@@ -66,11 +85,33 @@ def _caller_frame() -> FrameType:
     return caller
 
 
-def _init_arguments(frame: FrameType) -> dict[str, Any]:
-    """The arguments the caller's ``__init__`` received (``*args`` excluded, ``**kwargs`` flattened)."""
+def _init_arguments(frame: FrameType, obj: object) -> dict[str, Any]:
+    """The arguments of the ``__init__`` running in ``frame`` and of every ``__init__`` of ``obj`` that
+    called it (a subclass's ``__init__`` calling its parent's): where they share a name, the subclass's
+    value wins."""
+    chain: list[dict[str, Any]] = []
+    current: FrameType | None = frame
+    while current is not None and (not chain or _constructs(current, obj)):
+        chain.append(_frame_arguments(current, obj))
+        current = current.f_back
+    arguments: dict[str, Any] = {}
+    for level in chain:  # from the innermost __init__ out to the most derived class's
+        arguments.update(level)
+    return arguments
+
+
+def _constructs(frame: FrameType, obj: object) -> bool:
+    """Whether ``frame`` runs an ``__init__`` of ``obj``."""
+    code = frame.f_code
+    return code.co_name == "__init__" and code.co_argcount > 0 and frame.f_locals.get(code.co_varnames[0]) is obj
+
+
+def _frame_arguments(frame: FrameType, obj: object) -> dict[str, Any]:
+    """The arguments a method of ``obj`` received (``self`` and ``*args`` excluded, ``**kwargs`` flattened)."""
     code = frame.f_code
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-    arguments = {name: frame.f_locals[name] for name in names if name != "self" and name in frame.f_locals}
+    local = frame.f_locals
+    arguments = {name: local[name] for name in names if name in local and local[name] is not obj}
     has_varargs = bool(code.co_flags & inspect.CO_VARARGS)
     if code.co_flags & inspect.CO_VARKEYWORDS:
         kwargs_name = code.co_varnames[len(names) + has_varargs]
@@ -78,12 +119,13 @@ def _init_arguments(frame: FrameType) -> dict[str, Any]:
     return arguments
 
 
-class Module(_HyperparametersMixin, nn.Module):
+class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
     """A ``torch.nn.Module`` that also says how to train, validate, test and predict with it.
 
     Define ``training_step(batch, batch_idx)`` (returning the loss, a dict with ``"loss"``, or None
     to skip the batch) and ``configure_optimizers()``; optionally ``validation_step``,
-    ``test_step``, ``predict_step``, the ``*_dataloader`` methods and the hooks below.
+    ``test_step``, ``predict_step``, the ``*_dataloader`` methods, the hooks below and those of
+    ``ModuleHooks``. A step may leave out ``batch_idx``.
 
     A module whose layers you put on different devices yourself (``self.encoder.to("cuda:0");
     self.decoder.to("cuda:1")``) is left where it is; batches go to ``input_device`` if you set it,
@@ -143,6 +185,23 @@ class Module(_HyperparametersMixin, nn.Module):
     def local_rank(self) -> int:
         return self._trainer.local_rank if self._trainer is not None else 0
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the module's floating-point parameters (and buffers): float32 unless converted."""
+        for tensor in chain(self.parameters(), self.buffers()):
+            if tensor.is_floating_point():
+                return tensor.dtype
+        return torch.get_default_dtype()
+
+    @property
+    def logger(self) -> Logger | None:
+        """The Trainer's first logger (None outside a Trainer or without loggers)."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Logger]:
+        return self._trainer.loggers if self._trainer is not None else []
+
     def __getstate__(self) -> dict[str, Any]:
         # Copies and pickles of the module (EMA copies, spawned workers) must not drag the Trainer along.
         state = self.__dict__.copy()
@@ -159,19 +218,32 @@ class Module(_HyperparametersMixin, nn.Module):
         on_step: bool | None = None,
         on_epoch: bool | None = None,
         reduce_fx: ReduceFx = "mean",
+        enable_graph: bool = False,
         sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
         batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
     ) -> None:
         """Log a number, a one-element tensor or a torchmetrics ``Metric`` under ``name``.
 
         In ``training_step`` values are logged per step by default, elsewhere per epoch (the
         batch-size-weighted mean unless ``reduce_fx`` says otherwise). Values stay on the device,
         detached, until a logger writes them. ``sync_dist=True`` reduces epoch values across ranks.
+        With several evaluation loaders the name gets ``/dataloader_idx_N`` unless ``add_dataloader_idx``
+        is False. ``rank_zero_only=True`` says the call is made on global rank zero only (it cannot then be
+        synchronised). ``metric_attribute`` is accepted for Lightning's sake: Ember reads a Metric directly.
         """
+        if enable_graph or sync_dist_group is not None or (rank_zero_only and sync_dist):
+            raise ValueError(_unsupported_log_option(name, enable_graph, sync_dist_group))
         trainer = self._trainer
-        if trainer is not None:
+        if trainer is not None and trainer.config.barebones:
+            warnings.warn(f"self.log({name!r}, ...) does nothing with barebones=True", stacklevel=2)
+        elif trainer is not None:
             store = trainer.run_metrics.active
-            store.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
+            store.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size,
+                      add_dataloader_idx)  # fmt: skip
 
     def log_dict(self, dictionary: Mapping[str, Any], **options: Any) -> None:
         """``self.log`` for each item of ``dictionary``, with the same options."""
@@ -198,21 +270,86 @@ class Module(_HyperparametersMixin, nn.Module):
             return None
         return schedulers[0] if len(schedulers) == 1 else schedulers
 
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Let only ``optimizer``'s parameters receive gradients: every other optimizer's parameters are
+        frozen until ``untoggle_optimizer`` gives each back the ``requires_grad`` it had."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # what self.optimizers() returns wraps it
+        saved: dict[torch.Tensor, bool] = {}
+        for other in self.trainer.optimizers:
+            for parameter in _parameters_of(other):
+                saved.setdefault(parameter, parameter.requires_grad)
+                parameter.requires_grad_(False)
+        for parameter in _parameters_of(optimizer):
+            parameter.requires_grad_(saved[parameter])
+        self._toggled_requires_grad = saved
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Undo ``toggle_optimizer``: every parameter gets back the ``requires_grad`` it had before."""
+        for parameter, requires_grad in getattr(self, "_toggled_requires_grad", {}).items():
+            parameter.requires_grad_(requires_grad)
+        self._toggled_requires_grad = {}
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``toggle_optimizer`` for the duration of a ``with`` block."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every process's ``data`` (tensors, numbers, or dicts and lists of them) stacked along a new first
+        dimension, one entry per process; on one process, ``data`` as tensors. ``sync_grads=True`` lets
+        gradients flow back through the gathered tensors to each process's own."""
+        if group is not None:
+            raise ValueError("all_gather(group=...): Ember gathers from every process; leave group=None")
+        strategy = self.trainer.strategy
+        device = strategy.root_device
+
+        def gather(value: Any) -> Any:
+            if isinstance(value, Mapping):
+                return type(value)({key: gather(item) for key, item in value.items()})  # type: ignore[call-arg]
+            if isinstance(value, (list, tuple)):
+                return type(value)(gather(item) for item in value)
+            if isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool):
+                tensor = torch.as_tensor(value, device=device)
+                return tensor if strategy.world_size == 1 else strategy.all_gather(tensor, sync_grads=sync_grads)
+            return value
+
+        return gather(data)
+
+    def freeze(self) -> None:
+        """No gradients for any parameter, and evaluation mode."""
+        for parameter in self.parameters():
+            parameter.requires_grad_(False)
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """Gradients for every parameter, and training mode."""
+        for parameter in self.parameters():
+            parameter.requires_grad_(True)
+        self.train()
+
     def manual_backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` as the strategy and precision need it (loss scaling, gradient sync)."""
-        self.trainer.strategy.backward(loss)
+        """``loss.backward()`` as the strategy and precision need it (loss scaling, gradient sync), between the
+        ``on_before_backward`` and ``on_after_backward`` hooks."""
+        self.trainer.fit_loop.manual_backward(loss)
 
     def clip_gradients(
         self,
         optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float,
-        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        gradient_clip_val: int | float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] | None = None,
     ) -> None:
-        """Clip the gradients of ``optimizer``'s parameters (unscaled first under 16-bit mixed precision)."""
+        """Clip the gradients of ``optimizer``'s parameters (unscaled first under 16-bit mixed precision);
+        nothing to do without ``gradient_clip_val``."""
+        if not gradient_clip_val:
+            return
         strategy = self.trainer.strategy
         optimizer = getattr(optimizer, "optimizer", optimizer)
         strategy.unscale_gradients(optimizer)
-        strategy.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        strategy.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
 
     # ---------------------------------------------------------------------------- the steps
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
@@ -278,13 +415,29 @@ class Module(_HyperparametersMixin, nn.Module):
         """Build the module from the hyperparameters saved in a checkpoint and load its weights."""
         checkpoint = checkpoint_io.load(checkpoint_path, map_location, trust_pickles=not weights_only)
         init_args = {**checkpoint.get("hyper_parameters", {}), **init_overrides}
+        parameters = inspect.signature(cls.__init__).parameters
+        if not any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters.values()):
+            # A parent's saved hyperparameters that this class's __init__ does not take are left out.
+            init_args = {name: value for name, value in init_args.items() if name in parameters}
         module = cls(**init_args)
         module.on_load_checkpoint(checkpoint)
         load_weights(lambda state: module.load_state_dict(state, strict=strict), module, checkpoint, checkpoint_path)
         return module
 
 
-class DataModule(_HyperparametersMixin):
+def _unsupported_log_option(name: str, enable_graph: bool, sync_dist_group: Any) -> str:
+    if enable_graph:
+        return f"self.log({name!r}, enable_graph=True): logged values never keep the autograd graph in Ember"
+    if sync_dist_group is not None:
+        return f"self.log({name!r}, sync_dist_group=...): sync_dist reduces over all processes; leave the group out"
+    return f"self.log({name!r}, rank_zero_only=True, sync_dist=True): a value logged on one process cannot be synced"
+
+
+def _parameters_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    return (parameter for group in optimizer.param_groups for parameter in group["params"])
+
+
+class DataModule(_HyperparametersMixin, DataHooks):
     """The data side of a run: download once (``prepare_data``), build datasets (``setup``), hand out loaders.
 
     Define any of ``train_dataloader``, ``val_dataloader``, ``test_dataloader`` and ``predict_dataloader``.
@@ -302,9 +455,47 @@ class DataModule(_HyperparametersMixin):
     def teardown(self, stage: str) -> None:
         """Called at the end of each stage."""
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when the stage in progress fails with ``exception`` (after the callbacks' ``on_exception``)."""
+
     def state_dict(self) -> dict[str, Any]:
         """What the data module needs to resume; saved in checkpoints."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    @classmethod
+    def from_datasets(
+        cls,
+        train_dataset: Dataset | None = None,
+        val_dataset: Dataset | Sequence[Dataset] | None = None,
+        test_dataset: Dataset | Sequence[Dataset] | None = None,
+        predict_dataset: Dataset | Sequence[Dataset] | None = None,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        **datamodule_kwargs: Any,
+    ) -> DataModule:
+        """A data module whose loaders read the given datasets (a list of datasets gives several loaders).
+
+        The training loader shuffles (unless its dataset is iterable); the others keep their order. Only the
+        loaders of the datasets given exist. ``datamodule_kwargs`` go to the class's ``__init__``.
+        """
+        datamodule = cls(**datamodule_kwargs)
+
+        def loaders(datasets: Dataset | Sequence[Dataset], shuffle: bool) -> DataLoader | list[DataLoader]:
+            if isinstance(datasets, Mapping):
+                raise TypeError("DataModule.from_datasets: give a dataset or a list of datasets, not a dict")
+            if isinstance(datasets, (list, tuple)):
+                return [loaders(dataset, shuffle) for dataset in datasets]  # type: ignore[misc]
+            dataset = cast(Dataset, datasets)
+            shuffle = shuffle and not isinstance(dataset, IterableDataset)
+            return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers)
+
+        given = {"train": (train_dataset, True), "val": (val_dataset, False),
+                 "test": (test_dataset, False), "predict": (predict_dataset, False)}  # fmt: skip
+        for kind, (datasets, shuffle) in given.items():
+            if datasets is not None:
+                # Bound per instance: only the loaders of the datasets given exist.
+                setattr(datamodule, f"{kind}_dataloader", functools.partial(loaders, datasets, shuffle))
+        return datamodule

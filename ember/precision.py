@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,8 +56,9 @@ class Precision:
     def forward_context(self) -> contextlib.AbstractContextManager:
         return _NO_CONTEXT
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Backpropagate ``loss``, through ``backward`` (the module's own) when given."""
+        (backward or torch.Tensor.backward)(loss)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients to their true scale before they are clipped or inspected."""
@@ -112,19 +113,19 @@ class MixedPrecision(Precision):
         # divides the gradients back, and skips steps whose gradients overflowed.
         self.scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
         self._told_of_sync = False
+        self._unscaled: set[int] = set()  # the optimizers whose gradients were unscaled since the last step
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is None:
-            loss.backward()
-        else:
-            self.scaler.scale(loss).backward()
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:
+        (backward or torch.Tensor.backward)(loss if self.scaler is None else self.scaler.scale(loss))
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler is not None:
+        # Once per step: a module's own clip_gradients may ask again after the loop has unscaled.
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is None:
@@ -142,6 +143,7 @@ class MixedPrecision(Precision):
         # stepped (or not) after GradScaler reads the overflow flag with .item().
         self.scaler.step(optimizer)
         self.scaler.update()
+        self._unscaled.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

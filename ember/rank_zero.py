@@ -1,8 +1,9 @@
-"""Rank-zero helpers: print, warn and run functions on the global-zero process only."""
+"""Rank-zero helpers: print, warn, log and run functions on the global-zero process only."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 from collections.abc import Callable
@@ -47,3 +48,15 @@ def rank_zero_print(*args: Any, **kwargs: Any) -> None:
 @rank_zero_only
 def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 3) -> None:
     warnings.warn(message, category, stacklevel=stacklevel)
+
+
+@rank_zero_only
+def rank_zero_info(*args: Any, **kwargs: Any) -> None:
+    """Print an informational message (as ``print`` takes it) on the global-zero process."""
+    print(*args, **kwargs)
+
+
+@rank_zero_only
+def rank_zero_debug(message: str, *args: Any) -> None:
+    """Log a debugging message to the "ember" logger (``logging``), on the global-zero process."""
+    logging.getLogger("ember").debug(message, *args)

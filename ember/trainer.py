@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import inspect
 import math
 import os
 import signal
@@ -24,9 +26,9 @@ from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar
 from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig
-from ember.data import prepare_loader, release_workers
+from ember.data import in_order, prepare_loader, release_workers
 from ember.doctor import Doctor, DoctorDone, active_doctor
-from ember.loggers import CSVLogger, Logger
+from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loggers.logger import VersionedLogger, claim_version, lineage_version, settle_versions
 from ember.loops import EvaluationLoop, FitLoop, Hooks, PredictionLoop
 from ember.metrics import RunMetrics
@@ -62,11 +64,16 @@ class Trainer:
         compile: bool | Mapping[str, Any] = False,
         max_epochs: int | None = None,
         max_steps: int = -1,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
         max_time: str | timedelta | Mapping[str, int] | None = None,
         limit_train_batches: _Limit = None,
         limit_val_batches: _Limit = None,
         limit_test_batches: _Limit = None,
         limit_predict_batches: _Limit = None,
+        overfit_batches: int | float = 0.0,
+        fast_dev_run: bool | int = False,
+        reload_dataloaders_every_n_epochs: int = 0,
         val_check_interval: int | float = 1.0,
         check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int = 2,
@@ -80,6 +87,8 @@ class Trainer:
         enable_checkpointing: bool = True,
         enable_model_summary: bool = True,
         profiler: str | Profiler | None = None,
+        enable_autolog_hparams: bool = True,
+        barebones: bool = False,
         default_root_dir: str | os.PathLike | None = None,
         deterministic: bool | Literal["warn"] = False,
         benchmark: bool | None = None,
@@ -95,8 +104,10 @@ class Trainer:
         gpus: int | str | Sequence[int] | None = None,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name != "self"}
-        #: The flags, checked.
-        self.config = config = TrainerConfig(**flags)
+        given = TrainerConfig(**flags)
+        given.warn_deprecated()
+        #: The flags, checked, as the loops apply them (see ``TrainerConfig.resolved``).
+        self.config = config = given.resolved()
         if config.float32_matmul_precision is not None:
             torch.set_float32_matmul_precision(config.float32_matmul_precision)
         accelerator, devices = config.layout
@@ -112,8 +123,11 @@ class Trainer:
             async_checkpoint=config.async_checkpoint,
         )
         rank_zero_only.rank = self.strategy.global_rank  # type: ignore[attr-defined]
+        if config.fast_dev_run:
+            self.print(f"fast_dev_run: running {int(config.fast_dev_run)} batch(es) of each loop; logging, "
+                       "checkpointing and early stopping are off")  # fmt: skip
         _set_determinism(config)
-        self.loggers: list[Logger] = _build_loggers(config.logger, config.root_dir)
+        self.loggers: list[Logger] = _build_loggers(config)
         self.callbacks: list[Callback] = _build_callbacks(config)
         self.profiler: Profiler = select_profiler(config.profiler)
         #: What the run has logged with ``self.log`` and what went to the loggers.
@@ -135,6 +149,7 @@ class Trainer:
         self._run_settled = False
         self._run_version: int | None = None  # the run directory's version when no logger keeps one
         self._doctor: Doctor | None = None
+        self._callbacks_added_by: Module | None = None  # the module whose configure_callbacks() joined
 
     # ----------------------------------------------------------------------- process layout
     @property
@@ -225,6 +240,10 @@ class Trainer:
     @property
     def default_root_dir(self) -> str:
         return self.config.root_dir
+
+    @property
+    def fast_dev_run(self) -> bool | int:
+        return self.config.fast_dev_run
 
     # ---------------------------------------------------------------------- the loop's state
     @property
@@ -386,14 +405,17 @@ class Trainer:
             ckpt_path = "last"  # restarted by the elastic agent after a failure: continue the run
         ckpt_path = _checked_path(ckpt_path)
         self.strategy.launch()
-        with self._stage("fit", model, datamodule):
+        def loaders() -> tuple[Iterable, list[Iterable]]:
             train_loader = self._loaders("train", train_dataloaders, required=True)[0]
-            val_loaders = self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
+            return train_loader, self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
+
+        with self._stage("fit", model, datamodule):
+            train_loader, val_loaders = loaders()
             path = self._resolve_checkpoint(ckpt_path)
             # Resumed with "last", the run continues its predecessor in place; otherwise it is a run of its own.
             self._settle_run_directory(continuing=path if ckpt_path == "last" else None)
             restore = functools.partial(self._restore, path, weights_only) if path is not None else None
-            self.fit_loop.run(train_loader, val_loaders, restore)
+            self.fit_loop.run(train_loader, val_loaders, restore, reload=loaders)
         if self.preempted:
             # The usual status of a process ended by that signal (143 for SIGTERM, 130 for Ctrl-C), so that
             # schedulers and launchers see the run was stopped, not finished.
@@ -401,40 +423,47 @@ class Trainer:
 
     def validate(
         self,
-        model: Module,
+        model: Module | None = None,
         dataloaders: _Loaders | DataModule = None,
         ckpt_path: str | os.PathLike | None = None,
         datamodule: DataModule | None = None,
         verbose: bool = True,
         weights_only: bool = True,
     ) -> list[dict[str, float]]:
-        """Run ``validation_step`` over the validation data; one dict of metrics per dataloader."""
+        """Run ``validation_step`` over the validation data; one dict of metrics per dataloader.
+
+        Without ``model``, the module of the last ``fit`` is used, with the weights of ``ckpt_path``: "best"
+        (the default then), "last" or a path.
+        """
         return self._evaluate(self.validate_loop, model, dataloaders, ckpt_path, datamodule, verbose, weights_only)
 
     def test(
         self,
-        model: Module,
+        model: Module | None = None,
         dataloaders: _Loaders | DataModule = None,
         ckpt_path: str | os.PathLike | None = None,
         datamodule: DataModule | None = None,
         verbose: bool = True,
         weights_only: bool = True,
     ) -> list[dict[str, float]]:
-        """Run ``test_step`` over the test data; one dict of metrics per dataloader."""
+        """Run ``test_step`` over the test data; one dict of metrics per dataloader (``model`` and ``ckpt_path``
+        as for ``validate``)."""
         return self._evaluate(self.test_loop, model, dataloaders, ckpt_path, datamodule, verbose, weights_only)
 
     def predict(
         self,
-        model: Module,
+        model: Module | None = None,
         dataloaders: _Loaders | DataModule = None,
         datamodule: DataModule | None = None,
         return_predictions: bool = True,
         ckpt_path: str | os.PathLike | None = None,
         weights_only: bool = True,
     ) -> list[Any] | None:
-        """Run ``predict_step``; the outputs (on the CPU) as a list, a list per dataloader when there are several."""
+        """Run ``predict_step``; the outputs (on the CPU) as a list, a list per dataloader when there are several
+        (``model`` and ``ckpt_path`` as for ``validate``)."""
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
+        model, ckpt_path = self._evaluated_module(model, "predict", ckpt_path)
         _check_module(model, "predict")
         self.strategy.launch()
         ckpt_path = _checked_path(ckpt_path)
@@ -446,7 +475,7 @@ class Trainer:
     def _evaluate(
         self,
         loop: EvaluationLoop,
-        model: Module,
+        model: Module | None,
         dataloaders: _Loaders | DataModule,
         ckpt_path: str | os.PathLike | None,
         datamodule: DataModule | None,
@@ -455,6 +484,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
+        model, ckpt_path = self._evaluated_module(model, loop.stage, ckpt_path)
         _check_module(model, loop.stage)
         self.strategy.launch()
         ckpt_path = _checked_path(ckpt_path)
@@ -465,6 +495,24 @@ class Trainer:
             if verbose and self.is_global_zero:
                 _print_results(loop.stage, results)
             return results
+
+    def _evaluated_module(
+        self, model: Module | None, stage: str, ckpt_path: str | os.PathLike | None
+    ) -> tuple[Module, str | os.PathLike | None]:
+        """The module to evaluate and the checkpoint to load into it: without a module, the fitted one, with
+        its best checkpoint unless ``ckpt_path`` names another."""
+        if model is not None:
+            return model, ckpt_path
+        if self.lightning_module is None:
+            raise ValueError(f"Trainer.{stage}() needs a module: pass one, or call fit() first to use the fitted one")
+        if ckpt_path is None and self.checkpoint_callback is not None and not self.fast_dev_run:
+            ckpt_path = "best"
+            warnings.warn(
+                f".{stage}(ckpt_path=None) without a model: the best checkpoint of the last fit is loaded; pass "
+                f"ckpt_path='best', 'last' or a path to choose (and silence this warning)",
+                stacklevel=3,
+            )
+        return self.lightning_module, ckpt_path
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:
@@ -498,9 +546,9 @@ class Trainer:
         found = self.strategy.broadcast(found)
         if found is None:
             if ckpt_path == "best":
+                why = "no ModelCheckpoint saved one" if self.checkpoint_callback is None else "none was saved"
                 raise FileNotFoundError(
-                    "ckpt_path='best': no best checkpoint is known (none was saved with a monitor under "
-                    f"{self.default_root_dir!r})"
+                    f"ckpt_path='best': no best checkpoint is known ({why} under {self.default_root_dir!r})"
                 )
             if self.is_global_zero:
                 warnings.warn(
@@ -542,6 +590,8 @@ class Trainer:
             earlier = self.strategy.announce_failure(exception) if isinstance(exception, Exception) else None
             if self._hooks is not None:
                 self._hooks.call_callbacks("on_exception", exception)
+            if datamodule is not None:
+                datamodule.on_exception(exception)
             if earlier is not None:  # the traceback to read is that rank's, not this consequence's
                 print(f"[rank{self.global_rank}]: stopping because {earlier}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
@@ -551,11 +601,16 @@ class Trainer:
 
     def _begin_stage(self, stage: str, module: Module, datamodule: DataModule | None) -> None:
         self.stage = stage
+        self.run_metrics.reset()
         self.lightning_module = module
         module.trainer = self
         self.datamodule = datamodule
+        if module is not self._callbacks_added_by:  # the module's own callbacks join once
+            self.callbacks = _with_module_callbacks(self.callbacks, module)
+            self._callbacks_added_by = module
         # Hook lists are found lazily, at the first call: after the profiler below wrapped what it times.
-        self._hooks = Hooks(self, module, self.callbacks)
+        self._hooks = hooks = Hooks(self, module, self.callbacks, datamodule)
+        hooks.check()
         if datamodule is not None:
             datamodule.trainer = self
         if not self._environment_ready:
@@ -564,18 +619,28 @@ class Trainer:
             self._environment_ready = True
         if stage != "fit":  # fit settles it once it knows whether it continues an earlier run
             self._settle_run_directory()
-        if datamodule is not None:
-            if self.local_rank == 0:
-                datamodule.prepare_data()
-            self.strategy.barrier()
-            datamodule.setup(stage)
+        self._prepare_data(stage, module, datamodule)
         module.setup(stage)
         for callback in self.callbacks:
             callback.setup(self, module, stage)
+        configure_model = hooks.module_hook("configure_model")
+        if configure_model is not None and _callable_without_arguments(configure_model):
+            configure_model()  # Lightning's form; the form that takes a device mesh is the strategy's to call
         if stage == "fit":
             self._start_doctor()  # before the model is wrapped, so that the wrapper is watched too
         self.strategy.setup_module(module, training=stage == "fit")
         self.profiler.setup(self, stage)
+
+    def _prepare_data(self, stage: str, module: Module, datamodule: DataModule | None) -> None:
+        """``prepare_data`` once per machine (the module's and the datamodule's), then the datamodule's ``setup``."""
+        if self.local_rank == 0:
+            if self.hooks.module_hook("prepare_data") is not None:
+                module.prepare_data()
+            if datamodule is not None:
+                datamodule.prepare_data()
+        self.strategy.barrier()
+        if datamodule is not None:
+            datamodule.setup(stage)
 
     def _end_stage(self, stage: str, module: Module, datamodule: DataModule | None, status: str) -> None:
         try:
@@ -623,7 +688,8 @@ class Trainer:
             # Without a logger that keeps files, checkpoints that have no directory of their own still get one
             # that belongs to this run alone.
             homeless = any(callback.dirpath is None for callback in self.checkpoint_callbacks)
-            if self.stage == "fit" and homeless and not any(logger.log_dir for logger in self.loggers):
+            keeps_checkpoints = self.stage == "fit" and not self.fast_dev_run
+            if keeps_checkpoints and homeless and not any(logger.log_dir for logger in self.loggers):
                 run_version = lineage_version(self.runs_dir, continuing)
                 run_version = claim_version(self.runs_dir) if run_version is None else run_version
             self._run_version = run_version
@@ -638,7 +704,7 @@ class Trainer:
         log_dir = self.log_dir
         directories = [log_dir] if log_dir is not None else []
         default = os.path.join(log_dir or self.default_root_dir, "checkpoints")
-        if self.stage == "fit":
+        if self.stage == "fit" and not self.fast_dev_run:
             directories += [callback.dirpath or default for callback in self.checkpoint_callbacks]
         return directories
 
@@ -675,6 +741,8 @@ class Trainer:
         loaders = list(given) if several else [given]
         if kind == "train" and len(loaders) != 1:
             raise ValueError(f"fit() trains on one dataloader; got {len(loaders)}")
+        if self.config.overfit_batches and kind in ("train", "val"):
+            loaders = [in_order(loader, "overfit_batches") for loader in loaders]  # the same batches every epoch
         shard = self.config.use_distributed_sampler
         prepared = [prepare_loader(loader, self.strategy, train=kind == "train", shard=shard) for loader in loaders]
         self._stage_loaders += prepared
@@ -720,11 +788,17 @@ def _set_determinism(config: TrainerConfig) -> None:
         torch.backends.cudnn.benchmark = config.benchmark
 
 
-def _build_loggers(logger: bool | Logger | Sequence[Logger], root_dir: str) -> list[Logger]:
-    if logger is True:
-        return [CSVLogger(root_dir)]
+def _build_loggers(config: TrainerConfig) -> list[Logger]:
+    logger = config.logger
     if logger is False:
         return []
+    if config.fast_dev_run:
+        return [DummyLogger()]  # nothing is kept, but code that writes to trainer.logger still runs
+    if logger is True:
+        # As Lightning's default, TensorBoard when it is installed (trainer.logger.experiment is its writer);
+        # metrics.csv is written beside it, for `ember plot` and for reading without TensorBoard.
+        csv = CSVLogger(config.root_dir)
+        return [TensorBoardLogger(config.root_dir), csv] if importlib.util.find_spec("tensorboard") else [csv]
     return [logger] if isinstance(logger, Logger) else list(logger)
 
 
@@ -747,6 +821,25 @@ def _build_callbacks(config: TrainerConfig) -> list[Callback]:
         raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
     # Callbacks that read epoch metrics (checkpointing, early stopping) run last, in the given order.
     return sorted(given, key=lambda callback: callback.reads_epoch_metrics)
+
+
+def _callable_without_arguments(function: Any) -> bool:
+    return all(
+        parameter.default is not parameter.empty or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        for parameter in inspect.signature(function).parameters.values()
+    )
+
+
+def _with_module_callbacks(callbacks: list[Callback], module: Module) -> list[Callback]:
+    """The Trainer's callbacks with those of ``module.configure_callbacks()``, which replace any of the same type."""
+    returned = module.configure_callbacks()
+    added = [returned] if isinstance(returned, Callback) else list(returned)
+    if not added:
+        return callbacks
+    replaced = {type(callback) for callback in added}
+    kept = [callback for callback in callbacks if type(callback) not in replaced]
+    # Callbacks that read epoch metrics (checkpointing, early stopping) run last, as in _build_callbacks.
+    return sorted(kept + added, key=lambda callback: callback.reads_epoch_metrics)
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:

@@ -450,7 +450,9 @@ def test_a_process_that_sees_one_gpu_of_several_on_its_node_drives_that_one(
 
 
 def test_legacy_local_rank_argument_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # Set before deleting so that the variable the function sets is undone after the test, even when unset before.
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.setattr(sys, "argv", ["train.py", "--local-rank=1", "--lr", "0.1"])
     strip_local_rank_argument()
     assert sys.argv == ["train.py", "--lr", "0.1"] and os.environ["LOCAL_RANK"] == "1"

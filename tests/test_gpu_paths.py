@@ -112,6 +112,7 @@ class _Trainer:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.run_metrics = SimpleNamespace(active=_Logs())
+        self.config = SimpleNamespace(barebones=False)
         self.fit_loop = SimpleNamespace(manual_optimizers=[optimizer])
 
 

@@ -4,22 +4,32 @@ from ember.callbacks.callback import Callback
 from ember.callbacks.checkpoint import ModelCheckpoint
 from ember.callbacks.device_stats import DeviceStatsMonitor
 from ember.callbacks.early_stopping import EarlyStopping
+from ember.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
+from ember.callbacks.lambda_function import LambdaCallback
 from ember.callbacks.lr_monitor import LearningRateMonitor
 from ember.callbacks.model_summary import ModelSummary
 from ember.callbacks.on_exception import OnExceptionCheckpoint
+from ember.callbacks.prediction_writer import BasePredictionWriter
 from ember.callbacks.progress import ProgressBar
+from ember.callbacks.progress_bars import RichProgressBar, TQDMProgressBar
 from ember.callbacks.throughput import ThroughputMonitor
 from ember.callbacks.timer import Timer
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
+    "BasePredictionWriter",
     "Callback",
     "DeviceStatsMonitor",
     "EarlyStopping",
+    "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelSummary",
     "OnExceptionCheckpoint",
     "ProgressBar",
+    "RichProgressBar",
+    "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",
 ]

@@ -168,6 +168,8 @@ class ModelCheckpoint(Callback):
 
     # ------------------------------------------------------------------------------- saving
     def _save(self, trainer: Trainer) -> None:
+        if trainer.fast_dev_run:
+            return  # a quick check that the code runs keeps nothing
         if self._last_saved_step == trainer.global_step:
             return  # nothing trained since the last save (accumulating micro-batches share a step)
         self._last_saved_step = trainer.global_step

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Literal
 
-from ember.callbacks.callback import Callback, at_logging_step
+from ember.callbacks.callback import Callback
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -13,10 +13,12 @@ if TYPE_CHECKING:
 
 
 class LearningRateMonitor(Callback):
-    """Log ``lr-<Optimizer>`` (``lr-<Optimizer>/pg<N>`` per param group) to the Trainer's loggers.
+    """Log ``lr-<Optimizer>`` (``lr-<Optimizer>/pg<N>`` per param group, or the group's ``"name"``; a scheduler
+    config's ``"name"`` replaces the whole name) to the loggers and the callback metrics.
 
-    ``logging_interval="step"`` logs at the Trainer's logging steps, ``"epoch"`` at each epoch start;
-    None picks "step" when a scheduler steps per step, else "epoch".
+    ``logging_interval="step"`` logs, when a logging step begins, the rates that step uses; ``"epoch"`` logs
+    them when each epoch starts. None does both, each for the optimizers whose scheduler steps at that
+    interval (optimizers without a scheduler at both).
     """
 
     def __init__(
@@ -32,36 +34,50 @@ class LearningRateMonitor(Callback):
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
         self.log_weight_decay = log_weight_decay
-        self._interval: str = "epoch"
         self._names: list[str] = []
 
     def on_train_start(self, trainer: Trainer, module: Module) -> None:
         if not trainer.loggers:
             raise ValueError("LearningRateMonitor needs a logger; the Trainer was built with logger=False")
-        per_step = any(config.interval == "step" for config in trainer.lr_scheduler_configs)
-        self._interval = self.logging_interval or ("step" if per_step else "epoch")
-        counts = Counter(type(optimizer).__name__ for optimizer in trainer.optimizers)
+        named = {id(_optimizer_of(config)): config.name for config in trainer.lr_scheduler_configs}
         seen: Counter[str] = Counter()
         self._names = []
         for optimizer in trainer.optimizers:
-            name = type(optimizer).__name__
-            seen[name] += 1
-            self._names.append(f"lr-{name}" + (f"-{seen[name] - 1}" if counts[name] > 1 else ""))
+            given = named.get(id(optimizer))
+            if given:
+                self._names.append(given)
+                continue
+            kind = type(optimizer).__name__
+            seen[kind] += 1  # the second Adam is "lr-Adam-1", the third "lr-Adam-2"
+            self._names.append(f"lr-{kind}" + (f"-{seen[kind] - 1}" if seen[kind] > 1 else ""))
 
     def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
-        if self._interval == "epoch":
-            trainer.run_metrics.write(self._values(trainer), trainer.global_step, trainer.current_epoch)
+        if self.logging_interval != "step":
+            self._log(trainer, "epoch" if self.logging_interval is None else None, trainer.fit_loop.logging_step)
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._interval == "step" and at_logging_step(trainer):
-            trainer.run_metrics.write(self._values(trainer), trainer.global_step, trainer.current_epoch)
+    def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
+        loop = trainer.fit_loop
+        if self.logging_interval == "epoch" or loop.progress.window_batches:
+            return  # once per optimizer step, when its first micro-batch starts
+        step = loop.logging_step + 1  # the step that begins, the label its other values get
+        if step % trainer.log_every_n_steps == 0:
+            self._log(trainer, "step" if self.logging_interval is None else None, step)
 
-    def _values(self, trainer: Trainer) -> dict[str, float]:
+    def _log(self, trainer: Trainer, interval: str | None, step: int) -> None:
+        values = self._values(trainer, interval)
+        if values:
+            trainer.run_metrics.log_values(values, step, trainer.current_epoch)
+
+    def _values(self, trainer: Trainer, interval: str | None) -> dict[str, float]:
+        """The rates of the optimizers whose scheduler steps at ``interval`` (None: any), and of those without."""
+        scheduled = {id(_optimizer_of(config)): config.interval for config in trainer.lr_scheduler_configs}
         values = {}
         for name, optimizer in zip(self._names, trainer.optimizers):
+            if interval is not None and scheduled.get(id(optimizer), interval) != interval:
+                continue
             groups = optimizer.param_groups
             for index, group in enumerate(groups):
-                key = name if len(groups) == 1 else f"{name}/pg{index + 1}"
+                key = name if len(groups) == 1 else f"{name}/{group.get('name', f'pg{index + 1}')}"
                 values[key] = float(group["lr"])
                 if self.log_momentum:
                     momentum = group.get("momentum", group.get("betas", (None,))[0])
@@ -70,3 +86,7 @@ class LearningRateMonitor(Callback):
                 if self.log_weight_decay and "weight_decay" in group:
                     values[f"{key}-weight_decay"] = float(group["weight_decay"])
         return values
+
+
+def _optimizer_of(config: Any) -> Any:
+    return getattr(config.scheduler, "optimizer", None)  # a scheduler of another library may not say

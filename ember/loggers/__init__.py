@@ -4,10 +4,11 @@
 """
 
 from ember.loggers.csv_logger import CSVLogger
+from ember.loggers.dummy import DummyLogger
 from ember.loggers.logger import Logger
 from ember.loggers.mlflow import MLflowLogger
 from ember.loggers.tensorboard import TensorBoardLogger
 
 MLFlowLogger = MLflowLogger  # Lightning's spelling
 
-__all__ = ["CSVLogger", "Logger", "MLFlowLogger", "MLflowLogger", "TensorBoardLogger"]
+__all__ = ["CSVLogger", "DummyLogger", "Logger", "MLFlowLogger", "MLflowLogger", "TensorBoardLogger"]

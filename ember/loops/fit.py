@@ -116,12 +116,23 @@ class FitLoop:
         self._batch_start_hooks: list[Callable[..., Any]] = []
         self._batch_end_hooks: list[Callable[..., Any]] = []
         self._module_batch_start: Callable[..., Any] | None = None
+        self._to_device: Callable[[Any], Any] = trainer.strategy.batch_to_device
         self._replicas = 1  # the ranks that read disjoint shards of the training data
         # Flags read per batch, looked up once per run.
         self._split = False  # accumulate_grad_batches="auto"
         self._max_steps: float = math.inf
         self._epoch_losses = 0  # training steps of the epoch that returned a loss
         self._reported_idle = False
+        self._reload: Callable[[], tuple[Iterable, list[Iterable]]] | None = None
+        self._loaded_at_epoch = 0  # the epoch whose start asked for the loaders last
+        self._told_about_minimum = False
+        self._manual = False  # whether the module steps its optimizers itself
+
+    @property
+    def logging_step(self) -> int:
+        """What ``log_every_n_steps`` counts and logged values are labelled with: optimizer steps, or under
+        manual optimization training batches (one per batch, however many optimizers it steps)."""
+        return self.progress.total_batches if self._manual else self.progress.global_step
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -134,11 +145,18 @@ class FitLoop:
         return self.runner.manual_optimizers
 
     # ------------------------------------------------------------------------------------ run
-    def run(self, train_loader: Iterable, val_loaders: list[Iterable], restore: Callable[[], None] | None) -> None:
+    def run(
+        self,
+        train_loader: Iterable,
+        val_loaders: list[Iterable],
+        restore: Callable[[], None] | None,
+        reload: Callable[[], tuple[Iterable, list[Iterable]]] | None = None,
+    ) -> None:
         """Train on ``train_loader``, validating on ``val_loaders``; ``restore`` puts a checkpoint's state in
-        place once the optimizers exist."""
+        place once the optimizers exist; ``reload`` asks for new loaders (``reload_dataloaders_every_n_epochs``)."""
         trainer = self.trainer
         config, hooks = trainer.config, trainer.hooks
+        self._reload = reload
         self._set_up(train_loader, val_loaders)
         if restore is not None:
             restore()  # may bring the gradients of an unfinished window
@@ -147,16 +165,19 @@ class FitLoop:
         if self._validation.enabled and config.num_sanity_val_steps:
             self._sanity_check()
         hooks.call("on_train_start")
+        self._loaded_at_epoch = self.progress.epoch
         with self.interruptions.catching_signals():
-            while self.num_training_batches and not self.done():
+            while not self.done():
+                self._reload_loaders_when_due()
+                if not self.num_training_batches:
+                    break
                 self._run_epoch()
         hooks.call("on_train_end")
         hooks.call("on_fit_end")
 
-    def _set_up(self, train_loader: Iterable, val_loaders: list[Iterable]) -> None:
+    def _set_loaders(self, train_loader: Iterable, val_loaders: list[Iterable]) -> None:
         trainer = self.trainer
-        config, strategy, module = trainer.config, trainer.strategy, trainer.lightning_module
-        assert module is not None
+        config = trainer.config
         self.train_loader = train_loader
         self._replicas = data_replicas(train_loader)
         self.num_training_batches = count_batches(train_loader, config.limit_train_batches, "limit_train_batches")
@@ -164,6 +185,18 @@ class FitLoop:
             raise ValueError("the train dataloader is empty: it has no batches to train on")
         self._validation = _ValidationSchedule.build(trainer, self.num_training_batches, val_loaders)
         self.validation_enabled = self._validation.enabled
+
+    def _reload_loaders_when_due(self) -> None:
+        every = self.trainer.config.reload_dataloaders_every_n_epochs
+        if every and self._reload is not None and self.progress.epoch - self._loaded_at_epoch >= every:
+            self._set_loaders(*self._reload())
+            self._loaded_at_epoch = self.progress.epoch
+
+    def _set_up(self, train_loader: Iterable, val_loaders: list[Iterable]) -> None:
+        trainer = self.trainer
+        config, strategy, module = trainer.config, trainer.strategy, trainer.lightning_module
+        assert module is not None
+        self._set_loaders(train_loader, val_loaders)
         if config.accumulate_grad_batches == "auto" and not strategy.averages_split_gradients:
             raise ValueError(
                 f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
@@ -176,20 +209,24 @@ class FitLoop:
                 "exactly one. For several (GANs, ...), set self.automatic_optimization = False and step them "
                 "in training_step with self.optimizers() and self.manual_backward(loss)"
             )
+        self._manual = not module.automatic_optimization
+        if self._manual:
+            _check_manual_flags(config.accumulate_grad_batches, config.gradient_clip_val)
         strategy.setup_optimizers(optimizers)
+        hooks = trainer.hooks
         self.runner = StepRunner(
             strategy, module, optimizers, scheduler_configs, self.progress,
             clip_val=config.gradient_clip_val, clip_algorithm=config.gradient_clip_algorithm,
-            before_step_hooks=trainer.hooks.implementations("on_before_optimizer_step"),
-            metrics=lambda: trainer.callback_metrics,
+            before_step_hooks=hooks.implementations("on_before_optimizer_step"),
+            metrics=lambda: trainer.callback_metrics, hooks=hooks.step_hooks(),
         )  # fmt: skip
-        hooks = trainer.hooks
+        self._to_device = hooks.batch_transfer(strategy)
         self._batch_start_hooks = hooks.implementations("on_train_batch_start", include_module=False)
         self._batch_end_hooks = hooks.implementations("on_train_batch_end")
         self._module_batch_start = hooks.module_hook("on_train_batch_start")
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
-        self.should_stop = self.preempted = False
+        self.should_stop = self.preempted = self._told_about_minimum = False
         self.stop_signal = None
         self.data_seed = strategy.broadcast(torch.initial_seed() % 2**63)
         self._next_log_step = config.log_every_n_steps
@@ -201,7 +238,9 @@ class FitLoop:
         trainer = self.trainer
         module, datamodule = trainer.lightning_module, trainer.datamodule
         assert module is not None
-        hyperparameters = {**module.hparams, **(datamodule.hparams if datamodule is not None else {})}
+        if not trainer.config.enable_autolog_hparams:
+            return
+        hyperparameters = {**module.hparams_for_logger, **(datamodule.hparams_for_logger if datamodule else {})}
         if hyperparameters and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_hyperparams(hyperparameters)
@@ -209,10 +248,23 @@ class FitLoop:
     def done(self) -> bool:
         config, progress = self.trainer.config, self.progress
         return (
-            self.should_stop
+            (self.should_stop and self._may_stop())
             or (config.max_steps != -1 and progress.global_step >= config.max_steps)
             or (config.epoch_limit != -1 and progress.epoch >= config.epoch_limit)
         )
+
+    def _may_stop(self) -> bool:
+        """Whether a request to stop (``should_stop``) may be followed: ``min_epochs`` and ``min_steps`` are done."""
+        config, progress = self.trainer.config, self.progress
+        if (config.min_epochs or 0) <= progress.epoch and (config.min_steps or 0) <= progress.global_step:
+            return True
+        if not self._told_about_minimum:
+            self._told_about_minimum = True
+            self.trainer.print(
+                f"stopping was requested, but min_epochs={config.min_epochs} or min_steps={config.min_steps} "
+                "is not reached yet: training goes on"
+            )
+        return False
 
     # ---------------------------------------------------------------------------------- epochs
     def _run_epoch(self) -> None:
@@ -224,7 +276,7 @@ class FitLoop:
         store.default_on_step = True
         metrics.active = store
         self._epoch_losses = 0
-        module.train()
+        # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         trainer.hooks.call("on_train_epoch_start")
         outcome = _Outcome.CONTINUE
         for window in self._windows(self._epoch_batches()):
@@ -275,7 +327,7 @@ class FitLoop:
         trainer = self.trainer
         store = trainer.run_metrics.train
         for batch_idx, batch in window:
-            batch = trainer.strategy.batch_to_device(batch)
+            batch = self._to_device(batch)
             store.batch = batch
             if self._module_batch_start is not None and self._module_batch_start(batch, batch_idx) == -1:
                 return _Outcome.EPOCH_DONE  # the module skips the rest of this epoch
@@ -308,6 +360,15 @@ class FitLoop:
             return output, loss
         if self._split:
             output, loss = runner.split_forward_backward(batch, batch_idx)
+        elif runner.hooked:  # the module or a callback overrides a hook of the step: Lightning's order
+            had_gradients = window.has_gradients
+            output, loss = runner.hooked_micro_batch(
+                batch, batch_idx, window.size, first=window.seen == 1, closing=window.closing,
+                had_gradients=had_gradients, gradient_scale=lambda: window.gradient_scale,
+            )  # fmt: skip
+            window.has_gradients = had_gradients or loss is not None
+            self.stepped = window.closing and window.has_gradients
+            return output, loss
         else:
             # Micro-batches that do not close the window accumulate gradients locally; only the last syncs.
             output, loss = runner.forward_backward(batch, batch_idx, window.size, sync=window.closing)
@@ -328,14 +389,16 @@ class FitLoop:
             hook_output = _with_detached_loss(output, loss)
             for hook in self._batch_end_hooks:
                 hook(hook_output, batch, batch_idx)
-        if progress.global_step >= self._next_log_step:
+        # Logs are written every log_every_n_steps, and at each step once stopping is asked for (as Lightning).
+        step = progress.total_batches if self._manual else progress.global_step
+        if step >= self._next_log_step or self.should_stop:
             self._write_step_logs()
 
     def _after_batch(self, window: Window) -> _Outcome:
         """What comes after this batch: its window goes on, the epoch ends, or training stops."""
         if window.ends_epoch:
             return _Outcome.EPOCH_DONE
-        if self.should_stop or self.progress.global_step >= self._max_steps:
+        if (self.should_stop and self._may_stop()) or self.progress.global_step >= self._max_steps:
             return _Outcome.STOP
         # Only at a step boundary, which every rank reaches at the same batch (the check may be a collective).
         if window.closing and self._interrupted():
@@ -356,7 +419,7 @@ class FitLoop:
         for callback in trainer.callbacks:
             if not callback.reads_epoch_metrics:
                 callback.on_train_epoch_end(trainer, module)
-        metrics.publish_epoch(metrics.train, progress.global_step, progress.epoch)
+        metrics.publish_epoch(metrics.train, self.logging_step, progress.epoch)
         if completed:
             if module.automatic_optimization:
                 self.runner.step_schedulers("epoch", progress.epoch + 1)
@@ -388,13 +451,22 @@ class FitLoop:
 
     def _sanity_check(self) -> None:
         """Run a few validation batches before training, so a broken validation_step fails in seconds."""
-        limit = self.trainer.config.num_sanity_val_steps
+        trainer = self.trainer
+        limit = trainer.config.num_sanity_val_steps
         self.sanity_checking = True
         try:
+            trainer.hooks.call_callbacks("on_sanity_check_start")
             counts = [count if limit == -1 else min(count, limit) for count in self._validation.counts]
-            self.trainer.validate_loop.run(self._validation.loaders, counts, sanity_check=True)
+            trainer.validate_loop.run(self._validation.loaders, counts, sanity_check=True)
+            trainer.hooks.call_callbacks("on_sanity_check_end")
         finally:
             self.sanity_checking = False
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """``Module.manual_backward``: the backward of the step runner, with its hooks."""
+        if self.runner is None:
+            raise RuntimeError("manual_backward() is available during fit only")
+        self.runner.backward(loss)
 
     # ------------------------------------------------------------------- stopping and logging
     def _interrupted(self) -> bool:
@@ -425,7 +497,7 @@ class FitLoop:
 
     def _write_step_logs(self) -> None:
         every = self.trainer.config.log_every_n_steps
-        step = self.progress.global_step
+        step = self.logging_step
         self._next_log_step = (step // every + 1) * every
         self.check_losses()
         self.trainer.run_metrics.write_step_values(step, self.progress.epoch)
@@ -608,6 +680,20 @@ class _ValidationSchedule:
 
     def run(self, loop: EvaluationLoop) -> None:
         loop.run(self.loaders, self.counts)
+
+
+def _check_manual_flags(accumulate: int | str, clip_val: float | None) -> None:
+    """Under manual optimization the module steps and clips itself: the Trainer's flags for that would be ignored."""
+    if accumulate != 1:
+        raise ValueError(
+            f"accumulate_grad_batches={accumulate!r} with manual optimization (automatic_optimization = False): "
+            "the module steps its optimizers itself; accumulate in training_step, or leave the flag at 1"
+        )
+    if clip_val:
+        raise ValueError(
+            f"gradient_clip_val={clip_val!r} with manual optimization (automatic_optimization = False): clip in "
+            "training_step with self.clip_gradients(optimizer, ...) before stepping, or leave the flag unset"
+        )
 
 
 def _fraction_of_epoch(fraction: float, num_batches: float) -> int:

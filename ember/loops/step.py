@@ -8,6 +8,8 @@ synchronised across ranks only on the window's last), then unscaling, clipping, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,6 +25,32 @@ if TYPE_CHECKING:
     from ember.strategies import Strategy
 
 Metrics = Callable[[], Mapping[str, torch.Tensor]]
+Hook = Callable[..., Any]
+
+
+@dataclasses.dataclass
+class StepHooks:
+    """The hooks of an optimizer step that a module or callback overrides (empty: none, so none is called).
+
+    With any of them, a step follows Lightning's order: per micro-batch ``training_step``, then (first
+    micro-batch of a window) ``on_before_zero_grad`` and ``optimizer_zero_grad``, then
+    ``on_before_backward``, ``backward``, ``on_after_backward``; on the window's last micro-batch all of
+    that runs inside the closure that ``optimizer_step`` receives, whose ``optimizer.step(closure)``
+    unscales, calls ``on_before_optimizer_step`` and ``configure_gradient_clipping``, and steps.
+    """
+
+    before_zero_grad: list[Hook] = dataclasses.field(default_factory=list)
+    before_backward: list[Hook] = dataclasses.field(default_factory=list)
+    after_backward: list[Hook] = dataclasses.field(default_factory=list)
+    optimizer_step: Hook | None = None
+    optimizer_zero_grad: Hook | None = None
+    configure_gradient_clipping: Hook | None = None
+    lr_scheduler_step: Hook | None = None
+    backward: Hook | None = None
+
+    @property
+    def any(self) -> bool:
+        return any(bool(value) for value in dataclasses.astuple(self))
 
 
 class StepRunner:
@@ -32,6 +60,7 @@ class StepRunner:
         clip_val, clip_algorithm: the Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm``.
         before_step_hooks: called with the optimizer once its gradients are complete and unscaled.
         metrics: the callback metrics, read by schedulers that watch one (``ReduceLROnPlateau``).
+        hooks: the other hooks of a step that the module or callbacks override (see ``StepHooks``).
     """
 
     def __init__(
@@ -46,6 +75,7 @@ class StepRunner:
         clip_algorithm: Literal["norm", "value"] = "norm",
         before_step_hooks: Sequence[Callable[..., Any]] = (),
         metrics: Metrics = dict,
+        hooks: StepHooks | None = None,
     ) -> None:
         self.strategy = strategy
         self.module = module
@@ -56,6 +86,11 @@ class StepRunner:
         self.clip_algorithm = clip_algorithm
         self.before_step_hooks = list(before_step_hooks)
         self.metrics = metrics
+        self.hooks = hooks or StepHooks()
+        #: Whether steps run the hooks of ``hooks`` (Lightning's order), or the shorter path without them.
+        self.hooked = self.hooks.any
+        step = getattr(module, "training_step", None)
+        self._takes_batch_idx = step is None or takes_batch_idx(step)
         #: With ``accumulate_grad_batches="auto"``: the pieces each batch is cut into to fit in memory.
         self.micro_batches = 1
         #: What ``Module.optimizers()`` returns under manual optimization.
@@ -64,13 +99,17 @@ class StepRunner:
         # the step must be a copy.
         self._copy_outputs = strategy.reuses_outputs
 
+    def step_args(self, batch: Any, batch_idx: int) -> tuple[Any, ...]:
+        """What ``training_step`` receives."""
+        return (batch, batch_idx) if self._takes_batch_idx else (batch,)
+
     # ------------------------------------------------------------------- automatic optimization
     def forward_backward(self, batch: Any, batch_idx: int, window_size: int, sync: bool) -> tuple[Any, Any]:
         """One micro-batch of a window of ``window_size``: its forward and backward. Gradients are
         synchronised across ranks only when ``sync`` (the window's last micro-batch). Returns the step's
         output and its detached loss (None when the step skipped the batch)."""
         with self.strategy.no_sync(not sync):
-            output = self.strategy.step("training_step", batch, batch_idx)
+            output = self.strategy.step("training_step", *self.step_args(batch, batch_idx))
             loss = training_loss(output, self.module)
             if loss is None:
                 return output, None
@@ -89,6 +128,8 @@ class StepRunner:
         """
         strategy = self.strategy
         total = batch_size_of(batch)
+        if self.hooked:
+            self.zero_grad(batch_idx)
         while True:
             try:
                 output, loss = self._pieces(batch, batch_idx, total)
@@ -108,11 +149,11 @@ class StepRunner:
         loss: torch.Tensor | None = None
         with self.strategy.no_sync(True):
             for piece in split_batch(batch, self.micro_batches):
-                output = self.strategy.step("training_step", piece, batch_idx)
+                output = self.strategy.step("training_step", *self.step_args(piece, batch_idx))
                 piece_loss = training_loss(output, self.module)
                 if piece_loss is not None:
                     weight = batch_size_of(piece) / total
-                    self.strategy.backward(piece_loss * weight)
+                    self.backward(piece_loss * weight)
                     loss = piece_loss.detach() * weight + (0.0 if loss is None else loss)
         return output, loss
 
@@ -131,34 +172,103 @@ class StepRunner:
                 f"{math.ceil(total / self.micro_batches)} samples"
             )
 
-    def optimizer_step(self, gradient_scale: float = 1.0) -> None:
+    def optimizer_step(self, gradient_scale: float = 1.0, batch_idx: int | None = None) -> None:
         """Step the optimizer with the gradients accumulated so far (multiplied by ``gradient_scale``
         first: a window that turned out shorter than its losses were divided for)."""
-        strategy, optimizer = self.strategy, self.optimizers[0]
+        optimizer = self.optimizers[0]
+        if self.hooks.optimizer_step is not None:
+            # The module steps in its own hook, with no closure: no micro-batch is left to run.
+            batch_idx = self.progress.epoch_batches - 1 if batch_idx is None else batch_idx
+            stepper = _StepOptimizer(optimizer, self, gradient_scale)
+            self.hooks.optimizer_step(self.progress.epoch, batch_idx, stepper, None)
+        else:
+            self._apply_step(optimizer, gradient_scale)
+        if not self.hooked:
+            optimizer.zero_grad(set_to_none=True)  # with hooks, optimizer_zero_grad runs when the next window starts
+        self._count_step()
+
+    def _apply_step(self, optimizer: torch.optim.Optimizer, gradient_scale: float = 1.0) -> None:
+        strategy = self.strategy
         if gradient_scale != 1.0:
             _scale_gradients(optimizer, gradient_scale)
         strategy.unscale_gradients(optimizer)  # clipping and the hooks must see the true gradients
         for hook in self.before_step_hooks:
             hook(optimizer)
-        if self.clip_val:
+        if self.hooks.configure_gradient_clipping is not None:
+            self.hooks.configure_gradient_clipping(optimizer, self.clip_val, self.clip_algorithm)
+        elif self.clip_val:
             strategy.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
         strategy.optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+
+    def _count_step(self) -> None:
         self.progress.count_step()
         if self.scheduler_configs:
             self.step_schedulers("step", self.progress.global_step)
+
+    # ------------------------------------------------------------------ a step with hooks
+    def hooked_micro_batch(
+        self, batch: Any, batch_idx: int, window_size: int, *, first: bool, closing: bool,
+        had_gradients: bool, gradient_scale: Callable[[], float],
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """One micro-batch of a window, in Lightning's order of hooks (see ``StepHooks``); on the window's
+        last (``closing``) the optimizer steps, if this or an earlier micro-batch (``had_gradients``) produced
+        gradients. Returns the step's output and detached loss, like ``forward_backward``."""
+        closure = _Closure(self, batch, batch_idx, window_size, sync=closing, zero_grad=first)
+        if not closing:
+            closure()
+            return closure.output, closure.loss
+        optimizer = self.optimizers[0]
+        hook = self.hooks.optimizer_step
+        if hook is None:
+            closure()
+            if had_gradients or closure.loss is not None:
+                self._apply_step(optimizer, gradient_scale())
+                self._count_step()
+            return closure.output, closure.loss
+        stepper = _StepOptimizer(optimizer, self, gradient_scale, lambda: had_gradients or closure.loss is not None)
+        hook(self.progress.epoch, batch_idx, stepper, closure)
+        if not closure.ran:
+            raise RuntimeError(
+                f"{type(self.module).__name__}.optimizer_step() did not call the optimizer_closure it received; "
+                "call optimizer.step(closure=optimizer_closure), or optimizer_closure() to run the step's "
+                "training_step and backward without stepping"
+            )
+        if had_gradients or closure.loss is not None:
+            self._count_step()
+        return closure.output, closure.loss
+
+    def zero_grad(self, batch_idx: int) -> None:
+        """Reset the gradients at the start of a window, through the hooks that are overridden."""
+        optimizer = self.optimizers[0]
+        for hook in self.hooks.before_zero_grad:
+            hook(optimizer)
+        if self.hooks.optimizer_zero_grad is not None:
+            self.hooks.optimizer_zero_grad(self.progress.epoch, batch_idx, optimizer)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The strategy's backward of ``loss``, between the hooks around it (and through the module's own
+        ``backward`` where it overrides it)."""
+        hooks = self.hooks
+        for hook in hooks.before_backward:
+            hook(loss)
+        self.strategy.backward(loss, hooks.backward)
+        for hook in hooks.after_backward:
+            hook()
 
     def step_schedulers(self, interval: Literal["step", "epoch"], count: int) -> None:
         """Step the schedulers of ``interval`` that are due at its ``count``-th occurrence."""
         for config in self.scheduler_configs:
             if config.interval != interval or count % config.frequency:
                 continue
+            step = self.hooks.lr_scheduler_step or _step_scheduler
             if not config.reads_metric:
-                config.scheduler.step()
+                step(config.scheduler, None)
                 continue
             metrics = self.metrics()
             if config.monitor is not None and config.monitor in metrics:
-                config.scheduler.step(float(metrics[config.monitor]))
+                step(config.scheduler, float(metrics[config.monitor]))
             elif config.strict:
                 raise KeyError(
                     f"the lr_scheduler monitors {config.monitor!r}, which was not logged; logged metrics are "
@@ -168,12 +278,16 @@ class StepRunner:
     # ---------------------------------------------------------------------- manual optimization
     def manual_step(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
         """A training step that steps its optimizers itself; returns its output and the loss it returned."""
-        output = self.strategy.step("training_step", batch, batch_idx)
+        output = self.strategy.step("training_step", *self.step_args(batch, batch_idx))
         loss = output.get("loss") if isinstance(output, Mapping) else output
         # Under manual optimization a returned loss is only shown and checked, so any scalar tensor will do.
         return output, self._kept(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
     def manual_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.before_step_hooks:
+            self.strategy.unscale_gradients(optimizer)  # the hooks must see the true gradients
+            for hook in self.before_step_hooks:
+                hook(optimizer)
         self.strategy.optimizer_step(optimizer)
         self.progress.count_step()
 
@@ -207,6 +321,82 @@ class ManualOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+class _Closure:
+    """One micro-batch's ``training_step``, gradient reset (at a window's first) and backward: what Lightning's
+    ``optimizer_step`` hook receives as ``optimizer_closure``. Returns the loss (None: the step skipped)."""
+
+    def __init__(self, runner: StepRunner, batch: Any, batch_idx: int, window_size: int, *, sync: bool,
+                 zero_grad: bool) -> None:  # fmt: skip
+        self._runner = runner
+        self._batch = batch
+        self._batch_idx = batch_idx
+        self._window_size = window_size
+        self._sync = sync
+        self._zero_grad = zero_grad
+        self.ran = False
+        self.output: Any = None
+        self.loss: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor | None:
+        if self.ran:
+            raise RuntimeError("optimizer_closure was called twice; each micro-batch runs its step once")
+        self.ran = True
+        runner = self._runner
+        with runner.strategy.no_sync(not self._sync):
+            self.output = runner.strategy.step("training_step", *runner.step_args(self._batch, self._batch_idx))
+            loss = training_loss(self.output, runner.module)
+            if self._zero_grad:
+                runner.zero_grad(self._batch_idx)
+            if loss is None:
+                return None
+            # Dividing by the window size makes k micro-batches of b the same as one batch of k*b.
+            runner.backward(loss / self._window_size if self._window_size > 1 else loss)
+        self.loss = runner._kept(loss)
+        return self.loss
+
+
+class _StepOptimizer:
+    """The optimizer that a module's ``optimizer_step`` hook receives: ``step(closure)`` runs the closure,
+    then unscales, runs the hooks, clips and steps through the strategy (skipping the step when no
+    gradients were produced); everything else is the wrapped optimizer's."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        runner: StepRunner,
+        gradient_scale: Callable[[], float] | float,
+        has_gradients: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.optimizer = optimizer
+        self._runner = runner
+        self._gradient_scale = gradient_scale
+        self._has_gradients = has_gradients
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        result = closure() if closure is not None else None
+        if self._has_gradients():
+            scale = self._gradient_scale
+            self._runner._apply_step(self.optimizer, scale() if callable(scale) else scale)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+def _step_scheduler(scheduler: Any, metric: float | None) -> None:
+    if metric is None:
+        scheduler.step()
+    else:
+        scheduler.step(metric)
+
+
+def takes_batch_idx(step: Callable[..., Any]) -> bool:
+    """Whether a step accepts ``batch_idx`` after the batch (Lightning lets a step leave it out)."""
+    parameters = inspect.signature(step).parameters.values()
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL or p.name == "batch_idx" for p in parameters)
 
 
 def training_loss(output: Any, module: torch.nn.Module | None = None) -> torch.Tensor | None:

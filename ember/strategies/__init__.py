@@ -13,6 +13,7 @@ from ember.strategies.ddp import DDPStrategy, ParallelStrategy
 from ember.strategies.dp import DataParallelStrategy
 from ember.strategies.fsdp import FSDPStrategy
 from ember.strategies.model_parallel import ModelParallelStrategy, parallelize_transformer
+from ember.strategies.names import LIGHTNING_STRATEGIES, missing_strategy_hint
 from ember.strategies.pipeline import PipelineStrategy
 from ember.strategies.sharded import ShardedStrategy
 from ember.strategies.single import SingleDeviceStrategy
@@ -134,10 +135,14 @@ def select_strategy(
         chosen = strategy
     elif strategy == "auto":
         chosen = DDPStrategy() if processes > 1 else SingleDeviceStrategy()
-    elif strategy in _STRATEGIES:
-        chosen = _STRATEGIES[strategy]()
+    elif strategy in _STRATEGIES or strategy in LIGHTNING_STRATEGIES:
+        chosen = _STRATEGIES[strategy]() if strategy in _STRATEGIES else LIGHTNING_STRATEGIES[strategy]()
     else:
-        raise ValueError(f"strategy={strategy!r} is not supported; choose one of {['auto', *_STRATEGIES]}")
+        hint = missing_strategy_hint(strategy)
+        raise ValueError(
+            f"strategy={strategy!r} is not supported" + (f": {hint}" if hint else "")
+            + f"; choose one of {['auto', *_STRATEGIES]} (or the 'ddp_*' names Lightning registers)"
+        )
     if isinstance(chosen, SingleDeviceStrategy) and processes > 1:
         raise ValueError(f"strategy='single_device' runs one process, but devices x num_nodes = {processes}; use 'ddp'")
     chosen.configure(

@@ -166,10 +166,14 @@ class ParallelStrategy(Strategy):
         dist.all_reduce(reduced, op=dist_op)
         return reduced / self.world_size if op == "mean" else reduced
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
         import torch.distributed as dist
 
         tensor = torch.as_tensor(tensor, device=self.root_device).contiguous()
+        if sync_grads:  # gradients flow back to each rank's own tensor
+            from torch.distributed.nn.functional import all_gather
+
+            return torch.stack(all_gather(tensor))
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(gathered, tensor)
         return torch.stack(gathered)
@@ -274,8 +278,8 @@ class DDPStrategy(ParallelStrategy):
                 return self.model(name, *args)  # through DDP, which arms the gradient all-reduce
             return getattr(self._module, name)(*args)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:
+        super().backward(loss, backward)
         if self._manual_sync and not self._manual_sync_off.active:
             self.sync_gradients()
 

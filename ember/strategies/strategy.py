@@ -221,8 +221,9 @@ class Strategy:
         """While active, backward passes accumulate gradients locally without communicating."""
         return _NO_CONTEXT
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.precision.backward(loss)
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Backpropagate ``loss`` (through ``backward``, the module's own, when given)."""
+        self.precision.backward(loss, backward)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         self.precision.unscale_gradients(optimizer)
@@ -259,8 +260,8 @@ class Strategy:
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Stack ``tensor`` from every rank along a new first dimension."""
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        """Stack ``tensor`` from every rank along a new first dimension (``sync_grads``: differentiably)."""
         return tensor.unsqueeze(0)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:

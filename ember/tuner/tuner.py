@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ember.loops import StepRunner
+from ember.loops import Hooks, StepRunner
 from ember.module import DataModule, Module
 from ember.optim import parse_optimizers
 from ember.tuner.lr_finder import LRFinder
@@ -195,21 +195,34 @@ class _Trials:
         if len(optimizers) != 1:
             raise ValueError(f"the tuner steps one optimizer; configure_optimizers() returned {len(optimizers)}")
         optimizer = optimizers[0]
-        runner = StepRunner(strategy, module, optimizers)  # fit's steps, without its schedulers and clipping
+        # Fit's steps, without its schedulers and clipping; the module's own step hooks run as in fit.
+        hooks = Hooks(self.trainer, module, [])
+        runner = StepRunner(strategy, module, optimizers, hooks=hooks.step_hooks(),
+                            before_step_hooks=hooks.implementations("on_before_optimizer_step"))  # fmt: skip
+        to_device = hooks.batch_transfer(strategy)
         if on_start is not None:
             on_start(optimizer)
         module.train()
         try:
             for step, batch in enumerate(islice(_endless(loader), self.steps)):
-                _, loss = runner.forward_backward(strategy.batch_to_device(batch), step, window_size=1, sync=True)
-                if loss is not None:
-                    runner.optimizer_step()
+                loss = _train_step(runner, to_device(batch), step)
                 if after_step is not None and not after_step(step, optimizer, loss):
                     break
         finally:
             module.load_state_dict(weights)
             optimizer.zero_grad(set_to_none=True)
             self.trainer.run_metrics.train.clear()
+
+
+def _train_step(runner: StepRunner, batch: Any, index: int) -> torch.Tensor | None:
+    """One step on ``batch``: through the module's step hooks (in Lightning's order) where it overrides any."""
+    if runner.hooked:
+        return runner.hooked_micro_batch(batch, index, 1, first=True, closing=True, had_gradients=False,
+                                         gradient_scale=lambda: 1.0)[1]  # fmt: skip
+    _, loss = runner.forward_backward(batch, index, window_size=1, sync=True)
+    if loss is not None:
+        runner.optimizer_step()
+    return loss
 
 
 def _check_lr_find(mode: str, min_lr: float, max_lr: float, num_training: int) -> None:

@@ -1,0 +1,56 @@
+"""``BasePredictionWriter``: write predictions as they are made, or all of them at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.module import Module
+    from ember.trainer import Trainer
+
+_INTERVALS = ("batch", "epoch", "batch_and_epoch")
+
+
+class BasePredictionWriter(Callback):
+    """Subclass it and define ``write_on_batch_end`` (``write_interval="batch"``), ``write_on_epoch_end``
+    (``"epoch"``) or both (``"batch_and_epoch"``). Each process writes its own share of the predictions,
+    with the sample indices of the dataset they belong to, so that they can be put back in order.
+    """
+
+    def __init__(self, write_interval: Literal["batch", "epoch", "batch_and_epoch"] = "batch") -> None:
+        if write_interval not in _INTERVALS:
+            raise ValueError(f"BasePredictionWriter(write_interval={write_interval!r}): choose one of {_INTERVALS}")
+        self.write_interval = write_interval
+
+    @property
+    def wants_predictions(self) -> bool:  # type: ignore[override]
+        return self.write_interval != "batch"
+
+    def write_on_batch_end(
+        self, trainer: Trainer, module: Module, prediction: Any, batch_indices: Sequence[int] | None, batch: Any,
+        batch_idx: int, dataloader_idx: int,
+    ) -> None:  # fmt: skip
+        """Write one batch's ``prediction``; ``batch_indices`` are its samples' indices in the dataset."""
+        raise NotImplementedError(f"{type(self).__name__} must define write_on_batch_end for write_interval='batch'")
+
+    def write_on_epoch_end(
+        self, trainer: Trainer, module: Module, predictions: Sequence[Any], batch_indices: Sequence[Any]
+    ) -> None:
+        """Write every prediction (a list per loader when there are several); ``batch_indices`` holds, per
+        loader, each batch's sample indices."""
+        raise NotImplementedError(f"{type(self).__name__} must define write_on_epoch_end for write_interval='epoch'")
+
+    def on_predict_batch_end(
+        self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self.write_interval != "epoch":
+            indices = trainer.predict_loop.current_batch_indices
+            self.write_on_batch_end(trainer, module, outputs, indices, batch, batch_idx, dataloader_idx)
+
+    def on_predict_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if self.write_interval != "batch":
+            loop = trainer.predict_loop
+            self.write_on_epoch_end(trainer, module, loop.predictions, loop.epoch_batch_indices)

@@ -1,0 +1,69 @@
+"""Lightning's progress bar classes, as Ember's ``ProgressBar`` with their arguments.
+
+Both draw Ember's bar: tqdm on a terminal, a compact line every few seconds elsewhere. It is redrawn by
+time, not every ``refresh_rate`` batches; ``refresh_rate=0`` turns it off, as in Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ember.callbacks.progress import ProgressBar
+
+if TYPE_CHECKING:
+    from ember.module import Module
+    from ember.trainer import Trainer
+
+
+class _SwitchableBar(ProgressBar):
+    """Ember's bar, off when ``refresh_rate`` is 0."""
+
+    def __init__(self, refresh_rate: int) -> None:
+        if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
+            raise ValueError(f"{type(self).__name__}(refresh_rate={refresh_rate!r}): expected a number of batches >= 0")
+        super().__init__()
+        self.enabled = refresh_rate > 0
+
+    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
+        if self.enabled:
+            super().on_train_epoch_start(trainer, module)
+
+    def on_validation_start(self, trainer: Trainer, module: Module) -> None:
+        if self.enabled:
+            super().on_validation_start(trainer, module)
+
+    def on_test_epoch_start(self, trainer: Trainer, module: Module) -> None:
+        if self.enabled:
+            super().on_test_epoch_start(trainer, module)
+
+    def on_predict_epoch_start(self, trainer: Trainer, module: Module) -> None:
+        if self.enabled:
+            super().on_predict_epoch_start(trainer, module)
+
+
+class TQDMProgressBar(_SwitchableBar):
+    """Lightning's ``TQDMProgressBar(refresh_rate, process_position, leave)``: Ember's bar (see the module)."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        super().__init__(refresh_rate)
+        self.process_position = process_position
+        self.leave = leave
+
+
+class RichProgressBar(_SwitchableBar):
+    """Lightning's ``RichProgressBar(refresh_rate, leave, console_kwargs)``: Ember's bar (see the module), which
+    does not draw with rich; a ``theme`` is refused rather than ignored."""
+
+    def __init__(
+        self,
+        refresh_rate: int = 1,
+        leave: bool = False,
+        theme: Any = None,
+        console_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if theme is not None:
+            raise ValueError("RichProgressBar(theme=...): Ember's progress bar has no themes; leave theme out")
+        super().__init__(refresh_rate)
+        self.leave = leave
+        self.console_kwargs = dict(console_kwargs or {})

@@ -1,0 +1,363 @@
+"""``EmberCLI``: a command line for a Module and DataModule, configured by flags and YAML files.
+
+    # train.py
+    from ember.cli_lightning import EmberCLI
+    EmberCLI(MyModel, MyData)
+
+    python train.py fit --config config.yaml --trainer.max_epochs 5 --model.lr 0.01
+    python train.py fit --print_config > config.yaml     # every option, with its default
+    python train.py test --config config.yaml --ckpt_path best.ckpt
+
+It follows Lightning's ``LightningCLI``: subcommands ``fit``, ``validate``, ``test`` and ``predict``; the groups
+``trainer``, ``model``, ``data``, ``optimizer`` and ``lr_scheduler``; ``class_path``/``init_args`` for any
+class (callbacks, loggers, a model chosen on the command line); ``seed_everything``; and ``config.yaml``
+saved into the run's directory. Built on jsonargparse: ``pip install 'ember[cli]'``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import ember
+from ember.callbacks import Callback
+from ember.module import DataModule, Module
+from ember.seed import seed_everything
+
+# The command line drives the Trainer from above, as ember.cli does: it reaches it through the package.
+Trainer = ember.Trainer
+
+try:
+    from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+except ImportError:  # pragma: no cover - depends on the environment
+    raise ModuleNotFoundError(
+        "EmberCLI needs the jsonargparse package: pip install 'ember[cli]' (or pip install 'jsonargparse[signatures]')"
+    ) from None
+
+_Scheduler = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+#: Each subcommand, and the arguments of the Trainer method of that name that the CLI fills itself.
+SUBCOMMANDS: dict[str, set[str]] = {
+    "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+    "validate": {"model", "dataloaders", "datamodule"},
+    "test": {"model", "dataloaders", "datamodule"},
+    "predict": {"model", "dataloaders", "datamodule"},
+}
+
+
+class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    """torch's ``ReduceLROnPlateau`` that also names the metric it watches, for ``--lr_scheduler``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, monitor: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(optimizer, *args, **kwargs)
+        self.monitor = monitor
+
+
+class EmberArgumentParser(ArgumentParser):
+    """jsonargparse's parser, with groups for the Trainer, modules, callbacks, optimizers and schedulers."""
+
+    def __init__(self, *args: Any, description: str = "Ember command line", **kwargs: Any) -> None:
+        super().__init__(*args, description=description, **kwargs)
+        #: Groups that hold a callback, which the CLI adds to the Trainer's callbacks.
+        self.callback_keys: list[str] = []
+        #: Groups of optimizers and schedulers: their classes, and the option each goes to ("AUTOMATIC": it
+        #: replaces the module's configure_optimizers).
+        self.optimizer_groups: dict[str, tuple[type | tuple[type, ...], str]] = {}
+        self.scheduler_groups: dict[str, tuple[type | tuple[type, ...], str]] = {}
+
+    def add_lightning_class_args(
+        self, cls: type | Callable[..., Any], nested_key: str, subclass_mode: bool = False, required: bool = True
+    ) -> list[str]:
+        """Options for the arguments of ``cls`` (a Trainer, Module, DataModule or Callback) under ``nested_key``;
+        with ``subclass_mode``, any subclass chosen with ``--<nested_key> class.path``."""
+        if not (isinstance(cls, type) and issubclass(cls, (Trainer, Module, DataModule, Callback))):
+            raise TypeError(
+                f"add_lightning_class_args({cls!r}): expected a Trainer, Module, DataModule or Callback class"
+            )
+        if issubclass(cls, Callback):
+            self.callback_keys.append(nested_key)
+        if subclass_mode:
+            return self.add_subclass_arguments(cls, nested_key, fail_untyped=False, required=required)
+        instantiate = not issubclass(cls, Trainer)  # the CLI builds the Trainer itself, adding callbacks
+        return self.add_class_arguments(cls, nested_key, fail_untyped=False, instantiate=instantiate, sub_configs=True)
+
+    def add_optimizer_args(
+        self, optimizer_class: type | tuple[type, ...] = (torch.optim.Optimizer,), nested_key: str = "optimizer",
+        link_to: str = "AUTOMATIC",
+    ) -> None:  # fmt: skip
+        """Options for an optimizer under ``nested_key`` (a tuple of classes: any subclass, by class path)."""
+        self._add_optimization_group(optimizer_class, nested_key, "params")
+        self.optimizer_groups[nested_key] = (optimizer_class, link_to)
+
+    def add_lr_scheduler_args(
+        self, lr_scheduler_class: type | tuple[type, ...] = _Scheduler, nested_key: str = "lr_scheduler",
+        link_to: str = "AUTOMATIC",
+    ) -> None:  # fmt: skip
+        """Options for a learning-rate scheduler under ``nested_key``."""
+        self._add_optimization_group(lr_scheduler_class, nested_key, "optimizer")
+        self.scheduler_groups[nested_key] = (lr_scheduler_class, link_to)
+
+    def _add_optimization_group(self, cls: type | tuple[type, ...], nested_key: str, skip: str) -> None:
+        options: dict[str, Any] = {"instantiate": False, "fail_untyped": False, "skip": {skip}}
+        if isinstance(cls, tuple):
+            self.add_subclass_arguments(cls, nested_key, required=False, **options)
+        else:
+            self.add_class_arguments(cls, nested_key, sub_configs=True, **options)
+
+
+class SaveConfigCallback(Callback):
+    """Writes the configuration of the run (``config_filename``) into the run's directory when it starts, on the
+    global-zero process, refusing to overwrite one unless ``overwrite``; override ``save_config`` to save it
+    elsewhere too."""
+
+    def __init__(self, parser: EmberArgumentParser, config: Namespace, config_filename: str = "config.yaml",
+                 overwrite: bool = False, multifile: bool = False, save_to_log_dir: bool = True) -> None:  # fmt: skip
+        self.parser = parser
+        self.config = config
+        self.config_filename = config_filename
+        self.overwrite = overwrite
+        self.multifile = multifile
+        self.save_to_log_dir = save_to_log_dir
+        self.already_saved = False
+
+    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
+        if self.already_saved:
+            return
+        if self.save_to_log_dir:
+            directory = trainer.log_dir or trainer.default_root_dir
+            path = os.path.join(directory, self.config_filename)
+            exists = trainer.strategy.broadcast(os.path.isfile(path) if trainer.is_global_zero else False)
+            if exists and not self.overwrite:
+                raise RuntimeError(
+                    f"SaveConfigCallback: {path} exists already; delete it, pass save_config_kwargs="
+                    '{"overwrite": True}, or save_config_callback=None to save no config'
+                )
+            if trainer.is_global_zero:
+                os.makedirs(directory, exist_ok=True)
+                self.parser.save(self.config, path, skip_none=False, overwrite=True, multifile=self.multifile)
+        if trainer.is_global_zero:
+            self.save_config(trainer, module, stage)
+        self.already_saved = True
+
+    def save_config(self, trainer: Trainer, module: Module, stage: str) -> None:
+        """Save the configuration somewhere else as well (called on the global-zero process only)."""
+
+
+class EmberCLI:
+    """Parse the command line (or ``args``), build the module, datamodule and Trainer, and run the subcommand.
+
+    Args:
+        model_class: the Module to configure (``--model.*``); None, or ``subclass_mode_model=True``, lets the
+            command line choose any Module subclass (``--model path.to.Class``).
+        datamodule_class: the DataModule (``--data.*``), chosen alike with ``subclass_mode_data``.
+        save_config_callback: the callback that saves ``config.yaml`` (None: none), with ``save_config_kwargs``.
+        trainer_class, trainer_defaults: the Trainer class and defaults for its flags.
+        seed_everything_default: the default of ``--seed_everything`` (True: a random seed, False: none).
+        parser_kwargs: options for the parser, or per subcommand (``{"fit": {"default_config_files": [...]}}``).
+        args: the arguments to parse instead of ``sys.argv[1:]`` (a list, or a dict of the configuration).
+        run: run a subcommand (True) or only build the objects, for the caller to use (``cli.trainer.fit(...)``).
+        auto_configure_optimizers: add ``--optimizer`` and ``--lr_scheduler``, which, when given, replace the
+            module's ``configure_optimizers``.
+
+    Override ``add_arguments_to_parser(parser)`` to add options or ``parser.link_arguments``, and the hooks
+    ``before_instantiate_classes``, ``after_instantiate_classes``, ``before_fit``, ``after_fit`` (and so on
+    for each subcommand).
+    """
+
+    def __init__(
+        self,
+        model_class: type[Module] | Callable[..., Module] | None = None,
+        datamodule_class: type[DataModule] | Callable[..., DataModule] | None = None,
+        save_config_callback: type[SaveConfigCallback] | None = SaveConfigCallback,
+        save_config_kwargs: dict[str, Any] | None = None,
+        trainer_class: type[Trainer] = Trainer,
+        trainer_defaults: dict[str, Any] | None = None,
+        seed_everything_default: bool | int = True,
+        parser_kwargs: dict[str, Any] | None = None,
+        subclass_mode_model: bool = False,
+        subclass_mode_data: bool = False,
+        args: Sequence[str] | dict[str, Any] | Namespace | None = None,
+        run: bool = True,
+        auto_configure_optimizers: bool = True,
+    ) -> None:
+        self.model_class = model_class or Module
+        self.subclass_mode_model = model_class is None or subclass_mode_model
+        self.datamodule_class = datamodule_class or DataModule
+        self.subclass_mode_data = datamodule_class is None or subclass_mode_data
+        self.datamodule_given = datamodule_class is not None
+        self.save_config_callback = save_config_callback
+        self.save_config_kwargs = save_config_kwargs or {}
+        self.trainer_class = trainer_class
+        self.trainer_defaults = trainer_defaults or {}
+        self.seed_everything_default = seed_everything_default
+        self.auto_configure_optimizers = auto_configure_optimizers
+        self._subcommand_parsers: dict[str, EmberArgumentParser] = {}
+        self._method_arguments: dict[str, list[str]] = {}
+        self.parser = self._build_parser(run, dict(parser_kwargs or {}))
+        self.config = (
+            self.parser.parse_object(args) if isinstance(args, (dict, Namespace)) else self.parser.parse_args(args)
+        )
+        self.subcommand: str | None = self.config["subcommand"] if run else None
+        self._set_seed()
+        self.before_instantiate_classes()
+        self.instantiate_classes()
+        self.after_instantiate_classes()
+        if self.subcommand is not None:
+            self._run_subcommand(self.subcommand)
+
+    # ------------------------------------------------------------------------------- parser
+    def _build_parser(self, run: bool, parser_kwargs: dict[str, Any]) -> EmberArgumentParser:
+        main_kwargs = {key: value for key, value in parser_kwargs.items() if key not in SUBCOMMANDS}
+        parser = self.init_parser(**main_kwargs)
+        if not run:
+            self._add_arguments(parser)
+            return parser
+        subcommands = parser.add_subcommands()
+        for subcommand, skipped in SUBCOMMANDS.items():
+            method = getattr(self.trainer_class, subcommand)
+            description = (method.__doc__ or "").strip().splitlines()[0] if method.__doc__ else subcommand
+            options = {"description": description, **parser_kwargs.get(subcommand, {})}
+            subparser = self.init_parser(**options)
+            self._add_arguments(subparser)
+            self._method_arguments[subcommand] = subparser.add_method_arguments(
+                self.trainer_class, subcommand, skip=set(skipped)
+            )
+            self._subcommand_parsers[subcommand] = subparser
+            subcommands.add_subcommand(subcommand, subparser, help=description)
+        return parser
+
+    def init_parser(self, **kwargs: Any) -> EmberArgumentParser:
+        """A parser with ``--config`` (and, from it, ``--print_config``)."""
+        parser = EmberArgumentParser(**kwargs)
+        parser.add_argument("-c", "--config", action=ActionConfigFile, help="a YAML or JSON file of options")
+        return parser
+
+    def _add_arguments(self, parser: EmberArgumentParser) -> None:
+        parser.add_argument(
+            "--seed_everything", type=bool | int, default=self.seed_everything_default,
+            help="seed every random generator with this int before building anything (True: a random seed)",
+        )  # fmt: skip
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({f"trainer.{key}": value for key, value in self.trainer_defaults.items()
+                             if key != "callbacks"})  # fmt: skip
+        parser.add_lightning_class_args(self.model_class, "model", subclass_mode=self.subclass_mode_model)
+        parser.add_lightning_class_args(
+            self.datamodule_class, "data", subclass_mode=self.subclass_mode_data, required=self.datamodule_given
+        )
+        self.add_arguments_to_parser(parser)
+        if self.auto_configure_optimizers:
+            if not parser.optimizer_groups:
+                parser.add_optimizer_args()
+            if not parser.scheduler_groups:
+                parser.add_lr_scheduler_args()
+        for key, (_, link_to) in {**parser.optimizer_groups, **parser.scheduler_groups}.items():
+            if link_to != "AUTOMATIC":
+                parser.link_arguments(key, link_to)
+
+    def add_arguments_to_parser(self, parser: EmberArgumentParser) -> None:
+        """Add options or links to ``parser`` (each subcommand's parser gets the same)."""
+
+    # --------------------------------------------------------------------------- instances
+    def _set_seed(self) -> None:
+        seed = self._get(self.config, "seed_everything")
+        if seed is False:
+            return
+        seed = seed_everything(None if seed is True else seed)
+        self._section(self.config)["seed_everything"] = seed  # the config saved names the seed used
+
+    def before_instantiate_classes(self) -> None:
+        """Called after parsing, before the classes are built."""
+
+    def instantiate_classes(self) -> None:
+        """Build the datamodule, the module (with the configured optimizer, if any) and the Trainer."""
+        self.config_init = self.parser.instantiate_classes(self.config)
+        self.datamodule: DataModule | None = self._get(self.config_init, "data")
+        self.model: Module = self._get(self.config_init, "model")
+        self._configure_optimizers_from_config()
+        self.trainer = self.instantiate_trainer()
+
+    def after_instantiate_classes(self) -> None:
+        """Called once the module, datamodule and Trainer exist."""
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The Trainer of the configuration (``kwargs`` override it), with the callbacks of callback groups, the
+        defaults' callbacks and the ``SaveConfigCallback``."""
+        parser = self._parser()
+        flags = {**self._get(self.config_init, "trainer", {}), **kwargs}
+        given = flags.get("callbacks")
+        callbacks = [] if given is None else [given] if isinstance(given, Callback) else list(given)
+        callbacks += [self._get(self.config_init, key) for key in parser.callback_keys]
+        default = self.trainer_defaults.get("callbacks", [])
+        callbacks += default if isinstance(default, list) else [default]
+        if self.save_config_callback is not None and not flags.get("fast_dev_run", False):
+            section = self._section(self.config)
+            callbacks.append(self.save_config_callback(parser, section, **self.save_config_kwargs))
+        return self.trainer_class(**{**flags, "callbacks": callbacks})
+
+    def _configure_optimizers_from_config(self) -> None:
+        """With ``--optimizer`` given, the module's optimizers are the configured optimizer and scheduler."""
+        parser = self._parser()
+        optimizers = {key: cls for key, (cls, link) in parser.optimizer_groups.items() if link == "AUTOMATIC"}
+        schedulers = {key: cls for key, (cls, link) in parser.scheduler_groups.items() if link == "AUTOMATIC"}
+        if len(optimizers) > 1 or len(schedulers) > 1:
+            raise ValueError(
+                f"EmberCLI configures one optimizer and one scheduler by itself, not {[*optimizers, *schedulers]}; "
+                "link the groups to the module's arguments (link_to=...) and build them in configure_optimizers"
+            )
+        optimizer = [(cls, self._get(self.config_init, key)) for key, cls in optimizers.items()]
+        if not optimizer or not optimizer[0][1] or self.model is None:
+            return
+        scheduler = [(cls, spec) for key, cls in schedulers.items() if (spec := self._get(self.config_init, key))]
+        model = self.model
+
+        def configure_optimizers() -> Any:
+            built = _instantiate(*optimizer[0], model.parameters())
+            if not scheduler:
+                return built
+            config: dict[str, Any] = {"scheduler": _instantiate(*scheduler[0], built)}
+            if isinstance(config["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau):
+                if not isinstance(config["scheduler"], ReduceLROnPlateau):
+                    raise ValueError(
+                        "--lr_scheduler: ReduceLROnPlateau needs a metric to watch; use "
+                        "ember.cli_lightning.ReduceLROnPlateau, which takes monitor=..."
+                    )
+                config["monitor"] = config["scheduler"].monitor
+            return {"optimizer": built, "lr_scheduler": config}
+
+        model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+
+    # ----------------------------------------------------------------------------- running
+    def _run_subcommand(self, subcommand: str) -> None:
+        before = getattr(self, f"before_{subcommand}", None)
+        if callable(before):
+            before()
+        run = getattr(self, subcommand, getattr(self.trainer, subcommand))
+        section = self.config_init[subcommand]
+        arguments = {key: section[key] for key in self._method_arguments[subcommand] if key in section}
+        run(model=self.model, datamodule=self.datamodule, **arguments)
+        after = getattr(self, f"after_{subcommand}", None)
+        if callable(after):
+            after()
+
+    def _parser(self) -> EmberArgumentParser:
+        return self.parser if self.subcommand is None else self._subcommand_parsers[self.subcommand]
+
+    def _section(self, config: Namespace) -> Namespace:
+        return config if self.subcommand is None else config[self.subcommand]
+
+    def _get(self, config: Namespace, key: str, default: Any = None) -> Any:
+        return self._section(config).get(key, default)
+
+
+def _instantiate(group: type | tuple[type, ...], spec: Namespace | dict[str, Any], first: Any) -> Any:
+    """Build a configured optimizer or scheduler with ``first`` as its first argument (parameters, or the
+    optimizer): ``spec`` is ``class_path``/``init_args``, or only the arguments when ``group`` is one class."""
+    spec = spec.as_dict() if isinstance(spec, Namespace) else dict(spec)
+    if isinstance(group, type):
+        return group(first, **spec)
+    module, _, name = spec["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(first, **dict(spec.get("init_args") or {}))

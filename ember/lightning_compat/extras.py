@@ -1,0 +1,36 @@
+"""Lightning names that are only types or an exception class, for programs that import them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ember.optim import LRSchedulerConfig
+
+#: What a step may return: a loss tensor, a dict with "loss", or None.
+STEP_OUTPUT = torch.Tensor | Mapping[str, Any] | None
+#: What ``configure_optimizers`` may return.
+OptimizerLRScheduler = Any
+TRAIN_DATALOADERS = DataLoader | Iterable[Any] | Sequence[DataLoader] | Mapping[str, DataLoader]
+EVAL_DATALOADERS = DataLoader | Sequence[DataLoader]
+LRSchedulerTypeUnion = Any
+LRSchedulerPLType = Any
+
+__all__ = [
+    "EVAL_DATALOADERS",
+    "STEP_OUTPUT",
+    "TRAIN_DATALOADERS",
+    "LRSchedulerConfig",
+    "LRSchedulerPLType",
+    "LRSchedulerTypeUnion",
+    "MisconfigurationException",
+    "OptimizerLRScheduler",
+]
+
+
+class MisconfigurationException(Exception):
+    """Lightning's exception for a bad configuration. Ember itself raises ``ValueError`` and ``TypeError``
+    (``FlagError`` for the Trainer's flags); this class is for programs that raise or catch it themselves."""

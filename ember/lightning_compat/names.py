@@ -1,0 +1,236 @@
+"""Which Lightning name is which Ember object, and what to use for those Ember does not have.
+
+Keys of ``PYTORCH`` are modules under ``lightning.pytorch`` (the same under ``pytorch_lightning``); each maps
+a name to ``"ember.module:attribute"`` (imported when first used) or to a ``Missing`` saying what to use
+instead. A module or name that is in none of the tables is not covered either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Missing:
+    """A Lightning name Ember does not have, and the closest thing it has."""
+
+    instead: str
+
+
+Names = dict[str, "str | Missing"]
+
+_SWA = "average weights with torch.optim.swa_utils.AveragedModel in a callback of your own"
+_TUNER = "use ember.tuner.Tuner(trainer).lr_find(...) / .scale_batch_size(...)"
+_PLUGINS = (
+    "Ember has no plugins: pick the precision with Trainer(precision=...), the launcher and cluster are found "
+    "by themselves (torchelastic, SLURM, MPI), checkpoints are written atomically by the strategy"
+)
+_LOGGER = "subclass ember.loggers.Logger (log_metrics and log_hyperparams) to write anywhere"
+
+_MODULE: Names = {"LightningModule": "ember.module:Module"}
+_DATAMODULE: Names = {"LightningDataModule": "ember.module:DataModule"}
+_TRAINER: Names = {"Trainer": "ember.trainer:Trainer"}
+_RANK_ZERO: Names = {
+    "rank_zero_only": "ember.rank_zero:rank_zero_only",
+    "rank_zero_info": "ember.rank_zero:rank_zero_info",
+    "rank_zero_warn": "ember.rank_zero:rank_zero_warn",
+    "rank_zero_debug": "ember.rank_zero:rank_zero_debug",
+    "rank_zero_deprecation": "ember.rank_zero:rank_zero_warn",
+}
+_TYPES: Names = {
+    name: f"ember.lightning_compat.extras:{name}"
+    for name in (
+        "STEP_OUTPUT",
+        "OptimizerLRScheduler",
+        "TRAIN_DATALOADERS",
+        "EVAL_DATALOADERS",
+        "LRSchedulerTypeUnion",
+        "LRSchedulerPLType",
+        "LRSchedulerConfig",
+    )
+}
+
+_CALLBACKS: Names = {
+    **{
+        name: f"ember.callbacks:{name}"
+        for name in (
+            "Callback",
+            "ModelCheckpoint",
+            "EarlyStopping",
+            "LearningRateMonitor",
+            "ModelSummary",
+            "DeviceStatsMonitor",
+            "Timer",
+            "OnExceptionCheckpoint",
+            "ThroughputMonitor",
+            "BaseFinetuning",
+            "BackboneFinetuning",
+            "BasePredictionWriter",
+            "LambdaCallback",
+            "ProgressBar",
+            "TQDMProgressBar",
+            "RichProgressBar",
+        )
+    },
+    "RichModelSummary": "ember.callbacks:ModelSummary",
+    "Checkpoint": "ember.callbacks:ModelCheckpoint",
+    "StochasticWeightAveraging": Missing(_SWA),
+    "WeightAveraging": Missing(_SWA),
+    "EMAWeightAveraging": Missing(_SWA),
+    "GradientAccumulationScheduler": Missing("use Trainer(accumulate_grad_batches=N), a fixed count"),
+    "ModelPruning": Missing("apply torch.nn.utils.prune in a callback of your own"),
+    "LearningRateFinder": Missing(_TUNER),
+    "BatchSizeFinder": Missing(_TUNER),
+    "SpikeDetection": Missing("use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end"),
+}
+
+_STRATEGIES: Names = {
+    **{
+        name: f"ember.strategies:{name}"
+        for name in (
+            "Strategy",
+            "ParallelStrategy",
+            "SingleDeviceStrategy",
+            "DDPStrategy",
+            "FSDPStrategy",
+            "ModelParallelStrategy",
+        )
+    },
+    "DeepSpeedStrategy": Missing("use FSDPStrategy, which shards parameters, gradients and optimizer state (ZeRO 3)"),
+    "XLAStrategy": Missing("Ember runs on CUDA, MPS and CPU devices, not on TPUs"),
+    "SingleDeviceXLAStrategy": Missing("Ember runs on CUDA, MPS and CPU devices, not on TPUs"),
+}
+
+_LOGGERS: Names = {
+    "Logger": "ember.loggers:Logger",
+    "CSVLogger": "ember.loggers:CSVLogger",
+    "TensorBoardLogger": "ember.loggers:TensorBoardLogger",
+    "MLFlowLogger": "ember.loggers:MLflowLogger",
+    "WandbLogger": Missing(_LOGGER),
+    "CometLogger": Missing(_LOGGER),
+    "NeptuneLogger": Missing(_LOGGER),
+    "LitLogger": Missing(_LOGGER),
+}
+
+_PROFILERS: Names = {
+    "Profiler": "ember.profilers:Profiler",
+    "SimpleProfiler": "ember.profilers:SimpleProfiler",
+    "PyTorchProfiler": "ember.profilers:PyTorchProfiler",
+    "PassThroughProfiler": "ember.profilers:PassThroughProfiler",
+    "AdvancedProfiler": Missing("use Trainer(profiler='simple') for where the time goes, 'pytorch' for a trace"),
+    "XLAProfiler": Missing("Ember runs on CUDA, MPS and CPU devices, not on TPUs"),
+}
+
+_UTILITIES: Names = {
+    **_RANK_ZERO,
+    "grad_norm": "ember.utilities:grad_norm",
+    "AttributeDict": "ember.utilities:AttributeDict",
+    "move_data_to_device": "ember.utilities:move_data_to_device",
+    "CombinedLoader": Missing(
+        "pass a list of DataLoaders (validation, test, prediction) or one DataLoader for training"
+    ),
+    "measure_flops": Missing("use ember.callbacks.ThroughputMonitor, which counts the FLOPs of a sample"),
+}
+
+_DEMOS: Names = {
+    **{
+        name: f"ember.demos:{name}"
+        for name in (
+            "BoringModel",
+            "BoringDataModule",
+            "RandomDataset",
+            "RandomDictDataset",
+            "RandomIterableDataset",
+            "Transformer",
+            "LightningTransformer",
+        )
+    },
+    "WikiText2": Missing("use a dataset of your own: Ember's demos download nothing"),
+    "MNISTDataModule": Missing("use a dataset of your own (sklearn.datasets.load_digits needs no download)"),
+}
+
+_CLI: Names = {
+    "LightningCLI": "ember.cli_lightning:EmberCLI",
+    "SaveConfigCallback": "ember.cli_lightning:SaveConfigCallback",
+    "LightningArgumentParser": "ember.cli_lightning:EmberArgumentParser",
+    "ReduceLROnPlateau": "ember.cli_lightning:ReduceLROnPlateau",
+}
+
+#: The modules under ``lightning.pytorch`` that Ember serves ("" is ``lightning.pytorch`` itself).
+PYTORCH: dict[str, Names] = {
+    "": {
+        **_MODULE,
+        **_DATAMODULE,
+        **_TRAINER,
+        "Callback": "ember.callbacks:Callback",
+        "seed_everything": "ember.seed:seed_everything",
+    },
+    "core": {**_MODULE, **_DATAMODULE},
+    "core.module": _MODULE,
+    "core.datamodule": _DATAMODULE,
+    "trainer": _TRAINER,
+    "trainer.trainer": _TRAINER,
+    "callbacks": _CALLBACKS,
+    "callbacks.callback": {"Callback": "ember.callbacks:Callback"},
+    "callbacks.model_checkpoint": {"ModelCheckpoint": "ember.callbacks:ModelCheckpoint"},
+    "callbacks.early_stopping": {"EarlyStopping": "ember.callbacks:EarlyStopping"},
+    "callbacks.lr_monitor": {"LearningRateMonitor": "ember.callbacks:LearningRateMonitor"},
+    "callbacks.finetuning": {name: f"ember.callbacks:{name}" for name in ("BaseFinetuning", "BackboneFinetuning")},
+    "callbacks.prediction_writer": {"BasePredictionWriter": "ember.callbacks:BasePredictionWriter"},
+    "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
+    "callbacks.progress": {
+        name: f"ember.callbacks:{name}" for name in ("ProgressBar", "TQDMProgressBar", "RichProgressBar")
+    },
+    "callbacks.progress.tqdm_progress": {"TQDMProgressBar": "ember.callbacks:TQDMProgressBar"},
+    "callbacks.progress.rich_progress": {
+        "RichProgressBar": "ember.callbacks:RichProgressBar",
+        "RichProgressBarTheme": Missing("use RichProgressBar() without a theme"),
+    },
+    "loggers": _LOGGERS,
+    "loggers.logger": {
+        "Logger": "ember.loggers:Logger",
+        "DummyLogger": "ember.loggers:DummyLogger",
+        "rank_zero_experiment": "ember.loggers.dummy:rank_zero_experiment",
+    },
+    "loggers.csv_logs": {"CSVLogger": "ember.loggers:CSVLogger"},
+    "loggers.tensorboard": {"TensorBoardLogger": "ember.loggers:TensorBoardLogger"},
+    "loggers.mlflow": {"MLFlowLogger": "ember.loggers:MLflowLogger"},
+    "strategies": _STRATEGIES,
+    "strategies.ddp": {"DDPStrategy": "ember.strategies:DDPStrategy"},
+    "strategies.fsdp": {"FSDPStrategy": "ember.strategies:FSDPStrategy"},
+    "profilers": _PROFILERS,
+    "tuner": {"Tuner": "ember.tuner:Tuner"},
+    "tuner.tuning": {"Tuner": "ember.tuner:Tuner"},
+    "utilities": _UTILITIES,
+    "utilities.rank_zero": _RANK_ZERO,
+    "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
+    "utilities.grads": {"grad_norm": "ember.utilities:grad_norm"},
+    "utilities.parsing": {"AttributeDict": "ember.utilities:AttributeDict"},
+    "utilities.types": _TYPES,
+    "utilities.exceptions": {"MisconfigurationException": "ember.lightning_compat.extras:MisconfigurationException"},
+    "cli": _CLI,
+    "demos": _DEMOS,
+    "demos.boring_classes": {name: value for name, value in _DEMOS.items() if "Transformer" not in name},
+    "demos.transformer": {name: _DEMOS[name] for name in ("Transformer", "LightningTransformer", "WikiText2")},
+    "plugins": {},
+    "accelerators": {},
+}
+
+#: The top-level ``lightning`` package; ``lightning.pytorch`` is served from ``PYTORCH``.
+LIGHTNING: Names = {
+    **PYTORCH[""],
+    "Fabric": Missing("use ember.Trainer with an ember.Module: Ember has no Fabric"),
+}
+
+#: Parts of Lightning Ember leaves out, by module prefix (under lightning.pytorch, or a top-level package), with
+#: what to use instead. "plugins" and "accelerators" are served empty, so that the message names the class.
+MISSING_MODULES = {
+    "plugins": _PLUGINS,
+    "accelerators": "pass Trainer(accelerator='cpu' | 'gpu' | 'mps' | 'auto'); Ember has no Accelerator classes",
+    "loggers.wandb": _LOGGER,
+    "loggers.comet": _LOGGER,
+    "loggers.neptune": _LOGGER,
+    "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
+    "fabric": "use ember.Trainer with an ember.Module: Ember has no Fabric",
+    "lightning_fabric": "use ember.Trainer with an ember.Module: Ember has no Fabric (ember.seed_everything seeds)",
+}

@@ -1,0 +1,89 @@
+"""EmberCLI: a command line for a Module and DataModule, configured by flags and YAML files."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_data
+from torch.utils.data import DataLoader
+
+import ember
+
+pytest.importorskip("jsonargparse")
+from ember.cli_lightning import EmberCLI
+
+
+class Data(ember.DataModule):
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(32), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(16), batch_size=self.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(16), batch_size=self.batch_size)
+
+
+class Wider(Regressor):
+    """A second model, chosen by class path."""
+
+    def __init__(self, lr: float = 0.05, features: int = 4, scale: float = 2.0) -> None:
+        super().__init__(lr, features)
+        self.save_hyperparameters("scale")
+
+
+_QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def test_fit_with_a_config_file_and_flags_then_test(tmp_path: Any) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("trainer:\n  max_epochs: 2\nmodel:\n  lr: 0.01\ndata:\n  batch_size: 16\n")
+    cli = EmberCLI(Regressor, Data, args=["fit", "--config", str(config), "--model.features=4", *_QUIET])
+    assert cli.trainer.global_step == 4 and cli.model.hparams.lr == 0.01 and cli.datamodule.batch_size == 16
+    saved = os.path.join(cli.trainer.log_dir, "config.yaml")
+    with open(saved) as file:
+        assert "lr: 0.01" in file.read()
+    best = cli.trainer.checkpoint_callback.best_model_path
+    tested = EmberCLI(Regressor, Data, args=["test", "--ckpt_path", best, *_QUIET])
+    assert "test_loss" in tested.trainer.callback_metrics
+
+
+def test_print_config_shows_every_option() -> None:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit):
+        EmberCLI(Regressor, Data, args=["fit", "--print_config"])
+    text = printed.getvalue()
+    assert "seed_everything:" in text and "max_epochs: null" in text and "lr: 0.05" in text
+
+
+def test_class_paths_for_the_model_callbacks_optimizer_and_scheduler() -> None:
+    args = [
+        f"--model={Wider.__module__}.Wider",
+        "--model.scale=3.0", "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.callbacks+=EarlyStopping",
+        "--trainer.callbacks.monitor=val_loss", "--optimizer=Adam", "--optimizer.lr=0.003",
+        "--lr_scheduler=StepLR", "--lr_scheduler.step_size=1", *_QUIET,
+    ]  # fmt: skip
+    cli = EmberCLI(datamodule_class=Data, args=args, run=False, save_config_callback=None)
+    assert isinstance(cli.model, Wider) and cli.model.hparams.scale == 3.0
+    assert any(isinstance(callback, ember.callbacks.EarlyStopping) for callback in cli.trainer.callbacks)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    optimizer = cli.trainer.optimizers[0]
+    assert isinstance(optimizer, torch.optim.Adam) and optimizer.param_groups[0]["lr"] == pytest.approx(0.003)
+    assert isinstance(cli.trainer.lr_scheduler_configs[0].scheduler, torch.optim.lr_scheduler.StepLR)
+
+
+def test_the_saved_config_is_not_overwritten(tmp_path: Any) -> None:
+    args = ["fit", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", *_QUIET]
+    EmberCLI(Regressor, Data, args=args)
+    with pytest.raises(RuntimeError, match="config.yaml exists already"):
+        EmberCLI(Regressor, Data, args=args)
+    EmberCLI(Regressor, Data, args=args, save_config_kwargs={"overwrite": True})

@@ -1,0 +1,767 @@
+"""Lightning's meanings of the Trainer's and the Module's API: what Lightning programs rely on."""
+
+from __future__ import annotations
+
+import csv
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Regressor, make_data, make_loader, quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader
+
+import ember
+from ember.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from ember.loggers import CSVLogger
+
+
+# ------------------------------------------------------------------------- metrics per stage
+def test_each_stage_starts_with_no_metrics() -> None:
+    trainer = quiet_trainer(max_epochs=1, log_every_n_steps=1)
+    model = Regressor()
+    trainer.fit(model, make_loader(), make_loader(16))
+    assert {"train_loss", "val_loss"} <= set(trainer.callback_metrics)
+    results = trainer.test(model, make_loader(16), verbose=False)
+    assert set(trainer.callback_metrics) == {"test_loss"}
+    assert set(trainer.logged_metrics) == {"test_loss"}
+    assert [set(result) for result in results] == [{"test_loss"}]
+    trainer.predict(model, DataLoader(make_data(16).tensors[0], batch_size=8))
+    assert trainer.callback_metrics == {} and trainer.progress_bar_metrics == {}
+
+
+def test_learning_rates_reach_the_callback_metrics() -> None:
+    class AdamW(Regressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)}
+
+    trainer = quiet_trainer(max_epochs=2, callbacks=[LearningRateMonitor()])
+    trainer.fit(AdamW(), make_loader())
+    assert float(trainer.callback_metrics["lr-AdamW"]) == pytest.approx(0.005)
+
+
+# ------------------------------------------------------------------- evaluating the fitted module
+class _Tracked(Regressor):
+    """Logs val_loss so that a ModelCheckpoint can rank epochs; counts how often weights were loaded."""
+
+    def __init__(self, lr: float = 0.05, features: int = 4) -> None:
+        super().__init__(lr, features)
+        self.loaded_from: list[int] = []
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.loaded_from.append(checkpoint["global_step"])
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self(batch[0])
+
+
+def _fitted(**flags: Any) -> tuple[ember.Trainer, _Tracked]:
+    checkpoint = ModelCheckpoint(monitor="val_loss", save_last=True, save_top_k=1)
+    trainer = quiet_trainer(max_epochs=3, callbacks=[checkpoint], **flags)
+    model = _Tracked()
+    trainer.fit(model, make_loader(), make_loader(16))
+    return trainer, model
+
+
+def test_evaluating_after_fit_uses_the_fitted_module_and_its_best_checkpoint() -> None:
+    trainer, model = _fitted()
+    best = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)  # type: ignore[union-attr]
+    with pytest.warns(UserWarning, match=r"\.test\(ckpt_path=None\) without a model: the best checkpoint"):
+        results = trainer.test(dataloaders=make_loader(16), verbose=False)
+    assert model.loaded_from == [best["global_step"]] and set(results[0]) == {"test_loss"}
+    trainer.test(ckpt_path="best", dataloaders=make_loader(16), verbose=False)
+    trainer.validate(ckpt_path="last", dataloaders=make_loader(16), verbose=False)
+    assert model.loaded_from == [best["global_step"]] * 2 + [trainer.global_step]
+    predictions = trainer.predict(dataloaders=make_loader(16), ckpt_path="best")
+    assert predictions is not None and len(predictions) == 2 and predictions[0].shape == (8, 1)
+
+
+def test_the_datamodule_alone_is_enough_after_fit() -> None:
+    class Data(ember.DataModule):
+        def train_dataloader(self) -> DataLoader:
+            return make_loader()
+
+        def val_dataloader(self) -> DataLoader:
+            return make_loader(16)
+
+        def test_dataloader(self) -> DataLoader:
+            return make_loader(24)
+
+    trainer = quiet_trainer(max_epochs=1, callbacks=[ModelCheckpoint(monitor="val_loss")])
+    model = _Tracked()
+    trainer.fit(model, datamodule=Data())
+    with pytest.warns(UserWarning, match="best checkpoint"):
+        trainer.test(datamodule=Data(), verbose=False)
+    assert trainer.num_test_batches == [3] and len(model.loaded_from) == 1
+
+
+def test_evaluating_without_a_module_before_fit_is_a_clear_error() -> None:
+    trainer = quiet_trainer()
+    with pytest.raises(ValueError, match=r"Trainer.test\(\) needs a module: pass one, or call fit\(\) first"):
+        trainer.test(dataloaders=make_loader())
+    fitted = quiet_trainer(max_epochs=1, enable_checkpointing=False)
+    fitted.fit(Regressor(), make_loader())
+    with pytest.raises(FileNotFoundError, match=r"ckpt_path='best'.*no ModelCheckpoint"):
+        fitted.test(dataloaders=make_loader(), ckpt_path="best")
+
+
+# ---------------------------------------------------------------------------- the module's API
+def test_steps_without_batch_idx() -> None:
+    seen: list[str] = []
+
+    class Short(Regressor):
+        def training_step(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+            seen.append("train")
+            return F.mse_loss(self(batch[0]), batch[1])
+
+        def validation_step(self, batch: Any) -> None:  # type: ignore[override]
+            seen.append("val")
+
+        def test_step(self, batch: Any) -> None:  # type: ignore[override]
+            seen.append("test")
+
+        def predict_step(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+            seen.append("predict")
+            return self(batch[0])
+
+    model = Short()
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1)
+    trainer.fit(model, make_loader(), make_loader())
+    trainer.test(model, make_loader(8), verbose=False)
+    trainer.predict(model, make_loader(8))
+    assert seen == ["train", "train", "val", "test", "predict"]
+
+
+def test_all_gather_on_one_process_returns_the_data_as_tensors() -> None:
+    gathered: list[Any] = []
+
+    class Gather(Regressor):
+        def on_validation_epoch_end(self) -> None:
+            gathered.append(self.all_gather({"n": 3, "t": torch.ones(2)}))
+
+    trainer = quiet_trainer(max_epochs=1)
+    trainer.fit(Gather(), make_loader(), make_loader(16))
+    assert torch.equal(gathered[0]["n"], torch.tensor(3)) and torch.equal(gathered[0]["t"], torch.ones(2))
+
+
+def test_dtype_follows_the_parameters() -> None:
+    dtypes: list[torch.dtype] = []
+
+    class Typed(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            dtypes.append(self.dtype)
+            return super().training_step(batch, batch_idx)
+
+    assert Regressor().dtype == torch.float32 and Regressor().double().dtype == torch.float64
+    quiet_trainer(max_steps=1, precision="64-true", logger=False).fit(Typed(), make_loader())
+    assert dtypes == [torch.float64]
+
+
+def test_toggle_optimizer_freezes_the_other_optimizers_parameters() -> None:
+    states: list[tuple[bool, bool]] = []
+
+    class Two(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.other = nn.Linear(4, 1)
+            self.other.bias.requires_grad_(False)  # frozen by the user: must stay frozen after untoggle
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            first, second = self.optimizers()
+            self.toggle_optimizer(first)
+            states.append((self.layer.weight.requires_grad, self.other.weight.requires_grad))
+            self.untoggle_optimizer(first)
+            with self.toggled_optimizer(second):
+                states.append((self.layer.weight.requires_grad, self.other.weight.requires_grad))
+            states.append((self.layer.weight.requires_grad, self.other.bias.requires_grad))
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)]
+
+    quiet_trainer(max_steps=1, limit_train_batches=1, max_epochs=1, logger=False).fit(Two(), make_loader())
+    assert states == [(True, False), (False, True), (True, False)]
+
+
+def test_logger_and_loggers_of_the_module() -> None:
+    model = Regressor()
+    assert model.logger is None and model.loggers == []
+    logger = CSVLogger(".")
+    quiet_trainer(max_steps=1, logger=logger).fit(model, make_loader())
+    assert model.logger is logger and model.loggers == [logger]
+
+
+def test_hyperparameters_kept_out_of_the_logger() -> None:
+    class Quiet(Regressor):
+        def __init__(self, lr: float = 0.05) -> None:
+            super().__init__(lr)
+            self.save_hyperparameters(logger=False)
+
+    trainer = quiet_trainer(max_epochs=1)
+    trainer.fit(Quiet(), make_loader())
+    assert not os.path.exists(os.path.join(trainer.log_dir, "hparams.yaml"))
+    checkpoint = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)  # type: ignore[union-attr]
+    assert checkpoint["hyper_parameters"] == {"lr": 0.05, "features": 4}  # the parent's and the subclass's
+
+
+def test_hyperparameters_of_parent_and_child_are_both_kept() -> None:
+    class Base(ember.Module):
+        def __init__(self, width: int = 8, depth: int = 2) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    class Child(Base):
+        def __init__(self, lr: float = 0.1, width: int = 16) -> None:
+            super().__init__(width=width)
+            self.save_hyperparameters("lr")
+
+    class Everything(Base):
+        def __init__(self, dropout: float = 0.5, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+
+    assert Child().hparams == {"width": 16, "depth": 2, "lr": 0.1}
+    # Called in the parent's __init__, it sees the arguments of every __init__ up the chain.
+    assert Everything(dropout=0.2, depth=3).hparams == {"width": 8, "depth": 3, "dropout": 0.2}
+
+
+def test_freeze_and_unfreeze() -> None:
+    model = Regressor()
+    model.freeze()
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    model.unfreeze()
+    assert model.training and all(p.requires_grad for p in model.parameters())
+
+
+def test_datamodule_from_datasets() -> None:
+    data = ember.DataModule.from_datasets(
+        train_dataset=make_data(32), val_dataset=[make_data(16), make_data(8)], batch_size=8, num_workers=0
+    )
+    trainer = quiet_trainer(max_epochs=1)
+    trainer.fit(Regressor(), datamodule=data)
+    assert trainer.num_training_batches == 4 and trainer.num_val_batches == [2, 1]
+    assert not hasattr(data, "test_dataloader") and not hasattr(data, "predict_dataloader")
+    train = data.train_dataloader()
+    assert isinstance(train, DataLoader) and train.batch_size == 8
+    assert isinstance(train.sampler, torch.utils.data.RandomSampler)
+
+
+def test_callback_hooks_lightning_adds() -> None:
+    calls: list[str] = []
+
+    class Recorder(Callback):
+        def on_sanity_check_start(self, trainer: Any, module: Any) -> None:
+            calls.append("sanity_start")
+
+        def on_sanity_check_end(self, trainer: Any, module: Any) -> None:
+            calls.append("sanity_end")
+
+        def on_validation_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            calls.append(f"val_batch_start{batch_idx}")
+
+        def on_test_start(self, trainer: Any, module: Any) -> None:
+            calls.append("test_start")
+
+        def on_test_end(self, trainer: Any, module: Any) -> None:
+            calls.append("test_end")
+
+    trainer = quiet_trainer(max_epochs=1, num_sanity_val_steps=1, limit_val_batches=2, callbacks=[Recorder()])
+    model = Regressor()
+    trainer.fit(model, make_loader(), make_loader())
+    trainer.test(model, make_loader(8), verbose=False)
+    assert calls == ["sanity_start", "val_batch_start0", "sanity_end", "val_batch_start0", "val_batch_start1",
+                     "test_start", "test_end"]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- hooks
+class _Recorded(Regressor):
+    """Records every hook of an optimizer step, in the order they run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls.append(f"training_step{batch_idx}")
+        return super().training_step(batch, batch_idx)
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        self.calls.append("on_before_zero_grad")
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        self.calls.append("optimizer_zero_grad")
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.calls.append("on_before_backward")
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.calls.append("backward")
+        super().backward(loss, *args, **kwargs)
+
+    def on_after_backward(self) -> None:
+        self.calls.append("on_after_backward")
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        self.calls.append(f"optimizer_step{batch_idx}")
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.calls.append("on_before_optimizer_step")
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, algorithm: Any = None) -> None:
+        self.calls.append(f"configure_gradient_clipping({gradient_clip_val}, {algorithm})")
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, algorithm)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        self.calls.append("lr_scheduler_step")
+        super().lr_scheduler_step(scheduler, metric)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_every_hook_of_a_step_runs_in_lightnings_order() -> None:
+    model = _Recorded()
+    trainer = quiet_trainer(max_steps=1, accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False)
+    trainer.fit(model, make_loader())
+    backward = ["on_before_backward", "backward", "on_after_backward"]
+    assert model.calls == [
+        "training_step0", "on_before_zero_grad", "optimizer_zero_grad", *backward,
+        "optimizer_step1", "training_step1", *backward, "on_before_optimizer_step",
+        "configure_gradient_clipping(1.0, norm)", "lr_scheduler_step",
+    ]  # fmt: skip
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_the_same_steps_with_and_without_hooks() -> None:
+    class Hooked(_Recorded):
+        configure_optimizers = Regressor.configure_optimizers  # type: ignore[assignment]
+
+    plain, hooked = Regressor(), Hooked()
+    for model in (plain, hooked):
+        quiet_trainer(max_epochs=2, accumulate_grad_batches=3, gradient_clip_val=0.5, logger=False).fit(
+            model, make_loader(56)
+        )
+    for a, b in zip(plain.parameters(), hooked.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_warm_up_in_optimizer_step_sets_the_learning_rate() -> None:
+    rates: list[float] = []
+
+    class WarmUp(Regressor):
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            for group in optimizer.param_groups:
+                group["lr"] = min(1.0, (self.trainer.global_step + 1) / 4) * self.hparams.lr
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step(closure=optimizer_closure)
+
+    model = WarmUp()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(max_steps=6, logger=False)
+    trainer.fit(model, make_loader())
+    assert rates == pytest.approx([0.0125, 0.025, 0.0375, 0.05, 0.05, 0.05]) and trainer.global_step == 6
+    assert not torch.equal(before[0], model.layer.weight)
+
+
+def test_an_optimizer_step_that_never_runs_the_closure_is_an_error() -> None:
+    class Forgetful(Regressor):
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            optimizer.step()
+
+    with pytest.raises(RuntimeError, match=r"Forgetful.optimizer_step\(\) did not call the optimizer_closure"):
+        quiet_trainer(max_steps=1, logger=False).fit(Forgetful(), make_loader())
+
+
+def test_batch_transfer_hooks_of_module_and_datamodule() -> None:
+    calls: list[tuple[str, str, int]] = []
+
+    class Moving(Regressor):
+        def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            calls.append(("module", "before", dataloader_idx))
+            return batch
+
+        def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+            calls.append(("module", "transfer", dataloader_idx))
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            calls.append(("module", "after", dataloader_idx))
+            x, y = batch
+            return x * 0, y  # the step sees what this returns
+
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            assert torch.count_nonzero(batch[0]) == 0
+
+    class Data(ember.DataModule):
+        def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            calls.append(("datamodule", "before", dataloader_idx))
+            return batch
+
+        def train_dataloader(self) -> DataLoader:
+            return make_loader(8)
+
+        def val_dataloader(self) -> list[DataLoader]:
+            return [make_loader(8), make_loader(8)]
+
+    quiet_trainer(max_epochs=1, logger=False).fit(Moving(), datamodule=Data())
+    steps = [("datamodule", "before"), ("module", "transfer"), ("module", "after")]
+    assert calls == [(*s, 0) for s in steps] + [(*s, 0) for s in steps] + [(*s, 1) for s in steps]
+
+
+def test_eval_batch_hooks_get_the_loader_index_only_with_several_loaders() -> None:
+    seen: list[tuple[int, ...]] = []
+
+    class Hooked(Regressor):
+        def on_validation_batch_start(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+            seen.append((batch_idx,))
+
+        def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            seen.append((batch_idx, dataloader_idx))
+
+    model = Hooked()
+    trainer = quiet_trainer(max_epochs=1, logger=False, limit_val_batches=1)
+    trainer.fit(model, make_loader(8), make_loader(8))
+    trainer.test(model, [make_loader(8), make_loader(8)], verbose=False)
+    assert seen == [(0,), (0, 0), (0, 1)]
+
+
+def test_configure_model_and_configure_callbacks() -> None:
+    calls: list[str] = []
+
+    class Marker(Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def on_fit_start(self, trainer: Any, module: Any) -> None:
+            calls.append(self.name)
+
+    class Late(ember.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer: nn.Module | None = None
+
+        def configure_model(self) -> None:  # type: ignore[override]
+            if self.layer is None:
+                self.layer = nn.Linear(4, 1)
+
+        def configure_callbacks(self) -> Callback:
+            return Marker("from the module")
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            assert self.layer is not None
+            return F.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = quiet_trainer(max_steps=2, logger=False, callbacks=[Marker("given"), LearningRateMonitor()])
+    model = Late()
+    with pytest.raises(ValueError, match="LearningRateMonitor needs a logger"):
+        trainer.fit(model, make_loader())  # the given callbacks still run
+    assert calls == ["from the module"] and model.layer is not None
+
+
+def test_hooks_that_lightning_removed_are_refused() -> None:
+    class OldStyle(Regressor):
+        def training_epoch_end(self, outputs: Any) -> None:
+            pass
+
+    with pytest.raises(NotImplementedError, match=r"OldStyle.training_epoch_end\(\) is a hook that Ember never calls"):
+        quiet_trainer(max_steps=1).fit(OldStyle(), make_loader())
+
+    class OldCallback(Callback):
+        def on_epoch_end(self, trainer: Any, module: Any) -> None:
+            pass
+
+    with pytest.raises(NotImplementedError, match="OldCallback.on_epoch_end.*on_train_epoch_end"):
+        quiet_trainer(max_steps=1, callbacks=[OldCallback()]).fit(Regressor(), make_loader())
+
+    class Iterating(Regressor):
+        def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+            return super().training_step(*next(dataloader_iter))
+
+    with pytest.raises(NotImplementedError, match=r"training_step\(dataloader_iter\)"):
+        quiet_trainer(max_steps=1).fit(Iterating(), make_loader())
+
+
+def test_manual_optimization_hooks_and_flags() -> None:
+    calls: list[str] = []
+
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(F.mse_loss(self(batch[0]), batch[1]))
+            optimizer.step()
+
+        def on_before_backward(self, loss: torch.Tensor) -> None:
+            calls.append("on_before_backward")
+
+        def on_after_backward(self) -> None:
+            calls.append("on_after_backward")
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            calls.append("on_before_optimizer_step")
+
+    quiet_trainer(max_steps=1, logger=False).fit(Manual(), make_loader())
+    assert calls == ["on_before_backward", "on_after_backward", "on_before_optimizer_step"]
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2 with manual optimization"):
+        quiet_trainer(max_steps=1, accumulate_grad_batches=2).fit(Manual(), make_loader())
+    with pytest.raises(ValueError, match="gradient_clip_val=1.0 with manual optimization"):
+        quiet_trainer(max_steps=1, gradient_clip_val=1.0).fit(Manual(), make_loader())
+
+
+def test_validation_leaves_frozen_parts_in_evaluation_mode() -> None:
+    modes: list[bool] = []
+
+    class Frozen(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(self.backbone(x))
+
+        def on_fit_start(self) -> None:
+            self.backbone.eval()  # a frozen backbone keeps its batch-norm statistics
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            modes.append(self.backbone.training)
+
+    trainer = quiet_trainer(max_epochs=2, logger=False, num_sanity_val_steps=1)
+    trainer.fit(Frozen(), make_loader(16), make_loader(16))
+    assert modes == [False] * 4
+
+
+def test_prepare_data_of_the_module_runs_once_per_stage() -> None:
+    calls: list[str] = []
+
+    class Preparing(Regressor):
+        def prepare_data(self) -> None:
+            calls.append("prepare")
+
+    model = Preparing()
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    trainer.fit(model, make_loader())
+    trainer.validate(model, make_loader(), verbose=False)
+    assert calls == ["prepare", "prepare"]
+
+
+# ------------------------------------------------------------------------------------ flags
+class _StopAtOnce(Callback):
+    """Asks to stop after every batch, as an early-stopping callback might."""
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer.should_stop = True
+
+
+def test_min_epochs_and_min_steps_hold_off_stopping() -> None:
+    trainer = quiet_trainer(max_epochs=10, callbacks=[_StopAtOnce()], logger=False)
+    trainer.fit(Regressor(), make_loader())  # 8 batches per epoch
+    assert trainer.global_step == 1
+    trainer = quiet_trainer(max_epochs=10, min_epochs=2, callbacks=[_StopAtOnce()], logger=False)
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.global_step == 16 and trainer.current_epoch == 2
+    trainer = quiet_trainer(max_epochs=10, min_steps=11, callbacks=[_StopAtOnce()], logger=False)
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.global_step == 11
+
+
+def test_fast_dev_run_runs_a_few_batches_of_each_loop_and_keeps_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    model = _Tracked()
+    trainer = quiet_trainer(fast_dev_run=True, max_epochs=5, callbacks=[ModelCheckpoint(monitor="val_loss")])
+    trainer.fit(model, make_loader(), make_loader())
+    assert trainer.global_step == 1 and trainer.current_epoch == 1 and trainer.num_val_batches == [1]
+    assert not os.path.exists("ember_logs") and trainer.checkpoint_callback.best_model_path == ""  # type: ignore[union-attr]
+    assert "fast_dev_run" in capsys.readouterr().out
+    trainer.test(model, make_loader(), verbose=False)
+    assert trainer.num_test_batches == [1]
+    trainer = quiet_trainer(fast_dev_run=3)
+    trainer.fit(Regressor(), make_loader(), make_loader())
+    assert trainer.global_step == 3 and trainer.num_val_batches == [3]
+    assert trainer.logger is not None and trainer.logger.experiment.add_image("x", torch.zeros(3, 2, 2)) is None
+
+
+def test_overfit_batches_uses_the_same_few_batches_unshuffled() -> None:
+    seen: list[list[float]] = []
+
+    class Watching(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(batch[1].flatten().tolist())
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_epochs=2, overfit_batches=2, logger=False)
+    with pytest.warns(UserWarning, match="overfit_batches: the train dataloader shuffles"):
+        trainer.fit(Watching(), make_loader(shuffle=True), make_loader())
+    targets = make_data().tensors[1].flatten().tolist()
+    assert seen == [targets[:8], targets[8:16]] * 2 and trainer.num_val_batches == [2]
+
+
+def test_dataloaders_are_reloaded_every_n_epochs() -> None:
+    requests: list[int] = []
+
+    class Reloading(Regressor):
+        def train_dataloader(self) -> DataLoader:
+            requests.append(self.current_epoch)
+            return make_loader(8 * (len(requests)))  # one more batch each time
+
+    trainer = quiet_trainer(max_epochs=4, reload_dataloaders_every_n_epochs=2, logger=False)
+    trainer.fit(Reloading())
+    assert requests == [0, 2] and trainer.global_step == 1 + 1 + 2 + 2
+
+
+def test_barebones_turns_off_everything_that_costs_time() -> None:
+    trainer = ember.Trainer(accelerator="cpu", barebones=True, max_epochs=1)
+    assert trainer.loggers == [] and trainer.callbacks == [] and trainer.config.num_sanity_val_steps == 0
+    with pytest.warns(UserWarning, match=r"self.log\('train_loss', ...\) does nothing with barebones=True"):
+        trainer.fit(Regressor(), make_loader())
+    assert trainer.callback_metrics == {} and not os.path.exists("ember_logs")
+    for flags, name in (({"logger": CSVLogger(".")}, "logger"), ({"profiler": "simple"}, "profiler"),
+                        ({"fast_dev_run": True}, "fast_dev_run"), ({"detect_anomaly": True}, "detect_anomaly"),
+                        ({"callbacks": [ModelCheckpoint()]}, "callbacks")):  # fmt: skip
+        with pytest.raises(ember.config.FlagError, match=f"barebones=True.*{name}="):
+            ember.Trainer(barebones=True, **flags)
+
+
+def test_hyperparameters_are_not_logged_when_asked_not_to() -> None:
+    trainer = quiet_trainer(max_steps=1, enable_autolog_hparams=False)
+    trainer.fit(Regressor(), make_loader())
+    assert not os.path.exists(os.path.join(trainer.log_dir, "hparams.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("name", "find_unused"),
+    [("ddp_find_unused_parameters_true", True), ("ddp_spawn", False), ("ddp_fork", False),
+     ("ddp_notebook_find_unused_parameters_true", True)],
+)  # fmt: skip
+def test_lightnings_strategy_names(name: str, find_unused: bool) -> None:
+    strategy = ember.Trainer(accelerator="cpu", devices=1, strategy=name).strategy
+    assert isinstance(strategy, ember.strategies.DDPStrategy) and strategy.find_unused_parameters is find_unused
+
+
+def test_strategy_names_ember_lacks_say_what_to_use() -> None:
+    with pytest.raises(ValueError, match=r"strategy='deepspeed_stage_2'.*DeepSpeed.*'fsdp'"):
+        ember.Trainer(accelerator="cpu", strategy="deepspeed_stage_2")
+    with pytest.raises(ValueError, match=r"FSDPStrategy\(cpu_offload=True\).*on accelerator='cpu'"):
+        ember.Trainer(accelerator="cpu", strategy="fsdp_cpu_offload")  # the name is known; CPUs need no offload
+
+
+def test_the_older_gpus_flag_warns_with_the_flags_to_use() -> None:
+    with pytest.warns(FutureWarning, match=r"gpus=0 is Lightning 1's spelling.*accelerator='cpu'"):
+        assert ember.Trainer(gpus=0).strategy.root_device.type == "cpu"
+
+
+def test_the_default_logger_is_tensorboard_with_a_csv_file_beside_it() -> None:
+    pytest.importorskip("tensorboard")
+    from ember.loggers import TensorBoardLogger
+
+    class Images(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.logger.experiment.add_image("input", batch[0][:1].reshape(1, 2, 2), self.global_step)
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_steps=2, log_every_n_steps=1)
+    trainer.fit(Images(), make_loader())
+    assert isinstance(trainer.logger, TensorBoardLogger) and isinstance(trainer.loggers[1], CSVLogger)
+    files = os.listdir(trainer.log_dir)
+    assert "metrics.csv" in files and any(name.startswith("events.out.tfevents") for name in files)
+
+
+def test_learning_rate_monitor_logs_the_rate_each_logging_step_uses() -> None:
+    rates: list[float] = []
+
+    class Halving(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            rates.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self) -> Any:
+            first = torch.optim.Adam(self.layer.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1, gamma=0.5)
+            return {"optimizer": first, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    trainer = quiet_trainer(max_steps=4, log_every_n_steps=2, callbacks=[LearningRateMonitor()])
+    trainer.fit(Halving(), make_loader())
+    with open(os.path.join(trainer.log_dir, "metrics.csv"), newline="") as file:
+        logged = [(int(row["step"]), float(row["lr-Adam"])) for row in csv.DictReader(file) if row.get("lr-Adam")]
+    assert logged == [(2, rates[1]), (4, rates[3])] and rates == [0.1, 0.05, 0.025, 0.0125]
+    monitor = LearningRateMonitor()
+
+    class Two(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.other = nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.Adam(self.layer.parameters()), torch.optim.Adam(self.other.parameters())]
+
+    trainer = quiet_trainer(max_steps=1, limit_train_batches=1, max_epochs=1, callbacks=[monitor])
+    trainer.fit(Two(), make_loader())
+    assert set(trainer.callback_metrics) == {"lr-Adam", "lr-Adam-1"}  # the second of a kind gets "-1"
+
+
+def test_the_options_of_self_log_that_lightning_has() -> None:
+    class Options(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            x, y = batch
+            self.log(f"loss_{dataloader_idx}", F.mse_loss(self(x), y), add_dataloader_idx=False)
+            self.log("plain", 1.0, rank_zero_only=True, metric_attribute="unused")
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(Options(), make_loader(), [make_loader(16), make_loader(16)])
+    assert {"loss_0", "loss_1", "plain/dataloader_idx_0"} <= set(trainer.callback_metrics)
+    for options, message in (({"enable_graph": True}, "never keep the autograd graph"),
+                             ({"sync_dist_group": object()}, "leave the group out"),
+                             ({"rank_zero_only": True, "sync_dist": True}, "cannot be synced")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            Regressor().log("x", 1.0, **options)
+
+
+def test_the_datamodule_hears_of_a_failed_stage() -> None:
+    seen: list[str] = []
+
+    class Data(ember.DataModule):
+        def train_dataloader(self) -> DataLoader:
+            return make_loader()
+
+        def on_exception(self, exception: BaseException) -> None:
+            seen.append(str(exception))
+
+    class Failing(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise RuntimeError("broken step")
+
+    with pytest.raises(RuntimeError, match="broken step"):
+        quiet_trainer(max_steps=1, logger=False).fit(Failing(), datamodule=Data())
+    assert seen == ["broken step"]
+
+
+def test_the_tuner_runs_the_modules_step_hooks() -> None:
+    from ember.tuner import Tuner
+
+    calls: list[int] = []
+
+    class Hooked(Regressor):
+        def train_dataloader(self) -> DataLoader:
+            return make_loader(64, batch_size=8)
+
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            calls.append(batch_idx)
+            optimizer.step(closure=optimizer_closure)
+
+    Tuner(quiet_trainer(logger=False)).lr_find(Hooked(), num_training=5, early_stop_threshold=None)
+    assert calls == [0, 1, 2, 3, 4]

@@ -1,0 +1,351 @@
+"""Lightning programs run on Ember unchanged, through the import hook; with Lightning installed, each also runs
+on Lightning and the two runs are compared: steps, epochs, logged metric names, checkpoint names and, where
+both read the data in the same order, the values.
+
+The programs live in ``tests/lightning_programs``; single-process ones run in this process (Lightning is
+imported once), the two-process ones through ``ember run --lightning`` and ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import importlib.util
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import ember
+from ember import lightning_compat
+
+PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_programs")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_LIGHTNING = (
+    importlib.util.find_spec("lightning") is not None and importlib.util.find_spec("pytorch_lightning") is not None
+)
+_ROOTS = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+# ------------------------------------------------------------------------------ the hook itself
+@contextlib.contextmanager
+def served_by_ember() -> Iterator[None]:
+    """Lightning's names served by Ember; an installed Lightning, if imported, is set aside meanwhile."""
+    aside = {name: module for name, module in sys.modules.items() if name.partition(".")[0] in _ROOTS}
+    for name in aside:
+        del sys.modules[name]
+    lightning_compat.install()
+    try:
+        yield
+    finally:
+        lightning_compat.uninstall()
+        sys.modules.update(aside)
+
+
+def test_lightning_names_are_embers_own_objects() -> None:
+    with served_by_ember():
+        import lightning as L
+        import lightning.pytorch as pl
+        import pytorch_lightning as ptl
+        from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+        from lightning.pytorch.strategies import DDPStrategy
+        from lightning.pytorch.utilities import grad_norm, rank_zero_info
+
+        assert L.LightningModule is pl.LightningModule is ptl.LightningModule is ember.Module
+        assert L.Trainer is ember.Trainer and pl.LightningDataModule is ember.DataModule
+        assert ModelCheckpoint is ember.callbacks.ModelCheckpoint and DDPStrategy is ember.strategies.DDPStrategy
+        assert BasePredictionWriter is ember.callbacks.BasePredictionWriter and callable(grad_norm)
+        assert (
+            rank_zero_info is ember.rank_zero.rank_zero_info
+            and pl.callbacks.EarlyStopping is ptl.callbacks.EarlyStopping
+        )
+        assert "ModelCheckpoint" in dir(pl.callbacks) and L.__version__.startswith("2.")
+        assert not hasattr(pl, "__file__")  # dunder lookups stay AttributeErrors for tools that probe them
+    # Afterwards, no served module is left behind (an installed Lightning, if imported before, is back).
+    assert not lightning_compat.is_installed()
+    assert all(hasattr(module, "__file__") for name, module in sys.modules.items() if name.partition(".")[0] in _ROOTS)
+
+
+@pytest.mark.parametrize(
+    ("statement", "message"),
+    [
+        ("from lightning.pytorch.callbacks import StochasticWeightAveraging",
+         r"lightning.pytorch.callbacks.StochasticWeightAveraging is not covered by Ember: average weights with"),
+        ("from pytorch_lightning.loggers import WandbLogger",
+         r"WandbLogger is not covered.*subclass ember.loggers.Logger"),
+        ("from lightning.pytorch.plugins.environments import SLURMEnvironment",
+         r"lightning.pytorch.plugins.environments is a part of Lightning that Ember does not cover: Ember has no "
+         r"plugins"),
+        ("from lightning.pytorch.plugins import MixedPrecision", r"plugins.MixedPrecision is not covered.*precision="),
+        ("from lightning import Fabric", r"lightning.Fabric is not covered by Ember: use ember.Trainer"),
+        ("import lightning.fabric", r"lightning.fabric is a part of Lightning that Ember does not cover"),
+        ("import lightning.pytorch.trainer.connectors", r"Ember covers lightning.pytorch's callbacks, cli, core"),
+        ("from lightning.pytorch.callbacks import Nonexistent", r"callbacks.Nonexistent is not covered.*has Callback"),
+    ],
+)  # fmt: skip
+def test_names_ember_lacks_fail_at_import_with_what_to_use(statement: str, message: str) -> None:
+    with served_by_ember(), pytest.raises(ImportError, match=message):
+        exec(statement, {})
+
+
+def test_installing_after_lightning_was_imported_is_refused() -> None:
+    code = (
+        "import sys, types; sys.modules['pytorch_lightning'] = types.ModuleType('pytorch_lightning'); "
+        "import ember.lightning_compat as c; c.install()"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "install() must run before Lightning is imported" in result.stderr
+
+
+def test_ember_run_lightning_runs_an_unchanged_script(tmp_path: Any) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\nimport lightning.pytorch as pl\nfrom lightning.pytorch.demos.boring_classes import BoringModel\n"
+        "trainer = pl.Trainer(max_steps=3, enable_progress_bar=False, default_root_dir=sys.argv[1])\n"
+        "trainer.fit(BoringModel())\nprint('trained on', type(trainer).__module__, trainer.global_step)\n"
+    )
+    command = [sys.executable, "-m", "ember", "run", "--lightning", str(script), str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained on ember.trainer 3" in result.stdout
+
+
+# --------------------------------------------------------------------------------- the programs
+@dataclasses.dataclass
+class Outcome:
+    """What a program's run shows, in terms both frameworks share."""
+
+    values: dict[str, float]  # metrics and results, by name
+    logged: dict[str, list[int]]  # each logged metric's steps
+    checkpoints: list[str]  # checkpoint files, relative to their run directory
+    files: list[str]  # other files the program wrote outside the run directories
+
+
+@contextlib.contextmanager
+def framework(name: str) -> Iterator[None]:
+    if name == "ember":
+        with served_by_ember():
+            yield
+    else:
+        yield
+
+
+def load_program(name: str) -> Any:
+    """A fresh copy of the program's module (its imports of Lightning resolve now)."""
+    path = os.path.join(PROGRAMS, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"lightning_program_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_program(name: str, which: str, root: str) -> Outcome:
+    with framework(which):
+        result = load_program(name).main(root)
+    return summarize(result, root)
+
+
+def summarize(result: dict[str, Any], root: str) -> Outcome:
+    values: dict[str, float] = {}
+    for key, item in result.items():
+        values.update(_values(key, item))
+    checkpoints, files = [], []
+    logged: dict[str, list[int]] = {}
+    for directory, _, names in os.walk(root):
+        relative = os.path.relpath(directory, root)
+        in_run = relative.split(os.sep)[0] in ("lightning_logs", "ember_logs", "logs")
+        for file in names:
+            path = os.path.join(directory, file)
+            if file.endswith(".ckpt"):
+                checkpoints.append(_run_relative(path, root))
+            elif file == "metrics.csv":
+                for metric, steps in _csv_steps(path).items():
+                    logged.setdefault(f"csv:{metric}", []).extend(_once(steps))
+            elif file.startswith("events.out.tfevents"):  # each stage (fit, validate, ...) writes a file
+                for metric, steps in _event_steps(path).items():
+                    logged.setdefault(f"tensorboard:{metric}", []).extend(_once(steps))
+            elif not in_run:
+                files.append(os.path.relpath(path, root))
+    return Outcome(values, logged, sorted(checkpoints), sorted(files))
+
+
+def _once(steps: list[int]) -> list[int]:
+    """``steps`` without repeats of the same step in a row (Lightning's LearningRateMonitor writes the same
+    value once per micro-batch of an accumulation window)."""
+    return [step for step, _ in itertools.groupby(steps)]
+
+
+def _values(key: str, item: Any) -> dict[str, float]:
+    if hasattr(item, "callback_metrics") and hasattr(item, "global_step"):
+        found = {f"{key}.{name}": float(value) for name, value in item.callback_metrics.items()}
+        return {**found, f"{key}.global_step": item.global_step, f"{key}.current_epoch": item.current_epoch}
+    if isinstance(item, torch.Tensor):
+        return {f"{key}.sum": float(item.double().sum()), f"{key}.numel": float(item.numel())}
+    if isinstance(item, dict):
+        return {name: value for sub, part in item.items() for name, value in _values(f"{key}.{sub}", part).items()}
+    if isinstance(item, (list, tuple)):
+        return {
+            name: value for index, part in enumerate(item) for name, value in _values(f"{key}[{index}]", part).items()
+        }
+    if isinstance(item, (int, float, bool)):
+        return {key: float(item)}
+    return {f"{key}:{item}": 0.0}  # anything else is compared by its text
+
+
+def _run_relative(path: str, root: str) -> str:
+    parts = os.path.relpath(path, root).split(os.sep)
+    if parts[0] in ("lightning_logs", "ember_logs"):
+        parts = parts[1:]  # the default directory's name differs; what is under it must not
+    return "/".join(parts)
+
+
+def _csv_steps(path: str) -> dict[str, list[int]]:
+    with open(path, newline="") as file:
+        rows = list(csv.DictReader(file))
+    steps: dict[str, list[int]] = {}
+    for row in rows:
+        for name, value in row.items():
+            if value not in ("", None) and name not in ("step", "epoch"):
+                steps.setdefault(name, []).append(int(row["step"]))
+    return steps
+
+
+def _event_steps(path: str) -> dict[str, list[int]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(path, size_guidance={"scalars": 0})
+    events.Reload()
+    # Lightning's TensorBoardLogger adds a placeholder "hp_metric" with the hyperparameters; Ember does not.
+    return {
+        tag: [event.step for event in events.Scalars(tag)] for tag in events.Tags()["scalars"] if tag != "hp_metric"
+    }
+
+
+#: Programs whose data is read in the same order by both frameworks, so that their values must agree. (A
+#: program that draws random numbers in its steps is not among them: Lightning's dataloaders draw a seed
+#: from the global generator each epoch, Ember's do not.)
+SAME_ORDER = {
+    "autoencoder_tutorial", "multi_val_loaders", "bf16_accumulation", "early_stopping", "prediction_writer",
+    "finetuning", "warmup_transformer", "custom_batch", "callback_hooks", "cli_program", "tensorboard_logging",
+    "hparams_inheritance", "datamodule_from_datasets",
+}  # fmt: skip
+
+SINGLE_PROCESS = sorted(
+    name[:-3] for name in os.listdir(PROGRAMS) if name.endswith(".py") and not name.startswith(("_", "ddp_"))
+)
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome | Exception]:
+    """Each program's run under Lightning, done once for the module (only when Lightning is installed)."""
+    runs: dict[str, Outcome | Exception] = {}
+    if not HAS_LIGHTNING:
+        return runs
+    start = os.getcwd()
+    try:
+        for name in SINGLE_PROCESS:
+            root = str(tmp_path_factory.mktemp(f"lightning-{name}"))
+            os.chdir(root)
+            try:
+                runs[name] = run_program(name, "lightning", root)
+            except Exception as error:  # reported by the program's own test
+                runs[name] = error
+    finally:
+        os.chdir(start)
+    return runs
+
+
+@pytest.mark.parametrize("name", SINGLE_PROCESS)
+def test_program_runs_on_ember_as_on_lightning(
+    name: str, tmp_path: Any, lightning_runs: dict[str, Outcome | Exception]
+) -> None:
+    ours = run_program(name, "ember", str(tmp_path))
+    if not HAS_LIGHTNING:
+        assert ours.values, "the program reported nothing"
+        return
+    theirs = lightning_runs[name]
+    if isinstance(theirs, Exception):
+        raise AssertionError(f"{name} failed on Lightning itself, so there is nothing to compare with") from theirs
+    compare(name, ours, theirs)
+
+
+def compare(name: str, ours: Outcome, theirs: Outcome) -> None:
+    assert sorted(ours.values) == sorted(theirs.values), "values named differently"
+    for key in ("global_step", "current_epoch"):
+        for value_name in (n for n in theirs.values if n.endswith(f".{key}")):
+            assert ours.values[value_name] == theirs.values[value_name], value_name
+    if name in SAME_ORDER:
+        for value_name, value in theirs.values.items():
+            assert math.isclose(ours.values[value_name], value, rel_tol=1e-4, abs_tol=1e-6), (
+                value_name, ours.values[value_name], value,
+            )  # fmt: skip
+    assert ours.checkpoints == theirs.checkpoints
+    assert ours.files == theirs.files
+    # Each metric is logged at as many steps by both. Ember labels a value logged during a training step with
+    # the global step after it (10 for the tenth), Lightning with the step before (9), so the labels are not
+    # compared; nor is "epoch", which each framework writes beside every group of values it writes.
+    sources = {key.partition(":")[0] for key in ours.logged} & {key.partition(":")[0] for key in theirs.logged}
+    for source in sources:  # CSV files, TensorBoard events, or both
+        assert _logged_counts(ours, source) == _logged_counts(theirs, source)
+
+
+def _logged_counts(outcome: Outcome, source: str) -> dict[str, int]:
+    return {k: len(v) for k, v in outcome.logged.items() if k.startswith(source) and not k.endswith(":epoch")}
+
+
+# ------------------------------------------------------------------------- two-process programs
+#: How Ember starts each two-process program: with ember run's two workers, or from one plain process
+#: whose Trainer(devices=2) starts them (the hook must reach the workers either way).
+TWO_PROCESSES = {
+    "ddp_classifier": ["-m", "ember", "run", "--lightning", "--nproc-per-node", "2"],
+    "ddp_gan": ["-m", "ember.lightning_compat"],
+}
+
+
+#: Variables that would tell a program it is a worker of a running job (a test may leave one behind).
+_JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                  "EMBER_DOCTOR")  # fmt: skip
+
+
+def _start(command: list[str], root: str) -> subprocess.Popen:
+    """Start ``command`` as a user would from a shell: no variables of a running job."""
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in _JOB_VARIABLES and not name.startswith("TORCHELASTIC_")}  # fmt: skip
+    environment["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
+    return subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def _finish(process: subprocess.Popen, root: str) -> Outcome:
+    output, _ = process.communicate(timeout=200)
+    assert process.returncode == 0, output[-4000:]
+    with open(os.path.join(root, "summary.json")) as file:
+        values = json.load(file)
+    outcome = summarize({}, root)
+    return Outcome(values, outcome.logged, outcome.checkpoints, [f for f in outcome.files if f != "summary.json"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(TWO_PROCESSES))
+def test_two_process_program_runs_on_ember_as_on_lightning(name: str, tmp_path: Any) -> None:
+    script = os.path.join(PROGRAMS, f"{name}.py")
+    ours_root, theirs_root = str(tmp_path / "ember"), str(tmp_path / "lightning")
+    os.makedirs(ours_root)
+    os.makedirs(theirs_root)
+    ours = _start([sys.executable, *TWO_PROCESSES[name], script, ours_root], ours_root)
+    # Lightning starts its second process itself, by running the script again.
+    theirs = _start([sys.executable, script, theirs_root], theirs_root) if HAS_LIGHTNING else None
+    ours_outcome = _finish(ours, ours_root)
+    assert ours_outcome.values["trainer.global_step"] > 0
+    if theirs is not None:
+        compare(name, ours_outcome, _finish(theirs, theirs_root))
