@@ -415,8 +415,34 @@ def epoch_batches(
         skipper = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
         if isinstance(skipper, _Skippable):
             skipper.skip, skip = skip, 0
-    iterator = iter(loader)
+    iterator = loader_batches(loader)
     return islice(iterator, skip, None) if skip and isinstance(loader, Sequence) else iterator
+
+
+def loader_batches(loader: Iterable) -> Iterator[Any]:
+    """``iter(loader)``; for a DataLoader with workers, one that ends them as soon as it is closed early
+    (the loops close their batches when a step raises or training stops)."""
+    iterator = iter(loader)
+    if isinstance(loader, DataLoader) and loader.num_workers > 0 and not loader.persistent_workers:
+        return _ending_workers(iterator)
+    return iterator
+
+
+def _ending_workers(iterator: Iterator[Any]) -> Iterator[Any]:
+    """The batches of ``iterator``, whose workers end when this generator is closed.
+
+    Left to the garbage collector, workers outlive an error for long: a traceback that refers to the loop
+    keeps the DataLoader's iterator alive, and once the collector breaks such a cycle the iterator's queues
+    are finalized before it can tell its workers to stop, so it waits 5 s for each. At the interpreter's
+    exit it is worse: multiprocessing ends a worker with the one SIGTERM that ``_WorkerStart`` lets pass,
+    then waits for it forever. (Persistent workers outlive an epoch; the Trainer ends them with the stage.)
+    """
+    try:
+        yield from iterator
+    finally:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
 
 def resumes_at_the_sample(loader: Iterable) -> bool:

@@ -3,6 +3,10 @@ reported, a loss without a graph says why."""
 
 from __future__ import annotations
 
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -58,6 +62,50 @@ def test_an_iterable_dataset_that_fails_names_the_batch_and_the_worker() -> None
     loader = DataLoader(_Stream(), batch_size=4, num_workers=1)
     with pytest.raises(DataLoadingError, match=r"failed at batch 2, worker 0: .*connection to the bucket lost"):
         quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), loader)
+
+
+class _FailsAtStep2(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("a bug in training_step")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 2:
+            raise RuntimeError("a bug in validation_step")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("a bug in predict_step")
+        return self(batch[0])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("stage", "step"), [("fit", "training"), ("validate", "validation"), ("predict", "predict")])
+def test_a_step_that_raises_ends_the_loader_workers_at_once(stage: str, step: str) -> None:
+    loader = DataLoader(make_data(64), batch_size=4, num_workers=2)
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    with pytest.raises(RuntimeError, match=f"a bug in {step}_step"):
+        getattr(trainer, stage)(_FailsAtStep2(), loader)
+    # The traceback held by pytest.raises refers to the loop; the workers must not wait for it to go.
+    assert not [child for child in multiprocessing.active_children() if child.is_alive()]
+
+
+@pytest.mark.timeout(60)
+def test_a_script_whose_step_raises_with_workers_exits(tmp_path: Any) -> None:
+    """The uncaught error ends the process: the interpreter's exit does not wait for the workers."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from torch.utils.data import DataLoader\n"
+        "from conftest import make_data, quiet_trainer\n"
+        "from test_failures import _FailsAtStep2\n"
+        "loader = DataLoader(make_data(64), batch_size=4, num_workers=2)\n"
+        "quiet_trainer(max_epochs=1, logger=False).fit(_FailsAtStep2(), loader)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=45, cwd=tmp_path)
+    assert done.returncode == 1 and "RuntimeError: a bug in training_step" in done.stderr
 
 
 def test_a_failing_validation_sample_is_named_too() -> None:

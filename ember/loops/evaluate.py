@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -13,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ember._utils import apply_to_tensors
-from ember.data import count_batches, named_failures
+from ember.data import count_batches, loader_batches, named_failures
 from ember.loops.step import takes_batch_idx
 from ember.metrics import to_floats
 
@@ -85,15 +86,16 @@ class EvaluationLoop:
         step_name = f"{self._hook}_step"
         kind = "val" if self.stage == "validate" else "test"
         extra = arguments.hook_extra(dataloader_idx)
-        named = named_failures(limited(loader, count), f"{kind} dataloader {dataloader_idx}")
-        for batch_idx, batch in enumerate(trainer.profiler.timed_batches(named, kind)):
-            batch = to_device(batch)
-            store.batch = batch
-            for hook in batch_start:
-                hook(batch, batch_idx, *extra)
-            output = strategy.step(step_name, *arguments.of(batch, batch_idx, dataloader_idx))
-            for hook in batch_end:
-                hook(output, batch, batch_idx, *extra)
+        batches = named_failures(limited(loader, count), f"{kind} dataloader {dataloader_idx}")
+        with contextlib.closing(batches):  # closed early (a step raised), it ends the loader's workers
+            for batch_idx, batch in enumerate(trainer.profiler.timed_batches(batches, kind)):
+                batch = to_device(batch)
+                store.batch = batch
+                for hook in batch_start:
+                    hook(batch, batch_idx, *extra)
+                output = strategy.step(step_name, *arguments.of(batch, batch_idx, dataloader_idx))
+                for hook in batch_end:
+                    hook(output, batch, batch_idx, *extra)
 
 
 class _StepArguments:
@@ -191,19 +193,20 @@ class PredictionLoop:
         to_device = hooks.batch_transfer(strategy, dataloader_idx)
         extra = arguments.hook_extra(dataloader_idx)
         loader, produced = _recording_indices(loader)
-        named = named_failures(limited(loader, count), f"predict dataloader {dataloader_idx}")
-        for batch_idx, batch in enumerate(trainer.profiler.timed_batches(named, "predict")):
-            self.current_batch_indices = produced[batch_idx] if produced is not None else []
-            indices.append(self.current_batch_indices)
-            batch = to_device(batch)
-            for hook in batch_start:
-                hook(batch, batch_idx, *extra)
-            output = strategy.step("predict_step", *arguments.of(batch, batch_idx, dataloader_idx))
-            for hook in batch_end:
-                hook(output, batch, batch_idx, *extra)
-            if outputs is not None:
-                # Kept on the device, every batch's outputs would pile up in its memory.
-                outputs.append(apply_to_tensors(output, _to_cpu))
+        batches = named_failures(limited(loader, count), f"predict dataloader {dataloader_idx}")
+        with contextlib.closing(batches):  # closed early (a step raised), it ends the loader's workers
+            for batch_idx, batch in enumerate(trainer.profiler.timed_batches(batches, "predict")):
+                self.current_batch_indices = produced[batch_idx] if produced is not None else []
+                indices.append(self.current_batch_indices)
+                batch = to_device(batch)
+                for hook in batch_start:
+                    hook(batch, batch_idx, *extra)
+                output = strategy.step("predict_step", *arguments.of(batch, batch_idx, dataloader_idx))
+                for hook in batch_end:
+                    hook(output, batch, batch_idx, *extra)
+                if outputs is not None:
+                    # Kept on the device, every batch's outputs would pile up in its memory.
+                    outputs.append(apply_to_tensors(output, _to_cpu))
 
 
 class _RecordingBatchSampler:
@@ -262,4 +265,5 @@ def takes_dataloader_idx(step: Callable[..., Any]) -> bool:
 
 
 def limited(loader: Iterable, count: float) -> Iterator[Any]:
-    return iter(loader) if math.isinf(count) else islice(loader, int(count))
+    batches = loader_batches(loader)
+    return batches if math.isinf(count) else islice(batches, int(count))

@@ -7,13 +7,14 @@ detached, and are read only when logs are written (every ``log_every_n_steps``).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import os
 import signal
 import subprocess
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -279,14 +280,15 @@ class FitLoop:
         # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         trainer.hooks.call("on_train_epoch_start")
         outcome = _Outcome.CONTINUE
-        for window in self._windows(self._epoch_batches()):
-            outcome = self._train_window(window)
-            if outcome is not _Outcome.CONTINUE:
-                break
+        with contextlib.closing(self._epoch_batches()) as batches:  # closed early, it ends the loader's workers
+            for window in self._windows(batches):
+                outcome = self._train_window(window)
+                if outcome is not _Outcome.CONTINUE:
+                    break
         if outcome is not _Outcome.PREEMPTED:  # the process exits: no end-of-epoch work for half an epoch
             self._end_epoch(completed=outcome is _Outcome.EPOCH_DONE)
 
-    def _epoch_batches(self) -> Iterator[tuple[int, Any, bool]]:
+    def _epoch_batches(self) -> Generator[tuple[int, Any, bool], None, None]:
         """``(batch_idx, batch, is_last)`` for the rest of this epoch's training batches."""
         trainer, progress = self.trainer, self.progress
         assert self.train_loader is not None
