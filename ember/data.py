@@ -14,7 +14,6 @@ import math
 import random
 import re
 import signal
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from torch.utils.data import (
 )
 
 from ember._utils import apply_to_tensors
+from ember.rank_zero import rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -177,21 +177,24 @@ def _shardable(loader: DataLoader) -> bool:
     if isinstance(loader.sampler, DistributedSampler):
         return False  # the user sharded the data already
     if isinstance(loader.dataset, IterableDataset):
-        _warn_once(
+        rank_zero_warn_once(
             "an IterableDataset cannot be sharded by a sampler: each rank reads what its dataset yields, so "
-            "shard it yourself (torch.utils.data.get_worker_info() and the rank) or every rank sees the same data"
+            "shard it yourself (torch.utils.data.get_worker_info() and the rank) or every rank sees the same data",
+            stacklevel=3,
         )
         return False
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
-        _warn_once(
+        rank_zero_warn_once(
             "a DataLoader with a custom batch_sampler is left as it is: every rank gets the same batches unless "
-            "the batch sampler shards them (use_distributed_sampler=False silences this)"
+            "the batch sampler shards them (use_distributed_sampler=False silences this)",
+            stacklevel=3,
         )
         return False
     if not (isinstance(loader.sampler, SequentialSampler) or _plain_shuffle(loader.sampler)):
-        _warn_once(
+        rank_zero_warn_once(
             f"a DataLoader with a {type(loader.sampler).__name__} is left as it is: every rank draws from the "
-            "whole dataset; give it a DistributedSampler of your own to shard it"
+            "whole dataset; give it a DistributedSampler of your own to shard it",
+            stacklevel=3,
         )
         return False
     return True
@@ -326,15 +329,6 @@ def _seed_worker(worker_id: int) -> None:
     except ImportError:
         return
     numpy.random.seed(seed)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=4)
 
 
 def count_batches(loader: Iterable, limit: int | float | None, flag: str) -> float:

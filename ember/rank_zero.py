@@ -47,3 +47,19 @@ def rank_zero_print(*args: Any, **kwargs: Any) -> None:
 @rank_zero_only
 def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 3) -> None:
     warnings.warn(message, category, stacklevel=stacklevel)
+
+
+# The warnings rank_zero_warn_once has given in this process.
+_warned: set[tuple[str, type[Warning]]] = set()
+
+
+def rank_zero_warn_once(message: str, category: type[Warning] = UserWarning, stacklevel: int = 1) -> None:
+    """``warnings.warn`` on the global-zero process, the first time this process gives ``message``.
+
+    For warnings that would otherwise come from every process, or again at every step, epoch or save.
+    ``stacklevel`` counts from the caller, as ``warnings.warn``'s does.
+    """
+    if rank_zero_only.rank != 0 or (message, category) in _warned:  # type: ignore[attr-defined]
+        return
+    _warned.add((message, category))
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
