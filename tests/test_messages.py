@@ -121,3 +121,42 @@ def test_more_devices_than_the_machine_has_says_what_to_pass() -> None:
     with pytest.raises(ValueError, match=rf"devices={cores + 1}, but this machine has {cores} CPU cores?; "
                                          rf"pass devices={cores} or fewer"):  # fmt: skip
         ember.Trainer(accelerator="cpu", devices=cores + 1)
+
+
+# --------------------------------------------------------------------------- files others read
+def test_hparams_yaml_is_yaml_with_a_repr_for_what_yaml_cannot_hold(tmp_path: Any) -> None:
+    import numpy
+    import yaml
+
+    from ember.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path))
+    logger.log_hyperparams({
+        "lr": numpy.float32(0.5), "layers": (64, 32), "name": "run: one", "steps": numpy.int64(3), "none": None,
+        "loss_fn": torch.nn.MSELoss(), "optimizer": {"betas": [0.9, 0.99], "dtype": torch.float16},
+    })  # fmt: skip
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as file:
+        text = file.read()
+    assert not text.startswith("{") and "lr: 0.5\n" in text  # block style, not JSON
+    assert yaml.safe_load(text) == {
+        "lr": 0.5, "layers": [64, 32], "name": "run: one", "steps": 3, "none": None,
+        "loss_fn": "MSELoss()", "optimizer": {"betas": [0.9, 0.99], "dtype": "torch.float16"},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o077])
+def test_logs_and_checkpoints_follow_the_umask(umask: int, tmp_path: Any) -> None:
+    previous = os.umask(umask)
+    try:
+        trainer = quiet_trainer(max_epochs=1, default_root_dir=str(tmp_path), profiler="simple", log_every_n_steps=1)
+        trainer.fit(Regressor(), make_loader(16))
+    finally:
+        os.umask(previous)
+    run = trainer.log_dir
+    assert run is not None
+    written = {os.path.relpath(os.path.join(root, name), run): os.stat(os.path.join(root, name)).st_mode & 0o777
+               for root, directories, files in os.walk(run) for name in directories + files}  # fmt: skip
+    assert {"metrics.csv", "hparams.yaml", "fit-profile.txt", "checkpoints"} <= set(written), written
+    for path, mode in written.items():
+        expected = (0o777 if os.path.isdir(os.path.join(run, path)) else 0o666) & ~umask
+        assert mode == expected, (path, oct(mode), oct(expected))
