@@ -92,7 +92,7 @@ class ProgressBar(Callback):
 
         text = io.StringIO()
         print(*args, **{**kwargs, "file": text})
-        tqdm.write(text.getvalue(), file=kwargs.get("file") or self.stream, end="")
+        tqdm.write(text.getvalue(), file=kwargs.get("file") or sys.stdout, end="")
 
     def display(self, title: str, total: float) -> ProgressDisplay:
         """A new bar (or periodic lines), left in place when done, for steps outside the loops (the tuner's)."""
