@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import ember
 
@@ -38,8 +42,15 @@ Module.load_from_checkpoint(OUT) loads the weights. Needs memory for the whole m
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors (an unknown flag, a missing or malformed value) are one line on stderr, status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ember",
         description="Ember: fast PyTorch training with a Lightning-compatible Module and Trainer.",
     )
@@ -247,11 +258,58 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None and not unknown:
         parser.print_help()
         return 0
+    command = " ".join(["ember", *(getattr(args, name) for name in ("command", "action") if getattr(args, name, None))])
+    # Unknown flags are reported by the command they were given to; the arguments are checked before
+    # anything starts: a missing script is one line, not a worker's traceback and the launcher's report.
+    problem = f"unrecognized arguments: {' '.join(unknown)} (see {command} --help)" if unknown else None
+    problem = problem or _argument_problem(args)
+    if problem is not None:
+        print(f"{command}: {problem}", file=sys.stderr)
+        return 2
     return args.handler(args)
+
+
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments of the command, in words (None: nothing found)."""
+    if args.command in ("run", "doctor"):
+        from ember.launch import processes_per_node
+
+        try:
+            processes_per_node(args.nproc_per_node)
+        except ValueError as error:
+            return str(error)
+        return _script_problem(args.script, args.module)
+    if args.command == "checkpoint":
+        return _output_problem(args.output)
+    return None
+
+
+def _script_problem(script: str, module: bool) -> str | None:
+    if not module:
+        if os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py")):
+            return None
+        return f"SCRIPT {script!r}: no such file (give a Python script, or -m and a module name)"
+    # The workers run `python -m SCRIPT` from this directory; only the top package is looked up, so that
+    # nothing of it is imported here.
+    top = script.partition(".")[0]
+    if top and (importlib.util.find_spec(top) or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])):
+        return None
+    return f"-m {script!r}: no module {top!r} here or among the installed packages"
+
+
+def _output_problem(path: str) -> str | None:
+    if os.path.isdir(path):
+        return f"OUT {path!r} is a directory: give the name of the file to write"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        return f"OUT {path!r} cannot be written: {parent!r} is not a directory you can write to"
+    return None
 
 
 if __name__ == "__main__":

@@ -14,8 +14,7 @@ import math
 import random
 import re
 import signal
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +31,7 @@ from torch.utils.data import (
 )
 
 from ember._utils import apply_to_tensors
+from ember.rank_zero import rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -177,21 +177,24 @@ def _shardable(loader: DataLoader) -> bool:
     if isinstance(loader.sampler, DistributedSampler):
         return False  # the user sharded the data already
     if isinstance(loader.dataset, IterableDataset):
-        _warn_once(
+        rank_zero_warn_once(
             "an IterableDataset cannot be sharded by a sampler: each rank reads what its dataset yields, so "
-            "shard it yourself (torch.utils.data.get_worker_info() and the rank) or every rank sees the same data"
+            "shard it yourself (torch.utils.data.get_worker_info() and the rank) or every rank sees the same data",
+            stacklevel=3,
         )
         return False
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
-        _warn_once(
+        rank_zero_warn_once(
             "a DataLoader with a custom batch_sampler is left as it is: every rank gets the same batches unless "
-            "the batch sampler shards them (use_distributed_sampler=False silences this)"
+            "the batch sampler shards them (use_distributed_sampler=False silences this)",
+            stacklevel=3,
         )
         return False
     if not (isinstance(loader.sampler, SequentialSampler) or _plain_shuffle(loader.sampler)):
-        _warn_once(
+        rank_zero_warn_once(
             f"a DataLoader with a {type(loader.sampler).__name__} is left as it is: every rank draws from the "
-            "whole dataset; give it a DistributedSampler of your own to shard it"
+            "whole dataset; give it a DistributedSampler of your own to shard it",
+            stacklevel=3,
         )
         return False
     return True
@@ -206,7 +209,7 @@ class DataLoadingError(RuntimeError):
     worker when they are known; the original error is chained to it."""
 
 
-def named_failures(batches: Iterable[Any], where: str, first_index: int = 0) -> Iterator[Any]:
+def named_failures(batches: Iterable[Any], where: str, first_index: int = 0) -> Generator[Any, None, None]:
     """``batches``, an error while producing one re-raised as a ``DataLoadingError`` that names ``where``
     (the loader and epoch), the batch index, and the sample index and worker when they are known."""
     iterator = iter(batches)
@@ -224,7 +227,9 @@ def named_failures(batches: Iterable[Any], where: str, first_index: int = 0) -> 
         index += 1
 
 
-def numbered_batches(batches: Iterable[Any], where: str, first: int, last: int) -> Iterator[tuple[int, Any, bool]]:
+def numbered_batches(
+    batches: Iterable[Any], where: str, first: int, last: int
+) -> Generator[tuple[int, Any, bool], None, None]:
     """``(index, batch, index == last)`` for indices ``first`` to ``last``, a failure to load a batch raised
     as ``named_failures`` raises it: the training loop's one generator per batch."""
     iterator = iter(batches)
@@ -356,15 +361,6 @@ def _seed_worker(worker_id: int) -> None:
     except ImportError:
         return
     numpy.random.seed(seed)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=4)
 
 
 def count_batches(loader: Iterable, limit: int | float | None, flag: str) -> float:
@@ -583,7 +579,7 @@ def in_order(loader: Iterable, flag: str) -> Iterable:
     """A copy of ``loader`` that reads its dataset in order instead of shuffling it (``flag`` needs that)."""
     if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, RandomSampler):
         return loader
-    warnings.warn(f"{flag}: the train dataloader shuffles; it is read in order instead", stacklevel=4)
+    rank_zero_warn_once(f"{flag}: the train dataloader shuffles; it is read in order instead", stacklevel=4)
     ordered = copy.copy(loader)
     sampler = SequentialSampler(loader.dataset)  # type: ignore[arg-type]
     # DataLoader forbids assigning samplers after construction; the copy is not shared with anyone.

@@ -288,7 +288,11 @@ class RunMetrics:
 
     def progress_bar_metrics(self) -> dict[str, float]:
         """Values logged with ``prog_bar=True``, as floats (reading them synchronises with the device)."""
-        return to_floats({**self._prog_bar_epoch_values, **self.train.prog_bar_step_values()})
+        return to_floats(self.progress_bar_values())
+
+    def progress_bar_values(self) -> dict[str, Number]:
+        """Values logged with ``prog_bar=True`` as they were logged: tensors stay on the device."""
+        return {**self._prog_bar_epoch_values, **self.train.prog_bar_step_values()}
 
     def publish_epoch(self, store: MetricStore, step: int, epoch: int) -> dict[str, Number]:
         """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers."""

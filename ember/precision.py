@@ -7,7 +7,6 @@ optimizer steps, and its own state (the fp16 ``GradScaler``'s scale goes into ch
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 
 from ember._utils import apply_to_tensors
-from ember.rank_zero import rank_zero_warn
+from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
 # Every spelling users pass, mapped to the canonical name.
 _ALIASES: dict[str | int, str] = {
@@ -157,7 +156,7 @@ def build_precision(flag: str | int, device: torch.device) -> Precision:
     """The precision plugin for ``flag`` on ``device``, refusing modes the device cannot run."""
     name = canonical_precision(flag)
     if name == "16-mixed" and device.type == "cpu":
-        warnings.warn(
+        rank_zero_warn_once(
             "precision='16-mixed' needs a GPU (float16 autocast with a GradScaler); "
             "on CPU Ember uses precision='bf16-mixed' instead",
             stacklevel=3,

@@ -60,3 +60,19 @@ def rank_zero_info(*args: Any, **kwargs: Any) -> None:
 def rank_zero_debug(message: str, *args: Any) -> None:
     """Log a debugging message to the "ember" logger (``logging``), on the global-zero process."""
     logging.getLogger("ember").debug(message, *args)
+
+
+# The warnings rank_zero_warn_once has given in this process.
+_warned: set[tuple[str, type[Warning]]] = set()
+
+
+def rank_zero_warn_once(message: str, category: type[Warning] = UserWarning, stacklevel: int = 1) -> None:
+    """``warnings.warn`` on the global-zero process, the first time this process gives ``message``.
+
+    For warnings that would otherwise come from every process, or again at every step, epoch or save.
+    ``stacklevel`` counts from the caller, as ``warnings.warn``'s does.
+    """
+    if rank_zero_only.rank != 0 or (message, category) in _warned:  # type: ignore[attr-defined]
+        return
+    _warned.add((message, category))
+    warnings.warn(message, category, stacklevel=stacklevel + 1)

@@ -379,9 +379,10 @@ class Trainer:
         return next((callback for callback in self.callbacks if isinstance(callback, ProgressBar)), None)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the global-zero process only."""
+        """``print`` on the global-zero process only (above the progress bar, when one is drawn)."""
         if self.is_global_zero:
-            print(*args, **kwargs)
+            bar = self.progress_bar_callback
+            (bar.print if bar is not None else print)(*args, **kwargs)
 
     # --------------------------------------------------------------------------- entry points
     def fit(

@@ -30,6 +30,12 @@ def _in_tmp_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture(autouse=True)
+def _warnings_given_again() -> None:
+    """Warnings given once per process (rank_zero_warn_once) are given again in each test that expects them."""
+    ember.rank_zero._warned.clear()
+
+
 def make_data(n: int = 64, features: int = 4, seed: int = 0) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=generator)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
@@ -48,7 +49,7 @@ def test_tensorboard_event_files_read_back_with_scalars_and_hyperparameters(tmp_
     session = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
     assert session.hparams["lr"].number_value == pytest.approx(0.03)
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as file:
-        assert json.load(file) == {"lr": 0.03, "features": 4}
+        assert yaml.safe_load(file) == {"lr": 0.03, "features": 4}
 
 
 def test_mlflow_runs_read_back_from_the_local_store(tmp_path: Any) -> None:

@@ -1,11 +1,15 @@
-"""``ProgressBar``: a live bar on a terminal, a compact line every few seconds in logs and CI output."""
+"""``ProgressBar``: a bar redrawn in place on a terminal, a short line every few seconds in logs and pipes."""
 
 from __future__ import annotations
 
+import io
 import math
+import os
 import sys
 import time
 from typing import IO, TYPE_CHECKING, Any
+
+import torch
 
 from ember._utils import batch_size_of
 from ember.callbacks.callback import Callback
@@ -15,23 +19,30 @@ if TYPE_CHECKING:
     from ember.module import Module
     from ember.trainer import Trainer
 
+_MIN_BAR = 10  # narrower than this, a bar says nothing: the line goes without one
+_MAX_BAR = 40
+
 
 class ProgressBar(Callback):
-    """Shows epoch, batch/total, elapsed and remaining time, batches/s, samples/s, the loss and
-    every value logged with ``prog_bar=True``, on the global-zero process only.
+    """Shows the epoch, batch/total, elapsed and remaining time, the loss and samples/s on the global-zero
+    process; values logged with ``prog_bar=True`` follow when they fit the line, and all of them are on
+    the line that ends each epoch.
 
-    On an interactive terminal it draws a tqdm bar (when tqdm is installed), redrawn every
-    ``refresh_rate`` seconds; otherwise it prints one line every ``line_interval`` seconds and one
-    at the end of each epoch and evaluation. Values are read from the device only when shown.
-    During ``fit`` the validation bar is removed when it is done; values it logged with
-    ``prog_bar=True`` show on the epoch's bar. ``stream`` defaults to stdout; ``interactive=None``
-    asks whether ``stream`` is a terminal. Pass a subclass in ``callbacks`` to replace it, or
+    On a terminal (``interactive=None`` asks whether ``stream`` is one) it draws a bar in the terminal's
+    width, redrawn at most every ``refresh_rate`` seconds; elsewhere (log files, pipes) it prints one line
+    every ``line_interval`` seconds and one at the end of each epoch and evaluation. Values are read from
+    the device only when drawn, all in one transfer. Validation draws its own bar, removed when done
+    inside ``fit`` and left in place by ``validate``; ``test`` and ``predict`` draw theirs. ``stream``
+    defaults to stdout. Pass a subclass in ``callbacks`` to replace it, or
     ``Trainer(enable_progress_bar=False)`` to turn it off.
     """
 
+    # It runs after the epoch's values are reduced, so that the line ending an epoch shows that epoch's.
+    reads_epoch_metrics = True
+
     def __init__(
         self,
-        refresh_rate: float = 0.25,
+        refresh_rate: float = 0.1,
         line_interval: float = 5.0,
         stream: IO[str] | None = None,
         interactive: bool | None = None,
@@ -39,163 +50,315 @@ class ProgressBar(Callback):
         for flag, value in (("refresh_rate", refresh_rate), ("line_interval", line_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"ProgressBar({flag}={value!r}): expected a number of seconds >= 0")
+        if interactive not in (None, True, False):
+            raise ValueError(f"ProgressBar(interactive={interactive!r}): expected True, False or None")
         self.refresh_rate = refresh_rate
         self.line_interval = line_interval
         self._stream = stream
         self._interactive = interactive
-        self._train_line: _Line | None = None
-        self._eval_line: _Line | None = None
+        self._train: ProgressDisplay | None = None
+        self._eval: ProgressDisplay | None = None
 
     @property
     def stream(self) -> IO[str]:
         return self._stream or sys.stdout
 
-    def _uses_tqdm(self) -> bool:
-        interactive = self._interactive if self._interactive is not None else self.stream.isatty()
-        if not interactive:
-            return False
+    @property
+    def interactive(self) -> bool:
+        """Whether the output is a terminal, where the bar is redrawn in place."""
+        if self._interactive is not None:
+            return self._interactive
+        isatty = getattr(self.stream, "isatty", None)
+        return bool(isatty()) if callable(isatty) else False
+
+    def columns(self) -> int:
+        """The width to fit: ``COLUMNS`` when set, else the terminal's, else 80."""
+        given = os.environ.get("COLUMNS", "")
+        if given.isdigit() and int(given) > 0:
+            return int(given)
         try:
-            import tqdm  # noqa: F401
-        except ImportError:
-            return False
-        return True
+            width = os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):  # not a terminal, or a stream without a file
+            return 80
+        return width or 80  # a pseudo-terminal nobody sized says 0
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print``; while bars are drawn on the terminal, above them (they are drawn again below), so that
+        the text neither lands on a bar's line nor is overwritten by it. ``Trainer.print`` comes here."""
+        if not any(display is not None and display.bar is not None for display in (self._train, self._eval)):
+            print(*args, **kwargs)
+            return
+        from tqdm import tqdm
+
+        text = io.StringIO()
+        print(*args, **{**kwargs, "file": text})
+        tqdm.write(text.getvalue(), file=kwargs.get("file") or sys.stdout, end="")
+
+    def display(self, title: str, total: float) -> ProgressDisplay:
+        """A new bar (or periodic lines), left in place when done, for steps outside the loops (the tuner's)."""
+        return ProgressDisplay(self, title, total, keep=True, samples=None)
 
     # ------------------------------------------------------------------------------- training
     def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
-        if trainer.is_global_zero:
-            epochs = f"/{trainer.max_epochs}" if trainer.max_epochs not in (None, -1) else ""
-            description = f"Epoch {trainer.current_epoch}{epochs}"
-            self._train_line = _Line(self, description, trainer.num_training_batches, show_loss=True, keep=True)
+        if not trainer.is_global_zero:
+            return
+        epochs = f"/{trainer.max_epochs}" if trainer.max_epochs not in (None, -1) else ""
+        progress = trainer.fit_loop.progress  # a resumed epoch starts part-way
+        self._train = ProgressDisplay(
+            self, f"Epoch {trainer.current_epoch + 1}{epochs}", trainer.num_training_batches, keep=True,
+            done=progress.epoch_batches, samples=progress.epoch_samples,
+        )  # fmt: skip
+        if self._train.terminal:
+            self._draw_train(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._train_line is not None:
-            self._train_line.advance(trainer, batch)
+        # Per batch only a clock is read; the device is read when the line is drawn.
+        if self._train is not None and self._train.due():
+            self._draw_train(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
-        if self._train_line is not None:
-            self._train_line.finish(trainer)
-            self._train_line = None
+        if self._train is not None:
+            self._draw_train(trainer, final=True)
+            self._train = None
+
+    def _draw_train(self, trainer: Trainer, final: bool = False) -> None:
+        display, progress = self._train, trainer.fit_loop.progress
+        assert display is not None
+        display.count, display.samples = progress.epoch_batches, progress.epoch_samples
+        # Before the epoch's first batch, the latest loss is the last epoch's: it is not shown.
+        display.draw(*_train_values(trainer, with_loss=display.count > display.first_count), final=final)
 
     # ----------------------------------------------------------------------------- evaluation
     def on_validation_start(self, trainer: Trainer, module: Module) -> None:
-        self._start_eval(trainer, "Validation")
+        self._start_eval(trainer, "Validation", trainer.num_val_batches)
 
     def on_validation_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
-        self._advance_eval(trainer, batch)
+        self._advance_eval(batch)
 
     def on_validation_end(self, trainer: Trainer, module: Module) -> None:
-        self._finish_eval(trainer)
+        self._finish_eval()
 
     def on_test_epoch_start(self, trainer: Trainer, module: Module) -> None:
-        self._start_eval(trainer, "Testing")
+        self._start_eval(trainer, "Testing", trainer.num_test_batches)
 
     def on_test_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
-        self._advance_eval(trainer, batch)
+        self._advance_eval(batch)
 
     def on_test_epoch_end(self, trainer: Trainer, module: Module) -> None:
-        self._finish_eval(trainer)
+        self._finish_eval()
 
     def on_predict_epoch_start(self, trainer: Trainer, module: Module) -> None:
-        self._start_eval(trainer, "Predicting")
+        self._start_eval(trainer, "Predicting", trainer.num_predict_batches)
 
     def on_predict_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
-        self._advance_eval(trainer, batch)
+        self._advance_eval(batch)
 
     def on_predict_epoch_end(self, trainer: Trainer, module: Module) -> None:
-        self._finish_eval(trainer)
+        self._finish_eval()
 
-    def _start_eval(self, trainer: Trainer, description: str) -> None:
+    def on_exception(self, trainer: Trainer, module: Module, exception: BaseException) -> None:
+        # End the lines in place, so that the traceback starts on a line of its own.
+        for display in (self._eval, self._train):
+            if display is not None:
+                display.close()
+        self._eval = self._train = None
+
+    def _start_eval(self, trainer: Trainer, title: str, batches: list[float]) -> None:
         if trainer.is_global_zero and not trainer.sanity_checking:
-            # During fit the validation bar goes away when done; its prog_bar values show on the epoch's bar.
-            keep = trainer.stage != "fit"
-            self._eval_line = _Line(self, description, sum(_eval_batches(trainer)), show_loss=False, keep=keep)
+            # Inside fit the bar goes below the epoch's and away when done; validate and test leave theirs.
+            inside_fit = trainer.stage == "fit"
+            self._eval = ProgressDisplay(self, title, sum(batches), keep=not inside_fit, nested=inside_fit)
 
-    def _advance_eval(self, trainer: Trainer, batch: Any) -> None:
-        if self._eval_line is not None:
-            self._eval_line.advance(trainer, batch)
+    def _advance_eval(self, batch: Any) -> None:
+        display = self._eval
+        if display is not None and display.samples is not None:
+            display.count += 1
+            display.samples += batch_size_of(batch)  # shapes only: the device is not touched
+            if display.due():
+                display.draw([], [])
 
-    def _finish_eval(self, trainer: Trainer) -> None:
-        if self._eval_line is not None:
-            self._eval_line.finish(trainer)
-            self._eval_line = None
+    def _finish_eval(self) -> None:
+        if self._eval is not None:
+            self._eval.draw([], [], final=True)
+            self._eval = None
 
 
-class _Line:
-    """One bar or line of progress: a training epoch, or a validation, test or predict run."""
+def _train_values(trainer: Trainer, with_loss: bool) -> tuple[list[str], list[str]]:
+    """The loss and the other ``prog_bar`` values as ``name=value`` texts, read from the device in one transfer.
 
-    def __init__(self, owner: ProgressBar, description: str, total: float, show_loss: bool, keep: bool) -> None:
+    A value logged as the step's loss itself (``self.log("train_loss", loss, prog_bar=True)``) is shown
+    once, under the name it was logged with.
+    """
+    values: dict[str, Number] = dict(trainer.run_metrics.progress_bar_values())
+    loss = trainer.fit_loop.last_loss if with_loss else None
+    loss_name = None
+    if loss is not None:
+        loss_name = next((name for name, value in values.items() if _same_tensor(value, loss)), None)
+        if loss_name is None:
+            loss_name = "loss"
+            values = {"loss": loss, **values}
+    floats = to_floats(values)
+    texts = {name: f"{name}={value:.4g}" for name, value in floats.items()}
+    shown_loss = [texts.pop(loss_name)] if loss_name is not None else []
+    return shown_loss, list(texts.values())
+
+
+def _same_tensor(value: Number, loss: torch.Tensor) -> bool:
+    """Whether ``value`` is the loss tensor (or a view of it): compared by storage, without reading it."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device == loss.device
+        and value.dtype == loss.dtype
+        and value.numel() == loss.numel()
+        and value.data_ptr() == loss.data_ptr()
+    )
+
+
+class ProgressDisplay:
+    """One progress display: a bar redrawn in place on a terminal, lines every ``line_interval`` elsewhere.
+
+    Its owner sets ``count`` (batches or steps done) and ``samples`` (samples done; None: not counted)
+    and calls ``draw`` with the values that are always shown and those shown when they fit. samples/s
+    is the samples done over the time taken since the display began (``done`` and ``samples`` are where
+    it began: a resumed epoch begins part-way).
+    """
+
+    def __init__(self, owner: ProgressBar, title: str, total: float, *, keep: bool, nested: bool = False,
+                 done: int = 0, samples: int | None = 0) -> None:  # fmt: skip
         self.owner = owner
-        self.description = description
+        self.title = title
         self.total = total
-        self.show_loss = show_loss
-        self.count = 0
-        self.shown_count = 0
-        self.samples = 0
+        self.keep = keep
+        self.nested = nested
+        self.count = self.first_count = done
+        self.samples = self.first_samples = samples
+        self.terminal = owner.interactive
+        self.interval = owner.refresh_rate if self.terminal else owner.line_interval
         self.started = time.monotonic()
-        self.bar: Any = None
-        self.interval = owner.refresh_rate
-        if owner._uses_tqdm():
+        self.next_draw = self.started + self.interval
+        self.bar: Any = None  # the tqdm bar, made at the first draw
+        self.width = self.bar_width = 0
+
+    def due(self) -> bool:
+        """Whether it is time to draw again (then the next draw is an interval away)."""
+        now = time.monotonic()
+        if now < self.next_draw:
+            return False
+        self.next_draw = now + self.interval
+        return True
+
+    def draw(self, shown: list[str], extras: list[str], final: bool = False) -> None:
+        """Draw the display; ``final`` draws its last line, with every value, and ends it."""
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        head = [self.title, f"{self.count}/{'?' if math.isinf(self.total) else int(self.total)}"]
+        tail = [self._times(elapsed, final), *shown]
+        if self.samples is not None and self.first_samples is not None:
+            tail.append(_rate((self.samples - self.first_samples) / elapsed if self.count > self.first_count else None))
+        if not self.terminal:
+            _write(self.owner.stream, " ".join(_fitted(head + tail, extras, None if final else self.owner.columns())))
+        elif not final:
+            self._redraw(head, tail, extras)
+        elif self.keep:
+            self._keep(head, tail, extras)
+        else:
+            self.close(leave=False)
+
+    def close(self, leave: bool = True) -> None:
+        """End the bar: left as it is, or cleared."""
+        if self.bar is not None:
+            self.bar.leave = leave
+            self.bar.close()
+            self.bar = None
+
+    def _times(self, elapsed: float, final: bool) -> str:
+        done = self.count - self.first_count
+        if final or math.isinf(self.total):
+            return _clock(elapsed)
+        remaining = _clock((self.total - self.count) * elapsed / done) if done else "?"
+        return f"{_clock(elapsed)}<{remaining}"
+
+    def _redraw(self, head: list[str], tail: list[str], extras: list[str], show: bool = True) -> bool:
+        """Lay out the bar and draw it (a bar already shown: unless not ``show``); returns whether every
+        extra value is on it."""
+        width = self.owner.columns()
+        left, right = " ".join(head), " ".join(tail)
+        fitting = _fitted([], extras, width - len(left) - len(right) - 2 - _MIN_BAR)  # 2: the spaces around the bar
+        right = " ".join([right, *fitting])
+        # The bar only shrinks (while the terminal keeps its width), so that it does not jump as numbers change.
+        widest = _MAX_BAR if width != self.width else self.bar_width
+        self.width, self.bar_width = width, min(width - len(left) - len(right) - 2, widest)
+        bar_width = self.bar_width
+        if bar_width < _MIN_BAR or math.isinf(self.total):
+            layout = _escaped(f"{left} {right}")
+        else:
+            layout = f"{_escaped(left)} {{bar:{bar_width}}} {_escaped(right)}"
+        if self.bar is None:
             from tqdm import tqdm
 
+            # tqdm hides bars below its idea of the screen's height, which is 0 rows on an unsized pseudo-terminal;
+            # ours are on the first two rows.
             self.bar = tqdm(
-                total=None if math.isinf(total) else int(total), desc=description, file=owner.stream,
-                dynamic_ncols=True, leave=keep, unit="batch",
+                total=None if math.isinf(self.total) else int(self.total), initial=self.count, file=self.owner.stream,
+                leave=self.keep, position=1 if self.nested else 0, ncols=width, nrows=24, bar_format=layout,
             )  # fmt: skip
         else:
-            self.interval = owner.line_interval
-        self.next_refresh = self.started + self.interval
-        self.last_batch: Any = None
+            self.bar.ncols, self.bar.bar_format, self.bar.n = width, layout, self.count
+            if show:
+                self.bar.refresh()
+        return len(fitting) == len(extras)
 
-    def advance(self, trainer: Trainer, batch: Any) -> None:
-        self.count += 1
-        self.last_batch = batch
-        now = time.monotonic()
-        if now >= self.next_refresh:
-            self.next_refresh = now + self.interval
-            self.show(trainer, now)
-
-    def finish(self, trainer: Trainer) -> None:
-        self.show(trainer, time.monotonic())
-        if self.bar is not None:
-            self.bar.close()
-
-    def show(self, trainer: Trainer, now: float) -> None:
-        # Samples are counted from the size of the latest batch, read only when the line is shown.
-        new = self.count - self.shown_count
-        if new and self.last_batch is not None:
-            self.samples += new * batch_size_of(self.last_batch)
-        self.shown_count = self.count
-        elapsed = max(now - self.started, 1e-9)
-        rates = f"{self.count / elapsed:.1f} batches/s, {self.samples / elapsed:.0f} samples/s"
-        metrics = self._metrics(trainer)
-        if self.bar is not None:
-            self.bar.update(new)
-            self.bar.set_postfix_str(f"{self.samples / elapsed:.0f} samples/s" + (f", {metrics}" if metrics else ""))
+    def _keep(self, head: list[str], tail: list[str], extras: list[str]) -> None:
+        """The last line, left in place: the bar when it was shown and every value fits on it, else a line
+        of them all instead, broken between values to fit the terminal."""
+        if self.bar is not None and self._redraw(head, tail, extras, show=False):
+            self.close(leave=True)  # which draws it
             return
-        total = "?" if math.isinf(self.total) else str(int(self.total))
-        remaining = ""
-        if not math.isinf(self.total) and self.count:
-            remaining = f"<{_clock((self.total - self.count) * elapsed / self.count)}"
-        line = f"{self.description} {self.count}/{total} [{_clock(elapsed)}{remaining}, {rates}]"
-        print(line + (f" {metrics}" if metrics else ""), file=self.owner.stream, flush=True)
-
-    def _metrics(self, trainer: Trainer) -> str:
-        values: dict[str, Number] = dict(trainer.progress_bar_metrics)
-        last_loss = trainer.fit_loop.last_loss
-        if self.show_loss and last_loss is not None:
-            values = {"loss": last_loss, **values}
-        floats = to_floats(values)
-        return " ".join(f"{name}={value:.4g}" for name, value in floats.items())
+        self.close(leave=False)
+        _write(self.owner.stream, _wrapped(head + tail + extras, self.owner.columns()))
 
 
-def _eval_batches(trainer: Trainer) -> list[float]:
-    """The batch counts of the evaluation in progress, per loader."""
-    if trainer.stage == "predict":
-        return trainer.num_predict_batches
-    return trainer.num_test_batches if trainer.stage == "test" else trainer.num_val_batches
+def _fitted(pieces: list[str], extras: list[str], width: int | None) -> list[str]:
+    """``pieces`` and, in order, the ``extras`` that keep the line (joined by spaces) within ``width``."""
+    if width is None:
+        return pieces + extras
+    length = len(" ".join(pieces))
+    kept = list(pieces)
+    for extra in extras:
+        if length + 1 + len(extra) <= width:
+            kept.append(extra)
+            length += 1 + len(extra)
+    return kept
+
+
+def _wrapped(pieces: list[str], width: int) -> str:
+    """``pieces`` joined by spaces into lines of at most ``width`` columns, broken between pieces (the
+    lines after the first indented by two)."""
+    lines = [pieces[0]]
+    for piece in pieces[1:]:
+        if len(lines[-1]) + 1 + len(piece) <= width:
+            lines[-1] += " " + piece
+        else:
+            lines.append("  " + piece)
+    return "\n".join(line[:width] for line in lines)
+
+
+def _escaped(text: str) -> str:
+    """``text`` inside a tqdm ``bar_format``, which is a ``str.format`` template."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _write(stream: IO[str], text: str) -> None:
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def _rate(samples_per_second: float | None) -> str:
+    if samples_per_second is None:
+        return "? samples/s"
+    return f"{samples_per_second:.{1 if samples_per_second < 10 else 0}f} samples/s"
 
 
 def _clock(seconds: float) -> str:

@@ -6,7 +6,6 @@ import contextlib
 import re
 import sys
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -14,6 +13,7 @@ import torch
 
 from ember._utils import batch_size_of
 from ember.callbacks.callback import Callback
+from ember.rank_zero import rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -180,7 +180,7 @@ class ThroughputMonitor(Callback):
         eager = _eager()
         if eager is None:
             self.flops_per_sample = None
-            warnings.warn(
+            rank_zero_warn_once(
                 "ThroughputMonitor cannot count the FLOPs of a compiled model with torch < 2.6 (it needs "
                 "torch.compiler.set_stance); pass flops_per_sample= to log TFLOP/s and MFU",
                 stacklevel=2,
@@ -259,7 +259,7 @@ class ThroughputMonitor(Callback):
             self.flops_per_sample = flops
             return
         self.flops_per_sample = None
-        warnings.warn(
+        rank_zero_warn_once(
             "ThroughputMonitor counted no FLOPs in the first training batch (it counts matrix products, "
             "convolutions and attention); pass flops_per_sample= to log TFLOP/s and MFU",
             stacklevel=2,

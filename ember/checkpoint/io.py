@@ -14,11 +14,12 @@ import re
 import secrets
 import shutil
 import struct
-import warnings
 from collections.abc import Mapping
 from typing import Any, BinaryIO, cast
 
 import torch
+
+from ember.rank_zero import rank_zero_warn_once
 
 
 class CheckpointError(RuntimeError):
@@ -323,7 +324,7 @@ def _plain_or_dropped(value: Any, where: str) -> Any:
         items = (_plain_or_dropped(item, f"{where}[{index}]") for index, item in enumerate(value))
         kept = [item for item in items if item is not _DROPPED]
         return tuple(kept) if isinstance(value, tuple) else kept
-    warnings.warn(
+    rank_zero_warn_once(
         f"{where} is a {type(value).__name__}, which checkpoints do not store (they hold tensors and "
         "plain Python values only, so that loading runs no code); it is left out",
         stacklevel=3,

@@ -19,6 +19,7 @@ from ember.checkpoint import sharded
 from ember.checkpoint.io import CheckpointError, plain_values
 from ember.data import why_not_resumable
 from ember.loggers.logger import run_versions
+from ember.rank_zero import rank_zero_warn_once
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ def _restore_position(trainer: Trainer, checkpoint: dict[str, Any], path: str) -
     ranks = checkpoint["ranks"]
     own = ranks.get(trainer.global_rank)
     if own is None or len(ranks) != trainer.world_size:
-        warnings.warn(
+        rank_zero_warn_once(
             f"ckpt_path={path!r} was written by {len(ranks)} process(es) and is resumed by "
             f"{trainer.world_size}: the weights, optimizers and position in the data carry over; the random "
             "state of each rank starts afresh",
@@ -162,7 +163,7 @@ def _restore_position(trainer: Trainer, checkpoint: dict[str, Any], path: str) -
     loader = fit_loop.train_loader
     reason = why_not_resumable(loader) if progress.epoch_batches and loader is not None else None
     if reason is not None and (own is None or own["loader_state"] is None):
-        warnings.warn(
+        rank_zero_warn_once(
             f"resuming at the start of epoch {progress.epoch + 1} instead of batch {progress.epoch_batches} of "
             f"epoch {progress.epoch}: the train dataloader cannot skip to a batch because {reason}",
             stacklevel=4,

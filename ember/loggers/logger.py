@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import numbers
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -93,12 +93,31 @@ class VersionedLogger(Logger):
         return os.path.join(self._save_dir, self._name, version)
 
     def write_hparams_file(self, params: Mapping[str, Any]) -> None:
-        """Write ``hparams.yaml`` into the run directory."""
+        """Write ``hparams.yaml`` into the run directory (values YAML cannot hold are written as their repr)."""
+        import yaml
+
         os.makedirs(self.log_dir, exist_ok=True)
-        # JSON is valid YAML, so YAML readers (and Lightning tooling) can read this file too.
         with open(os.path.join(self.log_dir, "hparams.yaml"), "w") as file:
-            json.dump(dict(params), file, indent=2, default=repr)
-            file.write("\n")
+            yaml.safe_dump(_yaml_ready(dict(params)), file, sort_keys=False, allow_unicode=True)
+
+
+_PLAIN = (bool, int, float, str)
+
+
+def _yaml_ready(value: Any) -> Any:
+    """``value`` as plain YAML holds it: ``None``, booleans, numbers (NumPy's as Python's), strings, and
+    lists and dicts of them; anything else as its repr."""
+    if value is None or type(value) in _PLAIN:
+        return value
+    if isinstance(value, Mapping):
+        return {key if type(key) in _PLAIN else repr(key): _yaml_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_yaml_ready(item) for item in value]
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return repr(value)
 
 
 _VERSION_DIR = re.compile(r"^version_(\d+)$")

@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import subprocess
-import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,7 @@ from ember.loops.progress import Progress
 from ember.loops.step import ManualOptimizer, StepRunner
 from ember.loops.stopping import Interruptions
 from ember.optim import parse_optimizers
+from ember.rank_zero import rank_zero_warn_once
 from ember.seed import random_state, set_random_state
 
 if TYPE_CHECKING:
@@ -439,7 +439,7 @@ class FitLoop:
             return
         if module.automatic_optimization:
             self._reported_idle = True
-            warnings.warn(
+            rank_zero_warn_once(
                 f"epoch {self.progress.epoch} ended without an optimizer step: training_step returned None "
                 f"for each of its {batches} batches, so nothing was trained",
                 stacklevel=4,
@@ -580,7 +580,7 @@ class FitLoop:
                 "Trainer(restart_on_data_change=True) to resume anyway, starting that epoch over"
             )
         if self.progress.epoch_batches and not self.progress.epoch_finished:
-            warnings.warn(f"the data changed ({what}): epoch {self.progress.epoch} starts over", stacklevel=5)
+            rank_zero_warn_once(f"the data changed ({what}): epoch {self.progress.epoch} starts over", stacklevel=5)
         self.progress.restart_epoch()
 
     def _continue_with_new_layout(self, saved: dict[str, Any], now: dict[str, Any], layout: list[str]) -> None:
@@ -595,7 +595,7 @@ class FitLoop:
                 f"{progress.epoch_samples} of its order"
             )
         elif progress.epoch_batches:
-            warnings.warn(
+            rank_zero_warn_once(
                 f"resuming with {', '.join(layout)}: the train dataloader cannot continue at a sample (it does not "
                 f"read a map-style dataset in order or shuffled), so epoch {progress.epoch} starts over",
                 stacklevel=5,
@@ -603,7 +603,7 @@ class FitLoop:
             progress.restart_epoch()
         before, after = _steps_per_epoch(saved), _steps_per_epoch(now)
         if before != after and self.runner is not None and self.runner.scheduler_configs:
-            warnings.warn(
+            rank_zero_warn_once(
                 f"an epoch is now {after} optimizer steps instead of {before}: learning-rate schedulers continue by "
                 f"optimizer step (from global step {progress.global_step}), so a schedule planned in epochs no "
                 "longer ends with an epoch",

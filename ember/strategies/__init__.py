@@ -77,7 +77,9 @@ def _parse_devices(devices: int | str | Sequence[int], device_type: str, launche
         if devices < 1:
             raise ValueError(f"devices={devices}: at least one device is needed (-1 means all)")
         if devices > available and not own_device:
-            raise ValueError(f"devices={devices}, but this machine has {available} {what}")
+            raise ValueError(
+                f"devices={devices}, but this machine has {available} {what}; pass devices={available} or fewer"
+            )
         indices = list(range(devices))
     else:
         indices = list(devices)

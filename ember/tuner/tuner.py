@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,6 +22,7 @@ from ember.optim import parse_optimizers
 from ember.tuner.lr_finder import LRFinder
 
 if TYPE_CHECKING:
+    from ember.callbacks.progress import ProgressDisplay
     from ember.trainer import Trainer
 
 _BATCH_ATTRIBUTES = ("batch_size",)
@@ -68,9 +70,11 @@ class Tuner:
 
         good, bad = 0, 0  # the largest size that fit, the smallest that did not (0: none yet)
         size = init_val
-        for _ in range(max_trials):
+        for trial in range(1, max_trials + 1):
             _set(owner, batch_arg_name, size)
-            if fits(size):
+            fit, outcome = fits()
+            self.trainer.print(f"scale_batch_size: trial {trial}, {batch_arg_name}={size}: {outcome}")
+            if fit:
                 good = size
                 if size >= fits.dataset_size:
                     break  # one batch holds the whole data set: nothing larger to try
@@ -123,11 +127,13 @@ class Tuner:
 
         finder = LRFinder(mode=mode, min_lr=min_lr, max_lr=max_lr)
         trials = _Trials(self.trainer, model, datamodule, num_training, max_memory=None)
+        display = _display(self.trainer, "lr_find", num_training)
 
         def record(step: int, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None) -> bool:
             if loss is None:
                 return True
-            finder.add(lr_at(step), float(loss.detach()))
+            finder.add(lr_at(step), float(loss.detach()))  # the sweep reads every loss: it stops once they diverge
+            _show_step(display, step + 1, finder)
             if step + 1 < num_training:
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step + 1)
@@ -138,9 +144,18 @@ class Tuner:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(0)
 
-        trials.run(on_start=start, after_step=record)
+        try:
+            trials.run(on_start=start, after_step=record)
+        finally:
+            if display is not None:
+                display.draw(_last_point(finder), [], final=True)
         suggestion = self.trainer.strategy.broadcast(finder.suggestion())
         finder.suggested_lr = suggestion
+        steps = len(finder.results["lr"])
+        self.trainer.print(
+            f"lr_find: suggested lr={suggestion:.3g} ({steps} steps)" if suggestion is not None
+            else f"lr_find: no suggestion: {steps} steps are too few to find where the loss falls fastest"
+        )  # fmt: skip
         if update_attr and suggestion is not None:
             owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
             _set(owner, next(name for name in _LR_ATTRIBUTES if _has(owner, name)), suggestion)
@@ -163,21 +178,22 @@ class _Trials:
             datamodule.trainer = trainer
             datamodule.setup("fit")
 
-    def __call__(self, batch_size: int) -> bool:
-        """Whether ``steps`` steps at the current batch size fit in memory (and in ``max_memory``)."""
+    def __call__(self) -> tuple[bool, str]:
+        """Whether ``steps`` steps at the current batch size fit in memory (and in ``max_memory``), and the
+        trial's outcome in words."""
+        started = time.monotonic()
         try:
             with _peak_memory(self.trainer.strategy.root_device, measure=self.max_memory is not None) as peak:
                 self.run()
         except torch.OutOfMemoryError:
             self.trainer.strategy.release_memory()
-            self.trainer.print(f"scale_batch_size: batch size {batch_size} runs out of memory")
-            return False
-        if self.max_memory is not None and peak() > self.max_memory:
-            self.trainer.print(
-                f"scale_batch_size: batch size {batch_size} peaks at {peak() / 2**20:.1f} MiB, over max_memory"
-            )
-            return False
-        return True
+            return False, "runs out of memory"
+        ran = f"{self.steps} steps in {time.monotonic() - started:.2f} s"
+        if self.max_memory is None:
+            return True, f"fits ({ran})"
+        if peak() > self.max_memory:
+            return False, f"peaks at {peak() / 2**20:.1f} MiB, over max_memory ({self.max_memory / 2**20:.1f} MiB)"
+        return True, f"fits ({ran}, peak {peak() / 2**20:.1f} MiB)"
 
     def run(
         self,
@@ -223,6 +239,24 @@ def _train_step(runner: StepRunner, batch: Any, index: int) -> torch.Tensor | No
     if loss is not None:
         runner.optimizer_step()
     return loss
+
+
+def _display(trainer: Trainer, title: str, total: int) -> ProgressDisplay | None:
+    """A progress display for the finder's steps: on the global-zero process, when the Trainer shows progress."""
+    bar = trainer.progress_bar_callback
+    return bar.display(title, total) if bar is not None and trainer.is_global_zero else None
+
+
+def _show_step(display: ProgressDisplay | None, steps: int, finder: LRFinder) -> None:
+    if display is not None:
+        display.count = steps
+        if display.due():
+            display.draw(_last_point(finder), [])
+
+
+def _last_point(finder: LRFinder) -> list[str]:
+    results = finder.results
+    return [f"lr={results['lr'][-1]:.2e}", f"loss={results['loss'][-1]:.4g}"] if results["lr"] else []
 
 
 def _check_lr_find(mode: str, min_lr: float, max_lr: float, num_training: int) -> None:

@@ -1,0 +1,162 @@
+"""What a user is told: bad command lines are one line and status 2, warnings come once from rank zero,
+a machine without the hardware asked for says what to pass instead."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, quiet_trainer
+
+import ember
+from ember.precision import build_precision
+from ember.rank_zero import rank_zero_only, rank_zero_warn_once
+
+
+# ----------------------------------------------------------------------------- the command line
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["run", "nope.py"], "ember run: SCRIPT 'nope.py': no such file (give a Python script, or -m"),
+        (["doctor", "nope.py", "--lr", "1"], "ember doctor: SCRIPT 'nope.py': no such file"),
+        (["run", "-m", "nope_module"], "ember run: -m 'nope_module': no module 'nope_module' here or among"),
+        (["doctor", "-m", "nope_module.train"], "ember doctor: -m 'nope_module.train': no module 'nope_module'"),
+        (["run", "--nproc-per-node", "2", "--bogus", "train.py"],
+         "ember run: unrecognized arguments: --bogus (see ember run --help)"),
+        (["doctor", "--nproc-per-node", "0", "train.py"], "ember doctor: --nproc-per-node='0': give a positive count"),
+        (["doctor", "--steps", "many", "train.py"], "ember doctor: argument --steps: invalid int value: 'many'"),
+        (["run"], "ember run: the following arguments are required: SCRIPT"),
+        (["plot", "--x", "time", "runs"], "ember plot: argument --x: invalid choice: 'time'"),
+        (["checkpoint"], "ember checkpoint: the following arguments are required: ACTION"),
+        (["checkpoint", "consolidate", "sharded", "."], "ember checkpoint consolidate: OUT '.' is a directory"),
+        (["checkpoint", "consolidate", "sharded", "train.py/out.ckpt"],
+         "ember checkpoint consolidate: OUT 'train.py/out.ckpt' cannot be written"),
+        (["train"], "ember: argument COMMAND: invalid choice: 'train'"),
+    ],
+)  # fmt: skip
+def test_a_bad_command_line_is_one_line_and_status_2(arguments: list[str], message: str, tmp_path: Any) -> None:
+    (tmp_path / "train.py").write_text("raise SystemExit('the script must not run')\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "ember", *arguments], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and result.stdout == "", result
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_module_is_found_in_the_current_directory(tmp_path: Any) -> None:
+    from ember.cli import _script_problem
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "__init__.py").write_text("raise SystemExit('not imported by the check')\n")
+    assert _script_problem("mine.train", module=True) is None  # the test runs in tmp_path
+    assert _script_problem("json", module=True) is None
+    assert _script_problem(str(tmp_path / "mine"), module=False) is not None  # a directory without __main__.py
+
+
+# ------------------------------------------------------------------------------------ warnings
+def test_a_warning_every_process_would_give_comes_from_rank_zero_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monkeypatch.setattr(rank_zero_only, "rank", 1)
+        build_precision("16-mixed", torch.device("cpu"))
+        monkeypatch.setattr(rank_zero_only, "rank", 0)
+        build_precision("16-mixed", torch.device("cpu"))
+        build_precision("16-mixed", torch.device("cpu"))  # a second Trainer in the same process
+    assert [str(warning.message)[:36] for warning in caught] == ["precision='16-mixed' needs a GPU (fl"]
+
+
+def test_rank_zero_warn_once_points_where_warnings_warn_would() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rank_zero_warn_once("once", DeprecationWarning)
+        rank_zero_warn_once("once", DeprecationWarning)
+        rank_zero_warn_once("once")  # another category: another warning
+    assert [(warning.category, warning.filename) for warning in caught] == [
+        (DeprecationWarning, __file__), (UserWarning, __file__)
+    ]  # fmt: skip
+
+
+def test_a_warning_that_would_come_at_every_save_comes_once() -> None:
+    class WithObject(Regressor):
+        def __init__(self, lr: float = 0.05, loss_fn: Any = None) -> None:
+            super().__init__(lr)
+            self.save_hyperparameters()
+
+    trainer = quiet_trainer(max_epochs=3, logger=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(WithObject(loss_fn=torch.nn.MSELoss()), make_loader(16))
+    dropped = [warning for warning in caught if "is a MSELoss, which checkpoints do not store" in str(warning.message)]
+    assert len(dropped) == 1, [str(warning.message) for warning in caught]
+
+
+def test_a_loader_warning_comes_from_rank_zero_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.data import DataLoader
+
+    from ember.data import _shardable
+
+    class Custom(torch.utils.data.Sampler):
+        def __iter__(self) -> Any:
+            return iter(range(4))
+
+        def __len__(self) -> int:
+            return 4
+
+    loader = DataLoader(list(range(4)), sampler=Custom(), batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monkeypatch.setattr(rank_zero_only, "rank", 1)
+        assert not _shardable(loader)
+    assert caught == []
+
+
+# ------------------------------------------------------------------------------------ hardware
+def test_more_devices_than_the_machine_has_says_what_to_pass() -> None:
+    cores = os.cpu_count() or 1
+    with pytest.raises(ValueError, match=rf"devices={cores + 1}, but this machine has {cores} CPU cores?; "
+                                         rf"pass devices={cores} or fewer"):  # fmt: skip
+        ember.Trainer(accelerator="cpu", devices=cores + 1)
+
+
+# --------------------------------------------------------------------------- files others read
+def test_hparams_yaml_is_yaml_with_a_repr_for_what_yaml_cannot_hold(tmp_path: Any) -> None:
+    import numpy
+    import yaml
+
+    from ember.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path))
+    logger.log_hyperparams({
+        "lr": numpy.float32(0.5), "layers": (64, 32), "name": "run: one", "steps": numpy.int64(3), "none": None,
+        "loss_fn": torch.nn.MSELoss(), "optimizer": {"betas": [0.9, 0.99], "dtype": torch.float16},
+    })  # fmt: skip
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as file:
+        text = file.read()
+    assert not text.startswith("{") and "lr: 0.5\n" in text  # block style, not JSON
+    assert yaml.safe_load(text) == {
+        "lr": 0.5, "layers": [64, 32], "name": "run: one", "steps": 3, "none": None,
+        "loss_fn": "MSELoss()", "optimizer": {"betas": [0.9, 0.99], "dtype": "torch.float16"},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o077])
+def test_logs_and_checkpoints_follow_the_umask(umask: int, tmp_path: Any) -> None:
+    previous = os.umask(umask)
+    try:
+        trainer = quiet_trainer(max_epochs=1, default_root_dir=str(tmp_path), profiler="simple", log_every_n_steps=1)
+        trainer.fit(Regressor(), make_loader(16))
+    finally:
+        os.umask(previous)
+    run = trainer.log_dir
+    assert run is not None
+    written = {os.path.relpath(os.path.join(root, name), run): os.stat(os.path.join(root, name)).st_mode & 0o777
+               for root, directories, files in os.walk(run) for name in directories + files}  # fmt: skip
+    assert {"metrics.csv", "hparams.yaml", "fit-profile.txt", "checkpoints"} <= set(written), written
+    for path, mode in written.items():
+        expected = (0o777 if os.path.isdir(os.path.join(run, path)) else 0o666) & ~umask
+        assert mode == expected, (path, oct(mode), oct(expected))

@@ -1,0 +1,370 @@
+"""The progress bar: what a terminal shows (width, epochs, samples/s), lines in logs, the validation bar,
+the finders' progress, and that drawing reads the device once per redraw and never per step."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, quiet_trainer
+
+import ember
+from ember.callbacks import ProgressBar
+from ember.tuner import Tuner
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+class _Clock:
+    """A clock that moves only when told: the progress bar's timings become exact."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr("ember.callbacks.progress.time", fake)
+    return fake
+
+
+class _Timed(Regressor):
+    """Each training step takes ``seconds`` on the fake clock; logs ``extras`` with ``prog_bar=True``."""
+
+    def __init__(self, clock: _Clock | None = None, seconds: float = 0.0, extras: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.clock, self.seconds, self.extras = clock, seconds, extras
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.clock is not None:
+            self.clock.now += self.seconds
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, prog_bar=True)  # the loss itself: shown once, under this name
+        for name in self.extras:
+            self.log(name, 2 * loss.detach(), prog_bar=True)
+        return loss
+
+
+def _screen(output: str) -> list[str]:
+    """The lines a terminal shows after ``output`` (carriage returns, line feeds and cursor-up applied)."""
+    lines, row, column = [""], 0, 0
+    for token in re.findall(r"\x1b\[A|\r|\n|[^\r\n\x1b]+", output):
+        if token == "\r":
+            column = 0
+        elif token == "\n":
+            row, column = row + 1, 0
+            lines += [""] * (row + 1 - len(lines))
+        elif token == "\x1b[A":
+            row = max(row - 1, 0)
+        else:
+            line = lines[row].ljust(column)
+            lines[row] = line[:column] + token + line[column + len(token) :]
+            column += len(token)
+    return [line.rstrip() for line in lines if line.strip()]
+
+
+def _segments(output: str) -> list[str]:
+    """What each write of a line put on the screen: the text between carriage returns and line feeds."""
+    return [segment for segment in re.split(r"\r|\n|\x1b\[A", output) if segment]
+
+
+# ---------------------------------------------------------------------------------- a terminal
+def _run_in_terminal(arguments: list[str], columns: int, cwd: Any, timeout: float) -> list[tuple[float, str]]:
+    """Run ``python ARGUMENTS`` on a pseudo-terminal ``columns`` wide; what it wrote, with the time each part came."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {name: value for name, value in os.environ.items() if name != "COLUMNS"}
+    with open(os.path.join(cwd, "stderr.txt"), "w") as errors:
+        process = subprocess.Popen(
+            [sys.executable, *arguments], stdin=child, stdout=child, stderr=errors, cwd=cwd,
+            env={**env, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+        )  # fmt: skip
+    os.close(child)
+    parts: list[tuple[float, str]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([main], [], [], 0.5)[0]:
+                try:
+                    data = os.read(main, 1 << 16)
+                except OSError:  # the child's side is closed
+                    break
+                if not data:
+                    break
+                parts.append((time.monotonic(), data.decode("utf-8", errors="replace")))
+            elif process.poll() is not None:
+                break
+        else:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"{arguments} did not finish in {timeout} s")
+    finally:
+        os.close(main)
+    with open(os.path.join(cwd, "stderr.txt")) as errors:
+        assert process.wait() == 0, errors.read()[-3000:]
+    return parts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_digits_on_an_80_column_terminal(tmp_path: Any) -> None:
+    pytest.importorskip("sklearn")
+    arguments = [os.path.join(EXAMPLES, "digits.py"), "--root-dir", str(tmp_path), "--max-epochs", "3", "--target", "0"]
+    parts = _run_in_terminal(arguments, columns=80, cwd=tmp_path, timeout=150)
+    output = "".join(text for _, text in parts)
+    output = output[: output.index("best val_acc")]  # what the example prints itself, after fit, is not ours
+
+    # No line wider than the terminal, so none wraps; each redraw rewrites the line in place.
+    assert max(len(segment) for segment in _segments(output)) <= 80
+    assert "\r" in output
+    epochs = [line for line in _screen(output) if line.startswith("Epoch ")]
+    assert [line.split()[1] for line in epochs] == ["1/3", "2/3", "3/3"], epochs  # one line per epoch stays
+    assert all(line.split()[2] == "23/23" and "val_acc=" in line for line in epochs), epochs
+
+    # At most ~10 redraws a second.
+    redraws = [segment for segment in _segments(output) if segment.startswith("Epoch ")]
+    seconds = parts[-1][0] - parts[0][0]
+    assert len(redraws) <= 10 * seconds + 2 * 3, (len(redraws), seconds)
+
+    # samples/s of the last epoch: its 1438 samples over the time from its first draw to its last line.
+    times: list[float] = []
+    last = ""
+    for at, text in parts:
+        for segment in _segments(text):
+            if segment.startswith("Epoch 3/3"):
+                times.append(at)
+                last = segment
+    shown = float(re.search(r"(\d+) samples/s", last).group(1))  # type: ignore[union-attr]
+    assert shown == pytest.approx(1438 / (times[-1] - times[0]), rel=0.05), (last, times[-1] - times[0])
+
+
+def test_samples_per_second_counts_each_batch_with_its_own_size(clock: _Clock) -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(stream=stream, interactive=False)
+    trainer = quiet_trainer(max_epochs=1, callbacks=[bar], enable_progress_bar=True, logger=False)
+    trainer.fit(_Timed(clock, seconds=0.01), make_loader(20, batch_size=8))  # batches of 8, 8 and 4, in 0.03 s
+    (line,) = stream.getvalue().splitlines()
+    assert line.startswith("Epoch 1/1 3/3 00:00 train_loss=") and line.endswith(" 667 samples/s"), line
+    assert " loss=" not in line  # the loss, logged as train_loss, is shown once
+
+
+# ------------------------------------------------------------------------------------- logs
+def test_output_that_is_not_a_terminal_gets_a_line_every_interval_and_at_each_epoch_end(clock: _Clock) -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(stream=stream, interactive=False, line_interval=5.0)
+    trainer = quiet_trainer(max_epochs=2, callbacks=[bar], enable_progress_bar=True, logger=False)
+    trainer.fit(_Timed(clock, seconds=1.0, extras=("twice",)), make_loader(96, batch_size=8), make_loader(16))
+    output = stream.getvalue()
+    assert "\r" not in output and "\x1b" not in output
+    lines = output.splitlines()
+    starts = [" ".join(line.split()[:3]) for line in lines]
+    # a line every 5 s (a step takes 1 s), a line for each validation and one at each epoch's end
+    assert starts == [
+        "Epoch 1/2 5/12", "Epoch 1/2 10/12", "Validation 2/2 00:00", "Epoch 1/2 12/12",
+        "Epoch 2/2 5/12", "Epoch 2/2 10/12", "Validation 2/2 00:00", "Epoch 2/2 12/12",
+    ], lines  # fmt: skip
+    assert lines[0].startswith("Epoch 1/2 5/12 00:05<00:07 train_loss=") and " 8.0 samples/s twice=" in lines[0]
+    assert lines[-1].startswith("Epoch 2/2 12/12 00:12 train_loss=")
+
+
+def test_values_that_do_not_fit_the_bar_are_on_the_line_that_ends_the_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    names = ("a_rather_long_metric_name", "another_long_metric_name", "yet_another_metric_name")
+
+    def run() -> str:
+        stream = _Terminal()
+        trainer = quiet_trainer(max_epochs=2, callbacks=[ProgressBar(stream=stream, refresh_rate=0.0)],
+                                enable_progress_bar=True, logger=False)  # fmt: skip
+        trainer.fit(_Timed(extras=names), make_loader(64))
+        return stream.getvalue()
+
+    output = run()
+    redraws = [segment for segment in _segments(output) if segment.startswith("Epoch ")]
+    assert max(len(segment) for segment in _segments(output)) <= 80
+    assert not any(name in redraw for redraw in redraws for name in names[1:])  # no room for them on the bar
+    screen = _screen(output)
+    for epoch in ("1/2", "2/2"):
+        (first,) = [index for index, line in enumerate(screen) if line.startswith(f"Epoch {epoch} 8/8 ")]
+        ended = " ".join(screen[first : first + 3])  # the epoch's line, broken between values to fit
+        assert all(f"{name}=" in ended for name in names) and "samples/s" in ended, screen
+
+    monkeypatch.setenv("COLUMNS", "250")  # a wide terminal has room for them on the bar
+    redraws = [segment for segment in _segments(run()) if segment.startswith("Epoch 1/2 4/8 ")]
+    assert redraws and all(f"{name}=" in redraws[0] for name in names), redraws
+
+
+def test_printing_through_the_trainer_goes_above_the_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+
+    class Printing(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 4:
+                self.print("half way")
+            return super().training_step(batch, batch_idx)
+
+        def on_train_epoch_end(self) -> None:
+            self.print("epoch", self.current_epoch, "done")
+
+    stream = _Terminal()
+    bar = ProgressBar(stream=stream, refresh_rate=0.0)
+    trainer = quiet_trainer(max_epochs=2, callbacks=[bar], enable_progress_bar=True, logger=False)
+    with contextlib.redirect_stdout(stream):
+        trainer.fit(Printing(), make_loader(64))
+    screen = _screen(stream.getvalue())
+    assert [line.split()[:2] if line.startswith("Epoch") else line for line in screen] == [
+        "half way", "epoch 0 done", ["Epoch", "1/2"], "half way", "epoch 1 done", ["Epoch", "2/2"]
+    ], screen  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- evaluation
+def test_validation_draws_its_own_bar_removed_inside_fit_and_kept_by_validate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    stream = _Terminal()
+    bar = ProgressBar(stream=stream, refresh_rate=0.0)
+    trainer = quiet_trainer(max_epochs=1, callbacks=[bar], enable_progress_bar=True, logger=False)
+
+    class Predicting(Regressor):
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self(batch[0])
+
+    model = Predicting()
+    trainer.fit(model, make_loader(32), make_loader(32))
+    drawn = stream.getvalue()
+    assert any(segment.startswith("Validation 3/4 ") for segment in _segments(drawn))  # drawn while it ran
+    assert not any(line.startswith("Validation") for line in _screen(drawn))  # and gone when done
+
+    for run, title in ((trainer.validate, "Validation"), (trainer.test, "Testing"), (trainer.predict, "Predicting")):
+        stream.seek(0)
+        stream.truncate()
+        run(model, make_loader(32))
+        screen = _screen(stream.getvalue())
+        assert [line.split()[:2] for line in screen] == [[title, "4/4"]], screen
+        assert screen[0].endswith("samples/s")
+
+
+# ---------------------------------------------------------------------------- device reads
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every read of a tensor's value into the host (``tolist``, ``item``, ``float``)."""
+    reads: list[str] = []
+    for name in ("tolist", "item", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(tensor: torch.Tensor, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            reads.append(_name)
+            return _original(tensor, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+def test_each_redraw_reads_the_device_once_and_no_step_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(bar: ProgressBar | None) -> int:
+        reads = _count_reads(monkeypatch)
+        trainer = quiet_trainer(max_epochs=2, callbacks=[bar] if bar else [], enable_progress_bar=bar is not None,
+                                logger=False, enable_checkpointing=False, log_every_n_steps=1000)  # fmt: skip
+        trainer.fit(_Timed(extras=("twice", "thrice")), make_loader(64))
+        monkeypatch.undo()
+        return len(reads)
+
+    without = run(None)
+    stream = io.StringIO()
+    every_batch = run(ProgressBar(stream=stream, interactive=False, line_interval=0.0))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 * 8 + 2  # each batch, and each epoch's end
+    assert every_batch - without == len(lines)  # the loss and three values: one read per line
+
+    rarely = run(ProgressBar(stream=io.StringIO(), interactive=False, line_interval=3600.0))
+    assert rarely - without == 2  # no read at the steps: only the two epochs' last lines read values
+
+
+# ---------------------------------------------------------------------------------- finders
+class _Sized(ember.Module):
+    def __init__(self, batch_size: int = 8, lr: float = 0.01, limit: int = 10**9) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if len(x) > self.hparams.limit:
+            raise torch.OutOfMemoryError(f"{len(x)} samples do not fit")
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self) -> Any:
+        return make_loader(256, batch_size=self.hparams.batch_size, shuffle=True)
+
+
+def test_the_finders_show_each_trial_and_the_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    stream = io.StringIO()
+    trainer = quiet_trainer(callbacks=[ProgressBar(stream=stream, interactive=False, line_interval=0.0)],
+                            enable_progress_bar=True)  # fmt: skip
+    Tuner(trainer).scale_batch_size(_Sized(limit=40), mode="power", init_val=8, steps_per_trial=2)
+    trials = capsys.readouterr().out.splitlines()
+    assert [re.sub(r" \(.*\)$", "", line) for line in trials] == [
+        "scale_batch_size: trial 1, batch_size=8: fits",
+        "scale_batch_size: trial 2, batch_size=16: fits",
+        "scale_batch_size: trial 3, batch_size=32: fits",
+        "scale_batch_size: trial 4, batch_size=64: runs out of memory",
+        "scale_batch_size: batch_size=32",
+    ], trials
+    assert re.search(r"fits \(2 steps in \d+\.\d\d s\)$", trials[0])
+
+    Tuner(trainer).lr_find(_Sized(), min_lr=1e-4, max_lr=1e-1, num_training=20, early_stop_threshold=None)
+    sweep = stream.getvalue().splitlines()
+    assert [line.split()[1] for line in sweep] == [f"{step}/20" for step in range(1, 21)] + ["20/20"]
+    assert all(line.startswith("lr_find ") and " lr=" in line and " loss=" in line for line in sweep)
+    assert re.fullmatch(r"lr_find: suggested lr=\S+ \(20 steps\)", capsys.readouterr().out.strip())
+
+
+def test_the_finders_are_quiet_off_rank_zero(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stream = io.StringIO()
+    trainer = quiet_trainer(callbacks=[ProgressBar(stream=stream, interactive=False, line_interval=0.0)],
+                            enable_progress_bar=True)  # fmt: skip
+    monkeypatch.setattr(ember.Trainer, "is_global_zero", property(lambda self: False))
+    Tuner(trainer).scale_batch_size(_Sized(limit=40), init_val=8, steps_per_trial=1)
+    Tuner(trainer).lr_find(_Sized(), num_training=10)
+    assert capsys.readouterr().out == "" and stream.getvalue() == ""
+
+
+def test_progress_bar_can_be_turned_off(capsys: pytest.CaptureFixture[str]) -> None:
+    ember.Trainer(accelerator="cpu", max_epochs=1, enable_progress_bar=False, logger=False).fit(
+        Regressor(), make_loader(16)
+    )
+    assert "Epoch" not in capsys.readouterr().out
+
+
+def test_the_progress_bar_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match=r"ProgressBar\(interactive='yes'\): expected True, False or None"):
+        ProgressBar(interactive="yes")  # type: ignore[arg-type]
