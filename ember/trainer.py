@@ -123,12 +123,12 @@ class Trainer:
             async_checkpoint=config.async_checkpoint,
         )
         rank_zero_only.rank = self.strategy.global_rank  # type: ignore[attr-defined]
-        if config.fast_dev_run:
-            self.print(f"fast_dev_run: running {int(config.fast_dev_run)} batch(es) of each loop; logging, "
-                       "checkpointing and early stopping are off")  # fmt: skip
         _set_determinism(config)
         self.loggers: list[Logger] = _build_loggers(config)
         self.callbacks: list[Callback] = _build_callbacks(config)
+        if config.fast_dev_run:
+            self.print(f"fast_dev_run: running {int(config.fast_dev_run)} batch(es) of each loop; logging, "
+                       "checkpointing and early stopping are off")  # fmt: skip
         self.profiler: Profiler = select_profiler(config.profiler)
         #: What the run has logged with ``self.log`` and what went to the loggers.
         self.run_metrics = RunMetrics(

@@ -209,26 +209,20 @@ def _copies_to_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return _on_accelerator(args[0]) and target is not None and torch.device(target).type == "cpu"
 
 
-def _masks(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """``tensor[mask]`` of a device tensor with a boolean mask: the result's size depends on the mask's values."""
-    index = args[1]
-    parts = index if isinstance(index, (tuple, list)) else (index,)
-    return _on_accelerator(args[0]) and any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
-
-
 def _always(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return True
 
 
 # Calls that make the host wait for the device, when ``waits(args, kwargs)`` says so: (owner, name, waits, label).
 # Those that hand a device tensor's value to Python, copy it to the CPU, or give a result whose size depends on
-# its values (boolean masks, nonzero); and explicit synchronisation.
+# its values (nonzero); and explicit synchronisation. ``Tensor.__getitem__`` (boolean masks) is not watched:
+# setting it on ``torch.Tensor`` gives the class a sequence slot that undoing cannot remove, after which
+# ``torch.tensor([a_tensor, ...])`` fails for the rest of the process.
 _SYNC_CALLS: list[tuple[Any, str, Callable[[tuple[Any, ...], dict[str, Any]], bool], str]] = [
     *((torch.Tensor, name, _reads_value, name) for name in ("item", "tolist", "cpu", "numpy", "nonzero",
                                                              "__bool__", "__float__", "__int__", "__format__",
                                                              "__repr__")),
     (torch.Tensor, "to", _copies_to_cpu, "to the CPU"),
-    (torch.Tensor, "__getitem__", _masks, "boolean mask"),
     (torch, "nonzero", _reads_value, "nonzero"),
     (torch.cuda, "synchronize", _always, "synchronize"),
     (torch.cuda, "empty_cache", _always, "empty_cache"),
