@@ -580,7 +580,7 @@ class Trainer:
             self._begin_stage(stage, module, datamodule)
             with torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
                 yield
-            self.strategy.wait_for_checkpoints()  # a save in flight completes before the stage does
+            self.strategy.end_stage()  # a save in flight completes before the stage does
             status = "success"
         except DoctorDone:
             status = "interrupted"  # `ember doctor` has seen enough steps

@@ -159,6 +159,12 @@ class PipelineStrategy(ShardedStrategy):
         self._schedules.clear()  # each holds its stage's communication buffers
         super().teardown()
 
+    def end_stage(self) -> None:
+        super().end_stage()
+        # The schedule's last point-to-point messages may still be in flight on Gloo; a process that
+        # exits while a peer still sends to it aborts ("terminate called without an active exception").
+        self.barrier()
+
     def _stage_names(self, module: nn.Module) -> list[str]:
         """The names of the submodules this rank's stage keeps."""
         if self.split_fn is not None:

@@ -309,6 +309,10 @@ class Strategy:
         """Return once every checkpoint asked for is written; raise the error of a write that failed."""
         self.checkpoint_writer.wait()
 
+    def end_stage(self) -> None:
+        """A stage ended without error: what it left in flight completes before the stage does."""
+        self.wait_for_checkpoints()
+
     def load_checkpoint(self, path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
         # Into CPU memory: each part's load_state_dict puts its tensors on its own device, and some
         # entries (random generator states) must stay on the CPU.
