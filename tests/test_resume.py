@@ -90,16 +90,17 @@ def test_a_killed_run_resumes_to_the_same_parameters(
 def test_a_kill_during_a_background_write_keeps_the_previous_last_and_resumes_exactly(
     processes: int, uninterrupted: Callable[[int, int], str], tmp_path: Any
 ) -> None:
-    out = str(tmp_path)
-    killed = _job(out, "--async-checkpoint", "--kill-during-write", "35", processes=processes)
+    out, accumulate = str(tmp_path), str(processes)  # the uninterrupted runs the test above compares with
+    written_later = ("--accumulate", accumulate, "--async-checkpoint")
+    killed = _job(out, *written_later, "--kill-during-write", "35", processes=processes)
     assert killed.returncode != 0  # SIGKILL while step 35's checkpoint was written in the background
     last = checkpoint_state.find_checkpoint(quiet_trainer(default_root_dir=out), "last")
     assert last is not None and checkpoint_io.load(last)["global_step"] == 30  # the previous, complete one
-    resumed = _job(out, "--async-checkpoint", "--ckpt-path", "last", processes=processes)
+    resumed = _job(out, *written_later, "--ckpt-path", "last", processes=processes)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step=30" in resumed.stdout
     for rank in range(processes):
-        _assert_identical(_final(out, rank), _final(uninterrupted(processes, 1), rank))
+        _assert_identical(_final(out, rank), _final(uninterrupted(processes, processes), rank))
 
 
 def test_the_end_of_fit_waits_for_the_write_in_flight(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
