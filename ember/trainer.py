@@ -410,11 +410,8 @@ class Trainer:
             train_loader = self._loaders("train", train_dataloaders, required=True)[0]
             return train_loader, self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
 
-        with self._stage("fit", model, datamodule):
+        with self._stage("fit", model, datamodule, ckpt_path) as path:
             train_loader, val_loaders = loaders()
-            path = self._resolve_checkpoint(ckpt_path)
-            # Resumed with "last", the run continues its predecessor in place; otherwise it is a run of its own.
-            self._settle_run_directory(continuing=path if ckpt_path == "last" else None)
             restore = functools.partial(self._restore, path, weights_only) if path is not None else None
             self.fit_loop.run(train_loader, val_loaders, restore, reload=loaders)
         if self.preempted:
@@ -468,9 +465,9 @@ class Trainer:
         _check_module(model, "predict")
         self.strategy.launch()
         ckpt_path = _checked_path(ckpt_path)
-        with self._stage("predict", model, datamodule):
+        with self._stage("predict", model, datamodule, ckpt_path) as path:
             loaders = self._loaders("predict", dataloaders, required=True)
-            self._load_weights(self._resolve_checkpoint(ckpt_path), weights_only)
+            self._load_weights(path, weights_only)
             return self.predict_loop.run(loaders, return_predictions)
 
     def _evaluate(
@@ -489,9 +486,9 @@ class Trainer:
         _check_module(model, loop.stage)
         self.strategy.launch()
         ckpt_path = _checked_path(ckpt_path)
-        with self._stage(loop.stage, model, datamodule):
+        with self._stage(loop.stage, model, datamodule, ckpt_path) as path:
             loaders = self._loaders("val" if loop.stage == "validate" else "test", dataloaders, required=True)
-            self._load_weights(self._resolve_checkpoint(ckpt_path), weights_only)
+            self._load_weights(path, weights_only)
             results = loop.run(loaders, loop.count(loaders))
             if verbose and self.is_global_zero:
                 _print_results(loop.stage, results)
@@ -572,14 +569,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ stages
     @contextlib.contextmanager
-    def _stage(self, stage: str, module: Module, datamodule: DataModule | None) -> Iterator[None]:
+    def _stage(
+        self, stage: str, module: Module, datamodule: DataModule | None, ckpt_path: str | None = None
+    ) -> Iterator[str | None]:
         """Attach the module and data, set everything up for ``stage``, and tear it down afterwards
-        (on success and on error)."""
+        (on success and on error); gives the checkpoint ``ckpt_path`` names ("last" and "best" looked up)."""
         status = "failed"
         try:
-            self._begin_stage(stage, module, datamodule)
+            path = self._begin_stage(stage, module, datamodule, ckpt_path)
             with torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
-                yield
+                yield path
             self.strategy.end_stage()  # a save in flight completes before the stage does
             status = "success"
         except DoctorDone:
@@ -600,7 +599,9 @@ class Trainer:
         finally:
             self._end_stage(stage, module, datamodule, status)
 
-    def _begin_stage(self, stage: str, module: Module, datamodule: DataModule | None) -> None:
+    def _begin_stage(
+        self, stage: str, module: Module, datamodule: DataModule | None, ckpt_path: str | None
+    ) -> str | None:
         self.stage = stage
         self.run_metrics.reset()
         self.lightning_module = module
@@ -618,8 +619,10 @@ class Trainer:
             self.strategy.setup_environment()
             self.strategy.describe_position(self._position)
             self._environment_ready = True
-        if stage != "fit":  # fit settles it once it knows whether it continues an earlier run
-            self._settle_run_directory()
+        # The run's directory is settled before any hook (setup, a profiler) can ask for it. A fit resumed
+        # with "last" continues its predecessor's directory in place; any other run has one of its own.
+        path = self._resolve_checkpoint(ckpt_path)
+        self._settle_run_directory(continuing=path if stage == "fit" and ckpt_path == "last" else None)
         self._prepare_data(stage, module, datamodule)
         module.setup(stage)
         for callback in self.callbacks:
@@ -631,6 +634,7 @@ class Trainer:
             self._start_doctor()  # before the model is wrapped, so that the wrapper is watched too
         self.strategy.setup_module(module, training=stage == "fit")
         self.profiler.setup(self, stage)
+        return path
 
     def _prepare_data(self, stage: str, module: Module, datamodule: DataModule | None) -> None:
         """``prepare_data`` once per machine (the module's and the datamodule's), then the datamodule's ``setup``."""

@@ -129,6 +129,26 @@ def test_a_run_resumed_with_last_continues_its_lineage_in_place(tmp_path: Any) -
     assert sorted(os.listdir(os.path.join(root, "ember_logs"))) == ["version_0"]
 
 
+class _ReadsTheRunDirectory(Callback):
+    """Reads ``trainer.log_dir`` in ``setup``, as callbacks that write files beside the logs do."""
+
+    seen: str | None = None
+
+    def setup(self, trainer: ember.Trainer, module: Any, stage: str) -> None:
+        self.seen = trainer.log_dir
+
+
+def test_hooks_that_read_the_run_directory_early_see_the_run_continued_with_last(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    first = quiet_trainer(max_epochs=1, default_root_dir=root)
+    first.fit(Regressor(), make_loader(16))
+    reader = _ReadsTheRunDirectory()
+    second = quiet_trainer(max_epochs=2, default_root_dir=root, callbacks=[reader])
+    second.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert reader.seen == second.log_dir == first.log_dir
+    assert sorted(os.listdir(os.path.join(root, "ember_logs"))) == ["version_0"]
+
+
 # --------------------------------------------------------------------------------------- "last"
 def test_last_ignores_files_outside_the_lineage_and_skips_a_damaged_newest_one(tmp_path: Any) -> None:
     root = str(tmp_path)
