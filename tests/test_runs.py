@@ -4,6 +4,7 @@ weights that went non-finite."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -410,3 +411,56 @@ def test_a_preempted_run_with_persistent_loader_workers_saves_and_exits(tmp_path
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
     assert "preemption signal received: saved" in result.stdout
+
+
+class _SignalTheLoaderWorkers(Callback):
+    """At global step 2, sends SIGTERM twice to each loader worker from another process, as SLURM's scancel
+    and then torchrun's agent, passing it on, do."""
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if trainer.global_step != 2:
+            return
+        workers = [str(process.pid) for process in multiprocessing.active_children()]
+        assert len(workers) == 2
+        send = "import os, signal, sys; [os.kill(int(pid), signal.SIGTERM) for pid in sys.argv[1:]]"
+        for _ in range(2):
+            subprocess.run([sys.executable, "-c", send, *workers], check=True, timeout=30)
+
+
+def test_loader_workers_outlive_signals_that_are_not_from_their_main_process(tmp_path: Any) -> None:
+    signals = _SignalTheLoaderWorkers()
+    trainer = quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False, callbacks=[signals])
+    trainer.fit(Regressor(), make_loader(64, num_workers=2))
+    assert trainer.global_step == 16  # every batch was still read
+    assert multiprocessing.active_children() == []  # and the workers ended with the epoch
+
+
+_HOLDS_AN_ITERATOR = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from conftest import Regressor, make_loader, quiet_trainer
+    from ember.callbacks import Callback
+
+    held = []
+
+    class Peek(Callback):
+        def on_train_start(self, trainer, module):
+            batches = iter(trainer.train_dataloader)  # as a callback that shows a sample batch does
+            next(batches)
+            held.append(batches)
+
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, callbacks=[Peek()])
+    trainer.fit(Regressor(), make_loader(32, num_workers=2))
+    print("trained")
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_a_process_that_still_holds_a_loader_iterator_exits(tmp_path: Any) -> None:
+    """At exit, multiprocessing ends the iterator's workers with SIGTERM from the main process: they must obey."""
+    script = tmp_path / "holds.py"
+    script.write_text(_HOLDS_AN_ITERATOR.format(tests=os.path.dirname(__file__)))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "trained" in result.stdout, result.stderr[-2000:]
