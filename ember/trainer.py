@@ -691,8 +691,9 @@ class Trainer:
             versions = settle_versions(self.loggers, continuing)
             run_version = None
             # Without a logger that keeps files, checkpoints that have no directory of their own still get one
-            # that belongs to this run alone.
-            homeless = any(callback.dirpath is None for callback in self.checkpoint_callbacks)
+            # that belongs to this run alone (a preemption signal saves one even without a ModelCheckpoint).
+            callbacks = self.checkpoint_callbacks
+            homeless = not callbacks or any(callback.dirpath is None for callback in callbacks)
             keeps_checkpoints = self.stage == "fit" and not self.fast_dev_run
             if keeps_checkpoints and homeless and not any(logger.log_dir for logger in self.loggers):
                 run_version = lineage_version(self.runs_dir, continuing)

@@ -150,6 +150,32 @@ def test_hooks_that_read_the_run_directory_early_see_the_run_continued_with_last
     assert sorted(os.listdir(os.path.join(root, "ember_logs"))) == ["version_0"]
 
 
+class _Preempt(Callback):
+    """Sends SIGTERM to this process at global step ``at``, as a scheduler does."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_run_that_keeps_no_files_saves_its_preemption_checkpoint_where_last_finds_it(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags: dict[str, Any] = dict(default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False)
+    trainer = quiet_trainer(max_epochs=3, callbacks=[_Preempt(at=3)], **flags)
+    with pytest.raises(SystemExit):
+        trainer.fit(Regressor(), make_loader(16))
+    printed = capsys.readouterr().out
+    resumed = quiet_trainer(max_epochs=3, **flags)
+    found = checkpoint_state.find_checkpoint(resumed, "last")
+    assert found is not None and f"saved {found} at global step 3" in printed
+    resumed.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert resumed.global_step == 6 and "resuming from" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------------------- "last"
 def test_last_ignores_files_outside_the_lineage_and_skips_a_damaged_newest_one(tmp_path: Any) -> None:
     root = str(tmp_path)
