@@ -680,13 +680,13 @@ class Trainer:
         outcome = self._claim_run_directory(continuing) if self.is_global_zero else None
         versions, run_version, problem = self.strategy.broadcast(outcome)
         if problem is not None:
-            raise OSError(problem)
+            raise problem  # rank zero's, of its own type (PermissionError, ...), on every rank
         for logger, version in zip(self.loggers, versions):
             logger.use_version(version)
         self._run_version = run_version
         self._run_settled = True
 
-    def _claim_run_directory(self, continuing: str | None) -> tuple[list[int | str], int | None, str | None]:
+    def _claim_run_directory(self, continuing: str | None) -> tuple[list[int | str], int | None, OSError | None]:
         try:
             versions = settle_versions(self.loggers, continuing)
             run_version = None
@@ -702,7 +702,7 @@ class Trainer:
             for directory in self._directories_written():
                 checkpoint_io.prepare_directory(directory)
         except OSError as error:
-            return [], None, str(error)
+            return [], None, error
         return versions, run_version, None
 
     def _directories_written(self) -> list[str]:

@@ -295,7 +295,7 @@ def test_an_unwritable_run_directory_fails_before_the_first_step(tmp_path: Any) 
             steps.append(batch_idx)
 
     root = str(tmp_path / "a-file" / "runs")
-    with pytest.raises(OSError, match=r"cannot (create a run directory under|write to) .*a-file"):
+    with pytest.raises(NotADirectoryError, match=r"cannot (create a run directory under|write to) .*a-file"):
         quiet_trainer(max_epochs=1, default_root_dir=root, callbacks=[Count()]).fit(Regressor(), make_loader(16))
     assert steps == []
     unwritable_checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "a-file" / "checkpoints"))
@@ -304,6 +304,51 @@ def test_an_unwritable_run_directory_fails_before_the_first_step(tmp_path: Any) 
             Regressor(), make_loader(16)
         )
     assert steps == []
+
+
+_READ_ONLY = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from conftest import Regressor, make_loader, quiet_trainer
+    from ember.callbacks import Callback
+
+    class Count(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            raise AssertionError("a step began")
+
+    for flags in (dict(), dict(logger=False)):
+        try:
+            quiet_trainer(max_epochs=1, default_root_dir=sys.argv[1], callbacks=[Count()], **flags).fit(
+                Regressor(), make_loader(16)
+            )
+        except OSError as error:
+            print(type(error).__name__, error)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mounts a read-only file system")
+def test_a_read_only_default_root_dir_fails_before_the_first_step(tmp_path: Any) -> None:
+    """A read-only file system mounted in a user namespace (where this test's user is root, whom a mere
+    chmod would not stop)."""
+    script, mount = tmp_path / "read_only.py", tmp_path / "read-only"
+    script.write_text(_READ_ONLY.format(tests=os.path.dirname(__file__)))
+    mount.mkdir()
+    command = f"mount -t tmpfs -o ro tmpfs {mount} && exec {sys.executable} {script} {mount}"
+    try:
+        result = subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", command],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except FileNotFoundError:
+        pytest.skip("no unshare command")
+    if "mount" in result.stderr or "unshare" in result.stderr:
+        pytest.skip(f"cannot mount a read-only file system here: {result.stderr.strip()}")
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0 and len(lines) == 2, result.stdout + result.stderr[-2000:]
+    for line in lines:  # with a logger, and with only the default ModelCheckpoint
+        assert f"cannot create a run directory under '{mount}" in line and "Read-only file system" in line
 
 
 def _with_file_size_limit(limit: int, work: str, *args: str) -> tuple[str, str]:

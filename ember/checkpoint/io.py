@@ -109,7 +109,7 @@ def prepare_directory(directory: str) -> None:
             pass
         os.unlink(probe)
     except OSError as error:
-        raise OSError(
+        raise type(error)(  # a PermissionError stays one
             f"cannot write to {directory!r}: {error.strerror or error}; pass a default_root_dir (or a "
             "ModelCheckpoint dirpath) you can write to"
         ) from error
