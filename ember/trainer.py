@@ -552,7 +552,7 @@ class Trainer:
                 warnings.warn(
                     f"ckpt_path='last': no complete checkpoint of this run under {self.runs_dir!r} yet; "
                     "training starts from scratch",
-                    stacklevel=3,
+                    stacklevel=6,  # the user's fit: through _begin_stage, _stage and contextlib
                 )
         else:
             self.print(f"resuming from {found}")

@@ -201,6 +201,24 @@ def test_last_ignores_files_outside_the_lineage_and_skips_a_damaged_newest_one(t
     assert resumed.global_step == 6  # epoch 2 run again from the end of epoch 1
 
 
+@pytest.mark.parametrize("periodic_dirpath", ["given", "the run's"])
+def test_last_is_the_newest_checkpoint_of_all_the_lineages_directories(periodic_dirpath: str, tmp_path: Any) -> None:
+    """A ModelCheckpoint that keeps the best file (from epoch 0 here) beside one that saves every epoch: a
+    crashed run continues from the newest file, wherever it is."""
+    root = str(tmp_path)
+
+    def callbacks() -> list[Callback]:
+        best = ModelCheckpoint(dirpath=os.path.join(root, "best"), monitor="score", mode="min", save_top_k=1)
+        periodic = os.path.join(root, "periodic") if periodic_dirpath == "given" else None
+        return [best, ModelCheckpoint(dirpath=periodic, save_top_k=-1)]
+
+    first = quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=callbacks())
+    first.fit(_Scored(), make_loader(16), make_loader(8))
+    newest = os.path.join(first.checkpoint_callbacks[1].dirpath or "", "epoch=2-step=6.ckpt")
+    again = quiet_trainer(default_root_dir=root, callbacks=callbacks())
+    assert checkpoint_state.find_checkpoint(again, "last") == newest
+
+
 def test_last_without_a_complete_checkpoint_warns_and_starts_fresh(tmp_path: Any) -> None:
     root = str(tmp_path)
     version = tmp_path / "ember_logs" / "version_0" / "checkpoints"
@@ -212,6 +230,7 @@ def test_last_without_a_complete_checkpoint_warns_and_starts_fresh(tmp_path: Any
     messages = [str(warning.message) for warning in caught]
     assert any("last.ckpt" in message and "is empty" in message for message in messages)
     assert any("starts from scratch" in message for message in messages)
+    assert {warning.filename for warning in caught} == {__file__}  # both point at the fit call
     assert trainer.global_step == 2
 
 
