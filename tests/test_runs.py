@@ -406,6 +406,34 @@ def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_one(tmp
     assert os.listdir(tmp_path) == ["run.ckpt"]  # no temporary left behind
 
 
+class _Ballast(Regressor):
+    """A Regressor whose checkpoints take about 400 kB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ballast", torch.zeros(100_000))
+
+
+def _train_on(root: str, epochs: str) -> None:
+    last_too = ModelCheckpoint(save_last=True)
+    trainer = quiet_trainer(max_epochs=int(epochs), default_root_dir=root, logger=False, callbacks=[last_too])
+    trainer.fit(_Ballast(), make_loader(16), ckpt_path="last")
+
+
+def test_a_run_whose_disk_fills_up_keeps_its_previous_checkpoint_and_last(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    with pytest.warns(UserWarning, match="starts from scratch"):
+        _train_on(root, "1")
+    directory = os.path.join(root, "ember_logs", "version_0", "checkpoints")
+    kind, message = _with_file_size_limit(200_000, "_train_on", root, "3")  # a checkpoint no longer fits
+    assert kind == "CheckpointError", message
+    assert repr(os.path.join(directory, "epoch=1-step=4.ckpt")) in message and "File too large" in message
+    assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt", "last.ckpt"]  # no temporary left behind
+    last = checkpoint_state.find_checkpoint(quiet_trainer(default_root_dir=root, logger=False), "last")
+    assert last is not None and checkpoint_io.load(last)["global_step"] == 2
+    assert checkpoint_io.load(os.path.join(directory, "last.ckpt"))["global_step"] == 2
+
+
 def _log_until_full(directory: str) -> None:
     logger = CSVLogger(directory, version=0, flush_logs_every_n_steps=1)
     for step in range(100_000):
