@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -172,8 +173,16 @@ def test_a_run_that_keeps_no_files_saves_its_preemption_checkpoint_where_last_fi
     resumed = quiet_trainer(max_epochs=3, **flags)
     found = checkpoint_state.find_checkpoint(resumed, "last")
     assert found is not None and f"saved {found} at global step 3" in printed
+    # The README shows this very line, but for the path and the step.
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as file:
+        shown = next(line for line in file if line.startswith("preemption signal received"))
+    assert _in_general(shown) == _in_general(printed.strip().splitlines()[-1])
     resumed.fit(Regressor(), make_loader(16), ckpt_path="last")
     assert resumed.global_step == 6 and "resuming from" in capsys.readouterr().out
+
+
+def _in_general(line: str) -> str:
+    return re.sub(r"saved \S+ at global step \d+", "saved PATH at global step N", line.strip())
 
 
 # --------------------------------------------------------------------------------------- "last"
