@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pickle
 import random
 import re
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import zipfile
 from typing import Any
 
 import pytest
@@ -262,9 +264,16 @@ def _make_bad(kind: str, tmp_path: Any) -> str:
         "random": random.Random(0).randbytes(4096),
         "json": json.dumps({"state_dict": {}, "epoch": 1}).encode(),
         "text": b"epoch: 3\nweights: see the other file\n",
+        "random_from_0x80": b"\x80" + random.Random(1).randbytes(4095),  # the first byte a pickle's
+        "pickle": pickle.dumps({"epoch": 3, "weights": [0.5, 0.25]}),
     }
     if kind in written:
         (tmp_path / path).write_bytes(written[kind])
+    elif kind == "zip":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("notes/readme.txt", "not a checkpoint")
+    elif kind == "bare_state_dict":
+        torch.save(Regressor().state_dict(), path)
     elif kind == "directory":
         os.makedirs(path)
         (tmp_path / path / "notes.txt").write_text("not a sharded checkpoint")
@@ -289,6 +298,10 @@ def _make_bad(kind: str, tmp_path: Any) -> str:
         ("directory", "is a directory but not a complete sharded checkpoint"),
         ("dangling", "is a link to .*gone.ckpt.*, which does not exist"),
         ("other_model", "holds the weights of another model than this Regressor"),
+        ("random_from_0x80", "is not a checkpoint: it does not start like a file written by torch.save"),
+        ("pickle", "is not a checkpoint: it does not start like a file written by torch.save"),
+        ("zip", "is a zip archive, but not a checkpoint written by torch.save"),
+        ("bare_state_dict", r"holds only a state_dict .*load_state_dict\(torch\.load"),
     ],
 )
 def test_every_way_a_file_can_fail_to_be_a_checkpoint_gives_one_error_naming_it(

@@ -87,6 +87,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
     """Put the module, optimizers, schedulers, callbacks, loggers, data and the loop where ``checkpoint``
     says; called once ``fit`` has built the optimizers."""
+    _check_not_bare(checkpoint, path)
     if "optimizer_states" not in checkpoint:
         raise ValueError(
             f"ckpt_path={path!r} holds weights only (save_weights_only=True), so training cannot resume "
@@ -112,6 +113,7 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
 
 def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: str) -> None:
     """``load(checkpoint["state_dict"])``, or an error that says the checkpoint is another model's."""
+    _check_not_bare(checkpoint, path)
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict):
         raise CheckpointError(
@@ -126,6 +128,15 @@ def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpo
         raise CheckpointError(
             f"{path!r} holds the weights of another model than this {type(module).__name__}: {details}"
         ) from None
+
+
+def _check_not_bare(checkpoint: dict[str, Any], path: str) -> None:
+    """A bare state_dict (what ``torch.save(model.state_dict(), path)`` writes) is no checkpoint: say what to do."""
+    if checkpoint and "state_dict" not in checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        raise CheckpointError(
+            f"{path!r} holds only a state_dict (parameter names and tensors), not a checkpoint Ember wrote; load it "
+            "into the module with module.load_state_dict(torch.load(path))"
+        )
 
 
 def _restore_optimization(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
