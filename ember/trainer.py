@@ -336,6 +336,15 @@ class Trainer:
             return callback.dirpath
         return os.path.join(self.log_dir or self.default_root_dir, "checkpoints")
 
+    def preemption_checkpoint_path(self) -> str:
+        """Where a preemption signal's checkpoint goes: ``last.ckpt`` in this run's checkpoint directory. Call
+        it on every rank: a run that keeps no files otherwise (no logger, no ModelCheckpoint) claims its
+        ``version_N`` now, rank zero's for every rank, so that ``ckpt_path="last"`` finds the file."""
+        if self.log_dir is None and self.checkpoint_callback is None:
+            claimed = claim_version(self.runs_dir) if self.is_global_zero else None
+            self._run_version = self.strategy.broadcast(claimed)
+        return os.path.join(self.checkpoint_dir, "last.ckpt")
+
     @property
     def runs_dir(self) -> str:
         """Where this run's directory and its predecessors' (``version_N``) are: the first file-keeping
@@ -691,9 +700,8 @@ class Trainer:
             versions = settle_versions(self.loggers, continuing)
             run_version = None
             # Without a logger that keeps files, checkpoints that have no directory of their own still get one
-            # that belongs to this run alone (a preemption signal saves one even without a ModelCheckpoint).
-            callbacks = self.checkpoint_callbacks
-            homeless = not callbacks or any(callback.dirpath is None for callback in callbacks)
+            # that belongs to this run alone.
+            homeless = any(callback.dirpath is None for callback in self.checkpoint_callbacks)
             keeps_checkpoints = self.stage == "fit" and not self.fast_dev_run
             if keeps_checkpoints and homeless and not any(logger.log_dir for logger in self.loggers):
                 run_version = lineage_version(self.runs_dir, continuing)
