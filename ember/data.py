@@ -333,7 +333,8 @@ def _obey_only_the_main_process(main_pid: int) -> None:
     it needs to reach the step where it saves. The main process ends its workers with the same SIGTERM
     (when it shuts the loader down, or at exit), so only the sender tells them apart, as torch's own
     handler in the worker does; Python's handlers are not told the sender, so the signals are blocked and
-    a thread waits for them. Where that cannot be done (no ``sigwaitinfo``), torch's handling stays.
+    a thread waits for them (programs a worker starts inherit them blocked, as they inherit Ctrl-C ignored).
+    Where that cannot be done (no ``sigwaitinfo``), torch's handling stays.
     """
     if not hasattr(signal, "sigwaitinfo"):
         return
