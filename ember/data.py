@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 import random
 import re
 import signal
+import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -308,34 +310,44 @@ class _SampleNamed(Dataset):
 
 class _WorkerStart:
     """What a loader worker runs first: it leaves the signals that stop training to the main process, then
-    seeds the worker (unless the user's ``worker_init_fn``, run instead, does its own seeding).
-
-    A launcher (torchrun, SLURM's ``scancel --signal``, Ctrl-C in a terminal) signals the whole process
-    group: were the workers to die of it, the main process could not fetch the batches it needs to reach
-    the step where it saves. So a worker ignores Ctrl-C, and lets the first SIGTERM (or SLURM's SIGUSR1)
-    pass; the next one ends it, as the main process ends its workers when it shuts down.
-    """
+    seeds the worker (unless the user's ``worker_init_fn``, run instead, does its own seeding)."""
 
     def __init__(self, user_init: Callable[[int], None] | None) -> None:
         self.user_init = user_init
+        self.main_pid = os.getpid()  # the process that reads the batches
 
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for name in ("SIGTERM", "SIGUSR1"):
-            if hasattr(signal, name):
-                signal.signal(getattr(signal, name), _let_one_pass)
+        _obey_only_the_main_process(self.main_pid)
         if self.user_init is not None:
             self.user_init(worker_id)
         else:
             _seed_worker(worker_id)
 
 
-def _let_one_pass(number: int, frame: object) -> None:
-    """In a loader worker: the first such signal comes from the launcher and is left to the main process;
-    the next one has the signal's default effect."""
-    for name in ("SIGTERM", "SIGUSR1"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
+def _obey_only_the_main_process(main_pid: int) -> None:
+    """In a loader worker: end on SIGTERM (or SLURM's SIGUSR1) only when the main process sends it.
+
+    A launcher or scheduler (torchrun's agent, SLURM's ``scancel``, often both, one after the other) signals
+    every process of the job: were the workers to die of it, the main process could not fetch the batches
+    it needs to reach the step where it saves. The main process ends its workers with the same SIGTERM
+    (when it shuts the loader down, or at exit), so only the sender tells them apart, as torch's own
+    handler in the worker does; Python's handlers are not told the sender, so the signals are blocked and
+    a thread waits for them (programs a worker starts inherit them blocked, as they inherit Ctrl-C ignored).
+    Where that cannot be done (no ``sigwaitinfo``), torch's handling stays.
+    """
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    stops = {signal.SIGTERM, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # in every thread started from here on too
+    threading.Thread(target=_wait_for_the_main_process, args=(stops, main_pid), daemon=True).start()
+
+
+def _wait_for_the_main_process(stops: set[signal.Signals], main_pid: int) -> None:
+    while True:
+        sender = signal.sigwaitinfo(stops).si_pid
+        if sender in (main_pid, os.getppid()):
+            os._exit(0)  # as torch's handler does: a clean exit, which the main process does not report
 
 
 def release_workers(loader: Iterable) -> None:
@@ -429,9 +441,8 @@ def _ending_workers(iterator: Iterator[Any]) -> Iterator[Any]:
 
     Left to the garbage collector, workers outlive an error for long: a traceback that refers to the loop
     keeps the DataLoader's iterator alive, and once the collector breaks such a cycle the iterator's queues
-    are finalized before it can tell its workers to stop, so it waits 5 s for each. At the interpreter's
-    exit it is worse: multiprocessing ends a worker with the one SIGTERM that ``_WorkerStart`` lets pass,
-    then waits for it forever. (Persistent workers outlive an epoch; the Trainer ends them with the stage.)
+    are finalized before it can tell its workers to stop, so it waits 5 s for each. (Persistent workers
+    outlive an epoch; the Trainer ends them with the stage.)
     """
     try:
         yield from iterator

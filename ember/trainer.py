@@ -336,6 +336,15 @@ class Trainer:
             return callback.dirpath
         return os.path.join(self.log_dir or self.default_root_dir, "checkpoints")
 
+    def preemption_checkpoint_path(self) -> str:
+        """Where a preemption signal's checkpoint goes: ``last.ckpt`` in this run's checkpoint directory. Call
+        it on every rank: a run that keeps no files otherwise (no logger, no ModelCheckpoint) claims its
+        ``version_N`` now, rank zero's for every rank, so that ``ckpt_path="last"`` finds the file."""
+        if self.log_dir is None and self.checkpoint_callback is None:
+            claimed = claim_version(self.runs_dir) if self.is_global_zero else None
+            self._run_version = self.strategy.broadcast(claimed)
+        return os.path.join(self.checkpoint_dir, "last.ckpt")
+
     @property
     def runs_dir(self) -> str:
         """Where this run's directory and its predecessors' (``version_N``) are: the first file-keeping
@@ -410,11 +419,8 @@ class Trainer:
             train_loader = self._loaders("train", train_dataloaders, required=True)[0]
             return train_loader, self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
 
-        with self._stage("fit", model, datamodule):
+        with self._stage("fit", model, datamodule, ckpt_path) as path:
             train_loader, val_loaders = loaders()
-            path = self._resolve_checkpoint(ckpt_path)
-            # Resumed with "last", the run continues its predecessor in place; otherwise it is a run of its own.
-            self._settle_run_directory(continuing=path if ckpt_path == "last" else None)
             restore = functools.partial(self._restore, path, weights_only) if path is not None else None
             self.fit_loop.run(train_loader, val_loaders, restore, reload=loaders)
         if self.preempted:
@@ -468,9 +474,9 @@ class Trainer:
         _check_module(model, "predict")
         self.strategy.launch()
         ckpt_path = _checked_path(ckpt_path)
-        with self._stage("predict", model, datamodule):
+        with self._stage("predict", model, datamodule, ckpt_path) as path:
             loaders = self._loaders("predict", dataloaders, required=True)
-            self._load_weights(self._resolve_checkpoint(ckpt_path), weights_only)
+            self._load_weights(path, weights_only)
             return self.predict_loop.run(loaders, return_predictions)
 
     def _evaluate(
@@ -489,9 +495,9 @@ class Trainer:
         _check_module(model, loop.stage)
         self.strategy.launch()
         ckpt_path = _checked_path(ckpt_path)
-        with self._stage(loop.stage, model, datamodule):
+        with self._stage(loop.stage, model, datamodule, ckpt_path) as path:
             loaders = self._loaders("val" if loop.stage == "validate" else "test", dataloaders, required=True)
-            self._load_weights(self._resolve_checkpoint(ckpt_path), weights_only)
+            self._load_weights(path, weights_only)
             results = loop.run(loaders, loop.count(loaders))
             if verbose and self.is_global_zero:
                 _print_results(loop.stage, results)
@@ -555,7 +561,7 @@ class Trainer:
                 warnings.warn(
                     f"ckpt_path='last': no complete checkpoint of this run under {self.runs_dir!r} yet; "
                     "training starts from scratch",
-                    stacklevel=3,
+                    stacklevel=6,  # the user's fit: through _begin_stage, _stage and contextlib
                 )
         else:
             self.print(f"resuming from {found}")
@@ -572,14 +578,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ stages
     @contextlib.contextmanager
-    def _stage(self, stage: str, module: Module, datamodule: DataModule | None) -> Iterator[None]:
+    def _stage(
+        self, stage: str, module: Module, datamodule: DataModule | None, ckpt_path: str | None = None
+    ) -> Iterator[str | None]:
         """Attach the module and data, set everything up for ``stage``, and tear it down afterwards
-        (on success and on error)."""
+        (on success and on error); gives the checkpoint ``ckpt_path`` names ("last" and "best" looked up)."""
         status = "failed"
         try:
-            self._begin_stage(stage, module, datamodule)
+            path = self._begin_stage(stage, module, datamodule, ckpt_path)
             with torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
-                yield
+                yield path
             self.strategy.end_stage()  # a save in flight completes before the stage does
             status = "success"
         except DoctorDone:
@@ -600,7 +608,9 @@ class Trainer:
         finally:
             self._end_stage(stage, module, datamodule, status)
 
-    def _begin_stage(self, stage: str, module: Module, datamodule: DataModule | None) -> None:
+    def _begin_stage(
+        self, stage: str, module: Module, datamodule: DataModule | None, ckpt_path: str | None
+    ) -> str | None:
         self.stage = stage
         self.run_metrics.reset()
         self.lightning_module = module
@@ -618,8 +628,10 @@ class Trainer:
             self.strategy.setup_environment()
             self.strategy.describe_position(self._position)
             self._environment_ready = True
-        if stage != "fit":  # fit settles it once it knows whether it continues an earlier run
-            self._settle_run_directory()
+        # The run's directory is settled before any hook (setup, a profiler) can ask for it. A fit resumed
+        # with "last" continues its predecessor's directory in place; any other run has one of its own.
+        path = self._resolve_checkpoint(ckpt_path)
+        self._settle_run_directory(continuing=path if stage == "fit" and ckpt_path == "last" else None)
         self._prepare_data(stage, module, datamodule)
         module.setup(stage)
         for callback in self.callbacks:
@@ -631,6 +643,7 @@ class Trainer:
             self._start_doctor()  # before the model is wrapped, so that the wrapper is watched too
         self.strategy.setup_module(module, training=stage == "fit")
         self.profiler.setup(self, stage)
+        return path
 
     def _prepare_data(self, stage: str, module: Module, datamodule: DataModule | None) -> None:
         """``prepare_data`` once per machine (the module's and the datamodule's), then the datamodule's ``setup``."""
@@ -676,13 +689,13 @@ class Trainer:
         outcome = self._claim_run_directory(continuing) if self.is_global_zero else None
         versions, run_version, problem = self.strategy.broadcast(outcome)
         if problem is not None:
-            raise OSError(problem)
+            raise problem  # rank zero's, of its own type (PermissionError, ...), on every rank
         for logger, version in zip(self.loggers, versions):
             logger.use_version(version)
         self._run_version = run_version
         self._run_settled = True
 
-    def _claim_run_directory(self, continuing: str | None) -> tuple[list[int | str], int | None, str | None]:
+    def _claim_run_directory(self, continuing: str | None) -> tuple[list[int | str], int | None, OSError | None]:
         try:
             versions = settle_versions(self.loggers, continuing)
             run_version = None
@@ -697,7 +710,7 @@ class Trainer:
             for directory in self._directories_written():
                 checkpoint_io.prepare_directory(directory)
         except OSError as error:
-            return [], None, str(error)
+            return [], None, error
         return versions, run_version, None
 
     def _directories_written(self) -> list[str]:

@@ -82,7 +82,9 @@ def test_class_paths_for_the_model_callbacks_optimizer_and_scheduler() -> None:
 
 
 def test_the_saved_config_is_not_overwritten(tmp_path: Any) -> None:
-    args = ["fit", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", *_QUIET]
+    # Without a logger or checkpoints the run has no directory of its own: the config goes to default_root_dir.
+    args = ["fit", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false", *_QUIET]  # fmt: skip
     EmberCLI(Regressor, Data, args=args)
     with pytest.raises(RuntimeError, match="config.yaml exists already"):
         EmberCLI(Regressor, Data, args=args)

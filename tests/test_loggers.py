@@ -197,6 +197,7 @@ def test_two_gloo_ranks_sync_metrics_and_only_rank_zero_writes(tmp_path: Any) ->
     assert [r["rank_sum_step"] for r in ranks] == [1.0, 2.0]  # step values are each rank's own
     # one run, written once
     assert ranks[0]["log_dirs"] == ranks[1]["log_dirs"]
+    assert ranks[0]["setup_log_dir"] == ranks[1]["setup_log_dir"] == ranks[0]["log_dirs"][0]  # settled before setup
     run_dir = os.path.join(out, "ember_logs", "version_0")
     assert sorted(os.listdir(os.path.join(out, "ember_logs"))) == ["version_0"]
     assert len([name for name in os.listdir(run_dir) if name.startswith("events.out")]) == 1

@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Regressor, make_data, make_loader, parameters_of, quiet_trainer, wait_for_workers
+from conftest import (
+    Regressor,
+    descendants,
+    make_data,
+    make_loader,
+    parameters_of,
+    quiet_trainer,
+    wait_for_workers,
+)
 from torch.utils.data import DataLoader, Sampler
 
 import ember
@@ -183,12 +191,19 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("processes", "signal_name"), [(2, "SIGTERM"), (1, "SIGINT")])
+@pytest.mark.parametrize(
+    ("processes", "signal_name", "reach"),
+    [(2, "SIGTERM", "group"), (1, "SIGINT", "group"), (2, "SIGTERM", "every process")],
+)
 def test_a_signal_to_the_whole_job_with_loader_workers_saves_and_resumes_exactly(
-    processes: int, signal_name: str, uninterrupted: Callable[[int, int], str], tmp_path: Any
+    processes: int, signal_name: str, reach: str, uninterrupted: Callable[[int, int], str], tmp_path: Any
 ) -> None:
     """What torchrun, SLURM's scancel and Ctrl-C in a terminal do: signal every process of the job, the
-    DataLoader workers (two per rank here) and the launcher included. The save must not need the workers."""
+    DataLoader workers (two per rank here) and the launcher included. The save must not need the workers.
+
+    "group" signals the launcher's process group, as a terminal or torchrun's own caller does (ember run's
+    agent passes it on to each rank and its loader workers); "every process" signals each process, loader
+    workers first, as SLURM's scancel does, after which the agent passes its own on: a worker gets two."""
     out = str(tmp_path)
     launcher = [sys.executable] + (["-m", "ember", "run", "--nproc-per-node", str(processes)] if processes > 1 else [])
     job = subprocess.Popen(
@@ -197,7 +212,11 @@ def test_a_signal_to_the_whole_job_with_loader_workers_saves_and_resumes_exactly
     )  # fmt: skip
     _wait_for_a_checkpoint(out)
     number = getattr(signal, signal_name)
-    os.killpg(job.pid, number)
+    if reach == "group":
+        os.killpg(job.pid, number)
+    else:
+        for pid in [*reversed(descendants(job.pid)), job.pid]:
+            os.kill(pid, number)
     stdout, stderr = job.communicate(timeout=90)
     assert job.returncode == 128 + number, stdout + stderr[-3000:]
     assert stdout.count("preemption signal received: saved") == 1, stdout  # one line, from rank zero

@@ -4,13 +4,17 @@ weights that went non-finite."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import zipfile
 from typing import Any
 
 import pytest
@@ -129,6 +133,60 @@ def test_a_run_resumed_with_last_continues_its_lineage_in_place(tmp_path: Any) -
     assert sorted(os.listdir(os.path.join(root, "ember_logs"))) == ["version_0"]
 
 
+class _ReadsTheRunDirectory(Callback):
+    """Reads ``trainer.log_dir`` in ``setup``, as callbacks that write files beside the logs do."""
+
+    seen: str | None = None
+
+    def setup(self, trainer: ember.Trainer, module: Any, stage: str) -> None:
+        self.seen = trainer.log_dir
+
+
+def test_hooks_that_read_the_run_directory_early_see_the_run_continued_with_last(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    first = quiet_trainer(max_epochs=1, default_root_dir=root)
+    first.fit(Regressor(), make_loader(16))
+    reader = _ReadsTheRunDirectory()
+    second = quiet_trainer(max_epochs=2, default_root_dir=root, callbacks=[reader])
+    second.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert reader.seen == second.log_dir == first.log_dir
+    assert sorted(os.listdir(os.path.join(root, "ember_logs"))) == ["version_0"]
+
+
+class _Preempt(Callback):
+    """Sends SIGTERM to this process at global step ``at``, as a scheduler does."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_run_that_keeps_no_files_saves_its_preemption_checkpoint_where_last_finds_it(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags: dict[str, Any] = dict(default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False)
+    trainer = quiet_trainer(max_epochs=3, callbacks=[_Preempt(at=3)], **flags)
+    with pytest.raises(SystemExit):
+        trainer.fit(Regressor(), make_loader(16))
+    printed = capsys.readouterr().out
+    resumed = quiet_trainer(max_epochs=3, **flags)
+    found = checkpoint_state.find_checkpoint(resumed, "last")
+    assert found is not None and f"saved {found} at global step 3" in printed
+    # The README shows this very line, but for the path and the step.
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as file:
+        shown = next(line for line in file if line.startswith("preemption signal received"))
+    assert _in_general(shown) == _in_general(printed.strip().splitlines()[-1])
+    resumed.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert resumed.global_step == 6 and "resuming from" in capsys.readouterr().out
+
+
+def _in_general(line: str) -> str:
+    return re.sub(r"saved \S+ at global step \d+", "saved PATH at global step N", line.strip())
+
+
 # --------------------------------------------------------------------------------------- "last"
 def test_last_ignores_files_outside_the_lineage_and_skips_a_damaged_newest_one(tmp_path: Any) -> None:
     root = str(tmp_path)
@@ -154,6 +212,24 @@ def test_last_ignores_files_outside_the_lineage_and_skips_a_damaged_newest_one(t
     assert resumed.global_step == 6  # epoch 2 run again from the end of epoch 1
 
 
+@pytest.mark.parametrize("periodic_dirpath", ["given", "the run's"])
+def test_last_is_the_newest_checkpoint_of_all_the_lineages_directories(periodic_dirpath: str, tmp_path: Any) -> None:
+    """A ModelCheckpoint that keeps the best file (from epoch 0 here) beside one that saves every epoch: a
+    crashed run continues from the newest file, wherever it is."""
+    root = str(tmp_path)
+
+    def callbacks() -> list[Callback]:
+        best = ModelCheckpoint(dirpath=os.path.join(root, "best"), monitor="score", mode="min", save_top_k=1)
+        periodic = os.path.join(root, "periodic") if periodic_dirpath == "given" else None
+        return [best, ModelCheckpoint(dirpath=periodic, save_top_k=-1)]
+
+    first = quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=callbacks())
+    first.fit(_Scored(), make_loader(16), make_loader(8))
+    newest = os.path.join(first.checkpoint_callbacks[1].dirpath or "", "epoch=2-step=6.ckpt")
+    again = quiet_trainer(default_root_dir=root, callbacks=callbacks())
+    assert checkpoint_state.find_checkpoint(again, "last") == newest
+
+
 def test_last_without_a_complete_checkpoint_warns_and_starts_fresh(tmp_path: Any) -> None:
     root = str(tmp_path)
     version = tmp_path / "ember_logs" / "version_0" / "checkpoints"
@@ -165,6 +241,7 @@ def test_last_without_a_complete_checkpoint_warns_and_starts_fresh(tmp_path: Any
     messages = [str(warning.message) for warning in caught]
     assert any("last.ckpt" in message and "is empty" in message for message in messages)
     assert any("starts from scratch" in message for message in messages)
+    assert {warning.filename for warning in caught} == {__file__}  # both point at the fit call
     assert trainer.global_step == 2
 
 
@@ -187,9 +264,16 @@ def _make_bad(kind: str, tmp_path: Any) -> str:
         "random": random.Random(0).randbytes(4096),
         "json": json.dumps({"state_dict": {}, "epoch": 1}).encode(),
         "text": b"epoch: 3\nweights: see the other file\n",
+        "random_from_0x80": b"\x80" + random.Random(1).randbytes(4095),  # the first byte a pickle's
+        "pickle": pickle.dumps({"epoch": 3, "weights": [0.5, 0.25]}),
     }
     if kind in written:
         (tmp_path / path).write_bytes(written[kind])
+    elif kind == "zip":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("notes/readme.txt", "not a checkpoint")
+    elif kind == "bare_state_dict":
+        torch.save(Regressor().state_dict(), path)
     elif kind == "directory":
         os.makedirs(path)
         (tmp_path / path / "notes.txt").write_text("not a sharded checkpoint")
@@ -214,6 +298,10 @@ def _make_bad(kind: str, tmp_path: Any) -> str:
         ("directory", "is a directory but not a complete sharded checkpoint"),
         ("dangling", "is a link to .*gone.ckpt.*, which does not exist"),
         ("other_model", "holds the weights of another model than this Regressor"),
+        ("random_from_0x80", "is not a checkpoint: it does not start like a file written by torch.save"),
+        ("pickle", "is not a checkpoint: it does not start like a file written by torch.save"),
+        ("zip", "is a zip archive, but not a checkpoint written by torch.save"),
+        ("bare_state_dict", r"holds only a state_dict .*load_state_dict\(torch\.load"),
     ],
 )
 def test_every_way_a_file_can_fail_to_be_a_checkpoint_gives_one_error_naming_it(
@@ -248,7 +336,7 @@ def test_an_unwritable_run_directory_fails_before_the_first_step(tmp_path: Any) 
             steps.append(batch_idx)
 
     root = str(tmp_path / "a-file" / "runs")
-    with pytest.raises(OSError, match=r"cannot (create a run directory under|write to) .*a-file"):
+    with pytest.raises(NotADirectoryError, match=r"cannot (create a run directory under|write to) .*a-file"):
         quiet_trainer(max_epochs=1, default_root_dir=root, callbacks=[Count()]).fit(Regressor(), make_loader(16))
     assert steps == []
     unwritable_checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "a-file" / "checkpoints"))
@@ -257,6 +345,51 @@ def test_an_unwritable_run_directory_fails_before_the_first_step(tmp_path: Any) 
             Regressor(), make_loader(16)
         )
     assert steps == []
+
+
+_READ_ONLY = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from conftest import Regressor, make_loader, quiet_trainer
+    from ember.callbacks import Callback
+
+    class Count(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            raise AssertionError("a step began")
+
+    for flags in (dict(), dict(logger=False)):
+        try:
+            quiet_trainer(max_epochs=1, default_root_dir=sys.argv[1], callbacks=[Count()], **flags).fit(
+                Regressor(), make_loader(16)
+            )
+        except OSError as error:
+            print(type(error).__name__, error)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mounts a read-only file system")
+def test_a_read_only_default_root_dir_fails_before_the_first_step(tmp_path: Any) -> None:
+    """A read-only file system mounted in a user namespace (where this test's user is root, whom a mere
+    chmod would not stop)."""
+    script, mount = tmp_path / "read_only.py", tmp_path / "read-only"
+    script.write_text(_READ_ONLY.format(tests=os.path.dirname(__file__)))
+    mount.mkdir()
+    command = f"mount -t tmpfs -o ro tmpfs {mount} && exec {sys.executable} {script} {mount}"
+    try:
+        result = subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", command],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except FileNotFoundError:
+        pytest.skip("no unshare command")
+    if "mount" in result.stderr or "unshare" in result.stderr:
+        pytest.skip(f"cannot mount a read-only file system here: {result.stderr.strip()}")
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0 and len(lines) == 2, result.stdout + result.stderr[-2000:]
+    for line in lines:  # with a logger, and with only the default ModelCheckpoint
+        assert f"cannot create a run directory under '{mount}" in line and "Read-only file system" in line
 
 
 def _with_file_size_limit(limit: int, work: str, *args: str) -> tuple[str, str]:
@@ -293,6 +426,34 @@ def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_one(tmp
     assert repr(path) in message and "disk is full" in message and "previous file is intact" in message
     assert torch.equal(checkpoint_io.load(path)["weights"], torch.ones(10))
     assert os.listdir(tmp_path) == ["run.ckpt"]  # no temporary left behind
+
+
+class _Ballast(Regressor):
+    """A Regressor whose checkpoints take about 400 kB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ballast", torch.zeros(100_000))
+
+
+def _train_on(root: str, epochs: str) -> None:
+    last_too = ModelCheckpoint(save_last=True)
+    trainer = quiet_trainer(max_epochs=int(epochs), default_root_dir=root, logger=False, callbacks=[last_too])
+    trainer.fit(_Ballast(), make_loader(16), ckpt_path="last")
+
+
+def test_a_run_whose_disk_fills_up_keeps_its_previous_checkpoint_and_last(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    with pytest.warns(UserWarning, match="starts from scratch"):
+        _train_on(root, "1")
+    directory = os.path.join(root, "ember_logs", "version_0", "checkpoints")
+    kind, message = _with_file_size_limit(200_000, "_train_on", root, "3")  # a checkpoint no longer fits
+    assert kind == "CheckpointError", message
+    assert repr(os.path.join(directory, "epoch=1-step=4.ckpt")) in message and "File too large" in message
+    assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt", "last.ckpt"]  # no temporary left behind
+    last = checkpoint_state.find_checkpoint(quiet_trainer(default_root_dir=root, logger=False), "last")
+    assert last is not None and checkpoint_io.load(last)["global_step"] == 2
+    assert checkpoint_io.load(os.path.join(directory, "last.ckpt"))["global_step"] == 2
 
 
 def _log_until_full(directory: str) -> None:
@@ -390,3 +551,56 @@ def test_a_preempted_run_with_persistent_loader_workers_saves_and_exits(tmp_path
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
     assert "preemption signal received: saved" in result.stdout
+
+
+class _SignalTheLoaderWorkers(Callback):
+    """At global step 2, sends SIGTERM twice to each loader worker from another process, as SLURM's scancel
+    and then torchrun's agent, passing it on, do."""
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if trainer.global_step != 2:
+            return
+        workers = [str(process.pid) for process in multiprocessing.active_children()]
+        assert len(workers) == 2
+        send = "import os, signal, sys; [os.kill(int(pid), signal.SIGTERM) for pid in sys.argv[1:]]"
+        for _ in range(2):
+            subprocess.run([sys.executable, "-c", send, *workers], check=True, timeout=30)
+
+
+def test_loader_workers_outlive_signals_that_are_not_from_their_main_process(tmp_path: Any) -> None:
+    signals = _SignalTheLoaderWorkers()
+    trainer = quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False, callbacks=[signals])
+    trainer.fit(Regressor(), make_loader(64, num_workers=2))
+    assert trainer.global_step == 16  # every batch was still read
+    assert multiprocessing.active_children() == []  # and the workers ended with the epoch
+
+
+_HOLDS_AN_ITERATOR = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from conftest import Regressor, make_loader, quiet_trainer
+    from ember.callbacks import Callback
+
+    held = []
+
+    class Peek(Callback):
+        def on_train_start(self, trainer, module):
+            batches = iter(trainer.train_dataloader)  # as a callback that shows a sample batch does
+            next(batches)
+            held.append(batches)
+
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, callbacks=[Peek()])
+    trainer.fit(Regressor(), make_loader(32, num_workers=2))
+    print("trained")
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_a_process_that_still_holds_a_loader_iterator_exits(tmp_path: Any) -> None:
+    """At exit, multiprocessing ends the iterator's workers with SIGTERM from the main process: they must obey."""
+    script = tmp_path / "holds.py"
+    script.write_text(_HOLDS_AN_ITERATOR.format(tests=os.path.dirname(__file__)))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "trained" in result.stdout, result.stderr[-2000:]

@@ -5,6 +5,7 @@ This module knows files only; what a checkpoint holds is ``ember.checkpoint.stat
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import hashlib
@@ -14,6 +15,7 @@ import re
 import secrets
 import shutil
 import struct
+import zipfile
 from collections.abc import Mapping
 from typing import Any, BinaryIO, cast
 
@@ -109,7 +111,7 @@ def prepare_directory(directory: str) -> None:
             pass
         os.unlink(probe)
     except OSError as error:
-        raise OSError(
+        raise type(error)(  # a PermissionError stays one
             f"cannot write to {directory!r}: {error.strerror or error}; pass a default_root_dir (or a "
             "ModelCheckpoint dirpath) you can write to"
         ) from error
@@ -214,7 +216,7 @@ def verify(path: str | os.PathLike) -> bool:
     if size == 0:
         raise CheckpointError(f"{path!r} is empty: whatever wrote it did not finish")
     with open(path, "rb") as file:
-        start = file.read(8)
+        start = file.read(32)
         trailer = _read_trailer(file, size)
         if trailer is None:
             _check_start(path, start)
@@ -254,20 +256,41 @@ def _digest_of(file: BinaryIO, length: int) -> bytes:
     return digest.digest()
 
 
+#: What torch.save's older format (a pickle, not a zip archive) writes first, after the pickle's header.
+_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
 def _check_start(path: str, start: bytes) -> None:
-    """A file without Ember's trailer (torch.save's own, another framework's) must start like one."""
-    if start.startswith(b"PK\x03\x04") or start[:1] == b"\x80":  # torch.save's zip archive, or its older pickle
+    """A file without Ember's trailer (torch.save's own, another framework's) must start like one: a zip
+    archive that holds a ``data.pkl``, or the older format's pickled magic number. Any other file, a
+    Python pickle included, is never unpickled."""
+    if start.startswith(b"PK\x03\x04"):
+        _check_archive(path)
         return
-    text = start.lstrip()
-    if text[:1] in (b"{", b"["):
+    if start[:1] == b"\x80" and _LEGACY_MAGIC in start:
+        return
+    if start.lstrip()[:1] in (b"{", b"["):
         raise CheckpointError(f"{path!r} holds JSON (or other text), not a checkpoint written by torch.save")
     try:
-        start.decode("utf-8")
+        codecs.getincrementaldecoder("utf-8")().decode(start)  # a character cut at the end is no error
     except UnicodeDecodeError:
         raise CheckpointError(
             f"{path!r} is not a checkpoint: it does not start like a file written by torch.save"
         ) from None
     raise CheckpointError(f"{path!r} is a text file, not a checkpoint written by torch.save")
+
+
+def _check_archive(path: str) -> None:
+    """A zip archive torch.save wrote holds ``<name>/data.pkl``; one cut short is left to torch to report."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return
+    if not any(name.endswith("/data.pkl") or name == "data.pkl" for name in names):
+        raise CheckpointError(
+            f"{path!r} is a zip archive, but not a checkpoint written by torch.save (it holds no data.pkl)"
+        )
 
 
 def remove(path: str | os.PathLike) -> None:

@@ -87,6 +87,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
     """Put the module, optimizers, schedulers, callbacks, loggers, data and the loop where ``checkpoint``
     says; called once ``fit`` has built the optimizers."""
+    _check_not_bare(checkpoint, path)
     if "optimizer_states" not in checkpoint:
         raise ValueError(
             f"ckpt_path={path!r} holds weights only (save_weights_only=True), so training cannot resume "
@@ -112,6 +113,7 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
 
 def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: str) -> None:
     """``load(checkpoint["state_dict"])``, or an error that says the checkpoint is another model's."""
+    _check_not_bare(checkpoint, path)
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict):
         raise CheckpointError(
@@ -126,6 +128,15 @@ def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpo
         raise CheckpointError(
             f"{path!r} holds the weights of another model than this {type(module).__name__}: {details}"
         ) from None
+
+
+def _check_not_bare(checkpoint: dict[str, Any], path: str) -> None:
+    """A bare state_dict (what ``torch.save(model.state_dict(), path)`` writes) is no checkpoint: say what to do."""
+    if checkpoint and "state_dict" not in checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        raise CheckpointError(
+            f"{path!r} holds only a state_dict (parameter names and tensors), not a checkpoint Ember wrote; load it "
+            "into the module with module.load_state_dict(torch.load(path))"
+        )
 
 
 def _restore_optimization(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
@@ -175,49 +186,59 @@ def find_checkpoint(trainer: Trainer, which: str) -> str | None:
     """The checkpoint "last" or "best" names for this run, or None if there is none.
 
     "last" is the newest complete, verified checkpoint of this run's lineage: in the ModelCheckpoint
-    ``dirpath`` the user gave, else in the newest version directory under ``trainer.runs_dir`` that
-    holds one. Files that fail verification (cut short, damaged) are passed over with a warning that
-    names them; failure checkpoints (non-finite weights) are never picked.
+    ``dirpath`` the user gave and, for checkpoints that have none, in the newest version directory under
+    ``trainer.runs_dir`` that holds one. Files that fail verification (cut short, damaged) are passed
+    over with a warning that names them; failure checkpoints (non-finite weights) are never picked.
     """
-    if which == "best":
-        callback = trainer.checkpoint_callback
-        if callback is not None and callback.best_model_path:
-            return callback.best_model_path
-        newest = find_checkpoint(trainer, "last")
-        if newest is None:
-            return None
-        saved = checkpoint_io.load(newest, trust_pickles=False).get("callbacks", {})
-        paths = [state.get("best_model_path") for key, state in saved.items() if key.startswith("ModelCheckpoint")]
-        return next((path for path in paths if path and os.path.exists(path)), None)
-    for directory in lineage_directories(trainer):
-        found = _newest_complete(directory)
-        if found is not None:
-            return found
-    return None
+    if which == "last":
+        return _last(trainer)
+    callback = trainer.checkpoint_callback
+    if callback is not None and callback.best_model_path:
+        return callback.best_model_path
+    newest = _last(trainer)
+    if newest is None:
+        return None
+    saved = checkpoint_io.load(newest, trust_pickles=False).get("callbacks", {})
+    paths = [state.get("best_model_path") for key, state in saved.items() if key.startswith("ModelCheckpoint")]
+    return next((path for path in paths if path and os.path.exists(path)), None)
 
 
-def lineage_directories(trainer: Trainer) -> list[str]:
-    """Where "last" looks, in order: the checkpoint directories the user gave, else this run's version
-    directories, newest first."""
-    given = [callback.dirpath for callback in trainer.checkpoint_callbacks if callback.dirpath]
-    if given:
-        return given
+def _last(trainer: Trainer) -> str | None:
+    callbacks = trainer.checkpoint_callbacks
+    given = [callback.dirpath for callback in callbacks if callback.dirpath]
+    found = _newest_complete([path for directory in given for path in _checkpoints_in(directory)])
+    if callbacks and len(given) == len(callbacks):
+        return found
+    # Checkpoints without a directory of their own (and preemption's, without a ModelCheckpoint) are in the
+    # run's version directory: the newest that holds a complete one.
     runs_dir = trainer.runs_dir
-    return [os.path.join(runs_dir, f"version_{version}") for version in reversed(run_versions(runs_dir))]
+    for version in reversed(run_versions(runs_dir)):
+        in_run = _newest_complete(_checkpoints_in(os.path.join(runs_dir, f"version_{version}")))
+        if in_run is not None:
+            return in_run if found is None else max(found, in_run, key=os.path.getmtime)
+    return found
 
 
-def _newest_complete(directory: str) -> str | None:
-    candidates = []
+def _checkpoints_in(directory: str) -> list[str]:
+    """The checkpoints (files and sharded directories) under ``directory`` that "last" may pick."""
+    found = []
     for parent, subdirectories, files in os.walk(directory):
         for name in files + subdirectories:
             # Files being written are hidden temporaries; failure checkpoints are kept for post-mortems only.
             if name.endswith(".ckpt") and not name.startswith(".") and FAILURE_MARK not in name:
-                candidates.append(os.path.join(parent, name))
+                found.append(os.path.join(parent, name))
+    return found
+
+
+def _newest_complete(candidates: list[str]) -> str | None:
+    """The newest of ``candidates`` that is a complete checkpoint; those passed over are named in a warning."""
     for path in sorted(candidates, key=os.path.getmtime, reverse=True):
         problem = _problem(path)
         if problem is None:
             return path
-        warnings.warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=4)
+        # Pointing at the user's fit (or validate, ...) call: through _last, find_checkpoint, the Trainer's
+        # _resolve_checkpoint, _begin_stage, _stage and contextlib.
+        warnings.warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=9)
     return None
 
 

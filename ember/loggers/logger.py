@@ -182,7 +182,7 @@ def claim_version(root: str) -> int:
             except FileExistsError:
                 version += 1
     except OSError as error:
-        raise OSError(
+        raise type(error)(  # a PermissionError stays one
             f"cannot create a run directory under {root!r}: {error.strerror or error}; pass a "
             "default_root_dir (or a logger save_dir) you can write to"
         ) from error

@@ -485,7 +485,7 @@ class FitLoop:
 
         The save needs no more data: the loader's workers may be gone (a launcher signals them too)."""
         trainer = self.trainer
-        path = os.path.join(trainer.checkpoint_dir, "last.ckpt")
+        path = trainer.preemption_checkpoint_path()
         trainer.save_checkpoint(path)
         trainer.strategy.wait_for_checkpoints()  # the process exits next: the line below must be true
         trainer.strategy.barrier()

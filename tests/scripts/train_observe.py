@@ -64,6 +64,10 @@ class Recorder(Callback):
     def __init__(self) -> None:
         self.val_acc: list[float] = []
         self.rank_sum_epoch: list[float] = []
+        self.setup_log_dir: str | None = None
+
+    def setup(self, trainer: ember.Trainer, module: ember.Module, stage: str) -> None:
+        self.setup_log_dir = trainer.log_dir  # as callbacks that write files beside the logs read it
 
     def on_validation_end(self, trainer: ember.Trainer, module: ember.Module) -> None:
         if not trainer.sanity_checking:
@@ -103,6 +107,7 @@ def main() -> None:
         "rank_sum_epoch": recorder.rank_sum_epoch,
         "rank_sum_step": float(trainer.callback_metrics["rank_sum_step"]),
         "log_dirs": [logger.log_dir for logger in trainer.loggers],
+        "setup_log_dir": recorder.setup_log_dir,
         "sharded_summary": sharded_summary(),
     }
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as file:
