@@ -6,6 +6,7 @@ The cases run in one launch of two processes (see scripts/strategy_cases.py); ea
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,9 @@ CASES = (
     "pipeline_compile",
     "model_parallel_compile",
     "fsdp_validate",
+    "tune",
+    "tune_nothing",
+    "tune_peak",
 )
 
 
@@ -72,6 +76,30 @@ def test_a_two_optimizer_gan_step_keeps_the_ranks_equal(two_ranks: dict[str, lis
     assert all(changed)
     for mine, theirs in zip(rank0["parameters"], rank1["parameters"]):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.timeout(200)
+def test_the_batch_size_finder_agrees_across_ranks_and_fails_on_all_together(
+    two_ranks: dict[str, list[dict[str, Any]]],
+) -> None:
+    assert [rank["found"] for rank in two_ranks["tune"]] == [16, 16]  # rank 1 fits no more than 16
+    nothing = two_ranks["tune_nothing"]
+    # The rank that found nothing does not leave the other waiting in the collective: both raise at once.
+    assert "even batch_size=1 does not fit" in nothing[1]["found"]
+    assert "another process found no batch_size that fits" in nothing[0]["found"]
+    assert all(rank["seconds"] < 30 for rank in nothing)
+
+
+@pytest.mark.timeout(200)
+def test_the_batch_size_finder_counts_the_memory_of_ddps_gradient_buckets(
+    two_ranks: dict[str, list[dict[str, Any]]],
+) -> None:
+    """A trial runs the module unwrapped, but training under DDP holds a copy of the gradients in its buckets."""
+    rank0 = two_ranks["tune_peak"][0]
+    peak = float(re.search(r"batch_size=2: fits \(.*peak ([0-9.]+) MiB\)", rank0["printed"]).group(1)) * 2**20
+    # At least the weights kept to be put back and the buckets: twice the parameters' bytes (without the
+    # buckets the profiler that measures a CPU trial sees the weights only).
+    assert peak > 1.9 * rank0["parameter_bytes"]
 
 
 COMPILED = [

@@ -264,6 +264,11 @@ class DDPStrategy(ParallelStrategy):
             **options,
         )
 
+    def training_memory(self, module: Module) -> int:
+        if self.gradient_as_bucket_view or not module.automatic_optimization:
+            return 0  # the gradients are views of the buckets, or there is no DDP wrapper
+        return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
     def _broadcast_from_rank_zero(self, module: nn.Module) -> None:
         """Start every rank from rank zero's parameters and buffers (what DDP's constructor does)."""
         import torch.distributed as dist

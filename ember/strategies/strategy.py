@@ -186,6 +186,11 @@ class Strategy:
             (options.get("options") or {}).get("triton.cudagraphs")
         )
 
+    def training_memory(self, module: Module) -> int:
+        """Bytes that training holds on the device besides the module's tensors and a step's (DDP's gradient
+        buckets): the batch-size finder's trials, which run the module unwrapped, hold as much."""
+        return 0
+
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Adjust optimizers after they were built on the placed module (a no-op on one device)."""
 

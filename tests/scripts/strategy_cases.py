@@ -128,6 +128,53 @@ class Stages(ember.Module):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class Sized(ember.Module):
+    """For the batch-size finder: batches above ``limit`` samples do not fit on this rank; the parameters
+    (1 MiB) outweigh a trial's activations, so that a trial's peak memory shows what it holds for them."""
+
+    def __init__(self, limit: int, batch_size: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(torch.nn.Linear(4, 512), torch.nn.Linear(512, 508), torch.nn.Linear(508, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if len(x) > self.hparams.limit:
+            raise torch.OutOfMemoryError(f"{len(x)} samples do not fit")
+        return F.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=self.hparams.batch_size)
+
+
+def tune_case(case: str, rank: int) -> dict[str, Any]:
+    """The batch-size finder on every rank: "tune" with a limit that differs by rank, "tune_nothing" with
+    nothing fitting on rank 1, "tune_peak" measuring a trial's memory (printed by rank zero)."""
+    import contextlib
+    import io
+    import time
+
+    from ember.tuner import Tuner
+
+    limit = {"tune": [40, 16], "tune_nothing": [40, 0], "tune_peak": [2, 2]}[case][rank]
+    run = trainer(2)
+    printed = io.StringIO()
+    started = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(printed):
+            found: Any = Tuner(run).scale_batch_size(Sized(limit), init_val=2, steps_per_trial=1,
+                                                     max_memory=2**40 if case == "tune_peak" else None)  # fmt: skip
+    except torch.OutOfMemoryError as error:
+        found = str(error)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in Sized(limit).parameters())
+    return {"found": found, "seconds": time.monotonic() - started, "printed": printed.getvalue(),
+            "parameter_bytes": parameter_bytes}  # fmt: skip
+
+
 def _compiled(module: torch.nn.Module) -> list[str]:
     return [name for name, sub in module.named_modules() if getattr(sub, "_compiled_call_impl", None) is not None]
 
@@ -164,8 +211,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
     for case in args.cases.split(","):
-        result = run_case(case, args.devices)
         rank = int(os.environ.get("RANK", "0"))
+        result = tune_case(case, rank) if case.startswith("tune") else run_case(case, args.devices)
         torch.save(result, os.path.join(args.out, f"{case}-devices{args.devices}-rank{rank}.pt"))
 
 
