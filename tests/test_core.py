@@ -160,6 +160,29 @@ def test_predictions_are_moved_to_the_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     assert predictions is not None and len(predictions) == 2 and len(moved) == 2
 
 
+@pytest.mark.parametrize("return_predictions", [True, False])
+def test_the_copies_of_predictions_are_waited_for_before_a_writer_reads_them(
+    monkeypatch: pytest.MonkeyPatch, return_predictions: bool
+) -> None:
+    """The copies to the CPU do not wait for the device: whatever reads the predictions must wait first."""
+    from ember.callbacks import BasePredictionWriter
+
+    events: list[str] = []
+
+    class Writer(BasePredictionWriter):
+        def write_on_epoch_end(self, trainer: Any, module: Any, predictions: Any, batch_indices: Any) -> None:
+            events.append(f"read {len(predictions)}")
+
+    class Predictor(Regressor):
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+            return self(batch[0])
+
+    monkeypatch.setattr("ember.loops.evaluate._wait_for_copies", lambda device: events.append("wait"))
+    trainer = quiet_trainer(logger=False, callbacks=[Writer(write_interval="epoch")])
+    trainer.predict(Predictor(), make_loader(16, batch_size=8), return_predictions=return_predictions)
+    assert events == ["wait", "read 2"]
+
+
 @pytest.mark.parametrize(
     ("options", "device", "expected"),
     [
