@@ -21,7 +21,8 @@ import strategy_cases  # noqa: E402
 
 CASES = (
     "manual",
-    "manual_accumulate",
+    "manual_toggle_model",
+    "manual_no_sync",
     "gan",
     "fsdp_compile",
     "pipeline_compile",
@@ -52,12 +53,14 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("case", ["manual", "manual_accumulate"])
+@pytest.mark.parametrize("case", ["manual", "manual_toggle_model", "manual_no_sync"])
 def test_manual_optimization_under_ddp_averages_every_backward(
     two_ranks: dict[str, list[dict[str, Any]]], case: str
 ) -> None:
     rank0, rank1 = two_ranks[case]
     assert rank0["global_step"] == rank1["global_step"] == 8  # 2 epochs of 4 steps (32 samples a rank, 8 a step)
+    # One all-reduce of all gradients per backward that syncs, none in one that accumulates under no_sync.
+    assert rank0["all_reduces"] == rank1["all_reduces"] == [8, 0]
     for mine, theirs in zip(rank0["parameters"], rank1["parameters"]):
         assert torch.equal(mine, theirs)
     # Averaged gradients of two ranks with 8 samples each are one process's gradients of 16.

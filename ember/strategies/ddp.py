@@ -288,7 +288,7 @@ class DDPStrategy(ParallelStrategy):
         if self._manual_sync and not self._manual_sync_off.active:
             self.sync_gradients()
 
-    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
+    def no_sync(self, skip_gradient_sync: bool = True) -> contextlib.AbstractContextManager:
         if not skip_gradient_sync:
             return _NO_CONTEXT
         if self._manual_sync:

@@ -222,8 +222,10 @@ class Strategy:
         with self.precision.forward_context():
             return getattr(self._module, name)(*args)
 
-    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
-        """While active, backward passes accumulate gradients locally without communicating."""
+    def no_sync(self, skip_gradient_sync: bool = True) -> contextlib.AbstractContextManager:
+        """While active (with ``skip_gradient_sync``), backward passes accumulate gradients locally without
+        communicating: ``with self.trainer.strategy.no_sync():`` around the ``manual_backward`` calls of the
+        micro-batches that do not step."""
         return _NO_CONTEXT
 
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:

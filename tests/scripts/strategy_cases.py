@@ -34,30 +34,49 @@ def trainer(devices: int, **flags: Any) -> ember.Trainer:
 
 
 class ManualRegressor(ember.Module):
-    """Manual optimization, optionally accumulating two micro-batches without syncing the first."""
+    """Manual optimization, optionally accumulating two micro-batches without syncing the first (under
+    ``optimizer.toggle_model(sync_grad=False)`` or the strategy's ``no_sync()``)."""
 
-    def __init__(self, accumulate: bool = False) -> None:
+    def __init__(self, accumulate: str = "") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(4, 1)
         self.automatic_optimization = False
         self.accumulate = accumulate
+        #: The all-reduces that the backward passes ran: [synced, unsynced] (both counted on two processes).
+        self.all_reduces = [0, 0]
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
         x, y = batch
         if not self.accumulate:
             loss = F.mse_loss(self.layer(x), y)
-            self.manual_backward(loss)
+            self._backward(loss, synced=True)
         else:  # two halves: the first accumulates locally, the second syncs
             halves = list(zip(x.chunk(2), y.chunk(2)))
-            with optimizer.toggle_model(sync_grad=False):
-                self.manual_backward(F.mse_loss(self.layer(halves[0][0]), halves[0][1]) / 2)
+            unsynced = optimizer.toggle_model(sync_grad=False) if self.accumulate == "toggle_model" else None
+            with unsynced or self.trainer.strategy.no_sync():
+                self._backward(F.mse_loss(self.layer(halves[0][0]), halves[0][1]) / 2, synced=False)
             loss = F.mse_loss(self.layer(halves[1][0]), halves[1][1]) / 2
-            self.manual_backward(loss)
+            self._backward(loss, synced=True)
         optimizer.step()
         optimizer.zero_grad()
         return loss
+
+    def _backward(self, loss: torch.Tensor, synced: bool) -> None:
+        import torch.distributed as dist
+
+        all_reduce, counter = dist.all_reduce, self.all_reduces
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter[0 if synced else 1] += 1
+            return all_reduce(*args, **kwargs)
+
+        dist.all_reduce = counted
+        try:
+            self.manual_backward(loss)
+        finally:
+            dist.all_reduce = all_reduce
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -181,8 +200,8 @@ def _compiled(module: torch.nn.Module) -> list[str]:
 
 def run_case(case: str, devices: int, batch_size: int = 8) -> dict[str, Any]:
     loader = DataLoader(dataset(), batch_size=batch_size, shuffle=True)
-    if case in ("manual", "manual_accumulate"):
-        model: ember.Module = ManualRegressor(accumulate=case == "manual_accumulate")
+    if case in ("manual", "manual_toggle_model", "manual_no_sync"):
+        model: ember.Module = ManualRegressor(accumulate=case.removeprefix("manual").lstrip("_"))
         run = trainer(devices)
     elif case == "gan":
         model, run = TinyGAN(), trainer(devices, max_epochs=1)
@@ -201,6 +220,7 @@ def run_case(case: str, devices: int, batch_size: int = 8) -> dict[str, Any]:
         "global_step": run.global_step,
         "compiled": _compiled(model),
         "last_loss": None if run.fit_loop.last_loss is None else float(run.fit_loop.last_loss),
+        "all_reduces": getattr(model, "all_reduces", None),
     }
 
 
