@@ -598,14 +598,18 @@ FAKE_PYTHON = """#!{python}
 import sys
 arguments = sys.argv[1:]
 if arguments[0] == "-c":
-    print(2 if "device_count" in arguments[1] else "Fake GPU - torch 9.9")
+    import os
+    print(os.environ.get("FAKE_GPUS", "2") if "device_count" in arguments[1] else "Fake GPU - torch 9.9")
 elif arguments[:2] == ["-m", "pytest"]:
     print("....s" + chr(10) + "12 passed, 3 skipped, 40 deselected in 4.56s")
 elif arguments[0] == "bench/gpt.py":
+    import os
     print("FLOPs per token (forward + backward, torch.utils.flop_counter): 8.5e+08")
     print("mode                   hand-written tok/s    MFU  Ember tok/s    MFU Ember/hand")
     for label, hand, ember in (("fp32 (TF32 matmuls)", 50000, 49500), ("bf16-mixed + compile", 300000, 297000)):
         print(f"{{label:<22}} {{hand:>18.0f}} {{'40.1%':>6}} {{ember:>12.0f}} {{'39.7%':>6}} {{ember / hand:>9.3f}}x")
+        if os.environ.get("GPT_FAILS"):
+            sys.exit("torch._dynamo.exc.BackendCompilerFailed")  # the second mode fails
 elif arguments[0] == "bench/memory.py":
     print("| Strategy | parameters + optimizer state per rank | peak allocated per rank |")
     print("| --- | --- | --- |")
@@ -652,3 +656,32 @@ def test_gpu_check_tabulates_each_item_and_fails_when_one_fails(tmp_path: Any) -
     }  # fmt: skip
     assert "===== smoke-manual failed (exit status 1)" in result.stdout
     assert table[-1].startswith(f"logs: {tmp_path}")
+
+    # A mode of the GPT benchmark fails: the modes measured before it keep their rows.
+    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=120,
+                            env={**env, "GPT_FAILS": "1"})  # fmt: skip
+    gpt = {line[:34].strip(): line[34:].split(maxsplit=1) for line in result.stdout.splitlines() if line[:3] == "gpt"}
+    assert gpt == {"gpt fp32 (TF32 matmuls)": rows["gpt fp32 (TF32 matmuls)"], "gpt": ["FAIL", "1 of 3 modes measured"]}
+    assert "===== gpt failed (exit status 1)" in result.stdout and "BackendCompilerFailed" in result.stdout
+
+    # One GPU: the two-GPU items are skipped, which fails nothing.
+    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=120,
+                            env={**env, "FAKE_GPUS": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stdout
+    table = result.stdout[result.stdout.index("gpu_check on 1 GPU(s)") :].splitlines()
+    assert {line[:34].strip(): line[34:].split(maxsplit=1)[0] for line in table[3:-1]} == {
+        "cuda-tests": "pass", "gpt fp32 (TF32 matmuls)": "pass", "gpt bf16-mixed + compile": "pass",
+        "memory": "skipped", "2-GPU smoke runs": "skipped",
+    }  # fmt: skip
+
+
+def test_gpu_check_fails_where_nvidia_smi_lists_gpus_that_torch_does_not_see(tmp_path: Any) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks a torch that sees no GPU")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1
+    assert f"nvidia-smi lists 1 GPU(s), but torch {torch.__version__} (CUDA None)" in result.stdout
