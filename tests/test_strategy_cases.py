@@ -105,6 +105,23 @@ def test_the_batch_size_finder_counts_the_memory_of_ddps_gradient_buckets(
     assert peak > 1.9 * rank0["parameter_bytes"]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.timeout(300)
+def test_manual_optimization_under_ddp_on_two_gpus(tmp_path: Any) -> None:
+    cases = ["manual", "manual_no_sync", "gan"]
+    command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", SCRIPT, "--out", str(tmp_path),
+               "--cases", ",".join(cases), "--accelerator", "cuda"]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for case in cases:
+        rank0, rank1 = (torch.load(tmp_path / f"{case}-devices2-rank{rank}.pt") for rank in range(2))
+        assert rank0["global_step"] == rank1["global_step"] == 8
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(rank0["parameters"], rank1["parameters"]))
+        if case != "gan":
+            assert rank0["all_reduces"] == [8, 0]
+
+
 COMPILED = [
     ("fsdp_compile", [[""], [""]]),  # the whole (sharded) module
     ("model_parallel_compile", [[""], [""]]),

@@ -25,9 +25,12 @@ def dataset(n: int = 64, features: int = 4) -> TensorDataset:
     return TensorDataset(x, (x @ torch.arange(1.0, features + 1)).unsqueeze(1))
 
 
+ACCELERATOR = "cpu"  # --accelerator cuda runs the cases on GPUs
+
+
 def trainer(devices: int, **flags: Any) -> ember.Trainer:
     defaults: dict[str, Any] = dict(
-        accelerator="cpu", devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
+        accelerator=ACCELERATOR, devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     return ember.Trainer(**{**defaults, **flags})
@@ -95,9 +98,9 @@ class TinyGAN(ember.Module):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         real, _ = batch
         g_opt, d_opt = self.optimizers()
-        noise = torch.randn(len(real), 2, generator=torch.Generator().manual_seed(batch_idx + 100 * self.global_rank))
-        fake = self.generator(noise)
-        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        generator = torch.Generator().manual_seed(batch_idx + 100 * self.global_rank)
+        fake = self.generator(torch.randn(len(real), 2, generator=generator).to(self.device))
+        ones, zeros = torch.ones(len(real), 1, device=self.device), torch.zeros(len(real), 1, device=self.device)
         d_loss = F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
         d_loss = d_loss + F.binary_cross_entropy_with_logits(self.discriminator(fake.detach()), zeros)
         d_opt.zero_grad()
@@ -216,7 +219,7 @@ def run_case(case: str, devices: int, batch_size: int = 8) -> dict[str, Any]:
     run.fit(model, loader)
     sharded = case.endswith("_compile")  # each rank holds other parameters
     return {
-        "parameters": None if sharded else [p.detach().clone() for p in model.state_dict().values()],
+        "parameters": None if sharded else [p.detach().cpu().clone() for p in model.state_dict().values()],
         "global_step": run.global_step,
         "compiled": _compiled(model),
         "last_loss": None if run.fit_loop.last_loss is None else float(run.fit_loop.last_loss),
@@ -229,7 +232,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", required=True)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    global ACCELERATOR
+    ACCELERATOR = args.accelerator
     for case in args.cases.split(","):
         rank = int(os.environ.get("RANK", "0"))
         result = tune_case(case, rank) if case.startswith("tune") else run_case(case, args.devices)
