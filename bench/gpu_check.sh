@@ -11,10 +11,11 @@
 #
 # It ends with one table: each item, pass/fail, and its key figure; the logs of failed items are shown
 # above it. The exit status is 1 if any item failed. On a machine without a GPU it says so and exits 0.
-# It needs python3 with torch and pytest (PYTHON=... picks another interpreter); Ember is imported from
-# this checkout, and nothing is downloaded. Each item has a time limit (seconds), which CHECK_TIMEOUT=...
-# overrides. A machine whose nvidia-smi lists GPUs that torch does not see (a CPU-only build of torch, a
-# driver too old for it) is a failure, not a machine without a GPU.
+# It needs python3 with torch, pytest and pytest-timeout (pip install -e '.[dev]' installs what the tests
+# use; PYTHON=... picks another interpreter). Ember is imported from this checkout, and nothing is
+# downloaded. Each item has a time limit (seconds), which CHECK_TIMEOUT=... overrides. A machine whose
+# nvidia-smi lists GPUs that torch does not see (a CPU-only build of torch, a driver too old for it) is a
+# failure, not a machine without a GPU.
 
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

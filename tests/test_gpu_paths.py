@@ -545,7 +545,7 @@ def test_sharded_strategies_train_on_batches_moved_to_the_gpu_and_compile(strate
 
 @pytest.mark.cuda
 def test_a_run_resumes_on_a_gpu_with_numpys_generator_in_the_checkpoint(tmp_path: Any) -> None:
-    import numpy
+    numpy = pytest.importorskip("numpy")
     from conftest import Regressor, make_loader, quiet_trainer
 
     first = quiet_trainer(accelerator="cuda", devices=1, max_epochs=1, logger=False, default_root_dir=str(tmp_path))
