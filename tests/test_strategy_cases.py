@@ -23,6 +23,7 @@ CASES = (
     "manual",
     "manual_toggle_model",
     "manual_no_sync",
+    "manual_batchnorm",
     "gan",
     "fsdp_compile",
     "pipeline_compile",
@@ -67,6 +68,18 @@ def test_manual_optimization_under_ddp_averages_every_backward(
     alone = strategy_cases.run_case(case, devices=1, batch_size=16)
     for ranks, single in zip(rank0["parameters"], alone["parameters"]):
         torch.testing.assert_close(ranks, single, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(200)
+def test_manual_optimization_under_ddp_starts_each_step_from_rank_zeros_buffers(
+    two_ranks: dict[str, list[dict[str, Any]]],
+) -> None:
+    """As DDP does before each forward: every training step starts from rank zero's BatchNorm statistics."""
+    rank0, rank1 = two_ranks["manual_batchnorm"]
+    assert len(rank0["buffers_seen"]) == 8 and len(rank0["buffers_seen"][0]) == 3  # mean, variance, count
+    for mine, theirs in zip(rank0["buffers_seen"], rank1["buffers_seen"], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    assert not torch.equal(rank0["buffers_seen"][-1][0], rank0["buffers_seen"][0][0])  # the statistics moved
 
 
 @pytest.mark.timeout(200)

@@ -281,7 +281,23 @@ class DDPStrategy(ParallelStrategy):
         with self.precision.forward_context():
             if isinstance(self.model, nn.parallel.DistributedDataParallel):
                 return self.model(name, *args)  # through DDP, which arms the gradient all-reduce
+            if self._manual_sync and name == "training_step":
+                self._broadcast_buffers()  # what DDP's forward does first: BatchNorm statistics are rank zero's
             return getattr(self._module, name)(*args)
+
+    def _broadcast_buffers(self) -> None:
+        """Rank zero's buffers on every rank: one broadcast per device and dtype."""
+        import torch.distributed as dist
+
+        assert self._module is not None
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for buffer in self._module.buffers():
+            groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
+        for buffers in groups.values():
+            flat = torch.cat([buffer.reshape(-1) for buffer in buffers])
+            dist.broadcast(flat, src=0)
+            chunks = flat.split([buffer.numel() for buffer in buffers])
+            torch._foreach_copy_(buffers, [chunk.view_as(buffer) for chunk, buffer in zip(chunks, buffers)])
 
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:
         super().backward(loss, backward)

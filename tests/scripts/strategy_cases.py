@@ -40,18 +40,22 @@ class ManualRegressor(ember.Module):
     """Manual optimization, optionally accumulating two micro-batches without syncing the first (under
     ``optimizer.toggle_model(sync_grad=False)`` or the strategy's ``no_sync()``)."""
 
-    def __init__(self, accumulate: str = "") -> None:
+    def __init__(self, accumulate: str = "", batchnorm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layer = torch.nn.Linear(4, 1)
+        self.layer = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)) if batchnorm else (
+            torch.nn.Linear(4, 1))  # fmt: skip
         self.automatic_optimization = False
         self.accumulate = accumulate
         #: The all-reduces that the backward passes ran: [synced, unsynced] (both counted on two processes).
         self.all_reduces = [0, 0]
+        #: The buffers (a BatchNorm's statistics) as each training step found them.
+        self.buffers_seen: list[list[torch.Tensor]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
         x, y = batch
+        self.buffers_seen.append([buffer.cpu().clone() for buffer in self.buffers()])
         if not self.accumulate:
             loss = F.mse_loss(self.layer(x), y)
             self._backward(loss, synced=True)
@@ -203,8 +207,10 @@ def _compiled(module: torch.nn.Module) -> list[str]:
 
 def run_case(case: str, devices: int, batch_size: int = 8) -> dict[str, Any]:
     loader = DataLoader(dataset(), batch_size=batch_size, shuffle=True)
-    if case in ("manual", "manual_toggle_model", "manual_no_sync"):
-        model: ember.Module = ManualRegressor(accumulate=case.removeprefix("manual").lstrip("_"))
+    if case in ("manual", "manual_toggle_model", "manual_no_sync", "manual_batchnorm"):
+        variant = case.removeprefix("manual").lstrip("_")
+        model: ember.Module = ManualRegressor(accumulate=variant if variant != "batchnorm" else "",
+                                              batchnorm=variant == "batchnorm")  # fmt: skip
         run = trainer(devices)
     elif case == "gan":
         model, run = TinyGAN(), trainer(devices, max_epochs=1)
@@ -224,6 +230,7 @@ def run_case(case: str, devices: int, batch_size: int = 8) -> dict[str, Any]:
         "compiled": _compiled(model),
         "last_loss": None if run.fit_loop.last_loss is None else float(run.fit_loop.last_loss),
         "all_reduces": getattr(model, "all_reduces", None),
+        "buffers_seen": getattr(model, "buffers_seen", None),
     }
 
 
