@@ -5,7 +5,7 @@
 #
 # 1. the tests marked cuda (pytest -m cuda);
 # 2. bench/gpt.py: GPT-2 small in fp32, bf16-mixed and bf16-mixed + compile, tokens/s and MFU of Ember
-#    against the hand-written loop;
+#    against the hand-written loop (GPT_ARGS="--batch-size 8" passes options, for a GPU with less memory);
 # 3. with two or more GPUs: bench/memory.py (DDP against FSDP, memory per rank, two processes), and smoke
 #    runs of DDP, FSDP, dp and manual optimization on two GPUs (bench/gpu_smoke.py).
 #
@@ -77,7 +77,8 @@ run cuda-tests 1800 "$PYTHON" -m pytest -m cuda -q -rfEs -p no:cacheprovider -o 
 row cuda-tests "$(grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)' "$LOGS/cuda-tests.log" | tail -n 1 | tr -d '=' | trim)"
 
 # ------------------------------------------------------------------------------------ GPT-2 small
-run gpt 1800 "$PYTHON" bench/gpt.py
+# shellcheck disable=SC2086  # GPT_ARGS is split into its options
+run gpt 1800 "$PYTHON" bench/gpt.py ${GPT_ARGS:-}
 # One row per mode: the last five fields of a table line are hand tok/s, MFU, Ember tok/s, MFU, Ember/hand.
 MODES="$(awk 'NF >= 6 && $NF ~ /^[0-9.]+x$/ {
     label = $1; for (i = 2; i <= NF - 5; i++) label = label " " $i
