@@ -75,11 +75,12 @@ class Watcher:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         m = self.measurements
         m.steps_seen += 1
+        # From the first step on: a compiled forward recompiles for the mode, which must happen in the warm-up.
+        if m.steps_seen == 1 and any(_on_accelerator(p) for group in optimizer.param_groups for p in group["params"]):
+            self._watch_masks()
         if m.steps_seen == m.warmup:
             gc.collect()
             self.graph_tensors_at_start = {id(tensor) for tensor in graph_tensors()}
-            if any(_on_accelerator(p) for group in optimizer.param_groups for p in group["params"]):
-                self._watch_masks()
             self._window_start = time.perf_counter()
             self.measuring = True
         elif self.measuring:
@@ -133,7 +134,7 @@ class Watcher:
         return counted
 
     def _watch_masks(self) -> None:
-        """Count ``tensor[mask]`` for the rest of the run. ``Tensor.__getitem__`` cannot be wrapped (see
+        """Count ``tensor[mask]`` in the measured window. ``Tensor.__getitem__`` cannot be wrapped (see
         ``_SYNC_CALLS``), but a torch function mode sees it; the mode costs about a microsecond per torch
         call, so it is entered for device runs only, where masks wait for the device."""
         mode = _MaskWatch(self)
