@@ -5,19 +5,23 @@
 #
 # 1. the tests marked cuda (pytest -m cuda);
 # 2. bench/gpt.py: GPT-2 small in fp32, bf16-mixed and bf16-mixed + compile, tokens/s and MFU of Ember
-#    against the hand-written loop;
+#    against the hand-written loop (GPT_ARGS="--batch-size 8" passes options, for a GPU with less memory);
 # 3. with two or more GPUs: bench/memory.py (DDP against FSDP, memory per rank, two processes), and smoke
 #    runs of DDP, FSDP, dp and manual optimization on two GPUs (bench/gpu_smoke.py).
 #
 # It ends with one table: each item, pass/fail, and its key figure; the logs of failed items are shown
 # above it. The exit status is 1 if any item failed. On a machine without a GPU it says so and exits 0.
-# It needs python3 with torch and pytest (PYTHON=... picks another interpreter); Ember is imported from
-# this checkout. Each item has a time limit (seconds), which CHECK_TIMEOUT=... overrides.
+# It needs python3 with torch, pytest and pytest-timeout (pip install -e '.[dev]' installs what the tests
+# use; PYTHON=... picks another interpreter). Ember is imported from this checkout, and nothing is
+# downloaded. Each item has a time limit (seconds), which CHECK_TIMEOUT=... overrides. A machine whose
+# nvidia-smi lists GPUs that torch does not see (a CPU-only build of torch, a driver too old for it) is a
+# failure, not a machine without a GPU.
 
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1  # a command stopped at its time limit still leaves what it printed in its log
 PYTHON="${PYTHON:-python3}"
 
 if ! GPUS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)"; then
@@ -25,6 +29,11 @@ if ! GPUS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/de
     exit 1
 fi
 if [ "$GPUS" -eq 0 ]; then
+    LISTED="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')"
+    if [ "${LISTED:-0}" -gt 0 ]; then
+        echo "gpu_check: nvidia-smi lists $LISTED GPU(s), but torch $("$PYTHON" -c 'import torch; print(torch.__version__, "(CUDA", torch.version.cuda, end=")")') with $PYTHON sees none: install a CUDA build of torch that this driver runs"
+        exit 1
+    fi
     echo "gpu_check: skipped: no GPU (torch.cuda.device_count() is 0 with $PYTHON)"
     exit 0
 fi
@@ -62,24 +71,27 @@ row() {
 }
 
 # ------------------------------------------------------------------------------------ the tests
-run cuda-tests 1800 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" tests
+# One process (no -n workers: the tests share the GPUs); -rfEs lists what failed or was skipped, and why.
+run cuda-tests 1800 "$PYTHON" -m pytest -m cuda -q -rfEs -p no:cacheprovider -o addopts="" tests
 # pytest exits 5 when every test was deselected: no cuda test at all is a failure here too.
 row cuda-tests "$(grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)' "$LOGS/cuda-tests.log" | tail -n 1 | tr -d '=' | trim)"
 
 # ------------------------------------------------------------------------------------ GPT-2 small
-run gpt 1800 "$PYTHON" bench/gpt.py
+# shellcheck disable=SC2086  # GPT_ARGS is split into its options
+run gpt 1800 "$PYTHON" bench/gpt.py ${GPT_ARGS:-}
 # One row per mode: the last five fields of a table line are hand tok/s, MFU, Ember tok/s, MFU, Ember/hand.
 MODES="$(awk 'NF >= 6 && $NF ~ /^[0-9.]+x$/ {
     label = $1; for (i = 2; i <= NF - 5; i++) label = label " " $i
     printf "gpt %s|pass|Ember %d tok/s (MFU %s), hand-written %d tok/s (MFU %s): Ember/hand %s\n",
            label, $(NF - 2), $(NF - 1), $(NF - 4), $(NF - 3), $NF }' "$LOGS/gpt.log")"
-if [ "$STATUS" -eq 0 ] && [ -n "$MODES" ]; then
+if [ -n "$MODES" ]; then  # the modes that finished, also when a later one failed
     while IFS= read -r line; do
         ROWS+=("$line")
     done <<<"$MODES"
-else
+fi
+if [ "$STATUS" -ne 0 ] || [ -z "$MODES" ]; then
     [ "$STATUS" -eq 0 ] && STATUS=1  # it ran, but printed no figures
-    row gpt "no figures"
+    row gpt "$(printf '%s of 3 modes measured' "$(printf '%s' "$MODES" | grep -c .)")"
 fi
 
 # ------------------------------------------------------------------------------------ two GPUs

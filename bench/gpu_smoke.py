@@ -89,7 +89,7 @@ def main() -> None:
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    losses = torch.stack(model.losses).float().cpu()
+    losses = torch.stack([loss.float().cpu() for loss in model.losses])  # dp's replicas add theirs, on their GPUs
     first, last = losses[:5].mean().item(), losses[-5:].mean().item()
     sums = trainer.strategy.all_gather(checksum(model).to(trainer.strategy.root_device)).cpu()
     ok = bool(losses.isfinite().all()) and last < 0.8 * first and bool((sums == sums[0]).all())

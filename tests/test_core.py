@@ -12,7 +12,15 @@ from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
 from ember.loops import Progress, StepRunner
-from ember.strategies import SingleDeviceStrategy, Strategy
+from ember.strategies import (
+    DataParallelStrategy,
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    PipelineStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
 from ember.tuner import Tuner
 
 
@@ -106,11 +114,27 @@ def test_the_setup_template_sends_batches_to_the_strategys_device_whatever_its_l
     assert all(tensor.device.type == "meta" for tensor in batch)
 
 
-def test_checkpoints_are_read_into_cpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each part's load_state_dict places its tensors; random generator states must stay on the CPU."""
+@pytest.mark.parametrize("strategy_class", [SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy,
+                                            PipelineStrategy, DataParallelStrategy])  # fmt: skip
+def test_every_strategy_sends_batches_to_its_device(
+    strategy_class: type[Strategy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP, model parallel and pipeline lay the module out themselves; batches must still reach the GPU."""
+    monkeypatch.setattr(strategy_class, "lay_out", lambda self, module: None)  # the layout needs GPUs or a group
+    strategy = strategy_class()
+    strategy.parallel_devices = [torch.device("meta")]  # stands in for the GPU: not where the loader makes batches
+    strategy.setup_module(Regressor(), training=False)
+    batch = strategy.batch_to_device((torch.ones(2, 4), torch.ones(2, 1)))
+    assert all(tensor.device.type == "meta" for tensor in batch)
+
+
+@pytest.mark.parametrize("strategy_class", [SingleDeviceStrategy, DDPStrategy, FSDPStrategy])
+def test_checkpoints_are_read_into_cpu_memory(strategy_class: type[Strategy], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each part's load_state_dict places its tensors; random generator states must stay on the CPU (the NumPy
+    generator's key is read back with .numpy()). Resuming and elastic restarts read checkpoints this way."""
     seen: list[Any] = []
     monkeypatch.setattr("ember.checkpoint.load_file", lambda path, map_location, **_: seen.append(map_location))
-    strategy = SingleDeviceStrategy()
+    strategy = strategy_class()
     strategy.parallel_devices = [torch.device("cuda", 0)]
     strategy.load_checkpoint(__file__)
     assert seen == ["cpu"]
@@ -158,6 +182,29 @@ def test_predictions_are_moved_to_the_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr("ember.loops.evaluate._to_cpu", to_cpu)
     predictions = quiet_trainer(logger=False).predict(Predictor(), make_loader(16, batch_size=8))
     assert predictions is not None and len(predictions) == 2 and len(moved) == 2
+
+
+@pytest.mark.parametrize("return_predictions", [True, False])
+def test_the_copies_of_predictions_are_waited_for_before_a_writer_reads_them(
+    monkeypatch: pytest.MonkeyPatch, return_predictions: bool
+) -> None:
+    """The copies to the CPU do not wait for the device: whatever reads the predictions must wait first."""
+    from ember.callbacks import BasePredictionWriter
+
+    events: list[str] = []
+
+    class Writer(BasePredictionWriter):
+        def write_on_epoch_end(self, trainer: Any, module: Any, predictions: Any, batch_indices: Any) -> None:
+            events.append(f"read {len(predictions)}")
+
+    class Predictor(Regressor):
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+            return self(batch[0])
+
+    monkeypatch.setattr("ember.loops.evaluate._wait_for_copies", lambda device: events.append("wait"))
+    trainer = quiet_trainer(logger=False, callbacks=[Writer(write_interval="epoch")])
+    trainer.predict(Predictor(), make_loader(16, batch_size=8), return_predictions=return_predictions)
+    assert events == ["wait", "read 2"]
 
 
 @pytest.mark.parametrize(

@@ -248,12 +248,13 @@ def test_workers_do_not_outlive_a_killed_launcher(tmp_path: Any) -> None:
 
 
 SLURM_RANK = """
-import datetime, torch
+import datetime, os, torch
 from ember.strategies import DDPStrategy, select_strategy
-strategy = select_strategy(accelerator="cpu", devices="auto", num_nodes=1, precision="32-true", sync_batchnorm=False,
+strategy = select_strategy(accelerator=os.environ.get("ACCELERATOR", "cpu"), devices="auto", num_nodes=1,
+                           precision="32-true", sync_batchnorm=False,
                            strategy=DDPStrategy(timeout=datetime.timedelta(seconds=20)))
 strategy.setup_environment()
-print("sum", float(strategy.reduce(torch.tensor(float(strategy.global_rank + 1)), "sum")))
+print("sum", float(strategy.reduce(torch.tensor(float(strategy.global_rank + 1)), "sum")), strategy.root_device)
 """
 
 
@@ -282,6 +283,24 @@ def test_a_single_node_slurm_job_meets_on_loopback_whatever_its_node_name_resolv
     for rank in ranks:
         stdout, stderr = rank.communicate(timeout=80)
         assert rank.returncode == 0 and "sum 3.0" in stdout, stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.timeout(120)
+def test_a_slurm_job_with_one_gpu_per_task_meets_over_nccl(tmp_path: Any) -> None:
+    """srun --gpus-per-task=1: each task sees its own GPU as cuda:0, and the tasks meet on loopback."""
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_NODELIST": "192.0.2.1", "SLURM_JOB_ID": "42",
+             "SLURM_JOB_NAME": "train", "MASTER_PORT": str(_free_port()), "ACCELERATOR": "cuda"}  # fmt: skip
+    ranks = []
+    for rank in (0, 1):
+        env = {**_without_launcher_variables(), **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+               "CUDA_VISIBLE_DEVICES": str(rank)}  # fmt: skip
+        ranks.append(subprocess.Popen([sys.executable, "-c", SLURM_RANK], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    for rank in ranks:
+        stdout, stderr = rank.communicate(timeout=100)
+        assert rank.returncode == 0 and "sum 3.0 cuda:0" in stdout, stderr[-3000:]
 
 
 def test_on_one_machine_the_store_binds_and_every_rank_dials_loopback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Regressor, make_loader, quiet_trainer
+from torch.overrides import _get_current_function_mode_stack
 
 from ember.doctor import Doctor, Measurements, diagnose, findings, report
 
@@ -104,13 +105,13 @@ def test_trainer_doctor_counts_what_waits_for_the_device_and_training_goes_on(
     trainer = quiet_trainer(max_epochs=3, doctor=10, logger=False)
     trainer.fit(_Reading(), make_loader(64, batch_size=4))
     output = capsys.readouterr().out
-    assert "[host-sync] 3.0 host-device synchronisations per step" in output
-    for read in ("(item)", "(nonzero)", "(to the CPU)"):
+    assert "[host-sync] 4.0 host-device synchronisations per step" in output
+    for read in ("(item)", "(boolean mask)", "(nonzero)", "(to the CPU)"):
         assert f"{read}: 5 calls" in output
     assert "test_doctor.py" in output and "estimated gain" in output
     assert trainer.global_step == 48  # the run went on after the report
     assert torch.Tensor.item.__qualname__ == "TensorBase.item"  # the instrumentation is gone
-    assert torch.nonzero is nonzero
+    assert torch.nonzero is nonzero and _get_current_function_mode_stack() == []
     # The classes are as they were: torch.tensor of a list of tensors still reads each as a number.
     assert torch.tensor([torch.tensor(1.0), torch.tensor(2.0)]).tolist() == [1.0, 2.0]
 

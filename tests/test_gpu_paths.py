@@ -499,25 +499,127 @@ def test_a_dataset_that_yields_cuda_tensors_trains_and_cpu_batches_are_pinned() 
     assert all(tensor.is_pinned() for tensor in next(iter(on_cpu)))
 
 
+class _OnTheGPU:
+    """Mixed into a module: asserts that every batch of every step is on the GPU."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        assert all(tensor.device.type == "cuda" for tensor in batch), [tensor.device for tensor in batch]
+        return super().training_step(batch, batch_idx)  # type: ignore[misc]
+
+
 @pytest.mark.cuda
 def test_fsdp_with_cpu_offload_clips_by_the_norm_of_every_shard() -> None:
     from conftest import Regressor, make_loader, parameters_of, quiet_trainer
 
     from ember.strategies import FSDPStrategy
 
-    class MovesItsBatches(Regressor):
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            # Offloaded modules get CPU batches for now (see test_fsdp_accumulates_into_the_shards_unless_asked).
-            return super().training_step([tensor.to("cuda") for tensor in batch], batch_idx)
+    class OnTheGPU(_OnTheGPU, Regressor):
+        pass
 
     expected = Regressor()
     quiet_trainer(max_epochs=1, gradient_clip_val=0.1, logger=False).fit(expected, make_loader())
-    model = MovesItsBatches()
+    model = OnTheGPU()  # the loader's CPU batches reach the GPU, where the offloaded parameters are gathered
     quiet_trainer(accelerator="cuda", devices=1, strategy=FSDPStrategy(cpu_offload=True), gradient_clip_val=0.1,
                   max_epochs=1, logger=False, enable_checkpointing=False).fit(model, make_loader())  # fmt: skip
     for got, want in zip(parameters_of(model), parameters_of(expected)):
         # One rank's shard is the whole parameter (gathering it would run an NCCL collective on CPU tensors).
         torch.testing.assert_close(got.to_local(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["fsdp", "model_parallel"])
+def test_sharded_strategies_train_on_batches_moved_to_the_gpu_and_compile(strategy: str) -> None:
+    from conftest import Regressor, make_loader, quiet_trainer
+
+    class OnTheGPU(_OnTheGPU, Regressor):
+        def configure_model(self, device_mesh: Any = None) -> None:
+            """model_parallel asks for a layout: the one rank keeps the whole model."""
+
+    model = OnTheGPU()
+    trainer = quiet_trainer(accelerator="cuda", devices=1, strategy=strategy, compile={"backend": "eager"},
+                            max_epochs=1, logger=False, enable_checkpointing=False)  # fmt: skip
+    trainer.fit(model, make_loader())
+    assert trainer.global_step == 8 and model._compiled_call_impl is not None
+    assert torch.isfinite(trainer.fit_loop.last_loss)
+
+
+@pytest.mark.cuda
+def test_a_run_resumes_on_a_gpu_with_numpys_generator_in_the_checkpoint(tmp_path: Any) -> None:
+    numpy = pytest.importorskip("numpy")
+    from conftest import Regressor, make_loader, quiet_trainer
+
+    first = quiet_trainer(accelerator="cuda", devices=1, max_epochs=1, logger=False, default_root_dir=str(tmp_path))
+    first.fit(Regressor(), make_loader())
+    saved = numpy.random.get_state()[1].copy()  # NumPy is imported: its generator's key is in the checkpoint
+    first.save_checkpoint(tmp_path / "epoch1.ckpt")
+    numpy.random.seed(1)
+    second = quiet_trainer(accelerator="cuda", devices=1, max_epochs=2, logger=False,
+                           default_root_dir=str(tmp_path / "resumed"))  # fmt: skip
+    second.fit(Regressor(), make_loader(), ckpt_path=str(tmp_path / "epoch1.ckpt"))
+    assert second.global_step == 16 and numpy.array_equal(numpy.random.get_state()[1], saved)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_cuda_graphs_with_a_forward_that_returns_the_loss_log_every_step() -> None:
+    from conftest import Regressor, make_loader, quiet_trainer
+
+    class LossInForward(Regressor):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self(*batch)
+            self.log("train_loss", loss, on_step=True, on_epoch=True)
+            return loss
+
+    trainer = quiet_trainer(accelerator="cuda", devices=1, compile={"mode": "reduce-overhead"}, max_epochs=3,
+                            log_every_n_steps=1, logger=False, enable_checkpointing=False)  # fmt: skip
+    trainer.fit(LossInForward(), make_loader(64, batch_size=8, drop_last=True))
+    assert trainer.strategy.reuses_outputs and trainer.global_step == 24
+    assert all(torch.isfinite(value) for value in trainer.callback_metrics.values())
+
+
+@pytest.mark.cuda
+def test_predictions_come_back_in_cpu_memory() -> None:
+    from conftest import Regressor, make_loader, quiet_trainer
+
+    class Predictor(Regressor):
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+            return {"output": self(batch[0]), "on": str(batch[0].device)}
+
+    predictions = quiet_trainer(accelerator="cuda", devices=1, logger=False).predict(Predictor(), make_loader(16))
+    assert [p["on"] for p in predictions] == ["cuda:0"] * 2
+    assert all(p["output"].device.type == "cpu" and p["output"].shape == (8, 1) for p in predictions)
+
+
+@pytest.mark.cuda
+def test_float16_mixed_precision_steps_a_fused_optimizer_without_a_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import Regressor, make_loader, quiet_trainer
+
+    from ember.precision import MixedPrecision
+
+    stepped = MixedPrecision.optimizer_step
+
+    def without_syncs(self: MixedPrecision, optimizer: torch.optim.Optimizer) -> None:
+        torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises
+        try:
+            stepped(self, optimizer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    class Fused(Regressor):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)
+
+    monkeypatch.setattr(MixedPrecision, "optimizer_step", without_syncs)
+    trainer = quiet_trainer(accelerator="cuda", devices=1, precision="16-mixed", max_epochs=1, logger=False,
+                            enable_checkpointing=False)  # fmt: skip
+    trainer.fit(Fused(), make_loader())
+    assert trainer.global_step == 8
+    with pytest.raises(RuntimeError, match="synchroniz"):  # GradScaler reads the overflow flag of a plain one
+        quiet_trainer(accelerator="cuda", devices=1, precision="16-mixed", max_steps=1, logger=False,
+                      enable_checkpointing=False).fit(Regressor(), make_loader())  # fmt: skip
 
 
 PIPELINE_ON_GPUS = """
@@ -598,14 +700,18 @@ FAKE_PYTHON = """#!{python}
 import sys
 arguments = sys.argv[1:]
 if arguments[0] == "-c":
-    print(2 if "device_count" in arguments[1] else "Fake GPU - torch 9.9")
+    import os
+    print(os.environ.get("FAKE_GPUS", "2") if "device_count" in arguments[1] else "Fake GPU - torch 9.9")
 elif arguments[:2] == ["-m", "pytest"]:
     print("....s" + chr(10) + "12 passed, 3 skipped, 40 deselected in 4.56s")
 elif arguments[0] == "bench/gpt.py":
+    import os
     print("FLOPs per token (forward + backward, torch.utils.flop_counter): 8.5e+08")
     print("mode                   hand-written tok/s    MFU  Ember tok/s    MFU Ember/hand")
     for label, hand, ember in (("fp32 (TF32 matmuls)", 50000, 49500), ("bf16-mixed + compile", 300000, 297000)):
         print(f"{{label:<22}} {{hand:>18.0f}} {{'40.1%':>6}} {{ember:>12.0f}} {{'39.7%':>6}} {{ember / hand:>9.3f}}x")
+        if os.environ.get("GPT_FAILS"):
+            sys.exit("torch._dynamo.exc.BackendCompilerFailed")  # the second mode fails
 elif arguments[0] == "bench/memory.py":
     print("| Strategy | parameters + optimizer state per rank | peak allocated per rank |")
     print("| --- | --- | --- |")
@@ -652,3 +758,32 @@ def test_gpu_check_tabulates_each_item_and_fails_when_one_fails(tmp_path: Any) -
     }  # fmt: skip
     assert "===== smoke-manual failed (exit status 1)" in result.stdout
     assert table[-1].startswith(f"logs: {tmp_path}")
+
+    # A mode of the GPT benchmark fails: the modes measured before it keep their rows.
+    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=120,
+                            env={**env, "GPT_FAILS": "1"})  # fmt: skip
+    gpt = {line[:34].strip(): line[34:].split(maxsplit=1) for line in result.stdout.splitlines() if line[:3] == "gpt"}
+    assert gpt == {"gpt fp32 (TF32 matmuls)": rows["gpt fp32 (TF32 matmuls)"], "gpt": ["FAIL", "1 of 3 modes measured"]}
+    assert "===== gpt failed (exit status 1)" in result.stdout and "BackendCompilerFailed" in result.stdout
+
+    # One GPU: the two-GPU items are skipped, which fails nothing.
+    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=120,
+                            env={**env, "FAKE_GPUS": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stdout
+    table = result.stdout[result.stdout.index("gpu_check on 1 GPU(s)") :].splitlines()
+    assert {line[:34].strip(): line[34:].split(maxsplit=1)[0] for line in table[3:-1]} == {
+        "cuda-tests": "pass", "gpt fp32 (TF32 matmuls)": "pass", "gpt bf16-mixed + compile": "pass",
+        "memory": "skipped", "2-GPU smoke runs": "skipped",
+    }  # fmt: skip
+
+
+def test_gpu_check_fails_where_nvidia_smi_lists_gpus_that_torch_does_not_see(tmp_path: Any) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks a torch that sees no GPU")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1
+    assert f"nvidia-smi lists 1 GPU(s), but torch {torch.__version__} (CUDA None)" in result.stdout

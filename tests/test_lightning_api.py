@@ -521,6 +521,32 @@ def test_manual_optimization_hooks_and_flags() -> None:
         quiet_trainer(max_steps=1, gradient_clip_val=1.0).fit(Manual(), make_loader())
 
 
+def test_toggle_model_freezes_the_other_optimizers_parameters_as_lightning_does() -> None:
+    seen: list[tuple[bool, bool]] = []
+
+    class TwoParts(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.other = nn.Linear(4, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            mine, _ = self.optimizers()
+            with mine.toggle_model(sync_grad=False):  # sync_grad: whether manual_backward averages across ranks
+                seen.append((self.layer.weight.requires_grad, self.other.weight.requires_grad))
+                self.manual_backward(F.mse_loss(self(batch[0]) + self.other(batch[0]), batch[1]))
+            mine.step()
+            seen.append((self.layer.weight.requires_grad, self.other.weight.requires_grad))
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)]
+
+    model = TwoParts()
+    quiet_trainer(max_steps=1, logger=False).fit(model, make_loader())
+    assert seen == [(True, False), (True, True)]
+    assert model.layer.weight.grad is not None and model.other.weight.grad is None
+
+
 def test_validation_leaves_frozen_parts_in_evaluation_mode() -> None:
     modes: list[bool] = []
 

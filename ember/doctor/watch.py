@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ember.doctor.measurements import Measurements
 from ember.doctor.probe import graph_tensors
@@ -74,6 +75,9 @@ class Watcher:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         m = self.measurements
         m.steps_seen += 1
+        # From the first step on: a compiled forward recompiles for the mode, which must happen in the warm-up.
+        if m.steps_seen == 1 and any(_on_accelerator(p) for group in optimizer.param_groups for p in group["params"]):
+            self._watch_masks()
         if m.steps_seen == m.warmup:
             gc.collect()
             self.graph_tensors_at_start = {id(tensor) for tensor in graph_tensors()}
@@ -128,6 +132,22 @@ class Watcher:
                     m.sync_seconds += time.perf_counter() - start
 
         return counted
+
+    def _watch_masks(self) -> None:
+        """Count ``tensor[mask]`` in the measured window. ``Tensor.__getitem__`` cannot be wrapped (see
+        ``_SYNC_CALLS``), but a torch function mode sees it; the mode costs about a microsecond per torch
+        call, so it is entered for device runs only, where masks wait for the device."""
+        mode = _MaskWatch(self)
+        mode.__enter__()
+        self._patches.on_undo(lambda: mode.__exit__(None, None, None))
+
+    def count_mask(self, args: tuple[Any, ...], seconds: float) -> None:
+        """``Tensor.__getitem__(*args)`` took ``seconds``: a host sync if it indexed a device tensor by a mask."""
+        if self.measuring and _masks(args):
+            where = _user_frame(direct=True, depth=3)  # above this method and the mode's handler
+            if where is not None:
+                self.measurements.syncs[f"{where} (boolean mask)"] += 1
+                self.measurements.sync_seconds += seconds
 
     # -------------------------------------------------------------------------------- distributed
     def _watch_distributed(self) -> None:
@@ -209,15 +229,39 @@ def _copies_to_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return _on_accelerator(args[0]) and target is not None and torch.device(target).type == "cpu"
 
 
+def _masks(args: tuple[Any, ...]) -> bool:
+    """``tensor[mask]`` of a device tensor with a boolean mask: the result's size depends on the mask's values."""
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, (tuple, list)) else (index,)
+    return _on_accelerator(args[0]) and any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
 def _always(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return True
 
 
+class _MaskWatch(TorchFunctionMode):
+    """Tells the watcher of every ``Tensor.__getitem__`` (other torch calls pass straight through)."""
+
+    def __init__(self, watcher: Watcher) -> None:
+        super().__init__()
+        self.watcher = watcher
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func is not torch.Tensor.__getitem__ or torch.compiler.is_compiling():
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.watcher.count_mask(args, time.perf_counter() - start)
+
+
 # Calls that make the host wait for the device, when ``waits(args, kwargs)`` says so: (owner, name, waits, label).
 # Those that hand a device tensor's value to Python, copy it to the CPU, or give a result whose size depends on
-# its values (nonzero); and explicit synchronisation. ``Tensor.__getitem__`` (boolean masks) is not watched:
-# setting it on ``torch.Tensor`` gives the class a sequence slot that undoing cannot remove, after which
-# ``torch.tensor([a_tensor, ...])`` fails for the rest of the process.
+# its values (nonzero); and explicit synchronisation. ``Tensor.__getitem__`` (boolean masks) is watched by a
+# torch function mode instead (``_MaskWatch``): setting it on ``torch.Tensor`` gives the class a sequence slot
+# that undoing cannot remove, after which ``torch.tensor([a_tensor, ...])`` fails for the rest of the process.
 _SYNC_CALLS: list[tuple[Any, str, Callable[[tuple[Any, ...], dict[str, Any]], bool], str]] = [
     *((torch.Tensor, name, _reads_value, name) for name in ("item", "tolist", "cpu", "numpy", "nonzero",
                                                              "__bool__", "__float__", "__int__", "__format__",
@@ -229,14 +273,14 @@ _SYNC_CALLS: list[tuple[Any, str, Callable[[tuple[Any, ...], dict[str, Any]], bo
 ]  # fmt: skip
 
 
-def _user_frame(direct: bool = False) -> str | None:
+def _user_frame(direct: bool = False, depth: int = 2) -> str | None:
     """``file:line`` of the code that made the call being watched, outside torch and Ember.
 
     None if Ember made it (its reads happen at log time, by design) or, with ``direct``, if torch's
-    own code made it on the user's behalf. Called from a wrapper or a hook: the frame two above is
-    the one that called it.
+    own code made it on the user's behalf. Called from a wrapper or a hook: the frame ``depth`` above
+    is the one that called it.
     """
-    frame: FrameType | None = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(depth)
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith(_EMBER_DIR):

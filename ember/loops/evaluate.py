@@ -175,14 +175,12 @@ class PredictionLoop:
                 self._run_loader(loader, count, dataloader_idx, arguments, outputs if keep else None, indices)
             if len(loaders) == 1:  # as Lightning gives them to prediction writers (the indices stay per loader)
                 self.predictions = self.predictions[0]
+            if keep:
+                _wait_for_copies(trainer.strategy.root_device)  # before the writers at the epoch's end read them
             hooks.call("on_predict_epoch_end")
         hooks.call("on_predict_end")
         _restore_mode(hooks, module, None, modes)  # prediction has no hook of its own for this
-        if not return_predictions:
-            return None
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)  # the copies to the CPU were not waited for
-        return self.predictions
+        return self.predictions if return_predictions else None
 
     def _run_loader(self, loader: Iterable, count: float, dataloader_idx: int, arguments: _StepArguments,
                     outputs: list[Any] | None, indices: list[list[int]]) -> None:  # fmt: skip
@@ -240,6 +238,12 @@ def _recording_indices(loader: Iterable) -> tuple[Iterable, list[list[int]] | No
 
 def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("cpu", non_blocking=True) if tensor.device.type != "cpu" else tensor
+
+
+def _wait_for_copies(device: torch.device) -> None:
+    """Wait for the copies ``_to_cpu`` started: until then the predictions' values are not there."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _no_grad(inference_mode: bool) -> Any:

@@ -314,10 +314,16 @@ class ManualOptimizer:
 
     @contextlib.contextmanager
     def toggle_model(self, sync_grad: bool = True) -> Iterator[None]:
-        """While active, ``manual_backward`` synchronises gradients across ranks only if ``sync_grad``:
+        """As Lightning's: while active, only this optimizer's parameters receive gradients (the module's
+        ``toggle_optimizer``), and ``manual_backward`` averages gradients across ranks only if ``sync_grad``:
         accumulate with ``sync_grad=False`` on all micro-batches but the last."""
-        with self._runner.strategy.no_sync(not sync_grad):
-            yield
+        module = self._runner.module
+        module.toggle_optimizer(self)
+        try:
+            with self._runner.strategy.no_sync(not sync_grad):
+                yield
+        finally:
+            module.untoggle_optimizer(self)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)

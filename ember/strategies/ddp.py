@@ -264,6 +264,11 @@ class DDPStrategy(ParallelStrategy):
             **options,
         )
 
+    def training_memory(self, module: Module) -> int:
+        if self.gradient_as_bucket_view or not module.automatic_optimization:
+            return 0  # the gradients are views of the buckets, or there is no DDP wrapper
+        return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
     def _broadcast_from_rank_zero(self, module: nn.Module) -> None:
         """Start every rank from rank zero's parameters and buffers (what DDP's constructor does)."""
         import torch.distributed as dist
@@ -276,14 +281,30 @@ class DDPStrategy(ParallelStrategy):
         with self.precision.forward_context():
             if isinstance(self.model, nn.parallel.DistributedDataParallel):
                 return self.model(name, *args)  # through DDP, which arms the gradient all-reduce
+            if self._manual_sync and name == "training_step":
+                self._broadcast_buffers()  # what DDP's forward does first: BatchNorm statistics are rank zero's
             return getattr(self._module, name)(*args)
+
+    def _broadcast_buffers(self) -> None:
+        """Rank zero's buffers on every rank: one broadcast per device and dtype."""
+        import torch.distributed as dist
+
+        assert self._module is not None
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for buffer in self._module.buffers():
+            groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
+        for buffers in groups.values():
+            flat = torch.cat([buffer.reshape(-1) for buffer in buffers])
+            dist.broadcast(flat, src=0)
+            chunks = flat.split([buffer.numel() for buffer in buffers])
+            torch._foreach_copy_(buffers, [chunk.view_as(buffer) for chunk, buffer in zip(chunks, buffers)])
 
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:
         super().backward(loss, backward)
         if self._manual_sync and not self._manual_sync_off.active:
             self.sync_gradients()
 
-    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
+    def no_sync(self, skip_gradient_sync: bool = True) -> contextlib.AbstractContextManager:
         if not skip_gradient_sync:
             return _NO_CONTEXT
         if self._manual_sync:

@@ -132,7 +132,7 @@ class FSDPStrategy(ShardedStrategy):
                     block.reshard()
         super().teardown()
 
-    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
+    def no_sync(self, skip_gradient_sync: bool = True) -> contextlib.AbstractContextManager:
         if skip_gradient_sync and self.accumulate_full_gradients:
             return self._sync_off
         return _NO_CONTEXT

@@ -186,6 +186,11 @@ class Strategy:
             (options.get("options") or {}).get("triton.cudagraphs")
         )
 
+    def training_memory(self, module: Module) -> int:
+        """Bytes that training holds on the device besides the module's tensors and a step's (DDP's gradient
+        buckets): the batch-size finder's trials, which run the module unwrapped, hold as much."""
+        return 0
+
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Adjust optimizers after they were built on the placed module (a no-op on one device)."""
 
@@ -217,8 +222,10 @@ class Strategy:
         with self.precision.forward_context():
             return getattr(self._module, name)(*args)
 
-    def no_sync(self, skip_gradient_sync: bool) -> contextlib.AbstractContextManager:
-        """While active, backward passes accumulate gradients locally without communicating."""
+    def no_sync(self, skip_gradient_sync: bool = True) -> contextlib.AbstractContextManager:
+        """While active (with ``skip_gradient_sync``), backward passes accumulate gradients locally without
+        communicating: ``with self.trainer.strategy.no_sync():`` around the ``manual_backward`` calls of the
+        micro-batches that do not step."""
         return _NO_CONTEXT
 
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:

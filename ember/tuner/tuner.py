@@ -2,7 +2,8 @@
 
 Both run short trials of training steps on this process's device, outside ``fit`` (no other rank
 is involved, so running out of memory cannot leave another rank waiting), and put the module's
-weights back afterwards. With several processes the ranks agree on the result.
+weights back afterwards. With several processes the ranks agree on the result (the batch-size
+finder's trials hold the memory that the strategy adds in training, such as DDP's gradient buckets).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Tuner:
                 raise ValueError(f"scale_batch_size({name}={value!r}) must be a positive int")
         owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
         original = _get(owner, batch_arg_name)
+        _join_processes(self.trainer)
         fits = _Trials(self.trainer, model, datamodule, steps_per_trial, max_memory)
 
         good, bad = 0, 0  # the largest size that fit, the smallest that did not (0: none yet)
@@ -86,10 +88,16 @@ class Tuner:
                 size = (good + bad) // 2 if good else size // 2
             if size < 1 or size in (good, bad):
                 break  # the search has converged (or nothing fits)
-        if good == 0:
+        # Every rank must fit, and every rank enters the collective, even one that found nothing: it would
+        # otherwise leave the others waiting in it until the timeout.
+        agreed = int(self.trainer.strategy.reduce(torch.tensor(float(good)), "min"))
+        if agreed == 0:
             _set(owner, batch_arg_name, original)
-            raise torch.OutOfMemoryError(f"scale_batch_size: even {batch_arg_name}={max(size, 1)} does not fit")
-        good = int(self.trainer.strategy.reduce(torch.tensor(float(good)), "min"))  # every rank must fit
+            raise torch.OutOfMemoryError(
+                f"scale_batch_size: even {batch_arg_name}={max(size, 1)} does not fit" if good == 0
+                else f"scale_batch_size: another process found no {batch_arg_name} that fits"
+            )  # fmt: skip
+        good = agreed
         _set(owner, batch_arg_name, good)
         if lr_scaling is not None and original:
             factor = good / original if lr_scaling == "linear" else math.sqrt(good / original)
@@ -118,6 +126,7 @@ class Tuner:
         suggestion as the module's ``lr`` / ``learning_rate`` (attribute or hyperparameter).
         """
         _check_lr_find(mode, min_lr, max_lr, num_training)
+        _join_processes(self.trainer)
 
         def lr_at(step: int) -> float:
             fraction = step / (num_training - 1)
@@ -162,6 +171,13 @@ class Tuner:
         return finder
 
 
+def _join_processes(trainer: Trainer) -> None:
+    """Start the job's other processes and join their process group, as fit would: the finders may run
+    before it, and their ranks agree on the result."""
+    trainer.strategy.launch()
+    trainer.strategy.setup_environment()
+
+
 class _Trials:
     """Short runs of training steps on this rank's device, with the module's weights put back after each."""
 
@@ -182,9 +198,14 @@ class _Trials:
         """Whether ``steps`` steps at the current batch size fit in memory (and in ``max_memory``), and the
         trial's outcome in words."""
         started = time.monotonic()
+        strategy = self.trainer.strategy
+        device = strategy.root_device
         try:
-            with _peak_memory(self.trainer.strategy.root_device, measure=self.max_memory is not None) as peak:
+            with _peak_memory(device, measure=self.max_memory is not None) as peak:
+                # What training holds beyond the trial's own tensors (DDP's gradient buckets) is held here too.
+                held = torch.empty(strategy.training_memory(self.module), dtype=torch.uint8, device=device)
                 self.run()
+                del held
         except torch.OutOfMemoryError:
             self.trainer.strategy.release_memory()
             return False, "runs out of memory"

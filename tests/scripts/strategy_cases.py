@@ -25,39 +25,65 @@ def dataset(n: int = 64, features: int = 4) -> TensorDataset:
     return TensorDataset(x, (x @ torch.arange(1.0, features + 1)).unsqueeze(1))
 
 
+ACCELERATOR = "cpu"  # --accelerator cuda runs the cases on GPUs
+
+
 def trainer(devices: int, **flags: Any) -> ember.Trainer:
     defaults: dict[str, Any] = dict(
-        accelerator="cpu", devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
+        accelerator=ACCELERATOR, devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     return ember.Trainer(**{**defaults, **flags})
 
 
 class ManualRegressor(ember.Module):
-    """Manual optimization, optionally accumulating two micro-batches without syncing the first."""
+    """Manual optimization, optionally accumulating two micro-batches without syncing the first (under
+    ``optimizer.toggle_model(sync_grad=False)`` or the strategy's ``no_sync()``)."""
 
-    def __init__(self, accumulate: bool = False) -> None:
+    def __init__(self, accumulate: str = "", batchnorm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layer = torch.nn.Linear(4, 1)
+        self.layer = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)) if batchnorm else (
+            torch.nn.Linear(4, 1))  # fmt: skip
         self.automatic_optimization = False
         self.accumulate = accumulate
+        #: The all-reduces that the backward passes ran: [synced, unsynced] (both counted on two processes).
+        self.all_reduces = [0, 0]
+        #: The buffers (a BatchNorm's statistics) as each training step found them.
+        self.buffers_seen: list[list[torch.Tensor]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
         x, y = batch
+        self.buffers_seen.append([buffer.cpu().clone() for buffer in self.buffers()])
         if not self.accumulate:
             loss = F.mse_loss(self.layer(x), y)
-            self.manual_backward(loss)
+            self._backward(loss, synced=True)
         else:  # two halves: the first accumulates locally, the second syncs
             halves = list(zip(x.chunk(2), y.chunk(2)))
-            with optimizer.toggle_model(sync_grad=False):
-                self.manual_backward(F.mse_loss(self.layer(halves[0][0]), halves[0][1]) / 2)
+            unsynced = optimizer.toggle_model(sync_grad=False) if self.accumulate == "toggle_model" else None
+            with unsynced or self.trainer.strategy.no_sync():
+                self._backward(F.mse_loss(self.layer(halves[0][0]), halves[0][1]) / 2, synced=False)
             loss = F.mse_loss(self.layer(halves[1][0]), halves[1][1]) / 2
-            self.manual_backward(loss)
+            self._backward(loss, synced=True)
         optimizer.step()
         optimizer.zero_grad()
         return loss
+
+    def _backward(self, loss: torch.Tensor, synced: bool) -> None:
+        import torch.distributed as dist
+
+        all_reduce, counter = dist.all_reduce, self.all_reduces
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter[0 if synced else 1] += 1
+            return all_reduce(*args, **kwargs)
+
+        dist.all_reduce = counted
+        try:
+            self.manual_backward(loss)
+        finally:
+            dist.all_reduce = all_reduce
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -76,9 +102,9 @@ class TinyGAN(ember.Module):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         real, _ = batch
         g_opt, d_opt = self.optimizers()
-        noise = torch.randn(len(real), 2, generator=torch.Generator().manual_seed(batch_idx + 100 * self.global_rank))
-        fake = self.generator(noise)
-        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        generator = torch.Generator().manual_seed(batch_idx + 100 * self.global_rank)
+        fake = self.generator(torch.randn(len(real), 2, generator=generator).to(self.device))
+        ones, zeros = torch.ones(len(real), 1, device=self.device), torch.zeros(len(real), 1, device=self.device)
         d_loss = F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
         d_loss = d_loss + F.binary_cross_entropy_with_logits(self.discriminator(fake.detach()), zeros)
         d_opt.zero_grad()
@@ -128,14 +154,63 @@ class Stages(ember.Module):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class Sized(ember.Module):
+    """For the batch-size finder: batches above ``limit`` samples do not fit on this rank; the parameters
+    (1 MiB) outweigh a trial's activations, so that a trial's peak memory shows what it holds for them."""
+
+    def __init__(self, limit: int, batch_size: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(torch.nn.Linear(4, 512), torch.nn.Linear(512, 508), torch.nn.Linear(508, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if len(x) > self.hparams.limit:
+            raise torch.OutOfMemoryError(f"{len(x)} samples do not fit")
+        return F.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=self.hparams.batch_size)
+
+
+def tune_case(case: str, rank: int) -> dict[str, Any]:
+    """The batch-size finder on every rank: "tune" with a limit that differs by rank, "tune_nothing" with
+    nothing fitting on rank 1, "tune_peak" measuring a trial's memory (printed by rank zero)."""
+    import contextlib
+    import io
+    import time
+
+    from ember.tuner import Tuner
+
+    limit = {"tune": [40, 16], "tune_nothing": [40, 0], "tune_peak": [2, 2]}[case][rank]
+    run = trainer(2)
+    printed = io.StringIO()
+    started = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(printed):
+            found: Any = Tuner(run).scale_batch_size(Sized(limit), init_val=2, steps_per_trial=1,
+                                                     max_memory=2**40 if case == "tune_peak" else None)  # fmt: skip
+    except torch.OutOfMemoryError as error:
+        found = str(error)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in Sized(limit).parameters())
+    return {"found": found, "seconds": time.monotonic() - started, "printed": printed.getvalue(),
+            "parameter_bytes": parameter_bytes}  # fmt: skip
+
+
 def _compiled(module: torch.nn.Module) -> list[str]:
     return [name for name, sub in module.named_modules() if getattr(sub, "_compiled_call_impl", None) is not None]
 
 
 def run_case(case: str, devices: int, batch_size: int = 8) -> dict[str, Any]:
     loader = DataLoader(dataset(), batch_size=batch_size, shuffle=True)
-    if case in ("manual", "manual_accumulate"):
-        model: ember.Module = ManualRegressor(accumulate=case == "manual_accumulate")
+    if case in ("manual", "manual_toggle_model", "manual_no_sync", "manual_batchnorm"):
+        variant = case.removeprefix("manual").lstrip("_")
+        model: ember.Module = ManualRegressor(accumulate=variant if variant != "batchnorm" else "",
+                                              batchnorm=variant == "batchnorm")  # fmt: skip
         run = trainer(devices)
     elif case == "gan":
         model, run = TinyGAN(), trainer(devices, max_epochs=1)
@@ -150,10 +225,12 @@ def run_case(case: str, devices: int, batch_size: int = 8) -> dict[str, Any]:
     run.fit(model, loader)
     sharded = case.endswith("_compile")  # each rank holds other parameters
     return {
-        "parameters": None if sharded else [p.detach().clone() for p in model.state_dict().values()],
+        "parameters": None if sharded else [p.detach().cpu().clone() for p in model.state_dict().values()],
         "global_step": run.global_step,
         "compiled": _compiled(model),
         "last_loss": None if run.fit_loop.last_loss is None else float(run.fit_loop.last_loss),
+        "all_reduces": getattr(model, "all_reduces", None),
+        "buffers_seen": getattr(model, "buffers_seen", None),
     }
 
 
@@ -162,10 +239,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", required=True)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    global ACCELERATOR
+    ACCELERATOR = args.accelerator
     for case in args.cases.split(","):
-        result = run_case(case, args.devices)
         rank = int(os.environ.get("RANK", "0"))
+        result = tune_case(case, rank) if case.startswith("tune") else run_case(case, args.devices)
         torch.save(result, os.path.join(args.out, f"{case}-devices{args.devices}-rank{rank}.pt"))
 
 
