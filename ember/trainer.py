@@ -59,7 +59,7 @@ class Trainer:
         devices: int | str | Sequence[int] = "auto",
         num_nodes: int = 1,
         strategy: str | Strategy = "auto",
-        precision: str | int = "32-true",
+        precision: str | int | None = "32-true",
         float32_matmul_precision: Literal["highest", "high", "medium"] | None = None,
         compile: bool | Mapping[str, Any] = False,
         max_epochs: int | None = None,
@@ -74,23 +74,23 @@ class Trainer:
         overfit_batches: int | float = 0.0,
         fast_dev_run: bool | int = False,
         reload_dataloaders_every_n_epochs: int = 0,
-        val_check_interval: int | float = 1.0,
+        val_check_interval: int | float | None = 1.0,
         check_val_every_n_epoch: int | None = 1,
-        num_sanity_val_steps: int = 2,
+        num_sanity_val_steps: int | None = 2,
         accumulate_grad_batches: int | Literal["auto"] = 1,
         gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-        log_every_n_steps: int = 50,
+        gradient_clip_algorithm: Literal["norm", "value"] | None = "norm",
+        log_every_n_steps: int | None = 50,
         callbacks: Callback | Sequence[Callback] | None = None,
-        logger: bool | Logger | Sequence[Logger] = True,
-        enable_progress_bar: bool = True,
-        enable_checkpointing: bool = True,
-        enable_model_summary: bool = True,
+        logger: bool | Logger | Sequence[Logger] | None = True,
+        enable_progress_bar: bool | None = True,
+        enable_checkpointing: bool | None = True,
+        enable_model_summary: bool | None = True,
         profiler: str | Profiler | None = None,
         enable_autolog_hparams: bool = True,
         barebones: bool = False,
         default_root_dir: str | os.PathLike | None = None,
-        deterministic: bool | Literal["warn"] = False,
+        deterministic: bool | Literal["warn"] | None = False,
         benchmark: bool | None = None,
         inference_mode: bool = True,
         detect_anomaly: bool = False,
@@ -102,6 +102,8 @@ class Trainer:
         timeout: int | float | timedelta | None = None,
         doctor: bool | int = False,
         gpus: int | str | Sequence[int] | None = None,
+        plugins: Any = None,
+        model_registry: str | None = None,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name != "self"}
         given = TrainerConfig(**flags)
@@ -150,6 +152,8 @@ class Trainer:
         self._run_version: int | None = None  # the run directory's version when no logger keeps one
         self._doctor: Doctor | None = None
         self._callbacks_added_by: Module | None = None  # the module whose configure_callbacks() joined
+        #: The checkpoint the last ``fit``, ``validate``, ``test`` or ``predict`` loaded (None: none).
+        self.ckpt_path: str | None = None
 
     # ----------------------------------------------------------------------- process layout
     @property
@@ -392,7 +396,7 @@ class Trainer:
         val_dataloaders: _Loaders = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike | None = None,
-        weights_only: bool = True,
+        weights_only: bool | None = True,
     ) -> None:
         """Train ``model``, validating as the flags say; ``ckpt_path`` resumes from a checkpoint.
 
@@ -412,7 +416,7 @@ class Trainer:
 
         with self._stage("fit", model, datamodule):
             train_loader, val_loaders = loaders()
-            path = self._resolve_checkpoint(ckpt_path)
+            path = self.ckpt_path = self._resolve_checkpoint(ckpt_path)
             # Resumed with "last", the run continues its predecessor in place; otherwise it is a run of its own.
             self._settle_run_directory(continuing=path if ckpt_path == "last" else None)
             restore = functools.partial(self._restore, path, weights_only) if path is not None else None
@@ -429,7 +433,7 @@ class Trainer:
         ckpt_path: str | os.PathLike | None = None,
         datamodule: DataModule | None = None,
         verbose: bool = True,
-        weights_only: bool = True,
+        weights_only: bool | None = True,
     ) -> list[dict[str, float]]:
         """Run ``validation_step`` over the validation data; one dict of metrics per dataloader.
 
@@ -445,7 +449,7 @@ class Trainer:
         ckpt_path: str | os.PathLike | None = None,
         datamodule: DataModule | None = None,
         verbose: bool = True,
-        weights_only: bool = True,
+        weights_only: bool | None = True,
     ) -> list[dict[str, float]]:
         """Run ``test_step`` over the test data; one dict of metrics per dataloader (``model`` and ``ckpt_path``
         as for ``validate``)."""
@@ -458,7 +462,7 @@ class Trainer:
         datamodule: DataModule | None = None,
         return_predictions: bool = True,
         ckpt_path: str | os.PathLike | None = None,
-        weights_only: bool = True,
+        weights_only: bool | None = True,
     ) -> list[Any] | None:
         """Run ``predict_step``; the outputs (on the CPU) as a list, a list per dataloader when there are several
         (``model`` and ``ckpt_path`` as for ``validate``)."""
@@ -481,7 +485,7 @@ class Trainer:
         ckpt_path: str | os.PathLike | None,
         datamodule: DataModule | None,
         verbose: bool,
-        weights_only: bool,
+        weights_only: bool | None,
     ) -> list[dict[str, float]]:
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
@@ -534,9 +538,9 @@ class Trainer:
         checkpoint = checkpoint_state.training_state(self, weights_only=weights_only)
         self.strategy.save_checkpoint(checkpoint, os.fspath(filepath))
 
-    def _restore(self, path: str, weights_only: bool) -> None:
+    def _restore(self, path: str, weights_only: bool | None) -> None:
         """Continue from a checkpoint written by ``save_checkpoint``: weights, optimizers, loop position."""
-        checkpoint = self.strategy.load_checkpoint(path, trust_pickles=not weights_only)
+        checkpoint = self.strategy.load_checkpoint(path, trust_pickles=weights_only is False)
         checkpoint_state.restore_training_state(self, checkpoint, path)
 
     def _resolve_checkpoint(self, ckpt_path: str | None) -> str | None:
@@ -561,10 +565,11 @@ class Trainer:
             self.print(f"resuming from {found}")
         return found
 
-    def _load_weights(self, ckpt_path: str | None, weights_only: bool) -> None:
+    def _load_weights(self, ckpt_path: str | None, weights_only: bool | None) -> None:
+        self.ckpt_path = ckpt_path
         if ckpt_path is None:
             return
-        checkpoint = self.strategy.load_checkpoint(ckpt_path, trust_pickles=not weights_only)
+        checkpoint = self.strategy.load_checkpoint(ckpt_path, trust_pickles=weights_only is False)
         module = self.lightning_module
         assert module is not None
         module.on_load_checkpoint(checkpoint)

@@ -72,9 +72,14 @@ def test_evaluating_after_fit_uses_the_fitted_module_and_its_best_checkpoint() -
     with pytest.warns(UserWarning, match=r"\.test\(ckpt_path=None\) without a model: the best checkpoint"):
         results = trainer.test(dataloaders=make_loader(16), verbose=False)
     assert model.loaded_from == [best["global_step"]] and set(results[0]) == {"test_loss"}
-    trainer.test(ckpt_path="best", dataloaders=make_loader(16), verbose=False)
+    trainer.test(ckpt_path="best", dataloaders=make_loader(16), verbose=False, weights_only=None)
+    assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path  # type: ignore[union-attr]
     trainer.validate(ckpt_path="last", dataloaders=make_loader(16), verbose=False)
     assert model.loaded_from == [best["global_step"]] * 2 + [trainer.global_step]
+    assert trainer.ckpt_path is not None
+    assert torch.load(trainer.ckpt_path, weights_only=True)["global_step"] == trainer.global_step
+    trainer.test(model, make_loader(16), verbose=False)
+    assert trainer.ckpt_path is None  # nothing loaded: the module as it is
     predictions = trainer.predict(dataloaders=make_loader(16), ckpt_path="best")
     assert predictions is not None and len(predictions) == 2 and predictions[0].shape == (8, 1)
 
@@ -654,6 +659,37 @@ def test_strategy_names_ember_lacks_say_what_to_use() -> None:
         ember.Trainer(accelerator="cpu", strategy="deepspeed_stage_2")
     with pytest.raises(ValueError, match=r"FSDPStrategy\(cpu_offload=True\).*on accelerator='cpu'"):
         ember.Trainer(accelerator="cpu", strategy="fsdp_cpu_offload")  # the name is known; CPUs need no offload
+
+
+#: The Trainer flags as a config file that Lightning's CLI writes (``--print_config``, the run's config.yaml)
+#: spells them: None for "the default".
+LIGHTNING_CONFIG_DEFAULTS = dict(
+    accelerator="auto", strategy="auto", devices="auto", num_nodes=1, precision=None, logger=None, callbacks=None,
+    fast_dev_run=False, max_epochs=None, min_epochs=None, max_steps=-1, min_steps=None, max_time=None,
+    limit_train_batches=None, limit_val_batches=None, limit_test_batches=None, limit_predict_batches=None,
+    overfit_batches=0.0, val_check_interval=None, check_val_every_n_epoch=1, num_sanity_val_steps=None,
+    log_every_n_steps=None, enable_checkpointing=None, enable_progress_bar=None, enable_model_summary=None,
+    accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None, deterministic=None,
+    benchmark=None, inference_mode=True, use_distributed_sampler=True, profiler=None, detect_anomaly=False,
+    barebones=False, plugins=None, sync_batchnorm=False, reload_dataloaders_every_n_epochs=0, default_root_dir=None,
+    enable_autolog_hparams=True, model_registry=None,
+)  # fmt: skip
+
+
+def test_none_means_the_default_as_in_lightnings_config_files() -> None:
+    trainer = ember.Trainer(**LIGHTNING_CONFIG_DEFAULTS)  # type: ignore[arg-type]
+    assert trainer.config == ember.Trainer().config
+    assert trainer.config.precision == "32-true" and trainer.config.log_every_n_steps == 50
+    assert trainer.config.num_sanity_val_steps == 2 and trainer.config.val_check_interval == 1.0
+    assert trainer.config.gradient_clip_algorithm == "norm" and trainer.config.deterministic is False
+    assert trainer.logger is not None and trainer.checkpoint_callback is not None
+
+
+def test_plugins_and_model_registry_are_refused_unless_none() -> None:
+    with pytest.raises(ember.config.FlagError, match=r"plugins=\['bf16'\]: Ember has no plugins.*precision="):
+        ember.Trainer(plugins=["bf16"])
+    with pytest.raises(ember.config.FlagError, match=r"model_registry='my-model': Ember uploads to no model registry"):
+        ember.Trainer(model_registry="my-model")
 
 
 def test_the_older_gpus_flag_warns_with_the_flags_to_use() -> None:
