@@ -363,8 +363,11 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
     def teardown(self, stage: str) -> None:
         """Called at the end of fit, validate, test and predict."""
 
-    def configure_model(self, device_mesh: Any) -> None:
+    def configure_model(self, device_mesh: Any = None) -> None:
         """Lay the model out over ``device_mesh`` (a ``torch.distributed.device_mesh.DeviceMesh``).
+
+        Lightning's form, an override without ``device_mesh``, is called when each stage starts (create layers
+        there); this default does nothing, so ``super().configure_model()`` works in either form.
 
         Called once, before the optimizers are built, by strategies that arrange ranks in a mesh
         (``strategy="model_parallel"``: dimensions ``"data"`` and ``"tensor"``). Apply tensor parallel

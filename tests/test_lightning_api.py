@@ -452,6 +452,7 @@ def test_configure_model_and_configure_callbacks() -> None:
             self.layer: nn.Module | None = None
 
         def configure_model(self) -> None:  # type: ignore[override]
+            super().configure_model()  # Lightning's default takes no argument: neither does Ember's
             if self.layer is None:
                 self.layer = nn.Linear(4, 1)
 
