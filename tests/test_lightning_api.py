@@ -549,6 +549,34 @@ def test_validation_leaves_frozen_parts_in_evaluation_mode() -> None:
     assert modes == [False] * 4
 
 
+def test_gradients_are_cleared_before_a_validation_between_optimizer_steps() -> None:
+    """As Lightning: on_validation_model_zero_grad (by default zero_grad) runs before each validation of fit that
+    comes after an optimizer step, not in the sanity check, nor in the middle of an accumulation window."""
+    seen: list[tuple[int, bool]] = []
+
+    class Watching(Regressor):
+        def on_after_backward(self) -> None:
+            pass  # with a hook of the step, the gradients stay until the next window starts, as in Lightning
+
+        def on_validation_start(self) -> None:
+            seen.append((self.trainer.fit_loop.progress.total_batches, self.layer.weight.grad is None))
+
+    # 8 batches per epoch, 2 per step; validation after batches 3 (mid-window) and 6 (after a step).
+    flags = dict(max_epochs=1, logger=False, accumulate_grad_batches=2, val_check_interval=3, num_sanity_val_steps=1)
+    quiet_trainer(**flags).fit(Watching(), make_loader(), make_loader(16))
+    assert seen == [(0, True), (3, False), (6, True)]
+
+    calls: list[tuple[int, int]] = []
+
+    class Overriding(Watching):
+        def on_validation_model_zero_grad(self) -> None:
+            calls.append((self.global_step, self.trainer.fit_loop.progress.total_batches))  # keeps the gradients
+
+    seen.clear()
+    quiet_trainer(**flags).fit(Overriding(), make_loader(), make_loader(16))
+    assert calls == [(3, 6)] and seen == [(0, True), (3, False), (6, False)]
+
+
 def test_prepare_data_of_the_module_runs_once_per_stage() -> None:
     calls: list[str] = []
 

@@ -53,8 +53,6 @@ class EvaluationLoop:
         store.default_on_step = False
         previous, metrics.active = metrics.active, store
         self.num_batches = counts
-        if trainer.stage == "fit":
-            hooks.call("on_validation_model_zero_grad")
         modes = _eval_mode(hooks, module, self._hook)
         hooks.call(f"on_{self._hook}_start")
         step = getattr(module, f"{self._hook}_step")

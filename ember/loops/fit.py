@@ -338,7 +338,7 @@ class FitLoop:
             output, loss = self._train_batch(batch, batch_idx, window)
             self._end_batch(output, loss, batch, batch_idx, window)
             if self._validation.due(self.progress, batch_idx, window.ends_epoch):
-                self._validate(at_epoch_end=window.ends_epoch)
+                self._validate(at_epoch_end=window.ends_epoch, after_step=window.closing)
             outcome = self._after_batch(window)
             if outcome is not _Outcome.CONTINUE:
                 return outcome
@@ -446,7 +446,11 @@ class FitLoop:
             )
 
     # --------------------------------------------------------------------------- validation
-    def _validate(self, at_epoch_end: bool) -> None:
+    def _validate(self, at_epoch_end: bool, after_step: bool) -> None:
+        if after_step:  # as Lightning: the gradients of a finished step go (not those of a window under way)
+            module = self.trainer.lightning_module
+            assert module is not None
+            module.on_validation_model_zero_grad()
         self.at_epoch_end = at_epoch_end
         self._validation.run(self.trainer.validate_loop)
         self.at_epoch_end = False
