@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 import ember
 
 pytest.importorskip("jsonargparse")
-from ember.cli_lightning import EmberCLI
+from ember.cli_lightning import EmberCLI, LRSchedulerCallable, OptimizerCallable
 
 
 class Data(ember.DataModule):
@@ -155,3 +155,33 @@ def test_a_config_file_written_by_lightnings_cli_runs_unchanged(tmp_path: Any) -
     assert cli.trainer.global_step == 4 and cli.model.hparams.lr == 0.01
     assert cli.trainer.config.precision == "32-true" and cli.trainer.config.log_every_n_steps == 50
     assert cli.trainer.checkpoint_callback is not None and cli.trainer.logger is not None
+
+
+class Injected(ember.Module):
+    """A module that takes how to build its optimizer and scheduler, as Lightning's CLI documentation shows."""
+
+    def __init__(
+        self,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        scheduler: LRSchedulerCallable = torch.optim.lr_scheduler.ConstantLR,
+    ) -> None:
+        super().__init__()
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer(self.parameters())
+        return {"optimizer": optimizer, "lr_scheduler": self.scheduler(optimizer)}
+
+
+def test_optimizer_and_scheduler_given_to_the_module_by_class_path() -> None:
+    args = ["--model.optimizer=SGD", "--model.optimizer.lr=0.05", "--model.scheduler=StepLR",
+            "--model.scheduler.step_size=2", "--trainer.max_steps=1", "--trainer.logger=false", *_QUIET]  # fmt: skip
+    cli = EmberCLI(Injected, Data, args=args, run=False, save_config_callback=None)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    optimizer = cli.trainer.optimizers[0]
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert isinstance(cli.trainer.lr_scheduler_configs[0].scheduler, torch.optim.lr_scheduler.StepLR)

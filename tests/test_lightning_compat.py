@@ -75,6 +75,32 @@ def test_lightning_names_are_embers_own_objects() -> None:
 
 
 @pytest.mark.parametrize(
+    ("statement", "name"),
+    [
+        ("from lightning.pytorch.callbacks.model_summary import ModelSummary", "ember.callbacks.ModelSummary"),
+        ("from pytorch_lightning.callbacks.timer import Timer", "ember.callbacks.Timer"),
+        ("from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar", "ember.callbacks.ProgressBar"),
+        ("from lightning.pytorch.strategies.single_device import SingleDeviceStrategy",
+         "ember.strategies.SingleDeviceStrategy"),
+        ("from lightning.pytorch.strategies.parallel import ParallelStrategy", "ember.strategies.ParallelStrategy"),
+        ("from lightning.pytorch.profilers.simple import SimpleProfiler", "ember.profilers.SimpleProfiler"),
+        ("from lightning.pytorch.cli import OptimizerCallable", "ember.cli_lightning.OptimizerCallable"),
+        ("from lightning.pytorch.cli import LRSchedulerCallable", "ember.cli_lightning.LRSchedulerCallable"),
+        ("from lightning.pytorch.cli import ArgsType", "ember.cli_lightning.ArgsType"),
+        ("from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig",
+         "ember.lightning_compat.extras.OptimizerLRSchedulerConfig"),
+    ],
+)  # fmt: skip
+def test_submodules_and_names_programs_import(statement: str, name: str) -> None:
+    pytest.importorskip("jsonargparse")
+    module, _, attribute = name.rpartition(".")
+    namespace: dict[str, Any] = {}
+    with served_by_ember():
+        exec(statement, namespace)
+    assert namespace[statement.split()[-1]] is getattr(importlib.import_module(module), attribute)
+
+
+@pytest.mark.parametrize(
     ("statement", "message"),
     [
         ("from lightning.pytorch.callbacks import StochasticWeightAveraging",
@@ -89,6 +115,13 @@ def test_lightning_names_are_embers_own_objects() -> None:
         ("import lightning.fabric", r"lightning.fabric is a part of Lightning that Ember does not cover"),
         ("import lightning.pytorch.trainer.connectors", r"Ember covers lightning.pytorch's callbacks, cli, core"),
         ("from lightning.pytorch.callbacks import Nonexistent", r"callbacks.Nonexistent is not covered.*has Callback"),
+        ("from lightning.pytorch.callbacks.stochastic_weight_avg import StochasticWeightAveraging",
+         r"callbacks.stochastic_weight_avg is a part of Lightning that Ember does not cover: average weights"),
+        ("from lightning.pytorch.utilities.combined_loader import CombinedLoader",
+         r"utilities.combined_loader is a part .*pass a list of DataLoaders"),
+        ("from lightning.pytorch.trainer.states import TrainerFn", r"trainer.states is a part .*trainer.stage"),
+        ("from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy",
+         r"strategies.deepspeed .*FSDPStrategy"),
     ],
 )  # fmt: skip
 def test_names_ember_lacks_fail_at_import_with_what_to_use(statement: str, message: str) -> None:
