@@ -683,6 +683,25 @@ def test_lightnings_strategy_names(name: str, find_unused: bool) -> None:
     assert isinstance(strategy, ember.strategies.DDPStrategy) and strategy.find_unused_parameters is find_unused
 
 
+def test_lightnings_options_of_ddp_and_fsdp() -> None:
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from ember.strategies import DDPStrategy, FSDPStrategy
+
+    assert DDPStrategy(start_method="spawn").start_method == "spawn"
+    assert ember.Trainer(accelerator="cpu", devices=1, strategy="ddp_fork").strategy.start_method == "fork"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"start_method='thread'\): choose one of \('popen', 'spawn'"):
+        DDPStrategy(start_method="thread")
+    assert FSDPStrategy(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward is False
+    assert FSDPStrategy(sharding_strategy=ShardingStrategy.FULL_SHARD, state_dict_type="sharded").reshard_after_forward
+    with pytest.raises(ValueError, match=r"sharding_strategy='NO_SHARD'\).*strategy='ddp'"):
+        FSDPStrategy(sharding_strategy="NO_SHARD")
+    with pytest.raises(ValueError, match=r"state_dict_type='full'\).*ember checkpoint consolidate"):
+        FSDPStrategy(state_dict_type="full")
+    with pytest.raises(ValueError, match=r"mixed_precision=...\): pass Trainer\(precision='bf16-mixed'\)"):
+        FSDPStrategy(mixed_precision=object())
+
+
 def test_strategy_names_ember_lacks_say_what_to_use() -> None:
     with pytest.raises(ValueError, match=r"strategy='deepspeed_stage_2'.*DeepSpeed.*'fsdp'"):
         ember.Trainer(accelerator="cpu", strategy="deepspeed_stage_2")
