@@ -277,6 +277,29 @@ class Trainer:
         return self.fit_loop.sanity_checking
 
     @property
+    def training(self) -> bool:
+        """Whether ``fit`` is training (not validating, nor in its sanity check)."""
+        return self.stage == "fit" and not self.validate_loop.running
+
+    @property
+    def validating(self) -> bool:
+        """Whether a validation runs (in ``validate``, or in ``fit`` outside the sanity check)."""
+        return self.validate_loop.running and not self.sanity_checking
+
+    @property
+    def testing(self) -> bool:
+        return self.stage == "test"
+
+    @property
+    def predicting(self) -> bool:
+        return self.stage == "predict"
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether a validation (sanity check included) or a test runs."""
+        return self.validate_loop.running or self.testing
+
+    @property
     def validation_enabled(self) -> bool:
         return self.fit_loop.validation_enabled
 

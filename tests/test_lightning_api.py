@@ -113,6 +113,44 @@ def test_evaluating_without_a_module_before_fit_is_a_clear_error() -> None:
         fitted.test(dataloaders=make_loader(), ckpt_path="best")
 
 
+def test_what_the_trainer_is_doing() -> None:
+    seen: list[tuple[str, tuple[bool, ...]]] = []
+
+    class Watching(Regressor):
+        def _note(self, where: str) -> None:
+            t = self.trainer
+            seen.append((where, (t.training, t.validating, t.testing, t.predicting, t.sanity_checking, t.evaluating)))
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self._note("train")
+
+        def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self._note("validate")
+
+        def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self._note("test")
+
+        def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self._note("predict")
+
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+            return self(batch[0])
+
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=1, num_sanity_val_steps=1, logger=False)
+    model = Watching()
+    trainer.fit(model, make_loader(8), make_loader(8))
+    trainer.test(model, make_loader(8), verbose=False)
+    trainer.predict(model, make_loader(8))
+    assert seen == [
+        ("validate", (False, False, False, False, True, True)),  # the sanity check
+        ("train", (True, False, False, False, False, False)),
+        ("validate", (False, True, False, False, False, True)),
+        ("test", (False, False, True, False, False, True)),
+        ("predict", (False, False, False, True, False, False)),
+    ]
+    assert not (trainer.training or trainer.validating or trainer.testing or trainer.predicting)
+
+
 # ---------------------------------------------------------------------------- the module's API
 def test_steps_without_batch_idx() -> None:
     seen: list[str] = []
