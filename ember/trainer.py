@@ -277,6 +277,11 @@ class Trainer:
         return self.fit_loop.sanity_checking
 
     @property
+    def is_last_batch(self) -> bool:
+        """Whether the training batch being run is the epoch's last (a manual schedule steps there)."""
+        return self.fit_loop.is_last_batch
+
+    @property
     def training(self) -> bool:
         """Whether ``fit`` is training (not validating, nor in its sanity check)."""
         return self.stage == "fit" and not self.validate_loop.running

@@ -534,6 +534,32 @@ def test_hooks_that_lightning_removed_are_refused() -> None:
         quiet_trainer(max_steps=1).fit(Iterating(), make_loader())
 
 
+def test_a_manual_schedule_steps_at_the_last_batch_of_each_epoch() -> None:
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.last: list[bool] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+            optimizer.zero_grad()
+            self.manual_backward(F.mse_loss(self(batch[0]), batch[1]))
+            optimizer.step()
+            self.last.append(self.trainer.is_last_batch)
+            if self.trainer.is_last_batch:  # as Lightning's documentation of manual optimization does
+                scheduler.step()
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+    model = Manual()
+    quiet_trainer(max_epochs=2, logger=False).fit(model, make_loader(24))
+    assert model.last == [False, False, True] * 2
+    assert model.lr_schedulers().get_last_lr() == [pytest.approx(0.025)]
+
+
 def test_manual_optimization_hooks_and_flags() -> None:
     calls: list[str] = []
 

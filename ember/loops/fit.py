@@ -98,6 +98,8 @@ class FitLoop:
         self.stepped = False
         #: True while a validation runs at the end of an epoch (False in the middle of one).
         self.at_epoch_end = False
+        #: Whether the training batch being run is the epoch's last (``trainer.is_last_batch``).
+        self.is_last_batch = False
         self.sanity_checking = False
         self.validation_enabled = False
         self.num_training_batches: float = 0
@@ -329,6 +331,7 @@ class FitLoop:
         trainer = self.trainer
         store = trainer.run_metrics.train
         for batch_idx, batch in window:
+            self.is_last_batch = window.ends_epoch
             batch = self._to_device(batch)
             store.batch = batch
             if self._module_batch_start is not None and self._module_batch_start(batch, batch_idx) == -1:
