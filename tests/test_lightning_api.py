@@ -731,6 +731,22 @@ def test_barebones_turns_off_everything_that_costs_time() -> None:
             ember.Trainer(barebones=True, **flags)
 
 
+@pytest.mark.parametrize(
+    ("flags", "save_on_train_epoch_end", "epochs_saved"),
+    [({"check_val_every_n_epoch": 2}, None, [1, 3]), ({"check_val_every_n_epoch": 2}, True, [0, 1, 2, 3]),
+     ({}, False, [0, 1, 2, 3]), ({"limit_val_batches": 0}, False, []),
+     ({"val_check_interval": 0.5}, None, [0, 0, 1, 1, 2, 2, 3, 3])],
+)  # fmt: skip
+def test_when_checkpoints_are_saved_as_lightning_chooses(
+    flags: dict[str, Any], save_on_train_epoch_end: bool | None, epochs_saved: list[int]
+) -> None:
+    checkpoint = ModelCheckpoint(dirpath="saved", save_top_k=-1, save_on_train_epoch_end=save_on_train_epoch_end)
+    trainer = quiet_trainer(max_epochs=4, logger=False, callbacks=[checkpoint], **flags)
+    trainer.fit(Regressor(), make_loader(32), make_loader(16))
+    names = sorted(os.listdir("saved"), key=lambda name: int(name.split("step=")[1].split(".")[0]))
+    assert [int(name.split("-")[0].removeprefix("epoch=")) for name in names] == epochs_saved
+
+
 def test_hyperparameters_are_not_logged_when_asked_not_to() -> None:
     trainer = quiet_trainer(max_steps=1, enable_autolog_hparams=False)
     trainer.fit(Regressor(), make_loader())
