@@ -929,3 +929,12 @@ def test_the_tuner_runs_the_modules_step_hooks() -> None:
 
     Tuner(quiet_trainer(logger=False)).lr_find(Hooked(), num_training=5, early_stop_threshold=None)
     assert calls == [0, 1, 2, 3, 4]
+
+
+def test_seed_everything_quiet(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EMBER_GLOBAL_SEED", raising=False)
+    ember.seed_everything(verbose=False)
+    assert capsys.readouterr().out == ""
+    monkeypatch.delenv("EMBER_GLOBAL_SEED")
+    ember.seed_everything()
+    assert "no seed given" in capsys.readouterr().out
