@@ -62,6 +62,7 @@ class _HyperparametersMixin:
         self.hparams.update({k: v for k, v in chosen.items() if k not in ignored})
         for name in ignored:
             self.hparams.pop(name, None)
+        self._hparams_initial = AttributeDict(self.hparams)
         self._log_hparams = logger
 
     @property
@@ -69,6 +70,11 @@ class _HyperparametersMixin:
         if not hasattr(self, "_hparams"):
             self._hparams = AttributeDict()
         return self._hparams
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """``hparams`` as ``save_hyperparameters`` left them (later changes to ``hparams`` are not seen here)."""
+        return AttributeDict(getattr(self, "_hparams_initial", {}))
 
     @property
     def hparams_for_logger(self) -> dict[str, Any]:

@@ -270,6 +270,13 @@ def test_hyperparameters_of_parent_and_child_are_both_kept() -> None:
     assert Everything(dropout=0.2, depth=3).hparams == {"width": 8, "depth": 3, "dropout": 0.2}
 
 
+def test_hparams_initial_keeps_what_was_saved() -> None:
+    model = Regressor(lr=0.5)
+    model.hparams.lr = 0.1
+    assert model.hparams_initial == {"lr": 0.5, "features": 4} and model.hparams.lr == 0.1
+    assert ember.Module().hparams_initial == {}
+
+
 def test_freeze_and_unfreeze() -> None:
     model = Regressor()
     model.freeze()
