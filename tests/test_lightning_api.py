@@ -533,6 +533,16 @@ def test_hooks_that_lightning_removed_are_refused() -> None:
     with pytest.raises(NotImplementedError, match="OldCallback.on_epoch_end.*on_train_epoch_end"):
         quiet_trainer(max_steps=1, callbacks=[OldCallback()]).fit(Regressor(), make_loader())
 
+    class OldData(ember.DataModule):
+        def train_dataloader(self) -> DataLoader:
+            return make_loader()
+
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            checkpoint["position"] = 3
+
+    with pytest.raises(NotImplementedError, match=r"OldData.on_save_checkpoint\(\).*from state_dict\(\)"):
+        quiet_trainer(max_steps=1).fit(Regressor(), datamodule=OldData())
+
     class Iterating(Regressor):
         def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
             return super().training_step(*next(dataloader_iter))
