@@ -858,6 +858,43 @@ def test_the_default_logger_is_tensorboard_with_a_csv_file_beside_it() -> None:
     assert "metrics.csv" in files and any(name.startswith("events.out.tfevents") for name in files)
 
 
+def test_the_default_logger_is_csv_without_tensorboard(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    hidden = lambda name, *rest: None if name == "tensorboard" else find_spec(name, *rest)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    trainer = quiet_trainer(max_steps=1)
+    assert [type(logger) for logger in trainer.loggers] == [CSVLogger]
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_inference_mode_and_anomaly_detection(inference_mode: bool) -> None:
+    seen: dict[str, tuple[bool, bool, bool]] = {}
+
+    class Watching(Regressor):
+        def _note(self, stage: str) -> None:
+            seen[stage] = (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.is_anomaly_enabled())
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self._note("train")
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self._note("validate")
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self._note("test")
+
+    trainer = quiet_trainer(max_steps=1, logger=False, inference_mode=inference_mode, detect_anomaly=True)
+    model = Watching()
+    trainer.fit(model, make_loader(8), make_loader(8))
+    trainer.test(model, make_loader(8), verbose=False)
+    assert seen == {"train": (False, True, True), "validate": (inference_mode, False, True),
+                    "test": (inference_mode, False, True)}  # fmt: skip
+    assert not torch.is_anomaly_enabled()
+
+
 def test_learning_rate_monitor_logs_the_rate_each_logging_step_uses() -> None:
     rates: list[float] = []
 
