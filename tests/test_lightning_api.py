@@ -84,6 +84,23 @@ def test_evaluating_after_fit_uses_the_fitted_module_and_its_best_checkpoint() -
     assert predictions is not None and len(predictions) == 2 and predictions[0].shape == (8, 1)
 
 
+def test_a_lightning_checkpoint_gives_its_weights_but_no_training_to_continue() -> None:
+    from ember.checkpoint.io import CheckpointError
+
+    model = Regressor(lr=0.2)
+    written_by_lightning = {
+        "epoch": 1, "global_step": 4, "pytorch-lightning_version": "2.6.6", "state_dict": model.state_dict(),
+        "loops": {"fit_loop": {"state_dict": {}}}, "callbacks": {}, "optimizer_states": [{}], "lr_schedulers": [],
+        "hparams_name": "kwargs", "hyper_parameters": {"lr": 0.2, "features": 4},
+    }  # fmt: skip
+    torch.save(written_by_lightning, "lightning.ckpt")
+    loaded = Regressor.load_from_checkpoint("lightning.ckpt")
+    assert loaded.hparams.lr == 0.2 and torch.equal(loaded.layer.weight, model.layer.weight)
+    assert quiet_trainer(logger=False).test(Regressor(), make_loader(16), ckpt_path="lightning.ckpt", verbose=False)
+    with pytest.raises(CheckpointError, match=r"written by Lightning 2.6.6.*Module.load_from_checkpoint"):
+        quiet_trainer(max_epochs=3, logger=False).fit(Regressor(), make_loader(), ckpt_path="lightning.ckpt")
+
+
 def test_the_datamodule_alone_is_enough_after_fit() -> None:
     class Data(ember.DataModule):
         def train_dataloader(self) -> DataLoader:
