@@ -95,13 +95,22 @@ class ModelCheckpoint(Callback):
 
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
-        self.best_model_score: float | None = None
+        self._best_model_score: float | None = None
         self.last_model_path = ""
         self._latest_paths: list[str] = []  # without a monitor: newest last
         self._last_saved_step: int | None = None
         self._last_time_save = time.monotonic()
         self._steps_since_time_check = 0
         self._validated_at_epoch_end = False
+
+    @property
+    def best_model_score(self) -> torch.Tensor | None:
+        """The monitored value of the best checkpoint, as a tensor (Lightning's type), or None before one."""
+        return None if self._best_model_score is None else torch.tensor(self._best_model_score)
+
+    @best_model_score.setter
+    def best_model_score(self, value: float | torch.Tensor | None) -> None:
+        self._best_model_score = None if value is None else float(value)
 
     @property
     def state_key(self) -> str:
@@ -162,7 +171,7 @@ class ModelCheckpoint(Callback):
             "monitor": self.monitor,
             "dirpath": self.dirpath,
             "best_model_path": self.best_model_path,
-            "best_model_score": self.best_model_score,
+            "best_model_score": self._best_model_score,
             "best_k_models": dict(self.best_k_models),
             "last_model_path": self.last_model_path,
             "latest_paths": list(self._latest_paths),
