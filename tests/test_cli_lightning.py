@@ -185,3 +185,23 @@ def test_optimizer_and_scheduler_given_to_the_module_by_class_path() -> None:
     optimizer = cli.trainer.optimizers[0]
     assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
     assert isinstance(cli.trainer.lr_scheduler_configs[0].scheduler, torch.optim.lr_scheduler.StepLR)
+
+
+class Predicting(Regressor):
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
+class PredictData(Data):
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(16), batch_size=self.batch_size)
+
+
+def test_validate_and_predict_with_the_datamodule_chosen_by_class_path(capsys: pytest.CaptureFixture[str]) -> None:
+    data = f"--data={PredictData.__module__}.PredictData"
+    common = [data, "--data.batch_size=4", "--trainer.logger=false", *_QUIET]
+    validated = EmberCLI(Predicting, args=["validate", *common], save_config_callback=None)
+    assert isinstance(validated.datamodule, PredictData) and validated.trainer.num_val_batches == [4]
+    assert "val_loss" in validated.trainer.callback_metrics
+    predicted = EmberCLI(Predicting, args=["predict", *common, "--return_predictions=true"], save_config_callback=None)
+    assert predicted.trainer.num_predict_batches == [4]
