@@ -154,6 +154,7 @@ class Trainer:
         self._callbacks_added_by: Module | None = None  # the module whose configure_callbacks() joined
         #: The checkpoint the last ``fit``, ``validate``, ``test`` or ``predict`` loaded (None: none).
         self.ckpt_path: str | None = None
+        self._latest_loaders: dict[str, list[Iterable]] = {}  # by kind ("val", ...): the latest stage's
 
     # ----------------------------------------------------------------------- process layout
     @property
@@ -327,6 +328,19 @@ class Trainer:
     @property
     def train_dataloader(self) -> Iterable | None:
         return self.fit_loop.train_loader
+
+    @property
+    def val_dataloaders(self) -> Iterable | list[Iterable] | None:
+        """The validation loader of the latest ``fit`` or ``validate`` (a list when there are several)."""
+        return _one_or_list(self._latest_loaders.get("val"))
+
+    @property
+    def test_dataloaders(self) -> Iterable | list[Iterable] | None:
+        return _one_or_list(self._latest_loaders.get("test"))
+
+    @property
+    def predict_dataloaders(self) -> Iterable | list[Iterable] | None:
+        return _one_or_list(self._latest_loaders.get("predict"))
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -780,7 +794,14 @@ class Trainer:
         shard = self.config.use_distributed_sampler
         prepared = [prepare_loader(loader, self.strategy, train=kind == "train", shard=shard) for loader in loaders]
         self._stage_loaders += prepared
+        self._latest_loaders[kind] = prepared
         return prepared
+
+
+def _one_or_list(loaders: list[Iterable] | None) -> Iterable | list[Iterable] | None:
+    if not loaders:
+        return None
+    return loaders[0] if len(loaders) == 1 else loaders
 
 
 # -------------------------------------------------------------------------- flag checking

@@ -168,6 +168,24 @@ def test_what_the_trainer_is_doing() -> None:
     assert not (trainer.training or trainer.validating or trainer.testing or trainer.predicting)
 
 
+def test_the_loaders_of_each_kind() -> None:
+    seen: list[int] = []
+
+    class Drawing(Callback):
+        def on_validation_epoch_end(self, trainer: Any, module: Any) -> None:
+            seen.append(len(next(iter(trainer.val_dataloaders))[0]))  # a batch to draw, as callbacks do
+
+    trainer = quiet_trainer(max_epochs=1, logger=False, callbacks=[Drawing()])
+    model = Regressor()
+    assert trainer.val_dataloaders is None
+    trainer.fit(model, make_loader(16), make_loader(16, batch_size=4))
+    assert seen == [4] and trainer.train_dataloader is not None
+    trainer.test(model, [make_loader(8), make_loader(8)], verbose=False)
+    assert isinstance(trainer.test_dataloaders, list) and len(trainer.test_dataloaders) == 2
+    trainer.predict(model, DataLoader(make_data(8).tensors[0], batch_size=2))
+    assert next(iter(trainer.predict_dataloaders)).shape == (2, 4)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------------- the module's API
 def test_steps_without_batch_idx() -> None:
     seen: list[str] = []
