@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,15 @@ except ImportError:  # pragma: no cover - depends on the environment
     ) from None
 
 _Scheduler = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+#: What ``args`` takes: a list of command-line arguments, a dict of the configuration, or a parsed Namespace.
+ArgsType = Sequence[str] | dict[str, Any] | Namespace | None
+#: The type of a module's argument that builds its optimizer from its parameters: on the command line,
+#: ``--model.optimizer=Adam --model.optimizer.lr=0.01`` gives a function that takes the parameters.
+OptimizerCallable = Callable[[Iterable[Any]], torch.optim.Optimizer]
+#: The same for a learning-rate scheduler, built from the optimizer.
+LRSchedulerCallable = Callable[
+    [torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau
+]
 #: Each subcommand, and the arguments of the Trainer method of that name that the CLI fills itself.
 SUBCOMMANDS: dict[str, set[str]] = {
     "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
@@ -179,7 +188,7 @@ class EmberCLI:
         parser_kwargs: dict[str, Any] | None = None,
         subclass_mode_model: bool = False,
         subclass_mode_data: bool = False,
-        args: Sequence[str] | dict[str, Any] | Namespace | None = None,
+        args: ArgsType = None,
         run: bool = True,
         auto_configure_optimizers: bool = True,
     ) -> None:

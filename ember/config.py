@@ -1,7 +1,8 @@
 """Every ``Trainer`` flag, checked once into one frozen record.
 
-``TrainerConfig`` holds the flags as the user gave them, each checked for its type and range when
-the record is built; the values the run derives from them (the epoch limit when none was given,
+``TrainerConfig`` holds the flags as the user gave them (None, where Lightning's signature allows it and the
+config files its CLI writes spell it, as the default), each checked for its type and range when the record is
+built; the values the run derives from them (the epoch limit when none was given,
 ``max_time`` in seconds, the ``torch.compile`` options) are properties. The flags that stand for others
 (``fast_dev_run``, ``overfit_batches``, ``barebones``) are applied once, by ``resolved()``, into the record
 the Trainer keeps, so the loops read only the usual flags. Each field's docstring is the flag's
@@ -148,7 +149,8 @@ class TrainerConfig:
     """Callbacks to run, besides the default ones the ``enable_*`` flags add."""
 
     logger: bool | Logger | Sequence[Logger] = True
-    """True for a ``CSVLogger`` under ``default_root_dir``, False for none, or loggers."""
+    """True for the default loggers under ``default_root_dir`` (TensorBoard when it is installed, with a CSV file
+    beside it; CSV only otherwise), False for none, or loggers."""
 
     enable_progress_bar: bool = True
     """Show a progress bar (one log line every few seconds when the output is not a terminal)."""
@@ -219,7 +221,17 @@ class TrainerConfig:
     """Lightning 1's spelling of ``accelerator="gpu", devices=...`` (deprecated: it warns, naming the flags to
     use)."""
 
+    plugins: Any = None
+    """Lightning's plugins (precision, cluster environments, checkpoint I/O); Ember has none, so only None is
+    taken: ``precision`` picks the precision, the cluster is found by itself, checkpoints are written atomically."""
+
+    model_registry: str | None = None
+    """Lightning's upload of checkpoints to its model registry; Ember uploads to none, so only None is taken."""
+
     def __post_init__(self) -> None:
+        for flag in _NONE_IS_DEFAULT:
+            if getattr(self, flag) is None:
+                object.__setattr__(self, flag, _DEFAULTS[flag])  # the record holds what the loops apply
         if self.accelerator not in ACCELERATORS:
             raise FlagError(f"accelerator={self.accelerator!r} is not supported; choose one of {ACCELERATORS}")
         _check_devices("devices", self.devices)
@@ -245,6 +257,17 @@ class TrainerConfig:
             raise FlagError("benchmark=True picks kernels by speed, which deterministic=True forbids")
         self._check_gpus()
         self._check_barebones()
+        if self.plugins is not None:
+            raise FlagError(
+                f"plugins={self.plugins!r}: Ember has no plugins; pick the precision with precision=..., the "
+                "launcher and cluster are found by themselves (torchelastic, SLURM, MPI), checkpoints are written "
+                "atomically by the strategy; leave plugins=None"
+            )
+        if self.model_registry is not None:
+            raise FlagError(
+                f"model_registry={self.model_registry!r}: Ember uploads to no model registry; copy the checkpoints "
+                "of trainer.checkpoint_callback where they should go, and leave model_registry=None"
+            )
 
     def _check_length(self) -> None:
         if self.max_epochs is not None:
@@ -400,6 +423,15 @@ class TrainerConfig:
     @property
     def root_dir(self) -> str:
         return os.fspath(self.default_root_dir) if self.default_root_dir is not None else os.getcwd()
+
+
+#: Flags for which None, as Lightning's signature allows and the config files its CLI writes spell it, means the
+#: default.
+_NONE_IS_DEFAULT = (
+    "precision", "logger", "val_check_interval", "num_sanity_val_steps", "log_every_n_steps", "enable_checkpointing",
+    "enable_progress_bar", "enable_model_summary", "gradient_clip_algorithm", "deterministic",
+)  # fmt: skip
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
 
 
 # ------------------------------------------------------------------------------------ checks

@@ -62,6 +62,7 @@ class _HyperparametersMixin:
         self.hparams.update({k: v for k, v in chosen.items() if k not in ignored})
         for name in ignored:
             self.hparams.pop(name, None)
+        self._hparams_initial = AttributeDict(self.hparams)
         self._log_hparams = logger
 
     @property
@@ -69,6 +70,11 @@ class _HyperparametersMixin:
         if not hasattr(self, "_hparams"):
             self._hparams = AttributeDict()
         return self._hparams
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """``hparams`` as ``save_hyperparameters`` left them (later changes to ``hparams`` are not seen here)."""
+        return AttributeDict(getattr(self, "_hparams_initial", {}))
 
     @property
     def hparams_for_logger(self) -> dict[str, Any]:
@@ -363,8 +369,11 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
     def teardown(self, stage: str) -> None:
         """Called at the end of fit, validate, test and predict."""
 
-    def configure_model(self, device_mesh: Any) -> None:
+    def configure_model(self, device_mesh: Any = None) -> None:
         """Lay the model out over ``device_mesh`` (a ``torch.distributed.device_mesh.DeviceMesh``).
+
+        Lightning's form, an override without ``device_mesh``, is called when each stage starts (create layers
+        there); this default does nothing, so ``super().configure_model()`` works in either form.
 
         Called once, before the optimizers are built, by strategies that arrange ranks in a mesh
         (``strategy="model_parallel"``: dimensions ``"data"`` and ``"tensor"``). Apply tensor parallel

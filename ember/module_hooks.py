@@ -101,8 +101,9 @@ class ModuleHooks(DataHooks):
     def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
 
     def on_validation_model_zero_grad(self) -> None:
-        """Called when a validation starts during ``fit``; Ember keeps the gradients of an unfinished
-        accumulation window unless this is overridden."""
+        """Called before a validation during ``fit`` that follows an optimizer step (not in the sanity check, nor
+        in the middle of an accumulation window): frees the gradients the step has used."""
+        self.zero_grad()  # type: ignore[attr-defined]
 
     def on_validation_model_eval(self) -> None:
         """Put the module in evaluation mode for validation."""

@@ -14,18 +14,18 @@ from ember.rank_zero import rank_zero_print
 _MAX_SEED = 2**32 - 1
 
 
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed Python's ``random``, NumPy (when installed) and torch on every device; return the seed.
 
     Without ``seed`` one is read from ``EMBER_GLOBAL_SEED`` or drawn at random (and printed, so the
     run can be repeated). The Trainer derives its data order and DataLoader workers' seeds from the
     seed as well, so ``workers`` (kept for Lightning compatibility) changes nothing: workers are
-    always seeded.
+    always seeded. ``verbose=False`` keeps a drawn seed unprinted.
     """
     if seed is None:
         env_seed = os.environ.get("EMBER_GLOBAL_SEED")
         seed = int(env_seed) if env_seed is not None else random.randint(0, _MAX_SEED)
-        if env_seed is None:
+        if env_seed is None and verbose:
             rank_zero_print(f"seed_everything: no seed given, using {seed}")
     if not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed_everything(seed={seed}): the seed must be between 0 and {_MAX_SEED}")

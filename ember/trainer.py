@@ -59,7 +59,7 @@ class Trainer:
         devices: int | str | Sequence[int] = "auto",
         num_nodes: int = 1,
         strategy: str | Strategy = "auto",
-        precision: str | int = "32-true",
+        precision: str | int | None = "32-true",
         float32_matmul_precision: Literal["highest", "high", "medium"] | None = None,
         compile: bool | Mapping[str, Any] = False,
         max_epochs: int | None = None,
@@ -74,23 +74,23 @@ class Trainer:
         overfit_batches: int | float = 0.0,
         fast_dev_run: bool | int = False,
         reload_dataloaders_every_n_epochs: int = 0,
-        val_check_interval: int | float = 1.0,
+        val_check_interval: int | float | None = 1.0,
         check_val_every_n_epoch: int | None = 1,
-        num_sanity_val_steps: int = 2,
+        num_sanity_val_steps: int | None = 2,
         accumulate_grad_batches: int | Literal["auto"] = 1,
         gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-        log_every_n_steps: int = 50,
+        gradient_clip_algorithm: Literal["norm", "value"] | None = "norm",
+        log_every_n_steps: int | None = 50,
         callbacks: Callback | Sequence[Callback] | None = None,
-        logger: bool | Logger | Sequence[Logger] = True,
-        enable_progress_bar: bool = True,
-        enable_checkpointing: bool = True,
-        enable_model_summary: bool = True,
+        logger: bool | Logger | Sequence[Logger] | None = True,
+        enable_progress_bar: bool | None = True,
+        enable_checkpointing: bool | None = True,
+        enable_model_summary: bool | None = True,
         profiler: str | Profiler | None = None,
         enable_autolog_hparams: bool = True,
         barebones: bool = False,
         default_root_dir: str | os.PathLike | None = None,
-        deterministic: bool | Literal["warn"] = False,
+        deterministic: bool | Literal["warn"] | None = False,
         benchmark: bool | None = None,
         inference_mode: bool = True,
         detect_anomaly: bool = False,
@@ -102,6 +102,8 @@ class Trainer:
         timeout: int | float | timedelta | None = None,
         doctor: bool | int = False,
         gpus: int | str | Sequence[int] | None = None,
+        plugins: Any = None,
+        model_registry: str | None = None,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name != "self"}
         given = TrainerConfig(**flags)
@@ -150,6 +152,9 @@ class Trainer:
         self._run_version: int | None = None  # the run directory's version when no logger keeps one
         self._doctor: Doctor | None = None
         self._callbacks_added_by: Module | None = None  # the module whose configure_callbacks() joined
+        #: The checkpoint the last ``fit``, ``validate``, ``test`` or ``predict`` loaded (None: none).
+        self.ckpt_path: str | None = None
+        self._latest_loaders: dict[str, list[Iterable]] = {}  # by kind ("val", ...): the latest stage's
 
     # ----------------------------------------------------------------------- process layout
     @property
@@ -273,6 +278,34 @@ class Trainer:
         return self.fit_loop.sanity_checking
 
     @property
+    def is_last_batch(self) -> bool:
+        """Whether the training batch being run is the epoch's last (a manual schedule steps there)."""
+        return self.fit_loop.is_last_batch
+
+    @property
+    def training(self) -> bool:
+        """Whether ``fit`` is training (not validating, nor in its sanity check)."""
+        return self.stage == "fit" and not self.validate_loop.running
+
+    @property
+    def validating(self) -> bool:
+        """Whether a validation runs (in ``validate``, or in ``fit`` outside the sanity check)."""
+        return self.validate_loop.running and not self.sanity_checking
+
+    @property
+    def testing(self) -> bool:
+        return self.stage == "test"
+
+    @property
+    def predicting(self) -> bool:
+        return self.stage == "predict"
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether a validation (sanity check included) or a test runs."""
+        return self.validate_loop.running or self.testing
+
+    @property
     def validation_enabled(self) -> bool:
         return self.fit_loop.validation_enabled
 
@@ -295,6 +328,19 @@ class Trainer:
     @property
     def train_dataloader(self) -> Iterable | None:
         return self.fit_loop.train_loader
+
+    @property
+    def val_dataloaders(self) -> Iterable | list[Iterable] | None:
+        """The validation loader of the latest ``fit`` or ``validate`` (a list when there are several)."""
+        return _one_or_list(self._latest_loaders.get("val"))
+
+    @property
+    def test_dataloaders(self) -> Iterable | list[Iterable] | None:
+        return _one_or_list(self._latest_loaders.get("test"))
+
+    @property
+    def predict_dataloaders(self) -> Iterable | list[Iterable] | None:
+        return _one_or_list(self._latest_loaders.get("predict"))
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -401,7 +447,7 @@ class Trainer:
         val_dataloaders: _Loaders = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike | None = None,
-        weights_only: bool = True,
+        weights_only: bool | None = True,
     ) -> None:
         """Train ``model``, validating as the flags say; ``ckpt_path`` resumes from a checkpoint.
 
@@ -435,7 +481,7 @@ class Trainer:
         ckpt_path: str | os.PathLike | None = None,
         datamodule: DataModule | None = None,
         verbose: bool = True,
-        weights_only: bool = True,
+        weights_only: bool | None = True,
     ) -> list[dict[str, float]]:
         """Run ``validation_step`` over the validation data; one dict of metrics per dataloader.
 
@@ -451,7 +497,7 @@ class Trainer:
         ckpt_path: str | os.PathLike | None = None,
         datamodule: DataModule | None = None,
         verbose: bool = True,
-        weights_only: bool = True,
+        weights_only: bool | None = True,
     ) -> list[dict[str, float]]:
         """Run ``test_step`` over the test data; one dict of metrics per dataloader (``model`` and ``ckpt_path``
         as for ``validate``)."""
@@ -464,7 +510,7 @@ class Trainer:
         datamodule: DataModule | None = None,
         return_predictions: bool = True,
         ckpt_path: str | os.PathLike | None = None,
-        weights_only: bool = True,
+        weights_only: bool | None = True,
     ) -> list[Any] | None:
         """Run ``predict_step``; the outputs (on the CPU) as a list, a list per dataloader when there are several
         (``model`` and ``ckpt_path`` as for ``validate``)."""
@@ -487,7 +533,7 @@ class Trainer:
         ckpt_path: str | os.PathLike | None,
         datamodule: DataModule | None,
         verbose: bool,
-        weights_only: bool,
+        weights_only: bool | None,
     ) -> list[dict[str, float]]:
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
@@ -540,9 +586,9 @@ class Trainer:
         checkpoint = checkpoint_state.training_state(self, weights_only=weights_only)
         self.strategy.save_checkpoint(checkpoint, os.fspath(filepath))
 
-    def _restore(self, path: str, weights_only: bool) -> None:
+    def _restore(self, path: str, weights_only: bool | None) -> None:
         """Continue from a checkpoint written by ``save_checkpoint``: weights, optimizers, loop position."""
-        checkpoint = self.strategy.load_checkpoint(path, trust_pickles=not weights_only)
+        checkpoint = self.strategy.load_checkpoint(path, trust_pickles=weights_only is False)
         checkpoint_state.restore_training_state(self, checkpoint, path)
 
     def _resolve_checkpoint(self, ckpt_path: str | None) -> str | None:
@@ -567,10 +613,10 @@ class Trainer:
             self.print(f"resuming from {found}")
         return found
 
-    def _load_weights(self, ckpt_path: str | None, weights_only: bool) -> None:
+    def _load_weights(self, ckpt_path: str | None, weights_only: bool | None) -> None:
         if ckpt_path is None:
             return
-        checkpoint = self.strategy.load_checkpoint(ckpt_path, trust_pickles=not weights_only)
+        checkpoint = self.strategy.load_checkpoint(ckpt_path, trust_pickles=weights_only is False)
         module = self.lightning_module
         assert module is not None
         module.on_load_checkpoint(checkpoint)
@@ -630,7 +676,7 @@ class Trainer:
             self._environment_ready = True
         # The run's directory is settled before any hook (setup, a profiler) can ask for it. A fit resumed
         # with "last" continues its predecessor's directory in place; any other run has one of its own.
-        path = self._resolve_checkpoint(ckpt_path)
+        path = self.ckpt_path = self._resolve_checkpoint(ckpt_path)
         self._settle_run_directory(continuing=path if stage == "fit" and ckpt_path == "last" else None)
         self._prepare_data(stage, module, datamodule)
         module.setup(stage)
@@ -760,7 +806,14 @@ class Trainer:
         shard = self.config.use_distributed_sampler
         prepared = [prepare_loader(loader, self.strategy, train=kind == "train", shard=shard) for loader in loaders]
         self._stage_loaders += prepared
+        self._latest_loaders[kind] = prepared
         return prepared
+
+
+def _one_or_list(loaders: list[Iterable] | None) -> Iterable | list[Iterable] | None:
+    if not loaders:
+        return None
+    return loaders[0] if len(loaders) == 1 else loaders
 
 
 # -------------------------------------------------------------------------- flag checking

@@ -35,7 +35,7 @@ def test_top_k_by_monitor_and_last(tmp_path: Any) -> None:
     trainer.fit(_Scripted([0.1, 0.5, 0.3, 0.9, 0.2]), make_loader(16), make_loader(8))
     assert _files(str(tmp_path)) == ["epoch=1-score=0.5.ckpt", "epoch=3-score=0.9.ckpt", "last.ckpt"]
     assert checkpoint.best_model_path.endswith("epoch=3-score=0.9.ckpt")
-    assert checkpoint.best_model_score == pytest.approx(0.9)
+    assert checkpoint.best_model_score is not None and checkpoint.best_model_score.item() == pytest.approx(0.9)
     last = checkpoint_io.load(checkpoint.last_model_path)
     assert last["epoch"] == 4 and last["global_step"] == 10
 

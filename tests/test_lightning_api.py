@@ -72,11 +72,33 @@ def test_evaluating_after_fit_uses_the_fitted_module_and_its_best_checkpoint() -
     with pytest.warns(UserWarning, match=r"\.test\(ckpt_path=None\) without a model: the best checkpoint"):
         results = trainer.test(dataloaders=make_loader(16), verbose=False)
     assert model.loaded_from == [best["global_step"]] and set(results[0]) == {"test_loss"}
-    trainer.test(ckpt_path="best", dataloaders=make_loader(16), verbose=False)
+    trainer.test(ckpt_path="best", dataloaders=make_loader(16), verbose=False, weights_only=None)
+    assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path  # type: ignore[union-attr]
     trainer.validate(ckpt_path="last", dataloaders=make_loader(16), verbose=False)
     assert model.loaded_from == [best["global_step"]] * 2 + [trainer.global_step]
+    assert trainer.ckpt_path is not None
+    assert torch.load(trainer.ckpt_path, weights_only=True)["global_step"] == trainer.global_step
+    trainer.test(model, make_loader(16), verbose=False)
+    assert trainer.ckpt_path is None  # nothing loaded: the module as it is
     predictions = trainer.predict(dataloaders=make_loader(16), ckpt_path="best")
     assert predictions is not None and len(predictions) == 2 and predictions[0].shape == (8, 1)
+
+
+def test_a_lightning_checkpoint_gives_its_weights_but_no_training_to_continue() -> None:
+    from ember.checkpoint.io import CheckpointError
+
+    model = Regressor(lr=0.2)
+    written_by_lightning = {
+        "epoch": 1, "global_step": 4, "pytorch-lightning_version": "2.6.6", "state_dict": model.state_dict(),
+        "loops": {"fit_loop": {"state_dict": {}}}, "callbacks": {}, "optimizer_states": [{}], "lr_schedulers": [],
+        "hparams_name": "kwargs", "hyper_parameters": {"lr": 0.2, "features": 4},
+    }  # fmt: skip
+    torch.save(written_by_lightning, "lightning.ckpt")
+    loaded = Regressor.load_from_checkpoint("lightning.ckpt")
+    assert loaded.hparams.lr == 0.2 and torch.equal(loaded.layer.weight, model.layer.weight)
+    assert quiet_trainer(logger=False).test(Regressor(), make_loader(16), ckpt_path="lightning.ckpt", verbose=False)
+    with pytest.raises(CheckpointError, match=r"written by Lightning 2.6.6.*Module.load_from_checkpoint"):
+        quiet_trainer(max_epochs=3, logger=False).fit(Regressor(), make_loader(), ckpt_path="lightning.ckpt")
 
 
 def test_the_datamodule_alone_is_enough_after_fit() -> None:
@@ -106,6 +128,62 @@ def test_evaluating_without_a_module_before_fit_is_a_clear_error() -> None:
     fitted.fit(Regressor(), make_loader())
     with pytest.raises(FileNotFoundError, match=r"ckpt_path='best'.*no ModelCheckpoint"):
         fitted.test(dataloaders=make_loader(), ckpt_path="best")
+
+
+def test_what_the_trainer_is_doing() -> None:
+    seen: list[tuple[str, tuple[bool, ...]]] = []
+
+    class Watching(Regressor):
+        def _note(self, where: str) -> None:
+            t = self.trainer
+            seen.append((where, (t.training, t.validating, t.testing, t.predicting, t.sanity_checking, t.evaluating)))
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self._note("train")
+
+        def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self._note("validate")
+
+        def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self._note("test")
+
+        def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self._note("predict")
+
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+            return self(batch[0])
+
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=1, num_sanity_val_steps=1, logger=False)
+    model = Watching()
+    trainer.fit(model, make_loader(8), make_loader(8))
+    trainer.test(model, make_loader(8), verbose=False)
+    trainer.predict(model, make_loader(8))
+    assert seen == [
+        ("validate", (False, False, False, False, True, True)),  # the sanity check
+        ("train", (True, False, False, False, False, False)),
+        ("validate", (False, True, False, False, False, True)),
+        ("test", (False, False, True, False, False, True)),
+        ("predict", (False, False, False, True, False, False)),
+    ]
+    assert not (trainer.training or trainer.validating or trainer.testing or trainer.predicting)
+
+
+def test_the_loaders_of_each_kind() -> None:
+    seen: list[int] = []
+
+    class Drawing(Callback):
+        def on_validation_epoch_end(self, trainer: Any, module: Any) -> None:
+            seen.append(len(next(iter(trainer.val_dataloaders))[0]))  # a batch to draw, as callbacks do
+
+    trainer = quiet_trainer(max_epochs=1, logger=False, callbacks=[Drawing()])
+    model = Regressor()
+    assert trainer.val_dataloaders is None
+    trainer.fit(model, make_loader(16), make_loader(16, batch_size=4))
+    assert seen == [4] and trainer.train_dataloader is not None
+    trainer.test(model, [make_loader(8), make_loader(8)], verbose=False)
+    assert isinstance(trainer.test_dataloaders, list) and len(trainer.test_dataloaders) == 2
+    trainer.predict(model, DataLoader(make_data(8).tensors[0], batch_size=2))
+    assert next(iter(trainer.predict_dataloaders)).shape == (2, 4)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- the module's API
@@ -225,6 +303,13 @@ def test_hyperparameters_of_parent_and_child_are_both_kept() -> None:
     assert Child().hparams == {"width": 16, "depth": 2, "lr": 0.1}
     # Called in the parent's __init__, it sees the arguments of every __init__ up the chain.
     assert Everything(dropout=0.2, depth=3).hparams == {"width": 8, "depth": 3, "dropout": 0.2}
+
+
+def test_hparams_initial_keeps_what_was_saved() -> None:
+    model = Regressor(lr=0.5)
+    model.hparams.lr = 0.1
+    assert model.hparams_initial == {"lr": 0.5, "features": 4} and model.hparams.lr == 0.1
+    assert ember.Module().hparams_initial == {}
 
 
 def test_freeze_and_unfreeze() -> None:
@@ -447,6 +532,7 @@ def test_configure_model_and_configure_callbacks() -> None:
             self.layer: nn.Module | None = None
 
         def configure_model(self) -> None:  # type: ignore[override]
+            super().configure_model()  # Lightning's default takes no argument: neither does Ember's
             if self.layer is None:
                 self.layer = nn.Linear(4, 1)
 
@@ -482,12 +568,48 @@ def test_hooks_that_lightning_removed_are_refused() -> None:
     with pytest.raises(NotImplementedError, match="OldCallback.on_epoch_end.*on_train_epoch_end"):
         quiet_trainer(max_steps=1, callbacks=[OldCallback()]).fit(Regressor(), make_loader())
 
+    class OldData(ember.DataModule):
+        def train_dataloader(self) -> DataLoader:
+            return make_loader()
+
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            checkpoint["position"] = 3
+
+    with pytest.raises(NotImplementedError, match=r"OldData.on_save_checkpoint\(\).*from state_dict\(\)"):
+        quiet_trainer(max_steps=1).fit(Regressor(), datamodule=OldData())
+
     class Iterating(Regressor):
         def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
             return super().training_step(*next(dataloader_iter))
 
     with pytest.raises(NotImplementedError, match=r"training_step\(dataloader_iter\)"):
         quiet_trainer(max_steps=1).fit(Iterating(), make_loader())
+
+
+def test_a_manual_schedule_steps_at_the_last_batch_of_each_epoch() -> None:
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.last: list[bool] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+            optimizer.zero_grad()
+            self.manual_backward(F.mse_loss(self(batch[0]), batch[1]))
+            optimizer.step()
+            self.last.append(self.trainer.is_last_batch)
+            if self.trainer.is_last_batch:  # as Lightning's documentation of manual optimization does
+                scheduler.step()
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+    model = Manual()
+    quiet_trainer(max_epochs=2, logger=False).fit(model, make_loader(24))
+    assert model.last == [False, False, True] * 2
+    assert model.lr_schedulers().get_last_lr() == [pytest.approx(0.025)]
 
 
 def test_manual_optimization_hooks_and_flags() -> None:
@@ -567,6 +689,34 @@ def test_validation_leaves_frozen_parts_in_evaluation_mode() -> None:
     trainer = quiet_trainer(max_epochs=2, logger=False, num_sanity_val_steps=1)
     trainer.fit(Frozen(), make_loader(16), make_loader(16))
     assert modes == [False] * 4
+
+
+def test_gradients_are_cleared_before_a_validation_between_optimizer_steps() -> None:
+    """As Lightning: on_validation_model_zero_grad (by default zero_grad) runs before each validation of fit that
+    comes after an optimizer step, not in the sanity check, nor in the middle of an accumulation window."""
+    seen: list[tuple[int, bool]] = []
+
+    class Watching(Regressor):
+        def on_after_backward(self) -> None:
+            pass  # with a hook of the step, the gradients stay until the next window starts, as in Lightning
+
+        def on_validation_start(self) -> None:
+            seen.append((self.trainer.fit_loop.progress.total_batches, self.layer.weight.grad is None))
+
+    # 8 batches per epoch, 2 per step; validation after batches 3 (mid-window) and 6 (after a step).
+    flags = dict(max_epochs=1, logger=False, accumulate_grad_batches=2, val_check_interval=3, num_sanity_val_steps=1)
+    quiet_trainer(**flags).fit(Watching(), make_loader(), make_loader(16))
+    assert seen == [(0, True), (3, False), (6, True)]
+
+    calls: list[tuple[int, int]] = []
+
+    class Overriding(Watching):
+        def on_validation_model_zero_grad(self) -> None:
+            calls.append((self.global_step, self.trainer.fit_loop.progress.total_batches))  # keeps the gradients
+
+    seen.clear()
+    quiet_trainer(**flags).fit(Overriding(), make_loader(), make_loader(16))
+    assert calls == [(3, 6)] and seen == [(0, True), (3, False), (6, False)]
 
 
 def test_prepare_data_of_the_module_runs_once_per_stage() -> None:
@@ -659,6 +809,22 @@ def test_barebones_turns_off_everything_that_costs_time() -> None:
             ember.Trainer(barebones=True, **flags)
 
 
+@pytest.mark.parametrize(
+    ("flags", "save_on_train_epoch_end", "epochs_saved"),
+    [({"check_val_every_n_epoch": 2}, None, [1, 3]), ({"check_val_every_n_epoch": 2}, True, [0, 1, 2, 3]),
+     ({}, False, [0, 1, 2, 3]), ({"limit_val_batches": 0}, False, []),
+     ({"val_check_interval": 0.5}, None, [0, 0, 1, 1, 2, 2, 3, 3])],
+)  # fmt: skip
+def test_when_checkpoints_are_saved_as_lightning_chooses(
+    flags: dict[str, Any], save_on_train_epoch_end: bool | None, epochs_saved: list[int]
+) -> None:
+    checkpoint = ModelCheckpoint(dirpath="saved", save_top_k=-1, save_on_train_epoch_end=save_on_train_epoch_end)
+    trainer = quiet_trainer(max_epochs=4, logger=False, callbacks=[checkpoint], **flags)
+    trainer.fit(Regressor(), make_loader(32), make_loader(16))
+    names = sorted(os.listdir("saved"), key=lambda name: int(name.split("step=")[1].split(".")[0]))
+    assert [int(name.split("-")[0].removeprefix("epoch=")) for name in names] == epochs_saved
+
+
 def test_hyperparameters_are_not_logged_when_asked_not_to() -> None:
     trainer = quiet_trainer(max_steps=1, enable_autolog_hparams=False)
     trainer.fit(Regressor(), make_loader())
@@ -675,11 +841,61 @@ def test_lightnings_strategy_names(name: str, find_unused: bool) -> None:
     assert isinstance(strategy, ember.strategies.DDPStrategy) and strategy.find_unused_parameters is find_unused
 
 
+def test_lightnings_options_of_ddp_and_fsdp() -> None:
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from ember.strategies import DDPStrategy, FSDPStrategy
+
+    assert DDPStrategy(start_method="spawn").start_method == "spawn"
+    assert ember.Trainer(accelerator="cpu", devices=1, strategy="ddp_fork").strategy.start_method == "fork"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"start_method='thread'\): choose one of \('popen', 'spawn'"):
+        DDPStrategy(start_method="thread")
+    assert FSDPStrategy(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward is False
+    assert FSDPStrategy(sharding_strategy=ShardingStrategy.FULL_SHARD, state_dict_type="sharded").reshard_after_forward
+    with pytest.raises(ValueError, match=r"sharding_strategy='NO_SHARD'\).*strategy='ddp'"):
+        FSDPStrategy(sharding_strategy="NO_SHARD")
+    with pytest.raises(ValueError, match=r"state_dict_type='full'\).*ember checkpoint consolidate"):
+        FSDPStrategy(state_dict_type="full")
+    with pytest.raises(ValueError, match=r"mixed_precision=...\): pass Trainer\(precision='bf16-mixed'\)"):
+        FSDPStrategy(mixed_precision=object())
+
+
 def test_strategy_names_ember_lacks_say_what_to_use() -> None:
     with pytest.raises(ValueError, match=r"strategy='deepspeed_stage_2'.*DeepSpeed.*'fsdp'"):
         ember.Trainer(accelerator="cpu", strategy="deepspeed_stage_2")
     with pytest.raises(ValueError, match=r"FSDPStrategy\(cpu_offload=True\).*on accelerator='cpu'"):
         ember.Trainer(accelerator="cpu", strategy="fsdp_cpu_offload")  # the name is known; CPUs need no offload
+
+
+#: The Trainer flags as a config file that Lightning's CLI writes (``--print_config``, the run's config.yaml)
+#: spells them: None for "the default".
+LIGHTNING_CONFIG_DEFAULTS = dict(
+    accelerator="auto", strategy="auto", devices="auto", num_nodes=1, precision=None, logger=None, callbacks=None,
+    fast_dev_run=False, max_epochs=None, min_epochs=None, max_steps=-1, min_steps=None, max_time=None,
+    limit_train_batches=None, limit_val_batches=None, limit_test_batches=None, limit_predict_batches=None,
+    overfit_batches=0.0, val_check_interval=None, check_val_every_n_epoch=1, num_sanity_val_steps=None,
+    log_every_n_steps=None, enable_checkpointing=None, enable_progress_bar=None, enable_model_summary=None,
+    accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None, deterministic=None,
+    benchmark=None, inference_mode=True, use_distributed_sampler=True, profiler=None, detect_anomaly=False,
+    barebones=False, plugins=None, sync_batchnorm=False, reload_dataloaders_every_n_epochs=0, default_root_dir=None,
+    enable_autolog_hparams=True, model_registry=None,
+)  # fmt: skip
+
+
+def test_none_means_the_default_as_in_lightnings_config_files() -> None:
+    trainer = ember.Trainer(**LIGHTNING_CONFIG_DEFAULTS)  # type: ignore[arg-type]
+    assert trainer.config == ember.Trainer().config
+    assert trainer.config.precision == "32-true" and trainer.config.log_every_n_steps == 50
+    assert trainer.config.num_sanity_val_steps == 2 and trainer.config.val_check_interval == 1.0
+    assert trainer.config.gradient_clip_algorithm == "norm" and trainer.config.deterministic is False
+    assert trainer.logger is not None and trainer.checkpoint_callback is not None
+
+
+def test_plugins_and_model_registry_are_refused_unless_none() -> None:
+    with pytest.raises(ember.config.FlagError, match=r"plugins=\['bf16'\]: Ember has no plugins.*precision="):
+        ember.Trainer(plugins=["bf16"])
+    with pytest.raises(ember.config.FlagError, match=r"model_registry='my-model': Ember uploads to no model registry"):
+        ember.Trainer(model_registry="my-model")
 
 
 def test_the_older_gpus_flag_warns_with_the_flags_to_use() -> None:
@@ -701,6 +917,43 @@ def test_the_default_logger_is_tensorboard_with_a_csv_file_beside_it() -> None:
     assert isinstance(trainer.logger, TensorBoardLogger) and isinstance(trainer.loggers[1], CSVLogger)
     files = os.listdir(trainer.log_dir)
     assert "metrics.csv" in files and any(name.startswith("events.out.tfevents") for name in files)
+
+
+def test_the_default_logger_is_csv_without_tensorboard(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    hidden = lambda name, *rest: None if name == "tensorboard" else find_spec(name, *rest)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    trainer = quiet_trainer(max_steps=1)
+    assert [type(logger) for logger in trainer.loggers] == [CSVLogger]
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_inference_mode_and_anomaly_detection(inference_mode: bool) -> None:
+    seen: dict[str, tuple[bool, bool, bool]] = {}
+
+    class Watching(Regressor):
+        def _note(self, stage: str) -> None:
+            seen[stage] = (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.is_anomaly_enabled())
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self._note("train")
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self._note("validate")
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self._note("test")
+
+    trainer = quiet_trainer(max_steps=1, logger=False, inference_mode=inference_mode, detect_anomaly=True)
+    model = Watching()
+    trainer.fit(model, make_loader(8), make_loader(8))
+    trainer.test(model, make_loader(8), verbose=False)
+    assert seen == {"train": (False, True, True), "validate": (inference_mode, False, True),
+                    "test": (inference_mode, False, True)}  # fmt: skip
+    assert not torch.is_anomaly_enabled()
 
 
 def test_learning_rate_monitor_logs_the_rate_each_logging_step_uses() -> None:
@@ -791,3 +1044,12 @@ def test_the_tuner_runs_the_modules_step_hooks() -> None:
 
     Tuner(quiet_trainer(logger=False)).lr_find(Hooked(), num_training=5, early_stop_threshold=None)
     assert calls == [0, 1, 2, 3, 4]
+
+
+def test_seed_everything_quiet(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EMBER_GLOBAL_SEED", raising=False)
+    ember.seed_everything(verbose=False)
+    assert capsys.readouterr().out == ""
+    monkeypatch.delenv("EMBER_GLOBAL_SEED")
+    ember.seed_everything()
+    assert "no seed given" in capsys.readouterr().out

@@ -8,6 +8,7 @@ imported once), the two-process ones through ``ember run --lightning`` and ``tor
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import csv
 import dataclasses
@@ -16,6 +17,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -75,6 +77,32 @@ def test_lightning_names_are_embers_own_objects() -> None:
 
 
 @pytest.mark.parametrize(
+    ("statement", "name"),
+    [
+        ("from lightning.pytorch.callbacks.model_summary import ModelSummary", "ember.callbacks.ModelSummary"),
+        ("from pytorch_lightning.callbacks.timer import Timer", "ember.callbacks.Timer"),
+        ("from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar", "ember.callbacks.ProgressBar"),
+        ("from lightning.pytorch.strategies.single_device import SingleDeviceStrategy",
+         "ember.strategies.SingleDeviceStrategy"),
+        ("from lightning.pytorch.strategies.parallel import ParallelStrategy", "ember.strategies.ParallelStrategy"),
+        ("from lightning.pytorch.profilers.simple import SimpleProfiler", "ember.profilers.SimpleProfiler"),
+        ("from lightning.pytorch.cli import OptimizerCallable", "ember.cli_lightning.OptimizerCallable"),
+        ("from lightning.pytorch.cli import LRSchedulerCallable", "ember.cli_lightning.LRSchedulerCallable"),
+        ("from lightning.pytorch.cli import ArgsType", "ember.cli_lightning.ArgsType"),
+        ("from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig",
+         "ember.lightning_compat.extras.OptimizerLRSchedulerConfig"),
+    ],
+)  # fmt: skip
+def test_submodules_and_names_programs_import(statement: str, name: str) -> None:
+    pytest.importorskip("jsonargparse")
+    module, _, attribute = name.rpartition(".")
+    namespace: dict[str, Any] = {}
+    with served_by_ember():
+        exec(statement, namespace)
+    assert namespace[statement.split()[-1]] is getattr(importlib.import_module(module), attribute)
+
+
+@pytest.mark.parametrize(
     ("statement", "message"),
     [
         ("from lightning.pytorch.callbacks import StochasticWeightAveraging",
@@ -89,6 +117,13 @@ def test_lightning_names_are_embers_own_objects() -> None:
         ("import lightning.fabric", r"lightning.fabric is a part of Lightning that Ember does not cover"),
         ("import lightning.pytorch.trainer.connectors", r"Ember covers lightning.pytorch's callbacks, cli, core"),
         ("from lightning.pytorch.callbacks import Nonexistent", r"callbacks.Nonexistent is not covered.*has Callback"),
+        ("from lightning.pytorch.callbacks.stochastic_weight_avg import StochasticWeightAveraging",
+         r"callbacks.stochastic_weight_avg is a part of Lightning that Ember does not cover: average weights"),
+        ("from lightning.pytorch.utilities.combined_loader import CombinedLoader",
+         r"utilities.combined_loader is a part .*pass a list of DataLoaders"),
+        ("from lightning.pytorch.trainer.states import TrainerFn", r"trainer.states is a part .*trainer.stage"),
+        ("from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy",
+         r"strategies.deepspeed .*FSDPStrategy"),
     ],
 )  # fmt: skip
 def test_names_ember_lacks_fail_at_import_with_what_to_use(statement: str, message: str) -> None:
@@ -103,6 +138,50 @@ def test_installing_after_lightning_was_imported_is_refused() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "install() must run before Lightning is imported" in result.stderr
+
+
+def test_one_line_import_serves_lightning() -> None:
+    code = (
+        "import ember.lightning\nimport lightning.pytorch as pl\nimport pytorch_lightning\nimport ember\n"
+        "assert pl.Trainer is ember.Trainer and pytorch_lightning.LightningModule is ember.Module\nprint('served')"
+    )
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=environment)
+    assert result.returncode == 0 and result.stdout == "served\n", result.stderr
+
+
+def test_the_readme_table_names_every_lightning_name_the_suite_uses() -> None:
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as file:
+        readme = file.read()
+    section = readme.split("## Moving from Lightning")[1].split("\n## ")[0]
+    used = set()
+    for name in os.listdir(PROGRAMS):
+        if name.endswith(".py"):
+            with open(os.path.join(PROGRAMS, name), encoding="utf-8") as file:
+                used |= _lightning_names(file.read())
+    assert len(used) > 15
+    missing = sorted(name for name in used if not re.search(rf"[`.]{name.rpartition('.')[2]}\b", section))
+    assert not missing, f"the README's table lacks {missing}"
+
+
+def _lightning_names(source: str) -> set[str]:
+    """The Lightning modules and names a program imports or reaches through a module it imported."""
+    tree = ast.parse(source)
+    found, aliases = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").partition(".")[0] in _ROOTS:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.partition(".")[0] in _ROOTS:
+                    aliases[alias.asname or alias.name] = alias.name
+                    found.add(alias.name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):  # class paths in configurations
+            found |= set(re.findall(r"\b(?:lightning|pytorch_lightning)(?:\.\w+)+", node.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            found.add(f"{aliases[node.value.id]}.{node.attr}")
+    return found
 
 
 def test_ember_run_lightning_runs_an_unchanged_script(tmp_path: Any) -> None:
@@ -244,37 +323,22 @@ SINGLE_PROCESS = sorted(
 )
 
 
-@pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome | Exception]:
-    """Each program's run under Lightning, done once for the module (only when Lightning is installed)."""
-    runs: dict[str, Outcome | Exception] = {}
-    if not HAS_LIGHTNING:
-        return runs
-    start = os.getcwd()
-    try:
-        for name in SINGLE_PROCESS:
-            root = str(tmp_path_factory.mktemp(f"lightning-{name}"))
-            os.chdir(root)
-            try:
-                runs[name] = run_program(name, "lightning", root)
-            except Exception as error:  # reported by the program's own test
-                runs[name] = error
-    finally:
-        os.chdir(start)
-    return runs
-
-
+@pytest.mark.timeout(300)  # the program runs twice when Lightning is installed
 @pytest.mark.parametrize("name", SINGLE_PROCESS)
-def test_program_runs_on_ember_as_on_lightning(
-    name: str, tmp_path: Any, lightning_runs: dict[str, Outcome | Exception]
-) -> None:
-    ours = run_program(name, "ember", str(tmp_path))
+def test_program_runs_on_ember_as_on_lightning(name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ours_root, theirs_root = tmp_path / "ember", tmp_path / "lightning"
+    ours_root.mkdir()
+    monkeypatch.chdir(ours_root)
+    ours = run_program(name, "ember", str(ours_root))
     if not HAS_LIGHTNING:
         assert ours.values, "the program reported nothing"
         return
-    theirs = lightning_runs[name]
-    if isinstance(theirs, Exception):
-        raise AssertionError(f"{name} failed on Lightning itself, so there is nothing to compare with") from theirs
+    theirs_root.mkdir()
+    monkeypatch.chdir(theirs_root)
+    try:
+        theirs = run_program(name, "lightning", str(theirs_root))
+    except Exception as error:
+        raise AssertionError(f"{name} failed on Lightning itself, so there is nothing to compare with") from error
     compare(name, ours, theirs)
 
 

@@ -38,6 +38,11 @@ class ModelCheckpoint(Callback):
             default every epoch).
         save_weights_only: write only the module's weights.
         auto_insert_metric_name: ``"{epoch}"`` becomes ``"epoch=3"`` in file names.
+        save_on_train_epoch_end: True saves at the end of each epoch (after the epoch's validation, if any);
+            False after each validation of ``fit`` instead, so an epoch without one saves nothing; None (the
+            default) chooses as Lightning does: after each validation when there are validations but not one at
+            the end of every epoch (``check_val_every_n_epoch`` other than 1, or ``val_check_interval`` other
+            than 1.0), else at the end of each epoch.
     """
 
     reads_epoch_metrics = True
@@ -59,6 +64,7 @@ class ModelCheckpoint(Callback):
         save_weights_only: bool = False,
         auto_insert_metric_name: bool = True,
         verbose: bool = False,
+        save_on_train_epoch_end: bool | None = None,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}): choose 'min' or 'max'")
@@ -85,15 +91,26 @@ class ModelCheckpoint(Callback):
         self.save_weights_only = save_weights_only
         self.auto_insert_metric_name = auto_insert_metric_name
         self.verbose = verbose
+        self.save_on_train_epoch_end = save_on_train_epoch_end
 
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
-        self.best_model_score: float | None = None
+        self._best_model_score: float | None = None
         self.last_model_path = ""
         self._latest_paths: list[str] = []  # without a monitor: newest last
         self._last_saved_step: int | None = None
         self._last_time_save = time.monotonic()
         self._steps_since_time_check = 0
+        self._validated_at_epoch_end = False
+
+    @property
+    def best_model_score(self) -> torch.Tensor | None:
+        """The monitored value of the best checkpoint, as a tensor (Lightning's type), or None before one."""
+        return None if self._best_model_score is None else torch.tensor(self._best_model_score)
+
+    @best_model_score.setter
+    def best_model_score(self, value: float | torch.Tensor | None) -> None:
+        self._best_model_score = None if value is None else float(value)
 
     @property
     def state_key(self) -> str:
@@ -126,26 +143,35 @@ class ModelCheckpoint(Callback):
                 self._last_time_save = time.monotonic()
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
-        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+        validated, self._validated_at_epoch_end = self._validated_at_epoch_end, False
+        if self._epoch_due(trainer) and (validated or not self._after_validations(trainer)):
             self._save(trainer)
 
     def on_validation_end(self, trainer: Trainer, module: Module) -> None:
-        # A validation in the middle of an epoch (val_check_interval < 1) can produce a new best.
-        if (
-            self.monitor is not None
-            and self.every_n_epochs
-            and trainer.stage == "fit"
-            and not trainer.sanity_checking
-            and not trainer.fit_loop.at_epoch_end
-        ):
+        if trainer.stage != "fit" or trainer.sanity_checking or not self._after_validations(trainer):
+            return
+        if trainer.fit_loop.at_epoch_end:
+            # Saved at the epoch's end, just after this: a checkpoint then resumes at the next epoch.
+            self._validated_at_epoch_end = True
+        elif self._epoch_due(trainer):
             self._save(trainer)
+
+    def _epoch_due(self, trainer: Trainer) -> bool:
+        return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    def _after_validations(self, trainer: Trainer) -> bool:
+        """Whether to save after each validation rather than at the end of each epoch (Lightning's choice)."""
+        if self.save_on_train_epoch_end is not None:
+            return not self.save_on_train_epoch_end
+        every_epoch_end = trainer.check_val_every_n_epoch == 1 and trainer.val_check_interval == 1.0
+        return trainer.validation_enabled and not every_epoch_end
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "monitor": self.monitor,
             "dirpath": self.dirpath,
             "best_model_path": self.best_model_path,
-            "best_model_score": self.best_model_score,
+            "best_model_score": self._best_model_score,
             "best_k_models": dict(self.best_k_models),
             "last_model_path": self.last_model_path,
             "latest_paths": list(self._latest_paths),

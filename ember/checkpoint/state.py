@@ -93,6 +93,13 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
             f"ckpt_path={path!r} holds weights only (save_weights_only=True), so training cannot resume "
             "from it; load the weights into the module with Module.load_from_checkpoint instead"
         )
+    if "pytorch-lightning_version" in checkpoint:
+        raise CheckpointError(
+            f"ckpt_path={path!r} was written by Lightning {checkpoint['pytorch-lightning_version']}, whose loop "
+            "state Ember cannot continue; Ember reads its weights and hyperparameters: build the module with "
+            "Module.load_from_checkpoint(path) and start a new fit from it (validate, test and predict take "
+            "the path as it is)"
+        )
     if "fit_loop" not in checkpoint.get("loops", {}):
         raise CheckpointError(
             f"ckpt_path={path!r} was written by an older Ember, whose loop state this one cannot read"

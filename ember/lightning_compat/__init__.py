@@ -5,7 +5,8 @@
 demos, ...) from Ember, whether or not Lightning is installed::
 
     import ember.lightning_compat
-    ember.lightning_compat.install()  # first thing in a notebook, before Lightning is imported
+    ember.lightning_compat.install()  # first thing in a notebook, before Lightning is imported (or, in one
+                                      # line: import ember.lightning)
     import lightning.pytorch as pl    # pl.Trainer is ember.Trainer, pl.LightningModule is ember.Module
 
 ``ember run --lightning train.py ARGS`` does the same for a script, in every process it starts. A Lightning

@@ -18,16 +18,24 @@ TRAIN_DATALOADERS = DataLoader | Iterable[Any] | Sequence[DataLoader] | Mapping[
 EVAL_DATALOADERS = DataLoader | Sequence[DataLoader]
 LRSchedulerTypeUnion = Any
 LRSchedulerPLType = Any
+#: What a dict that ``configure_optimizers`` returns holds: "optimizer", and "lr_scheduler" (a scheduler or a
+#: dict of its configuration); Lightning's TypedDicts for them, as plain dicts.
+OptimizerLRSchedulerConfig = dict[str, Any]
+OptimizerConfig = dict[str, Any]
+LRSchedulerConfigType = dict[str, Any]
 
 __all__ = [
     "EVAL_DATALOADERS",
     "STEP_OUTPUT",
     "TRAIN_DATALOADERS",
     "LRSchedulerConfig",
+    "LRSchedulerConfigType",
     "LRSchedulerPLType",
     "LRSchedulerTypeUnion",
     "MisconfigurationException",
+    "OptimizerConfig",
     "OptimizerLRScheduler",
+    "OptimizerLRSchedulerConfig",
 ]
 
 

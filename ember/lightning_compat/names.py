@@ -101,6 +101,11 @@ _STRATEGIES: Names = {
     "SingleDeviceXLAStrategy": Missing("Ember runs on CUDA, MPS and CPU devices, not on TPUs"),
 }
 
+_OPTIMIZER_TYPES: Names = {
+    name: f"ember.lightning_compat.extras:{name}"
+    for name in ("OptimizerLRSchedulerConfig", "OptimizerConfig", "LRSchedulerConfigType")
+}
+
 _LOGGERS: Names = {
     "Logger": "ember.loggers:Logger",
     "CSVLogger": "ember.loggers:CSVLogger",
@@ -154,6 +159,9 @@ _CLI: Names = {
     "SaveConfigCallback": "ember.cli_lightning:SaveConfigCallback",
     "LightningArgumentParser": "ember.cli_lightning:EmberArgumentParser",
     "ReduceLROnPlateau": "ember.cli_lightning:ReduceLROnPlateau",
+    "ArgsType": "ember.cli_lightning:ArgsType",
+    "OptimizerCallable": "ember.cli_lightning:OptimizerCallable",
+    "LRSchedulerCallable": "ember.cli_lightning:LRSchedulerCallable",
 }
 
 #: The modules under ``lightning.pytorch`` that Ember serves ("" is ``lightning.pytorch`` itself).
@@ -178,9 +186,17 @@ PYTORCH: dict[str, Names] = {
     "callbacks.finetuning": {name: f"ember.callbacks:{name}" for name in ("BaseFinetuning", "BackboneFinetuning")},
     "callbacks.prediction_writer": {"BasePredictionWriter": "ember.callbacks:BasePredictionWriter"},
     "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
+    "callbacks.checkpoint": {"Checkpoint": "ember.callbacks:ModelCheckpoint"},
+    "callbacks.model_summary": {"ModelSummary": "ember.callbacks:ModelSummary"},
+    "callbacks.rich_model_summary": {"RichModelSummary": "ember.callbacks:ModelSummary"},
+    "callbacks.device_stats_monitor": {"DeviceStatsMonitor": "ember.callbacks:DeviceStatsMonitor"},
+    "callbacks.timer": {"Timer": "ember.callbacks:Timer"},
+    "callbacks.on_exception_checkpoint": {"OnExceptionCheckpoint": "ember.callbacks:OnExceptionCheckpoint"},
+    "callbacks.throughput_monitor": {"ThroughputMonitor": "ember.callbacks:ThroughputMonitor"},
     "callbacks.progress": {
         name: f"ember.callbacks:{name}" for name in ("ProgressBar", "TQDMProgressBar", "RichProgressBar")
     },
+    "callbacks.progress.progress_bar": {"ProgressBar": "ember.callbacks:ProgressBar"},
     "callbacks.progress.tqdm_progress": {"TQDMProgressBar": "ember.callbacks:TQDMProgressBar"},
     "callbacks.progress.rich_progress": {
         "RichProgressBar": "ember.callbacks:RichProgressBar",
@@ -196,9 +212,17 @@ PYTORCH: dict[str, Names] = {
     "loggers.tensorboard": {"TensorBoardLogger": "ember.loggers:TensorBoardLogger"},
     "loggers.mlflow": {"MLFlowLogger": "ember.loggers:MLflowLogger"},
     "strategies": _STRATEGIES,
+    "strategies.strategy": {"Strategy": "ember.strategies:Strategy"},
+    "strategies.parallel": {"ParallelStrategy": "ember.strategies:ParallelStrategy"},
+    "strategies.single_device": {"SingleDeviceStrategy": "ember.strategies:SingleDeviceStrategy"},
     "strategies.ddp": {"DDPStrategy": "ember.strategies:DDPStrategy"},
     "strategies.fsdp": {"FSDPStrategy": "ember.strategies:FSDPStrategy"},
+    "strategies.model_parallel": {"ModelParallelStrategy": "ember.strategies:ModelParallelStrategy"},
     "profilers": _PROFILERS,
+    "profilers.profiler": {"Profiler": "ember.profilers:Profiler"},
+    "profilers.base": {"PassThroughProfiler": "ember.profilers:PassThroughProfiler"},
+    "profilers.simple": {"SimpleProfiler": "ember.profilers:SimpleProfiler"},
+    "profilers.pytorch": {"PyTorchProfiler": "ember.profilers:PyTorchProfiler"},
     "tuner": {"Tuner": "ember.tuner:Tuner"},
     "tuner.tuning": {"Tuner": "ember.tuner:Tuner"},
     "utilities": _UTILITIES,
@@ -206,7 +230,7 @@ PYTORCH: dict[str, Names] = {
     "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
     "utilities.grads": {"grad_norm": "ember.utilities:grad_norm"},
     "utilities.parsing": {"AttributeDict": "ember.utilities:AttributeDict"},
-    "utilities.types": _TYPES,
+    "utilities.types": {**_TYPES, **_OPTIMIZER_TYPES},
     "utilities.exceptions": {"MisconfigurationException": "ember.lightning_compat.extras:MisconfigurationException"},
     "cli": _CLI,
     "demos": _DEMOS,
@@ -231,6 +255,22 @@ MISSING_MODULES = {
     "loggers.comet": _LOGGER,
     "loggers.neptune": _LOGGER,
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
+    "callbacks.stochastic_weight_avg": _SWA,
+    "callbacks.weight_averaging": _SWA,
+    "callbacks.gradient_accumulation_scheduler": "use Trainer(accumulate_grad_batches=N), a fixed count",
+    "callbacks.lr_finder": _TUNER,
+    "callbacks.batch_size_finder": _TUNER,
+    "callbacks.pruning": "apply torch.nn.utils.prune in a callback of your own",
+    "callbacks.spike": "use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end",
+    "strategies.deepspeed": "use ember.strategies.FSDPStrategy, which shards parameters, gradients and optimizer "
+    "state (ZeRO 3)",
+    "strategies.xla": "Ember runs on CUDA, MPS and CPU devices, not on TPUs",
+    "profilers.advanced": "use Trainer(profiler='simple') for where the time goes, 'pytorch' for a trace",
+    "utilities.combined_loader": "pass a list of DataLoaders (validation, test, prediction) or one DataLoader for "
+    "training",
+    "utilities.model_summary": "use the ember.callbacks.ModelSummary callback (Trainer(enable_model_summary=True))",
+    "trainer.states": "read trainer.stage ('fit', 'validate', 'test', 'predict' or None) and trainer.sanity_checking",
+    "loops": "Ember's loops are not replaceable: override the module's hooks, or write a callback",
     "fabric": "use ember.Trainer with an ember.Module: Ember has no Fabric",
     "lightning_fabric": "use ember.Trainer with an ember.Module: Ember has no Fabric (ember.seed_everything seeds)",
 }

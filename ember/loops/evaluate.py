@@ -33,6 +33,8 @@ class EvaluationLoop:
         self._hook = "validation" if stage == "validate" else "test"
         #: The number of batches each loader contributes to the run in progress (``math.inf``: unknown).
         self.num_batches: list[float] = []
+        #: Whether the loop is running (``trainer.validating``, ``trainer.evaluating``).
+        self.running = False
 
     def count(self, loaders: list[Iterable], limit: int | float | None = None) -> list[float]:
         """The batches each of ``loaders`` contributes under the Trainer's ``limit_*_batches``."""
@@ -45,6 +47,13 @@ class EvaluationLoop:
         self, loaders: list[Iterable], counts: list[float], *, sanity_check: bool = False
     ) -> list[dict[str, float]]:
         """Evaluate ``counts[i]`` batches of each loader; a ``sanity_check`` publishes no metrics."""
+        self.running = True
+        try:
+            return self._run(loaders, counts, sanity_check)
+        finally:
+            self.running = False
+
+    def _run(self, loaders: list[Iterable], counts: list[float], sanity_check: bool) -> list[dict[str, float]]:
         trainer = self.trainer
         module, hooks, metrics = trainer.lightning_module, trainer.hooks, trainer.run_metrics
         assert module is not None
@@ -53,8 +62,6 @@ class EvaluationLoop:
         store.default_on_step = False
         previous, metrics.active = metrics.active, store
         self.num_batches = counts
-        if trainer.stage == "fit":
-            hooks.call("on_validation_model_zero_grad")
         modes = _eval_mode(hooks, module, self._hook)
         hooks.call(f"on_{self._hook}_start")
         step = getattr(module, f"{self._hook}_step")

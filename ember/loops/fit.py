@@ -98,6 +98,8 @@ class FitLoop:
         self.stepped = False
         #: True while a validation runs at the end of an epoch (False in the middle of one).
         self.at_epoch_end = False
+        #: Whether the training batch being run is the epoch's last (``trainer.is_last_batch``).
+        self.is_last_batch = False
         self.sanity_checking = False
         self.validation_enabled = False
         self.num_training_batches: float = 0
@@ -329,6 +331,7 @@ class FitLoop:
         trainer = self.trainer
         store = trainer.run_metrics.train
         for batch_idx, batch in window:
+            self.is_last_batch = window.ends_epoch
             batch = self._to_device(batch)
             store.batch = batch
             if self._module_batch_start is not None and self._module_batch_start(batch, batch_idx) == -1:
@@ -338,7 +341,7 @@ class FitLoop:
             output, loss = self._train_batch(batch, batch_idx, window)
             self._end_batch(output, loss, batch, batch_idx, window)
             if self._validation.due(self.progress, batch_idx, window.ends_epoch):
-                self._validate(at_epoch_end=window.ends_epoch)
+                self._validate(at_epoch_end=window.ends_epoch, after_step=window.closing)
             outcome = self._after_batch(window)
             if outcome is not _Outcome.CONTINUE:
                 return outcome
@@ -446,7 +449,11 @@ class FitLoop:
             )
 
     # --------------------------------------------------------------------------- validation
-    def _validate(self, at_epoch_end: bool) -> None:
+    def _validate(self, at_epoch_end: bool, after_step: bool) -> None:
+        if after_step:  # as Lightning: the gradients of a finished step go (not those of a window under way)
+            module = self.trainer.lightning_module
+            assert module is not None
+            module.on_validation_model_zero_grad()
         self.at_epoch_end = at_epoch_end
         self._validation.run(self.trainer.validate_loop)
         self.at_epoch_end = False

@@ -47,6 +47,8 @@ RETIRED_HOOKS = {
     "on_predict_dataloader": "predict_dataloader",
     "get_progress_bar_dict": "self.log(..., prog_bar=True)",
 }
+#: A DataModule's hooks that Lightning 1.8 removed (a module's and a callback's of these names are called).
+RETIRED_DATAMODULE_HOOKS = {"on_save_checkpoint": "state_dict", "on_load_checkpoint": "load_state_dict"}
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
@@ -76,6 +78,12 @@ class Hooks:
                         f"{type(owner).__name__}.{name}() is a hook that Ember never calls (Lightning 2 removed or "
                         f"deprecated it); move its code to {instead}"
                     )
+        for name, instead in RETIRED_DATAMODULE_HOOKS.items():
+            if callable(getattr(type(self._datamodule), name, None)):
+                raise NotImplementedError(
+                    f"{type(self._datamodule).__name__}.{name}() is a hook that Ember never calls on a DataModule "
+                    f"(Lightning 1.8 removed it); return what to keep from {instead}() instead"
+                )
         for step in _STEPS:
             method = getattr(self._module, step, None)
             if callable(method) and "dataloader_iter" in inspect.signature(method).parameters:

@@ -201,6 +201,9 @@ class ParallelStrategy(Strategy):
             dist.barrier()
 
 
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
 class DDPStrategy(ParallelStrategy):
     """One process per device on one or more machines; NCCL between GPUs, Gloo between CPU processes.
 
@@ -211,6 +214,8 @@ class DDPStrategy(ParallelStrategy):
         bucket_cap_mb: size of the gradient buckets that are all-reduced together.
         process_group_backend: "nccl", "gloo", ... (default: NCCL on CUDA, Gloo on CPU).
         timeout: how long a rank may wait for the others (see ``ParallelStrategy``).
+        start_method: how Lightning starts the workers ("popen", "spawn", "fork" or "forkserver"); taken for
+            Lightning's sake, but Ember starts them one way whatever it says: each worker runs the script.
     """
 
     name = "ddp"
@@ -224,8 +229,12 @@ class DDPStrategy(ParallelStrategy):
         bucket_cap_mb: float | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
+        start_method: str = "popen",
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        if start_method not in _START_METHODS:
+            raise ValueError(f"DDPStrategy(start_method={start_method!r}): choose one of {_START_METHODS}")
+        self.start_method = start_method
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view

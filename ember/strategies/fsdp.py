@@ -43,6 +43,10 @@ class FSDPStrategy(ShardedStrategy):
             gradients and reduce them once per step: less communication, but the memory of DDP's
             gradients. By default every micro-batch's gradients are reduce-scattered into the shards.
         process_group_backend, timeout: as for ``DDPStrategy``.
+        sharding_strategy, state_dict_type, mixed_precision: Lightning's options, as far as they mean something
+            here: ``sharding_strategy="FULL_SHARD"`` is ``reshard_after_forward=True``, ``"SHARD_GRAD_OP"`` is
+            ``False``; ``state_dict_type="sharded"`` is what Ember writes; mixed precision is the Trainer's
+            ``precision``. Other values are refused, naming what to use.
 
     ``precision="bf16-mixed"`` (or ``"16-mixed"``) computes with 16-bit copies of the parameters and
     reduces gradients in float32; a module built under ``torch.device("meta")`` is allocated shard by
@@ -63,8 +67,14 @@ class FSDPStrategy(ShardedStrategy):
         accumulate_full_gradients: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
+        sharding_strategy: Any = None,
+        state_dict_type: str | None = None,
+        mixed_precision: Any = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        _check_lightning_options(state_dict_type, mixed_precision)
+        if sharding_strategy is not None:
+            reshard_after_forward = _reshards_after_forward(sharding_strategy)
         self.auto_wrap_policy = _check_policy("auto_wrap_policy", auto_wrap_policy)
         self.activation_checkpointing_policy = _check_policy(
             "activation_checkpointing_policy", activation_checkpointing_policy
@@ -149,6 +159,40 @@ class _GradientSyncOff(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc_info: object) -> None:
         self.module.set_requires_gradient_sync(True)
+
+
+#: Lightning's (FSDP1's) sharding strategies that FSDP2 does with one mesh: whether parameters are resharded after
+#: the forward.
+_SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+def _reshards_after_forward(sharding_strategy: Any) -> bool:
+    """``reshard_after_forward`` for Lightning's ``sharding_strategy`` (a name, or torch's ``ShardingStrategy``)."""
+    name = getattr(sharding_strategy, "name", sharding_strategy)
+    if name not in _SHARDING_STRATEGIES:
+        instead = (
+            "strategy='ddp' keeps whole copies" if name == "NO_SHARD"
+            else "FSDPStrategy shards over every process; ModelParallelStrategy arranges them in a 2-D mesh"
+        )  # fmt: skip
+        raise ValueError(
+            f"FSDPStrategy(sharding_strategy={sharding_strategy!r}): Ember's FSDP takes {sorted(_SHARDING_STRATEGIES)} "
+            f"(reshard_after_forward=True or False); {instead}"
+        )
+    return _SHARDING_STRATEGIES[name]
+
+
+def _check_lightning_options(state_dict_type: str | None, mixed_precision: Any) -> None:
+    if state_dict_type not in (None, "sharded"):
+        raise ValueError(
+            f"FSDPStrategy(state_dict_type={state_dict_type!r}): Ember's FSDP checkpoints are sharded (a directory "
+            "each process writes its shard to); `ember checkpoint consolidate PATH` makes one file of one. Leave "
+            "state_dict_type out, or pass 'sharded'"
+        )
+    if mixed_precision is not None:
+        raise ValueError(
+            "FSDPStrategy(mixed_precision=...): pass Trainer(precision='bf16-mixed') (or '16-mixed'), which FSDP "
+            "applies with 16-bit copies of the parameters and float32 gradient reduction"
+        )
 
 
 def _check_policy(flag: str, policy: Any) -> ModulePolicy | None:

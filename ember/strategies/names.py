@@ -16,9 +16,10 @@ from ember.strategies.fsdp import FSDPStrategy
 from ember.strategies.strategy import Strategy
 
 _UNUSED = (("", False), ("_find_unused_parameters_false", False), ("_find_unused_parameters_true", True))
+_STARTS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
 LIGHTNING_STRATEGIES: dict[str, Callable[[], Strategy]] = {
-    f"ddp{start}{unused}": functools.partial(DDPStrategy, find_unused_parameters=find_unused)
-    for start in ("", "_spawn", "_fork", "_notebook")
+    f"ddp{start}{unused}": functools.partial(DDPStrategy, find_unused_parameters=find_unused, start_method=method)
+    for start, method in _STARTS
     for unused, find_unused in _UNUSED
     if start or unused
 }
