@@ -14,38 +14,93 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
+from ember.cli import main
 from ember.precision import build_precision
 from ember.rank_zero import rank_zero_only, rank_zero_warn_once
 
-
 # ----------------------------------------------------------------------------- the command line
+_BAD_COMMAND_LINES = [
+    (["run", "-m", "nope_module"], "ember run: -m 'nope_module': no module 'nope_module' here or among"),
+    (["doctor", "-m", "nope_module.train"], "ember doctor: -m 'nope_module.train': no module 'nope_module'"),
+    (["doctor", "--nproc-per-node", "0", "train.py"], "ember doctor: --nproc-per-node='0': give a positive count"),
+    (["doctor", "--steps", "many", "train.py"], "ember doctor: argument --steps: invalid int value: 'many'"),
+    (["run"], "ember run: the following arguments are required: SCRIPT (see ember run --help)\n"),
+    (["run", "--max-restarts", "-1", "train.py"], "ember run: --max-restarts=-1: give 0 or more restarts"),
+    (["run", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400", "train.py"],
+     "ember run: --node-rank=2: give 0 to 1, one per machine of --nnodes=2"),
+    (["run", "--nnodes", "2", "--rdzv-endpoint", "nohost", "train.py"],
+     "ember run: --rdzv-endpoint='nohost': expected HOST:PORT, such as 10.0.0.1:29400"),
+    (["run", "--nnodes", "2", "--rdzv-endpoint", "host:99999", "train.py"],
+     "ember run: --rdzv-endpoint='host:99999': expected HOST:PORT"),
+    (["run", "--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400", "train.py"],
+     "ember run: --rdzv-endpoint='no-such-host.invalid:29400': no host 'no-such-host.invalid' is known"),
+    (["run", "-m", ".relative"], "ember run: -m '.relative': not a module name (such as mypackage.train)"),
+    (["doctor"], "ember doctor: the following arguments are required: SCRIPT (see ember doctor --help)\n"),
+    (["plot", "--x", "time", "runs"], "ember plot: argument --x: invalid choice: 'time'"),
+    (["plot", "-o", "train.py/curves.png", "runs"], "ember plot: --output 'train.py/curves.png' cannot be written"),
+    (["plot", "-o", ".", "runs"], "ember plot: --output '.' is a directory: give the name of the file to write"),
+    (["checkpoint"], "ember checkpoint: the following arguments are required: ACTION"),
+    (["checkpoint", "consolidate", "nope", "out.ckpt"], "ember checkpoint consolidate: DIR 'nope': no such directory"),
+    (["checkpoint", "consolidate", "train.py", "out.ckpt"],
+     "ember checkpoint consolidate: DIR 'train.py' is not a sharded checkpoint"),
+    (["checkpoint", "consolidate", "sharded", "."], "ember checkpoint consolidate: OUT '.' is a directory"),
+    (["checkpoint", "consolidate", "sharded", "train.py/out.ckpt"],
+     "ember checkpoint consolidate: OUT 'train.py/out.ckpt' cannot be written"),
+    (["train"], "ember: argument COMMAND: invalid choice: 'train'"),
+]  # fmt: skip
+
+
+def _workspace(directory: Any) -> None:
+    (directory / "train.py").write_text("raise SystemExit('the script must not run')\n")
+    (directory / "sharded").mkdir()
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
         (["run", "nope.py"], "ember run: SCRIPT 'nope.py': no such file (give a Python script, or -m"),
         (["doctor", "nope.py", "--lr", "1"], "ember doctor: SCRIPT 'nope.py': no such file"),
-        (["run", "-m", "nope_module"], "ember run: -m 'nope_module': no module 'nope_module' here or among"),
-        (["doctor", "-m", "nope_module.train"], "ember doctor: -m 'nope_module.train': no module 'nope_module'"),
         (["run", "--nproc-per-node", "2", "--bogus", "train.py"],
          "ember run: unrecognized arguments: --bogus (see ember run --help)"),
-        (["doctor", "--nproc-per-node", "0", "train.py"], "ember doctor: --nproc-per-node='0': give a positive count"),
-        (["doctor", "--steps", "many", "train.py"], "ember doctor: argument --steps: invalid int value: 'many'"),
-        (["run"], "ember run: the following arguments are required: SCRIPT"),
-        (["plot", "--x", "time", "runs"], "ember plot: argument --x: invalid choice: 'time'"),
-        (["checkpoint"], "ember checkpoint: the following arguments are required: ACTION"),
-        (["checkpoint", "consolidate", "sharded", "."], "ember checkpoint consolidate: OUT '.' is a directory"),
-        (["checkpoint", "consolidate", "sharded", "train.py/out.ckpt"],
-         "ember checkpoint consolidate: OUT 'train.py/out.ckpt' cannot be written"),
-        (["train"], "ember: argument COMMAND: invalid choice: 'train'"),
+        _BAD_COMMAND_LINES[-1],
     ],
 )  # fmt: skip
 def test_a_bad_command_line_is_one_line_and_status_2(arguments: list[str], message: str, tmp_path: Any) -> None:
-    (tmp_path / "train.py").write_text("raise SystemExit('the script must not run')\n")
+    _workspace(tmp_path)
     result = subprocess.run(
         [sys.executable, "-m", "ember", *arguments], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2 and result.stdout == "", result
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.parametrize(("arguments", "message"), _BAD_COMMAND_LINES)
+def test_each_command_checks_its_arguments_before_it_starts(
+    arguments: list[str], message: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # In this process, as the test above does in a fresh one for a few of them (many interpreters take long).
+    _workspace(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = main(arguments)
+    except SystemExit as exit_:  # argparse's own errors
+        status = exit_.code
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "", (status, out, err)
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_a_script_that_fails_under_the_doctor_shows_its_own_traceback(tmp_path: Any) -> None:
+    (tmp_path / "crash.py").write_text("def main():\n    raise RuntimeError('boom')\n\nmain()\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "ember", "doctor", "crash.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1, result
+    # What `python crash.py` shows: the script's frames only, none of the doctor's or runpy's.
+    frames = [line.strip() for line in result.stderr.splitlines() if line.strip().startswith("File ")]
+    assert frames == ['File "crash.py", line 4, in <module>', 'File "crash.py", line 2, in main'], result.stderr
+    assert result.stderr.startswith("Traceback") and result.stderr.rstrip().endswith("RuntimeError: boom")
 
 
 def test_a_module_is_found_in_the_current_directory(tmp_path: Any) -> None:
