@@ -172,6 +172,20 @@ def test_samples_per_second_counts_each_batch_with_its_own_size(clock: _Clock) -
     assert " loss=" not in line  # the loss, logged as train_loss, is shown once
 
 
+def test_the_count_ends_where_max_steps_ends_training() -> None:
+    def counts(**flags: Any) -> list[str]:
+        stream = io.StringIO()
+        bar = ProgressBar(stream=stream, interactive=False, line_interval=3600.0)
+        trainer = quiet_trainer(callbacks=[bar], enable_progress_bar=True, logger=False, **flags)
+        trainer.fit(Regressor(), make_loader(128, batch_size=8))  # 16 batches an epoch
+        return [" ".join(line.split()[:3]) for line in stream.getvalue().splitlines()]
+
+    assert counts(max_steps=5) == ["Epoch 1 5/5"]  # not 5/16, with an ETA for all 16
+    assert counts(max_steps=20, max_epochs=3) == ["Epoch 1/3 16/16", "Epoch 2/3 4/4"]
+    assert counts(max_steps=3, accumulate_grad_batches=2) == ["Epoch 1 6/6"]  # a step every two batches
+    assert counts(max_steps=3, max_epochs=1, accumulate_grad_batches=7) == ["Epoch 1/1 16/16"]  # 7 + 7 + 2
+
+
 # ------------------------------------------------------------------------------------- logs
 def test_output_that_is_not_a_terminal_gets_a_line_every_interval_and_at_each_epoch_end(clock: _Clock) -> None:
     stream = io.StringIO()
