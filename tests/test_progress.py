@@ -136,10 +136,10 @@ def test_digits_on_an_80_column_terminal(tmp_path: Any) -> None:
     arguments = [os.path.join(EXAMPLES, "digits.py"), "--root-dir", str(tmp_path), "--max-epochs", "3", "--target", "0"]
     parts = _run_in_terminal(arguments, columns=80, cwd=tmp_path, timeout=150)
     output = "".join(text for _, text in parts)
-    output = output[: output.index("best val_acc")]  # what the example prints itself, after fit, is not ours
-
-    # No line wider than the terminal, so none wraps; each redraw rewrites the line in place.
+    # No line wider than the terminal, so none wraps (the example's own lines at the end neither); each
+    # redraw rewrites the line in place.
     assert max(len(segment) for segment in _segments(output)) <= 80
+    output = output[: output.index("best val_acc")]  # what the example prints itself, after fit
     assert "\r" in output
     epochs = [line for line in _screen(output) if line.startswith("Epoch ")]
     assert [line.split()[1] for line in epochs] == ["1/3", "2/3", "3/3"], epochs  # one line per epoch stays
