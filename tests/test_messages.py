@@ -199,7 +199,7 @@ def test_hparams_yaml_is_yaml_with_a_repr_for_what_yaml_cannot_hold(tmp_path: An
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("umask", [0o002, 0o077])
+@pytest.mark.parametrize("umask", [0o002, 0o022, 0o077])
 def test_logs_and_checkpoints_follow_the_umask(umask: int, tmp_path: Any) -> None:
     previous = os.umask(umask)
     try:
