@@ -150,6 +150,68 @@ def test_a_warning_that_would_come_at_every_save_comes_once() -> None:
     assert len(dropped) == 1, [str(warning.message) for warning in caught]
 
 
+class _Logging(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _deprecated_flag(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    monkeypatch.setattr(rank_zero_only, "rank", rank)  # as the launcher's RANK sets it before a Trainer exists
+    ember.Trainer(gpus=0, logger=False)
+
+
+def _log_with_barebones(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    trainer = quiet_trainer(max_epochs=2, barebones=True)
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    trainer.fit(_Logging(), make_loader(32))  # self.log at each of 8 steps
+
+
+def _validate_without_a_model(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, default_root_dir=str(tmp_path / f"{rank}"))
+    trainer.fit(Regressor(), make_loader(16), make_loader(16))
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    trainer.validate(dataloaders=make_loader(16))  # the best checkpoint is loaded, with a warning
+
+
+def _a_damaged_checkpoint_passed_over(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    from ember.callbacks import ModelCheckpoint
+
+    directory = tmp_path / "checkpoints"
+    directory.mkdir(exist_ok=True)
+    for saved in directory.glob("*.ckpt"):  # what the last call saved: "last" would resume from it
+        saved.unlink()
+    (directory / "damaged.ckpt").write_bytes(b"not a checkpoint")
+    trainer = quiet_trainer(max_epochs=1, logger=False, callbacks=[ModelCheckpoint(dirpath=str(directory))])
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    trainer.fit(Regressor(), make_loader(16), ckpt_path="last")
+
+
+@pytest.mark.parametrize(
+    ("cause", "message", "given"),
+    [
+        (_deprecated_flag, "gpus=0 is Lightning 1's spelling", 1),
+        (_log_with_barebones, "self.log('train_loss', ...) does nothing with barebones=True", 1),
+        (_validate_without_a_model, ".validate(ckpt_path=None) without a model", 1),
+        (_a_damaged_checkpoint_passed_over, 'ckpt_path="last": passing over', 2),  # each resume that does it
+    ],
+    ids=lambda value: getattr(value, "__name__", ""),
+)
+def test_warnings_come_from_rank_zero_and_once_when_they_would_repeat(
+    cause: Any, message: str, given: int, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def warned(rank: int, times: int) -> int:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # Python's own once-per-place filter would hide repeats
+            for _ in range(times):
+                cause(tmp_path, monkeypatch, rank)
+        return sum(message in str(warning.message) for warning in caught)
+
+    assert warned(rank=1, times=1) == 0
+    assert warned(rank=0, times=2) == given
+
+
 def test_a_loader_warning_comes_from_rank_zero_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.utils.data import DataLoader
 

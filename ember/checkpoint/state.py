@@ -8,7 +8,6 @@ window) is gathered from all ranks into ``ranks``.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from ember.checkpoint import sharded
 from ember.checkpoint.io import CheckpointError, plain_values
 from ember.data import why_not_resumable
 from ember.loggers.logger import run_versions
-from ember.rank_zero import rank_zero_warn_once
+from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -217,7 +216,9 @@ def _newest_complete(directory: str) -> str | None:
         problem = _problem(path)
         if problem is None:
             return path
-        warnings.warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=4)
+        # On rank zero, each time: every call that passes over the file says so. stacklevel: the wrapper of
+        # rank_zero_warn and rank_zero_warn itself come between.
+        rank_zero_warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=6)
     return None
 
 
