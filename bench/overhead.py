@@ -119,7 +119,7 @@ def main() -> None:
         "bare (no progress bar, logger, checkpoint or self.log)": dict(
             log=False, enable_progress_bar=False, logger=False, enable_checkpointing=False
         ),
-        "defaults (progress bar, CSV logger, checkpoint, self.log per step)": dict(log=True),
+        "defaults (progress bar, default loggers, checkpoint, self.log per step)": dict(log=True),
     }
     if args.profiler:
         configurations["defaults + profiler='simple'"] = dict(log=True, profiler="simple")
@@ -138,6 +138,9 @@ def main() -> None:
     print("Ember epoch time / plain loop epoch time (median over rounds):")
     for name, values in ratios.items():
         print(f"  {name}: {statistics.median(values):.3f}x (min {min(values):.3f}, max {max(values):.3f})")
+    bare, defaults = list(ratios.values())[:2]  # the first two: what the progress bar, loggers and checkpoints cost
+    added = [with_defaults / alone for alone, with_defaults in zip(bare, defaults)]
+    print(f"  defaults / bare (median of the rounds' ratios): {statistics.median(added):.3f}x")
     torch_seconds, ember_seconds = import_overhead()
     print(f"  import torch: {torch_seconds:.2f} s; import torch, ember: {ember_seconds:.2f} s; "
           f"ember adds {ember_seconds - torch_seconds:+.3f} s")  # fmt: skip

@@ -179,7 +179,10 @@ def _add_script_arguments(command: argparse.ArgumentParser) -> None:
     """``[-m] SCRIPT ARGS...``: the training script that ``ember run`` and ``ember doctor`` start."""
     command.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m SCRIPT")
     command.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
-    command.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
+    arguments = command.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script"
+    )
+    arguments.required = False  # argparse marks a REMAINDER required, and names it among the missing with SCRIPT
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -244,7 +247,7 @@ def _consolidate(args: argparse.Namespace) -> int:
     from ember import checkpoint
 
     if not checkpoint.sharded.is_sharded(args.directory):
-        print(f"ember checkpoint consolidate: {args.directory!r} is not a sharded checkpoint", file=sys.stderr)
+        print(f"ember checkpoint consolidate: DIR {args.directory!r} is not a sharded checkpoint", file=sys.stderr)
         return 2
     try:
         state = checkpoint.load(args.directory, trust_pickles=args.trust_pickles)
@@ -276,15 +279,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _argument_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments of the command, in words (None: nothing found)."""
     if args.command in ("run", "doctor"):
-        from ember.launch import processes_per_node
+        from ember import launch
 
         try:
-            processes_per_node(args.nproc_per_node)
+            launch.processes_per_node(args.nproc_per_node)
+            if args.command == "run":
+                launch.check_run_arguments(args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
         except ValueError as error:
             return str(error)
         return _script_problem(args.script, args.module)
+    if args.command == "plot":
+        return _output_problem(args.output, "--output")
     if args.command == "checkpoint":
-        return _output_problem(args.output)
+        if not os.path.exists(args.directory):
+            return f"DIR {args.directory!r}: no such directory"
+        return _output_problem(args.output, "OUT")
     return None
 
 
@@ -293,22 +302,24 @@ def _script_problem(script: str, module: bool) -> str | None:
         if os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py")):
             return None
         return f"SCRIPT {script!r}: no such file (give a Python script, or -m and a module name)"
+    if not all(part.isidentifier() for part in script.split(".")):
+        return f"-m {script!r}: not a module name (such as mypackage.train)"
     # The workers run `python -m SCRIPT` from this directory; only the top package is looked up, so that
     # nothing of it is imported here.
     top = script.partition(".")[0]
-    if top and (importlib.util.find_spec(top) or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])):
+    if importlib.util.find_spec(top) or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]):
         return None
     return f"-m {script!r}: no module {top!r} here or among the installed packages"
 
 
-def _output_problem(path: str) -> str | None:
+def _output_problem(path: str, flag: str) -> str | None:
     if os.path.isdir(path):
-        return f"OUT {path!r} is a directory: give the name of the file to write"
+        return f"{flag} {path!r} is a directory: give the name of the file to write"
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        return f"OUT {path!r} cannot be written: {parent!r} is not a directory you can write to"
+        return f"{flag} {path!r} cannot be written: {parent!r} is not a directory you can write to"
     return None
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -26,6 +25,7 @@ from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
 from ember.loggers import Logger
 from ember.precision import canonical_precision
 from ember.profilers import Profiler
+from ember.rank_zero import rank_zero_warn_once
 from ember.strategies import Strategy
 
 Limit = int | float | None
@@ -340,7 +340,7 @@ class TrainerConfig:
             accelerator, devices = self.layout
             instead = "accelerator='cpu'" if accelerator == "cpu" else f"accelerator='gpu', devices={devices!r}"
             # Lightning 2 no longer takes gpus=; Ember still does, for now, and says what to write instead.
-            warnings.warn(
+            rank_zero_warn_once(
                 f"gpus={self.gpus!r} is Lightning 1's spelling, which Lightning 2 refuses and Ember will too: "
                 f"write {instead}",
                 FutureWarning,

@@ -194,6 +194,28 @@ def processes_per_node(value: str) -> int:
     return int(value)
 
 
+def check_run_arguments(nnodes: int, node_rank: int | None, rdzv_endpoint: str | None, max_restarts: int) -> None:
+    """Raise ``ValueError`` naming the flag of ``ember run`` whose value cannot work, before anything starts
+    (torchrun would fail later with a traceback, or wait for machines that never come)."""
+    if nnodes < 1:
+        raise ValueError(f"--nnodes={nnodes}: at least one node is needed")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts={max_restarts}: give 0 or more restarts")
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank={node_rank}: give 0 to {nnodes - 1}, one per machine of --nnodes={nnodes}")
+    if rdzv_endpoint is None:
+        if nnodes > 1:
+            raise ValueError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT, reachable from every node")
+        return
+    host, _, port = rdzv_endpoint.rpartition(":")
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"--rdzv-endpoint={rdzv_endpoint!r}: expected HOST:PORT, such as 10.0.0.1:29400")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except OSError as error:
+        raise ValueError(f"--rdzv-endpoint={rdzv_endpoint!r}: no host {host!r} is known ({error})") from error
+
+
 def run(
     *,
     nproc_per_node: str,
@@ -211,8 +233,7 @@ def run(
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    if nnodes < 1:
-        raise ValueError(f"--nnodes={nnodes}: at least one node is needed")
+    check_run_arguments(nnodes, node_rank, rdzv_endpoint, max_restarts)
     argv = ["--nproc-per-node", str(processes_per_node(nproc_per_node)), "--nnodes", str(nnodes)]
     argv += ["--max-restarts", str(max_restarts)]
     if nnodes == 1 and rdzv_endpoint is None:
@@ -224,12 +245,9 @@ def run(
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # inherited by the workers
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     else:
-        if rdzv_endpoint is None:
-            raise ValueError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT, reachable from every node")
+        assert rdzv_endpoint is not None  # checked above
         if node_rank is not None:
             host, _, port = rdzv_endpoint.rpartition(":")
-            if not (host and port.isdigit()):
-                raise ValueError(f"--rdzv-endpoint={rdzv_endpoint!r}: expected HOST:PORT")
             argv += ["--node-rank", str(node_rank), "--master-addr", host, "--master-port", port]
         else:
             argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]

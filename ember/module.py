@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import chain
 from types import FrameType
@@ -20,6 +19,7 @@ from ember._utils import AttributeDict
 from ember.checkpoint.state import load_weights
 from ember.metrics import ReduceFx
 from ember.module_hooks import DataHooks, ModuleHooks
+from ember.rank_zero import rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.loggers import Logger
@@ -245,7 +245,7 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
             raise ValueError(_unsupported_log_option(name, enable_graph, sync_dist_group))
         trainer = self._trainer
         if trainer is not None and trainer.config.barebones:
-            warnings.warn(f"self.log({name!r}, ...) does nothing with barebones=True", stacklevel=2)
+            rank_zero_warn_once(f"self.log({name!r}, ...) does nothing with barebones=True", stacklevel=2)
         elif trainer is not None:
             store = trainer.run_metrics.active
             store.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size,

@@ -62,7 +62,8 @@ def plot(
     metrics: Sequence[str] | None = None,
     x: Literal["step", "epoch"] = "step",
 ) -> str:
-    """Draw the curves of the runs in ``paths`` into the image ``output``; return its path.
+    """Draw the curves of the runs in ``paths`` into the image ``output`` (its extension picks the format;
+    without one, PNG, and ``.png`` is added); return its path.
 
     ``metrics`` keeps only the named metrics or panels ("loss" keeps train_loss and val_loss).
     """
@@ -111,6 +112,8 @@ def plot(
         ax.legend(fontsize="small")
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
+    if not os.path.splitext(output)[1]:
+        output += ".png"  # what matplotlib would write: the name returned is the file's
     figure.savefig(output, dpi=120)
     return output
 

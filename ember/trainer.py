@@ -35,7 +35,7 @@ from ember.metrics import RunMetrics
 from ember.module import DataModule, Module
 from ember.optim import LRSchedulerConfig
 from ember.profilers import Profiler, select_profiler
-from ember.rank_zero import rank_zero_only
+from ember.rank_zero import rank_zero_only, rank_zero_warn_once
 from ember.strategies import Strategy, select_strategy
 
 _Loaders = Iterable | Sequence[Iterable] | None
@@ -560,7 +560,7 @@ class Trainer:
             raise ValueError(f"Trainer.{stage}() needs a module: pass one, or call fit() first to use the fitted one")
         if ckpt_path is None and self.checkpoint_callback is not None and not self.fast_dev_run:
             ckpt_path = "best"
-            warnings.warn(
+            rank_zero_warn_once(
                 f".{stage}(ckpt_path=None) without a model: the best checkpoint of the last fit is loaded; pass "
                 f"ckpt_path='best', 'last' or a path to choose (and silence this warning)",
                 stacklevel=3,

@@ -1,6 +1,6 @@
 """A character-level GPT trained on Python's own standard library sources.
 
-    python examples/char_gpt.py [--max-steps 500] [--layers 2] [--width 96] [--precision bf16-mixed]
+    python examples/char_gpt.py [--max-steps 300] [--layers 2] [--width 96] [--precision bf16-mixed]
 
 The text is the source code of a few standard library modules, read with ``inspect.getsource``, so
 nothing is downloaded. The last 10% of it is held out for validation. The script measures the
@@ -143,9 +143,9 @@ class CharGPT(ember.Module):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=500, help="optimizer steps")
+    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--context", type=int, default=64, help="characters the model sees")
+    parser.add_argument("--context", type=int, default=32, help="characters the model sees")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=96)
     parser.add_argument("--lr", type=float, default=6e-3)

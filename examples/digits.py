@@ -11,6 +11,7 @@ if the best validation accuracy is below --target: the example doubles as a conv
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -92,6 +93,12 @@ class DigitsCNN(ember.Module):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def _short(path: str) -> str:
+    """``path`` relative to the working directory when that is shorter."""
+    relative = os.path.relpath(path) if path else path
+    return relative if len(relative) < len(path) else path
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-epochs", type=int, default=15)
@@ -125,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     model = DigitsCNN(lr=args.lr)
     trainer.fit(model, datamodule=DigitsData(args.batch_size, args.num_workers))
     best = float(checkpoint.best_model_score or 0.0)  # None: never validated
-    trainer.print(f"best val_acc {best:.4f} (target {args.target}); checkpoint {checkpoint.best_model_path}")
-    trainer.print(f"metrics: {trainer.log_dir}/metrics.csv")
+    trainer.print(f"best val_acc {best:.4f} (target {args.target})")
+    trainer.print(f"checkpoint: {_short(checkpoint.best_model_path)}")  # each on a line of its own, to fit 80 columns
+    trainer.print(f"metrics: {_short(os.path.join(trainer.log_dir or '', 'metrics.csv'))}")
     if best < args.target:
         trainer.print(f"FAILED: val_acc {best:.4f} is below the target {args.target}")
         return 1

@@ -7,7 +7,7 @@ in the test's own temporary working directory, so whatever it writes is thrown a
 small (a few epochs on tiny data) and run on a CPU in one process: blocks that need GPUs or several
 processes are left unmarked.
 
-The site itself is built in strict mode by ``.ci/run`` (``python -m mkdocs build --strict``).
+The site is built in strict mode here and by ``.ci/run`` (``python -m mkdocs build --strict``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import importlib.util
 import inspect
 import os
 import re
+import subprocess
+import sys
 import types
 from typing import Any
 
@@ -66,6 +68,18 @@ def test_runnable_block(name: str, line: int, code: str) -> None:
     namespace: dict[str, Any] = {"__name__": "__main__"}
     # The file name and line make a traceback point into the Markdown file.
     exec(compile("\n" * (line - 1) + code, os.path.join(ROOT, name), "exec"), namespace)
+
+
+def test_the_site_builds_in_strict_mode(tmp_path: Any) -> None:
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")  # the theme
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    # Strict: a warning (a broken link or anchor, a page missing from the nav) fails the build.
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.exists(os.path.join(tmp_path, "trainer-flags", "index.html"))
 
 
 # ------------------------------------------------------------------------------ the flags table

@@ -57,22 +57,22 @@ def test_digits_reaches_its_accuracy_and_fails_below_its_target(tmp_path: Any) -
     assert failing.returncode == 1 and "FAILED" in failing.stdout
 
 
-def test_ddp_started_by_the_trainer(tmp_path: Any) -> None:
+def test_ddp_with_ember_run_on_two_processes(tmp_path: Any) -> None:
     pytest.importorskip("sklearn")
-    result = _example("ddp.py", "--max-epochs", "8", cwd=tmp_path)  # Trainer(devices=2) starts the other process
+    command = ["-m", "ember", "run", "--nproc-per-node", "2", os.path.join(EXAMPLES, "ddp.py"), "--root-dir"]
+    result = _run([*command, str(tmp_path)], tmp_path, timeout=150)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
     assert "best val_acc" in result.stdout
 
 
-def test_fsdp_started_by_ember_run(tmp_path: Any) -> None:
-    command = ["-m", "ember", "run", "--nproc-per-node", "2", os.path.join(EXAMPLES, "fsdp.py"), "--root-dir"]
-    result = _run([*command, str(tmp_path)], tmp_path, timeout=150)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+def test_fsdp_started_by_the_trainer(tmp_path: Any) -> None:
+    result = _example("fsdp.py", cwd=tmp_path, timeout=150)  # Trainer(devices=2) starts the other process
     assert "holds" in result.stdout and "loaded whole" in result.stdout
 
 
 def test_char_gpt_learns_from_context(tmp_path: Any) -> None:
-    result = _example("char_gpt.py", "--max-steps", "300", "--context", "32", cwd=tmp_path)
+    result = _example("char_gpt.py", cwd=tmp_path)
     assert "unigram entropy" in result.stdout and "sample:" in result.stdout
 
 
@@ -92,3 +92,19 @@ def test_doctor_names_the_planted_mistakes(tmp_path: Any) -> None:
     result = _example("doctor.py", cwd=tmp_path, timeout=90)
     for finding in ("input-bound", "graph-kept", "cpu-oversubscribed"):
         assert f"[{finding}]" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["char_gpt.py", "--max-steps", "3"],  # a model that has not learnt yet
+        ["tuning.py", "--max-epochs", "1", "--target", "0.999"],
+    ],
+    ids=lambda arguments: arguments[0],
+)
+def test_an_example_that_misses_its_target_fails(arguments: list[str], tmp_path: Any) -> None:
+    name, *flags = arguments
+    if name == "tuning.py":  # it reads the digits
+        pytest.importorskip("sklearn")
+    result = _run([os.path.join(EXAMPLES, name), "--root-dir", str(tmp_path), *flags], tmp_path, timeout=120)
+    assert result.returncode == 1 and "FAILED" in result.stdout, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

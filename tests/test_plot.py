@@ -45,6 +45,11 @@ def test_plot_writes_one_panel_per_metric(tmp_path: Any, capsys: pytest.CaptureF
     assert "--metrics epoch_x: not logged; the runs have train_loss, val_loss" in capsys.readouterr().err
     assert main(["plot", metrics_csv, "-o", one_run, "--metrics", "val_loss", "--x", "epoch"]) == 0
     assert os.path.exists(one_run)
+    capsys.readouterr()
+
+    no_extension = str(tmp_path / "curves")  # matplotlib writes a PNG, named with .png added: so it says
+    assert main(["plot", metrics_csv, "-o", no_extension]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {no_extension}.png" and os.path.exists(f"{no_extension}.png")
 
 
 def test_metrics_share_a_panel_without_their_stage_and_suffix() -> None:

@@ -136,10 +136,10 @@ def test_digits_on_an_80_column_terminal(tmp_path: Any) -> None:
     arguments = [os.path.join(EXAMPLES, "digits.py"), "--root-dir", str(tmp_path), "--max-epochs", "3", "--target", "0"]
     parts = _run_in_terminal(arguments, columns=80, cwd=tmp_path, timeout=150)
     output = "".join(text for _, text in parts)
-    output = output[: output.index("best val_acc")]  # what the example prints itself, after fit, is not ours
-
-    # No line wider than the terminal, so none wraps; each redraw rewrites the line in place.
+    # No line wider than the terminal, so none wraps (the example's own lines at the end neither); each
+    # redraw rewrites the line in place.
     assert max(len(segment) for segment in _segments(output)) <= 80
+    output = output[: output.index("best val_acc")]  # what the example prints itself, after fit
     assert "\r" in output
     epochs = [line for line in _screen(output) if line.startswith("Epoch ")]
     assert [line.split()[1] for line in epochs] == ["1/3", "2/3", "3/3"], epochs  # one line per epoch stays
@@ -170,6 +170,20 @@ def test_samples_per_second_counts_each_batch_with_its_own_size(clock: _Clock) -
     (line,) = stream.getvalue().splitlines()
     assert line.startswith("Epoch 1/1 3/3 00:00 train_loss=") and line.endswith(" 667 samples/s"), line
     assert " loss=" not in line  # the loss, logged as train_loss, is shown once
+
+
+def test_the_count_ends_where_max_steps_ends_training() -> None:
+    def counts(**flags: Any) -> list[str]:
+        stream = io.StringIO()
+        bar = ProgressBar(stream=stream, interactive=False, line_interval=3600.0)
+        trainer = quiet_trainer(callbacks=[bar], enable_progress_bar=True, logger=False, **flags)
+        trainer.fit(Regressor(), make_loader(128, batch_size=8))  # 16 batches an epoch
+        return [" ".join(line.split()[:3]) for line in stream.getvalue().splitlines()]
+
+    assert counts(max_steps=5) == ["Epoch 1 5/5"]  # not 5/16, with an ETA for all 16
+    assert counts(max_steps=20, max_epochs=3) == ["Epoch 1/3 16/16", "Epoch 2/3 4/4"]
+    assert counts(max_steps=3, accumulate_grad_batches=2) == ["Epoch 1 6/6"]  # a step every two batches
+    assert counts(max_steps=3, max_epochs=1, accumulate_grad_batches=7) == ["Epoch 1/1 16/16"]  # 7 + 7 + 2
 
 
 # ------------------------------------------------------------------------------------- logs

@@ -105,7 +105,7 @@ class ProgressBar(Callback):
         epochs = f"/{trainer.max_epochs}" if trainer.max_epochs not in (None, -1) else ""
         progress = trainer.fit_loop.progress  # a resumed epoch starts part-way
         self._train = ProgressDisplay(
-            self, f"Epoch {trainer.current_epoch + 1}{epochs}", trainer.num_training_batches, keep=True,
+            self, f"Epoch {trainer.current_epoch + 1}{epochs}", trainer.fit_loop.batches_this_epoch(), keep=True,
             done=progress.epoch_batches, samples=progress.epoch_samples,
         )  # fmt: skip
         if self._train.terminal:

@@ -8,7 +8,6 @@ window) is gathered from all ranks into ``ranks``.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from ember.checkpoint import sharded
 from ember.checkpoint.io import CheckpointError, plain_values
 from ember.data import why_not_resumable
 from ember.loggers.logger import run_versions
-from ember.rank_zero import rank_zero_warn_once
+from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -244,8 +243,8 @@ def _newest_complete(candidates: list[str]) -> str | None:
         if problem is None:
             return path
         # Pointing at the user's fit (or validate, ...) call: through _last, find_checkpoint, the Trainer's
-        # _resolve_checkpoint, _begin_stage, _stage and contextlib.
-        warnings.warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=9)
+        # _resolve_checkpoint, _begin_stage, _stage and contextlib, and rank_zero_warn with its wrapper.
+        rank_zero_warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=11)
     return None
 
 

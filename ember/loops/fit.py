@@ -137,6 +137,24 @@ class FitLoop:
         manual optimization training batches (one per batch, however many optimizers it steps)."""
         return self.progress.total_batches if self._manual else self.progress.global_step
 
+    def batches_this_epoch(self) -> float:
+        """The training batches the current epoch will have run when it ends: the loader's, or fewer when
+        ``max_steps`` ends training inside it (known only where steps follow batches: automatic optimization)."""
+        config, progress = self.trainer.config, self.progress
+        window = self._window_length()
+        if config.max_steps == -1 or window is None:
+            return self.num_training_batches
+        start = progress.epoch_batches - progress.window_batches  # where the unfinished window began
+        return min(self.num_training_batches, start + (config.max_steps - progress.global_step) * window)
+
+    def _window_length(self) -> int | None:
+        """Batches per optimizer step: ``accumulate_grad_batches`` (1 for "auto", which splits each batch
+        instead); None under manual optimization, where the module steps when it chooses."""
+        module, accumulate = self.trainer.lightning_module, self.trainer.config.accumulate_grad_batches
+        if module is None or not module.automatic_optimization:
+            return None
+        return accumulate if isinstance(accumulate, int) else 1
+
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return self.runner.optimizers if self.runner is not None else []
@@ -314,9 +332,8 @@ class FitLoop:
     def _windows(self, batches: Iterator[tuple[int, Any, bool]]) -> Iterator[Window]:
         """The epoch's accumulation windows: k micro-batches each (one under manual optimization or
         ``accumulate_grad_batches="auto"``), the last possibly fewer."""
-        progress, module = self.progress, self.trainer.lightning_module
-        accumulate = self.trainer.config.accumulate_grad_batches
-        k = accumulate if isinstance(accumulate, int) and module is not None and module.automatic_optimization else 1
+        progress = self.progress
+        k = self._window_length() or 1
         done = progress.window_batches
         start = progress.epoch_batches - done
         while True:
