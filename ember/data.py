@@ -75,7 +75,11 @@ class EpochOrder(Sampler[int]):
         return iter(remaining[self.rank : total : self.num_replicas])
 
     def __len__(self) -> int:
-        return math.ceil(max(0, self.length - self.start) / self.num_replicas)
+        return self.length_from(self.start)
+
+    def length_from(self, start: int) -> int:
+        """How many positions this rank reads of the epoch when it continues at position ``start``."""
+        return math.ceil(max(0, self.length - start) / self.num_replicas)
 
 
 class _Skippable(Sampler[Any]):
@@ -441,9 +445,16 @@ def _ending_workers(iterator: Iterator[Any]) -> Iterator[Any]:
             shutdown()
 
 
-def resumes_at_the_sample(loader: Iterable) -> bool:
-    """Whether ``loader`` continues a resumed epoch at a sample position (through an ``EpochOrder``)."""
-    return isinstance(_unwrapped(getattr(loader, "sampler", None)), EpochOrder)
+def batches_from(loader: Iterable, sample: int) -> int | None:
+    """How many batches this rank reads of an epoch of ``loader`` that continues at position ``sample`` of
+    its global order; None when ``loader`` cannot continue at a sample (it reads no ``EpochOrder``)."""
+    order = _unwrapped(getattr(loader, "sampler", None))
+    if not isinstance(order, EpochOrder):
+        return None
+    samples, batch_size = order.length_from(sample), getattr(loader, "batch_size", None)
+    if batch_size is None:
+        return samples
+    return samples // batch_size if getattr(loader, "drop_last", False) else math.ceil(samples / batch_size)
 
 
 def data_replicas(loader: Iterable) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from ember._utils import batch_size_of
 from ember.data import (
+    batches_from,
     count_batches,
     data_replicas,
     dataset_length,
@@ -28,7 +29,6 @@ from ember.data import (
     named_failures,
     numbered_batches,
     restore_loader_state,
-    resumes_at_the_sample,
     with_last_flag,
 )
 from ember.loops.evaluate import EvaluationLoop
@@ -560,8 +560,10 @@ class FitLoop:
         """Continue the epoch where a checkpoint's data section ``saved`` says, with this run's data and
         layout; returns whether the gradients of an unfinished accumulation window still apply."""
         now = self.data_state()
-        self.data_seed = saved["seed"]
-        changed = _changes(saved, now, ("dataset_length", "global_seed"))
+        new_seed = _changes(saved, now, ("global_seed",))
+        if not new_seed:
+            self.data_seed = saved["seed"]  # else the new seed, once accepted, orders the data from now on
+        changed = _changes(saved, now, ("dataset_length",)) + new_seed
         if changed:
             self._accept_data_change(changed, path)
             return False
@@ -588,8 +590,11 @@ class FitLoop:
         assert loader is not None
         if progress.window_batches:  # its gradients were summed for another window: that window runs again
             progress.drop_unfinished_window()
-        if resumes_at_the_sample(loader):
-            progress.epoch_batches = progress.epoch_samples // max(1, (now["batch_size"] or 1) * now["replicas"])
+        left = batches_from(loader, progress.epoch_samples)
+        if left is not None:
+            # The rest is numbered as the epoch's last batches in the new layout: the resumed epoch ends (and
+            # validates) where an epoch of the new layout ends, whatever batch the position falls in.
+            progress.epoch_batches = (batches_from(loader, 0) or 0) - left
             self.trainer.print(
                 f"resuming with {', '.join(layout)}: epoch {progress.epoch} continues at sample "
                 f"{progress.epoch_samples} of its order"
