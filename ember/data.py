@@ -346,8 +346,10 @@ def release_workers(loader: Iterable) -> None:
     """End the worker processes a loader with ``persistent_workers`` keeps between epochs (they would
     otherwise be left to the interpreter's exit, which waits for them)."""
     iterator = getattr(loader, "_iterator", None) if isinstance(loader, DataLoader) else None
-    if iterator is not None:
-        iterator._shutdown_workers()
+    # A StatefulDataLoader keeps its iterator without workers too: that one has no workers to end.
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
         object.__setattr__(loader, "_iterator", None)
 
 

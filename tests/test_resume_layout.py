@@ -232,3 +232,22 @@ def test_an_accepted_new_seed_orders_the_restarted_epoch_as_a_run_with_that_seed
     assert trainer.global_step == 3 + 16
     assert resumed.batches == fresh.batches  # epoch 0 from its start, then epoch 1, in seed 4's order
     assert resumed.batches[0] != first.batches[0]  # not in seed 3's
+
+
+def test_a_stateful_loader_resumed_with_another_batch_size_starts_the_epoch_over(tmp_path: Any) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def fit(batch_size: int, seen: _Seen, ckpt_path: str | None = None, **flags: Any) -> Any:
+        module = _IndexedRegressor()
+        ember.seed_everything(3)
+        trainer = quiet_trainer(logger=False, enable_checkpointing=False, callbacks=[seen], **flags)
+        loader = stateful.StatefulDataLoader(_Indexed(64), batch_size=batch_size, shuffle=True)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return trainer
+
+    fit(8, _Seen(), max_steps=3).save_checkpoint(tmp_path / "stateful.ckpt")
+    resumed = _Seen()
+    with pytest.warns(UserWarning, match="batch size 8 -> 16: the train dataloader cannot continue at a sample"):
+        fit(16, resumed, str(tmp_path / "stateful.ckpt"), max_epochs=1)
+    # As the warning says: the whole epoch, not the rest of it from the loader's saved position.
+    assert sorted(index for _, _, indices in resumed.batches for index in indices) == list(range(64))

@@ -558,7 +558,8 @@ class FitLoop:
 
     def resume_data(self, saved: dict[str, Any], path: str) -> bool:
         """Continue the epoch where a checkpoint's data section ``saved`` says, with this run's data and
-        layout; returns whether the gradients of an unfinished accumulation window still apply."""
+        layout; returns whether those are the checkpoint's own (then a stateful loader's position and the
+        gradients of an unfinished accumulation window still apply)."""
         now = self.data_state()
         new_seed = _changes(saved, now, ("global_seed",))
         if not new_seed:
@@ -625,13 +626,15 @@ class FitLoop:
             "accumulated_gradients": self._unfinished_window_gradients(),
         }
 
-    def load_rank_state(self, state: dict[str, Any], gradients: bool = True) -> None:
-        """Put back what ``rank_state`` saved (the unfinished window's gradients only when ``gradients``)."""
+    def load_rank_state(self, state: dict[str, Any], same_setup: bool = True) -> None:
+        """Put back what ``rank_state`` saved; a stateful loader's position and the unfinished window's
+        gradients only with ``same_setup`` (else the window runs again, or the epoch starts over)."""
         self._pending_random_state = state["random_state"]  # applied when training resumes
+        if not same_setup:
+            return
         if self.train_loader is not None:
             restore_loader_state(self.train_loader, state["loader_state"])
-        if gradients:
-            _restore_gradients(self.trainer.lightning_module, state["accumulated_gradients"])
+        _restore_gradients(self.trainer.lightning_module, state["accumulated_gradients"])
 
     def _unfinished_window_gradients(self) -> list[torch.Tensor | None] | None:
         """The gradients accumulated so far in an accumulation window that has not stepped yet.
