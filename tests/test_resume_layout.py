@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Regressor, make_data, make_loader, quiet_trainer
+from conftest import Regressor, make_data, make_loader, parameters_of, quiet_trainer
 from torch.utils.data import DataLoader
 
 import ember
@@ -202,10 +202,49 @@ def _fit_indexed(
 ) -> Any:
     module = _IndexedRegressor()  # seeds torch itself: the run's seed comes after it, and orders the data
     ember.seed_everything(seed)
-    trainer = quiet_trainer(logger=False, enable_checkpointing=False, callbacks=[seen], **flags)
+    callbacks = [seen, *flags.pop("callbacks", [])]
+    trainer = quiet_trainer(logger=False, enable_checkpointing=False, callbacks=callbacks, **flags)
     loader = DataLoader(_Indexed(samples), batch_size=batch_size, shuffle=True)
     trainer.fit(module, loader, DataLoader(_Indexed(8), batch_size=4), ckpt_path=ckpt_path)
     return trainer
+
+
+class _SaveAndStop(Callback):
+    """Saves a checkpoint after the run's ``batches``-th training batch, then stops the run as a kill would."""
+
+    def __init__(self, batches: int, path: str) -> None:
+        self.batches, self.path = batches, path
+
+    def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if trainer.fit_loop.progress.total_batches == self.batches:
+            trainer.save_checkpoint(self.path)
+            raise KeyboardInterrupt
+
+
+def test_a_checkpoint_inside_an_accumulation_window_resumes_with_another_accumulation(tmp_path: Any) -> None:
+    """Saved 2 micro-batches into the second window of 4: with windows of 2 batches of 8, that window runs
+    again, as if the checkpoint had been saved when it began."""
+    inside, boundary = str(tmp_path / "inside.ckpt"), str(tmp_path / "boundary.ckpt")
+    runs = {}
+    for path, batches in ((inside, 6), (boundary, 4)):
+        first, second = _Seen(), _Seen()
+        with pytest.raises(KeyboardInterrupt):
+            _fit_indexed(64, 4, first, max_epochs=2, accumulate_grad_batches=4, callbacks=[_SaveAndStop(batches, path)])
+        trainer = _fit_indexed(64, 8, second, path, max_epochs=2, accumulate_grad_batches=2)
+        runs[path] = (first.batches[:4], second.batches, parameters_of(trainer.lightning_module))
+    assert runs[inside][1] == runs[boundary][1] and runs[inside][1][0][1] == 2  # from sample 16, batch 2 of 8
+    assert all(torch.equal(a, b) for a, b in zip(runs[inside][2], runs[boundary][2], strict=True))
+    before, after, _ = runs[inside]
+    used = collections.Counter(i for epoch, _, indices in before + after if epoch == 0 for i in indices)
+    assert used == collections.Counter(range(64))
+
+
+def test_a_checkpoint_at_the_end_of_an_epoch_starts_the_next_epoch_with_the_new_layout(tmp_path: Any) -> None:
+    _fit_indexed(64, 4, _Seen(), max_epochs=1).save_checkpoint(tmp_path / "epoch-end.ckpt")
+    resumed, fresh = _Seen(), _Seen()
+    _fit_indexed(64, 8, resumed, str(tmp_path / "epoch-end.ckpt"), max_epochs=2)
+    _fit_indexed(64, 8, fresh, max_epochs=2)
+    assert resumed.batches == [batch for batch in fresh.batches if batch[0] == 1]
 
 
 def test_a_resumed_epoch_ends_as_an_epoch_of_the_new_batch_size_ends(tmp_path: Any) -> None:
