@@ -161,6 +161,28 @@ def test_schedulers_continue_by_step_with_a_warning_when_an_epoch_has_other_step
     assert trainer.global_step == 3 + 3  # samples 24..63 in batches of 16: 3 more steps
 
 
+def test_a_step_scheduler_continues_by_optimizer_step_without_a_warning_when_an_epoch_has_as_many(
+    tmp_path: Any, recwarn: pytest.WarningsRecorder
+) -> None:
+    class Scheduled(Regressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    ember.seed_everything(3)
+    first = quiet_trainer(max_steps=3, limit_train_batches=4, logger=False)  # 4 steps of 8 samples an epoch
+    first.fit(Scheduled(), make_loader(64, batch_size=8, shuffle=True))
+    path = str(tmp_path / "scheduled.ckpt")
+    first.save_checkpoint(path)
+    trainer = quiet_trainer(max_epochs=1, logger=False)  # 4 steps of 16 samples an epoch
+    trainer.fit(Scheduled(), make_loader(64, batch_size=16, shuffle=True), ckpt_path=path)
+    assert trainer.global_step == 3 + 3
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 6  # one scheduler step per optimizer step
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**6)
+    assert not [warning for warning in recwarn if "optimizer steps instead of" in str(warning.message)]
+
+
 # ------------------------------------------------------------------------------ in one process
 class _Indexed(torch.utils.data.Dataset):
     """Sample i is (i, features, target)."""

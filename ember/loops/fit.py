@@ -547,13 +547,16 @@ class FitLoop:
         """What the saved position in the epoch is relative to: the data seed and the data's layout."""
         loader = self.train_loader
         accumulate = self.trainer.config.accumulate_grad_batches
+        accumulate = accumulate if isinstance(accumulate, int) else 1
+        batches = self.num_training_batches  # limit_train_batches and drop_last counted
         return {
             "seed": self.data_seed,
             "global_seed": os.environ.get("EMBER_GLOBAL_SEED"),  # set by seed_everything
             "dataset_length": dataset_length(loader) if loader is not None else None,
             "batch_size": getattr(loader, "batch_size", None),
             "replicas": self._replicas,
-            "accumulate": accumulate if isinstance(accumulate, int) else 1,
+            "accumulate": accumulate,
+            "steps_per_epoch": None if math.isinf(batches) else math.ceil(batches / accumulate),
         }
 
     def resume_data(self, saved: dict[str, Any], path: str) -> bool:
@@ -607,8 +610,9 @@ class FitLoop:
                 stacklevel=5,
             )
             progress.restart_epoch()
-        before, after = _steps_per_epoch(saved), _steps_per_epoch(now)
-        if before != after and self.runner is not None and self.runner.scheduler_configs:
+        before, after = saved.get("steps_per_epoch"), now["steps_per_epoch"]
+        schedulers = self.runner is not None and self.runner.scheduler_configs
+        if schedulers and None not in (before, after) and before != after:
             rank_zero_warn_once(
                 f"an epoch is now {after} optimizer steps instead of {before}: learning-rate schedulers continue by "
                 f"optimizer step (from global step {progress.global_step}), so a schedule planned in epochs no "
@@ -722,13 +726,6 @@ def _changes(saved: dict[str, Any], now: dict[str, Any], names: tuple[str, ...])
         for name in names
         if saved.get(name) is not None and now.get(name) is not None and saved[name] != now[name]
     ]
-
-
-def _steps_per_epoch(data: dict[str, Any]) -> int | None:
-    if None in (data.get("dataset_length"), data.get("batch_size"), data.get("replicas"), data.get("accumulate")):
-        return None
-    batches = math.ceil(math.ceil(data["dataset_length"] / data["replicas"]) / data["batch_size"])
-    return math.ceil(batches / data["accumulate"])
 
 
 def _with_detached_loss(output: Any, loss: torch.Tensor | None) -> Any:
