@@ -479,6 +479,16 @@ def batches_from(loader: Iterable, sample: int) -> int | None:
     return samples // batch_size if getattr(loader, "drop_last", False) else math.ceil(samples / batch_size)
 
 
+def samples_read(loader: Iterable | None, position: int) -> int | None:
+    """How many samples of the epoch's global order the next batch of every rank reads, from ``position``
+    on: the batch size times the ranks, fewer at the end of the order (padding is not counted). None for a
+    loader that does not read an ``EpochOrder``."""
+    order = _unwrapped(getattr(loader, "sampler", None))
+    if not isinstance(order, EpochOrder):
+        return None
+    return max(0, min((getattr(loader, "batch_size", None) or 1) * order.num_replicas, order.length - position))
+
+
 def data_replicas(loader: Iterable) -> int:
     """How many ranks read disjoint shards of ``loader``'s data (its sampler's replicas), else 1."""
     sampler = _unwrapped(getattr(loader, "sampler", None))

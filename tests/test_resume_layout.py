@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Regressor, make_data, make_loader, parameters_of, quiet_trainer
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 import ember
 from ember import checkpoint as checkpoint_io
@@ -312,3 +312,35 @@ def test_a_stateful_loader_resumed_with_another_batch_size_starts_the_epoch_over
         fit(16, resumed, str(tmp_path / "stateful.ckpt"), max_epochs=1)
     # As the warning says: the whole epoch, not the rest of it from the loader's saved position.
     assert sorted(index for _, _, indices in resumed.batches for index in indices) == list(range(64))
+
+
+def test_the_position_counts_samples_however_a_batch_is_laid_out(tmp_path: Any) -> None:
+    """A collate function that puts a sequence-first tensor first (time, batch, features): the position in
+    the epoch is counted in samples of the order, not in the first dimension of the batch's first tensor."""
+
+    def sequence_first(samples: list[Any]) -> Any:
+        indices, x, y = default_collate(samples)
+        return x.unsqueeze(0).expand(5, -1, -1), indices, y  # 5 time steps, then the batch
+
+    class SequenceFirst(_IndexedRegressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, indices, y = batch
+            return super().training_step((indices, x[-1], y), batch_idx)
+
+    class Seen(_Seen):
+        def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            self.batches.append((trainer.current_epoch, idx, batch[1].tolist()))
+
+    def fit(batch_size: int, seen: _Seen, ckpt_path: str | None = None, **flags: Any) -> Any:
+        module = SequenceFirst()
+        ember.seed_everything(3)
+        trainer = quiet_trainer(logger=False, enable_checkpointing=False, callbacks=[seen], **flags)
+        loader = DataLoader(_Indexed(64), batch_size=batch_size, shuffle=True, collate_fn=sequence_first)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return trainer
+
+    first, second = Seen(), Seen()
+    fit(4, first, max_steps=3).save_checkpoint(tmp_path / "sequence-first.ckpt")
+    fit(8, second, str(tmp_path / "sequence-first.ckpt"), max_epochs=1)
+    used = collections.Counter(i for _, _, indices in first.batches + second.batches for i in indices)
+    assert used == collections.Counter(range(64))

@@ -29,6 +29,7 @@ from ember.data import (
     named_failures,
     numbered_batches,
     restore_loader_state,
+    samples_read,
     with_last_flag,
 )
 from ember.loops.evaluate import EvaluationLoop
@@ -382,7 +383,9 @@ class FitLoop:
 
     def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int, window: Window) -> None:
         progress = self.progress
-        progress.finish_batch(batch_size_of(batch) * self._replicas, window.closing)
+        # Counted from the loader when it reads the epoch's order: a batch's first tensor may not be batch-first.
+        samples = samples_read(self.train_loader, progress.epoch_samples)
+        progress.finish_batch(batch_size_of(batch) * self._replicas if samples is None else samples, window.closing)
         if loss is not None:
             self._epoch_losses += 1
             self.last_loss = loss
