@@ -109,8 +109,11 @@ def test_a_script_whose_step_raises_with_workers_exits(tmp_path: Any) -> None:
 
 
 def test_a_failing_validation_sample_is_named_too() -> None:
-    with pytest.raises(DataLoadingError, match=r"val dataloader 0 failed at batch 3, sample index 13"):
+    with pytest.raises(DataLoadingError, match=r"val dataloader 0 in epoch 0 failed at batch 3, sample index 13"):
         quiet_trainer(logger=False).validate(Regressor(), DataLoader(_Broken(), batch_size=4), verbose=False)
+    trainer = quiet_trainer(max_epochs=2, check_val_every_n_epoch=2, logger=False)
+    with pytest.raises(DataLoadingError, match=r"val dataloader 0 in epoch 1 failed at batch 3, sample index 13"):
+        trainer.fit(Regressor(), make_loader(16), DataLoader(_Broken(), batch_size=4))
 
 
 def test_an_epoch_in_which_every_step_skipped_its_batch_is_reported_once() -> None:
