@@ -15,6 +15,7 @@ import os
 import random
 import re
 import signal
+import sys
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import islice
@@ -77,7 +78,11 @@ class EpochOrder(Sampler[int]):
         return iter(remaining[self.rank : total : self.num_replicas])
 
     def __len__(self) -> int:
-        return math.ceil(max(0, self.length - self.start) / self.num_replicas)
+        return self.length_from(self.start)
+
+    def length_from(self, start: int) -> int:
+        """How many positions this rank reads of the epoch when it continues at position ``start``."""
+        return math.ceil(max(0, self.length - start) / self.num_replicas)
 
 
 class _Skippable(Sampler[Any]):
@@ -203,7 +208,8 @@ def _shardable(loader: DataLoader) -> bool:
 
 
 class SampleError(RuntimeError):
-    """A dataset failed to give one sample: the message names its index (and the original error)."""
+    """On Python 3.10, which has no exception notes: a dataset failed to give one sample; the message names
+    its index, and the original error is chained to it."""
 
 
 class DataLoadingError(RuntimeError):
@@ -247,21 +253,23 @@ def numbered_batches(
         yield index, batch, index == last
 
 
-_SAMPLE = re.compile(r"sample index (\S+?): (.*)")
+# "sample index 13" (a note), or "sample index 13: ValueError: ..." (a SampleError), on a line of its own
+_SAMPLE = re.compile(r"sample index (\S+?)(?:: (.*))?$", re.MULTILINE)
 _WORKER = re.compile(r"in DataLoader worker process (\d+)")
 
 
 def _loading_failure(where: str, batch_index: int, error: Exception) -> str:
     """The message of a failure to load batch ``batch_index``: the sample and worker are read from what the
-    failing sample (``SampleError``) and the DataLoader (the worker that failed) put in the error."""
-    text = str(error)
+    failing sample (``_with_sample``) and the DataLoader (the worker that failed) put in the error."""
+    text = "\n".join([str(error), *getattr(error, "__notes__", [])])
     worker = _WORKER.search(text)
     samples = _SAMPLE.findall(text)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if samples:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    causes = [line for line in lines if not _SAMPLE.search(line)]
+    if samples and samples[-1][1]:
         cause = samples[-1][1]
-    elif worker and lines:  # the worker's own traceback is in the text: its last line is the error
-        cause = lines[-1]
+    elif worker and causes:  # the worker's own traceback is in the text: its last line is the error
+        cause = causes[-1]
     else:
         cause = f"{type(error).__name__}: {lines[0] if lines else ''}"
     details = [f"batch {batch_index}"]
@@ -273,7 +281,7 @@ def _loading_failure(where: str, batch_index: int, error: Exception) -> str:
 
 
 class _SampleNamed(Dataset):
-    """A map-style dataset whose failures name the index of the sample that failed.
+    """A map-style dataset whose failures name the index of the sample that failed (see ``_with_sample``).
 
     A loader with a batch size asks for a batch's samples in one ``__getitems__`` call: one ``try`` per
     batch, and the samples read as the loader would read them itself.
@@ -286,7 +294,7 @@ class _SampleNamed(Dataset):
         try:
             return self.dataset[index]
         except Exception as error:
-            raise SampleError(f"sample index {index}: {type(error).__name__}: {error}") from error
+            raise _with_sample(error, index)  # noqa: B904 (the original itself, or chained to it on Python 3.10)
 
     def __getitems__(self, indices: list[Any]) -> list[Any]:
         own = getattr(self.dataset, "__getitems__", None)
@@ -296,7 +304,7 @@ class _SampleNamed(Dataset):
         try:
             return [dataset[(index := each)] for each in indices]  # the loader's own way, noting each index
         except Exception as error:
-            raise SampleError(f"sample index {index}: {type(error).__name__}: {error}") from error
+            raise _with_sample(error, index)  # noqa: B904 (as above)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -306,6 +314,22 @@ class _SampleNamed(Dataset):
         if name == "dataset":
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+def _with_sample(error: Exception, index: Any) -> Exception:
+    """``error`` with a note that names the sample (``sample index 13``), to raise again.
+
+    The original error is kept, not wrapped: a loader worker sends its type and traceback, notes included,
+    to the main process, which raises it again as that type, so the error the Trainer chains to its
+    ``DataLoadingError`` is the dataset's own in both cases. Python 3.10 has no notes: a ``SampleError``
+    chained to ``error`` names the sample there.
+    """
+    if sys.version_info < (3, 11):
+        named = SampleError(f"sample index {index}: {type(error).__name__}: {error}")
+        named.__cause__ = error
+        return named
+    error.add_note(f"sample index {index}")
+    return error
 
 
 class _WorkerStart:
@@ -354,8 +378,10 @@ def release_workers(loader: Iterable) -> None:
     """End the worker processes a loader with ``persistent_workers`` keeps between epochs (they would
     otherwise be left to the interpreter's exit, which waits for them)."""
     iterator = getattr(loader, "_iterator", None) if isinstance(loader, DataLoader) else None
-    if iterator is not None:
-        iterator._shutdown_workers()
+    # A StatefulDataLoader keeps its iterator without workers too: that one has no workers to end.
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
         object.__setattr__(loader, "_iterator", None)
 
 
@@ -452,9 +478,26 @@ def _ending_workers(iterator: Iterator[Any]) -> Iterator[Any]:
             shutdown()
 
 
-def resumes_at_the_sample(loader: Iterable) -> bool:
-    """Whether ``loader`` continues a resumed epoch at a sample position (through an ``EpochOrder``)."""
-    return isinstance(_unwrapped(getattr(loader, "sampler", None)), EpochOrder)
+def batches_from(loader: Iterable, sample: int) -> int | None:
+    """How many batches this rank reads of an epoch of ``loader`` that continues at position ``sample`` of
+    its global order; None when ``loader`` cannot continue at a sample (it reads no ``EpochOrder``)."""
+    order = _unwrapped(getattr(loader, "sampler", None))
+    if not isinstance(order, EpochOrder):
+        return None
+    samples, batch_size = order.length_from(sample), getattr(loader, "batch_size", None)
+    if batch_size is None:
+        return samples
+    return samples // batch_size if getattr(loader, "drop_last", False) else math.ceil(samples / batch_size)
+
+
+def samples_read(loader: Iterable | None, position: int) -> int | None:
+    """How many samples of the epoch's global order the next batch of every rank reads, from ``position``
+    on: the batch size times the ranks, fewer at the end of the order (padding is not counted). None for a
+    loader that does not read an ``EpochOrder``."""
+    order = _unwrapped(getattr(loader, "sampler", None))
+    if not isinstance(order, EpochOrder):
+        return None
+    return max(0, min((getattr(loader, "batch_size", None) or 1) * order.num_replicas, order.length - position))
 
 
 def data_replicas(loader: Iterable) -> int:

@@ -184,6 +184,7 @@ def test_a_rank_that_hangs_is_named_and_the_job_ends_within_the_timeout(tmp_path
     report = [line for line in result.stderr.splitlines() if "waited for each other longer than the timeout" in line]
     assert len(report) == 1, result.stderr[-3000:]
     assert "rank 1" in report[0] and "global step 3" in report[0] and "in training_step (train_ddp.py:" in report[0]
+    assert f"rank 1 ({socket.gethostname()})" in report[0]  # its host
 
 
 def _listening_addresses(pids: list[int]) -> set[str]:

@@ -340,11 +340,12 @@ def test_a_checkpoint_inside_an_accumulation_window_resumes_exactly(tmp_path: An
     _assert_identical(parameters_of(resumed), parameters_of(reference))
 
 
-def test_a_stateful_dataloader_resumes_from_its_own_state(tmp_path: Any) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataloader_resumes_from_its_own_state(workers: int, tmp_path: Any) -> None:
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
     def loader() -> Any:
-        return stateful.StatefulDataLoader(make_data(64), batch_size=4, shuffle=True, num_workers=2)
+        return stateful.StatefulDataLoader(make_data(64), batch_size=4, shuffle=True, num_workers=workers)
 
     ember.seed_everything(2)
     reference = _Dropout()

@@ -163,7 +163,7 @@ def _restore_optimization(trainer: Trainer, checkpoint: dict[str, Any], path: st
 def _restore_position(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
     fit_loop = trainer.fit_loop
     fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"])
-    window_kept = fit_loop.resume_data(checkpoint["data"], path)
+    same_setup = fit_loop.resume_data(checkpoint["data"], path)
     ranks = checkpoint["ranks"]
     own = ranks.get(trainer.global_rank)
     if own is None or len(ranks) != trainer.world_size:
@@ -175,7 +175,7 @@ def _restore_position(trainer: Trainer, checkpoint: dict[str, Any], path: str) -
         )
         own = None
     else:
-        fit_loop.load_rank_state(own, gradients=window_kept)
+        fit_loop.load_rank_state(own, same_setup)
     progress = fit_loop.progress
     loader = fit_loop.train_loader
     reason = why_not_resumable(loader) if progress.epoch_batches and loader is not None else None

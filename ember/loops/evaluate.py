@@ -93,7 +93,8 @@ class EvaluationLoop:
         step_name = f"{self._hook}_step"
         kind = "val" if self.stage == "validate" else "test"
         extra = arguments.hook_extra(dataloader_idx)
-        batches = named_failures(limited(loader, count), f"{kind} dataloader {dataloader_idx}")
+        where = f"{kind} dataloader {dataloader_idx} in epoch {trainer.current_epoch}"
+        batches = named_failures(limited(loader, count), where)
         with contextlib.closing(batches):  # closed early (a step raised), it ends the loader's workers
             for batch_idx, batch in enumerate(trainer.profiler.timed_batches(batches, kind)):
                 batch = to_device(batch)

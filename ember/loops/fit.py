@@ -20,6 +20,7 @@ import torch
 
 from ember._utils import batch_size_of
 from ember.data import (
+    batches_from,
     count_batches,
     data_replicas,
     dataset_length,
@@ -28,7 +29,7 @@ from ember.data import (
     named_failures,
     numbered_batches,
     restore_loader_state,
-    resumes_at_the_sample,
+    samples_read,
     with_last_flag,
 )
 from ember.loops.evaluate import EvaluationLoop
@@ -402,7 +403,9 @@ class FitLoop:
 
     def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int, window: Window) -> None:
         progress = self.progress
-        progress.finish_batch(batch_size_of(batch) * self._replicas, window.closing)
+        # Counted from the loader when it reads the epoch's order: a batch's first tensor may not be batch-first.
+        samples = samples_read(self.train_loader, progress.epoch_samples)
+        progress.finish_batch(batch_size_of(batch) * self._replicas if samples is None else samples, window.closing)
         if loss is not None:
             self._epoch_losses += 1
             self.last_loss = loss
@@ -571,21 +574,27 @@ class FitLoop:
         """What the saved position in the epoch is relative to: the data seed and the data's layout."""
         loader = self.train_loader
         accumulate = self.trainer.config.accumulate_grad_batches
+        accumulate = accumulate if isinstance(accumulate, int) else 1
+        batches = self.num_training_batches  # limit_train_batches and drop_last counted
         return {
             "seed": self.data_seed,
             "global_seed": os.environ.get("EMBER_GLOBAL_SEED"),  # set by seed_everything
             "dataset_length": dataset_length(loader) if loader is not None else None,
             "batch_size": getattr(loader, "batch_size", None),
             "replicas": self._replicas,
-            "accumulate": accumulate if isinstance(accumulate, int) else 1,
+            "accumulate": accumulate,
+            "steps_per_epoch": None if math.isinf(batches) else math.ceil(batches / accumulate),
         }
 
     def resume_data(self, saved: dict[str, Any], path: str) -> bool:
         """Continue the epoch where a checkpoint's data section ``saved`` says, with this run's data and
-        layout; returns whether the gradients of an unfinished accumulation window still apply."""
+        layout; returns whether those are the checkpoint's own (then a stateful loader's position and the
+        gradients of an unfinished accumulation window still apply)."""
         now = self.data_state()
-        self.data_seed = saved["seed"]
-        changed = _changes(saved, now, ("dataset_length", "global_seed"))
+        new_seed = _changes(saved, now, ("global_seed",))
+        if not new_seed:
+            self.data_seed = saved["seed"]  # else the new seed, once accepted, orders the data from now on
+        changed = _changes(saved, now, ("dataset_length",)) + new_seed
         if changed:
             self._accept_data_change(changed, path)
             return False
@@ -612,8 +621,11 @@ class FitLoop:
         assert loader is not None
         if progress.window_batches:  # its gradients were summed for another window: that window runs again
             progress.drop_unfinished_window()
-        if resumes_at_the_sample(loader):
-            progress.epoch_batches = progress.epoch_samples // max(1, (now["batch_size"] or 1) * now["replicas"])
+        left = batches_from(loader, progress.epoch_samples)
+        if left is not None:
+            # The rest is numbered as the epoch's last batches in the new layout: the resumed epoch ends (and
+            # validates) where an epoch of the new layout ends, whatever batch the position falls in.
+            progress.epoch_batches = (batches_from(loader, 0) or 0) - left
             self.trainer.print(
                 f"resuming with {', '.join(layout)}: epoch {progress.epoch} continues at sample "
                 f"{progress.epoch_samples} of its order"
@@ -625,8 +637,9 @@ class FitLoop:
                 stacklevel=5,
             )
             progress.restart_epoch()
-        before, after = _steps_per_epoch(saved), _steps_per_epoch(now)
-        if before != after and self.runner is not None and self.runner.scheduler_configs:
+        before, after = saved.get("steps_per_epoch"), now["steps_per_epoch"]
+        schedulers = self.runner is not None and self.runner.scheduler_configs
+        if schedulers and None not in (before, after) and before != after:
             rank_zero_warn_once(
                 f"an epoch is now {after} optimizer steps instead of {before}: learning-rate schedulers continue by "
                 f"optimizer step (from global step {progress.global_step}), so a schedule planned in epochs no "
@@ -644,13 +657,15 @@ class FitLoop:
             "accumulated_gradients": self._unfinished_window_gradients(),
         }
 
-    def load_rank_state(self, state: dict[str, Any], gradients: bool = True) -> None:
-        """Put back what ``rank_state`` saved (the unfinished window's gradients only when ``gradients``)."""
+    def load_rank_state(self, state: dict[str, Any], same_setup: bool = True) -> None:
+        """Put back what ``rank_state`` saved; a stateful loader's position and the unfinished window's
+        gradients only with ``same_setup`` (else the window runs again, or the epoch starts over)."""
         self._pending_random_state = state["random_state"]  # applied when training resumes
+        if not same_setup:
+            return
         if self.train_loader is not None:
             restore_loader_state(self.train_loader, state["loader_state"])
-        if gradients:
-            _restore_gradients(self.trainer.lightning_module, state["accumulated_gradients"])
+        _restore_gradients(self.trainer.lightning_module, state["accumulated_gradients"])
 
     def _unfinished_window_gradients(self) -> list[torch.Tensor | None] | None:
         """The gradients accumulated so far in an accumulation window that has not stepped yet.
@@ -738,13 +753,6 @@ def _changes(saved: dict[str, Any], now: dict[str, Any], names: tuple[str, ...])
         for name in names
         if saved.get(name) is not None and now.get(name) is not None and saved[name] != now[name]
     ]
-
-
-def _steps_per_epoch(data: dict[str, Any]) -> int | None:
-    if None in (data.get("dataset_length"), data.get("batch_size"), data.get("replicas"), data.get("accumulate")):
-        return None
-    batches = math.ceil(math.ceil(data["dataset_length"] / data["replicas"]) / data["batch_size"])
-    return math.ceil(batches / data["accumulate"])
 
 
 def _with_detached_loss(output: Any, loss: torch.Tensor | None) -> Any:

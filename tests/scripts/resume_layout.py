@@ -42,16 +42,22 @@ class Indexed(Dataset):
 
 
 class Net(ember.Module):
-    def __init__(self) -> None:
+    def __init__(self, adam: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(4, 1)
+        self.adam = adam
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)  # through the module's own call, which FSDP gathers the parameters for
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         _, x, y = batch
-        return F.mse_loss(self.layer(x), y)
+        return F.mse_loss(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.adam:  # a state per parameter, which a sharded strategy reshards
+            return torch.optim.Adam(self.parameters(), lr=0.01)
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
@@ -81,22 +87,26 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=-1)
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--tag", default="run")
+    parser.add_argument("--strategy", default=None, help="default: ddp with several processes")
+    parser.add_argument("--adam", action="store_true", help="Adam instead of SGD")
     args = parser.parse_args()
 
     ember.seed_everything(7)
     rank = int(os.environ.get("RANK", "0"))
     record = Record(os.path.join(args.out, f"{args.tag}-rank{rank}.json"), args.kill_after)
     trainer = ember.Trainer(
-        accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
+        accelerator="cpu", devices=args.devices, strategy=args.strategy or ("ddp" if args.devices > 1 else "auto"),
         max_epochs=args.epochs, max_steps=args.max_steps, accumulate_grad_batches=args.accumulate,
         default_root_dir=args.out, enable_progress_bar=False, enable_model_summary=False, logger=False,
         callbacks=[ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), every_n_train_steps=2,
                                    save_top_k=-1, save_last=True), record],
     )  # fmt: skip
-    model = Net()
+    model = Net(args.adam)
     trainer.fit(model, DataLoader(Indexed(), batch_size=args.batch_size, shuffle=True), ckpt_path=args.ckpt_path)
+    # A sharded parameter is gathered whole on every rank (a collective), then rank 0 saves it.
+    final = [getattr(p, "full_tensor", p.detach)().detach() for p in model.parameters()]
     if trainer.global_rank == 0:
-        torch.save([p.detach() for p in model.parameters()], os.path.join(args.out, f"{args.tag}-final.pt"))
+        torch.save(final, os.path.join(args.out, f"{args.tag}-final.pt"))
 
 
 if __name__ == "__main__":
