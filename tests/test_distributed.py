@@ -347,6 +347,26 @@ def test_a_collective_still_running_at_exit_does_not_abort_the_process() -> None
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+WATCHDOGS_AT_EXIT = """
+import time
+import torch.distributed as dist
+from ember.strategies import watchdog
+watchdog._INTERVAL = 0.0001  # each thread is in a store call, without the GIL, nearly all the time
+store = dist.TCPStore("127.0.0.1", 0, 1, True)
+for _ in range(8):
+    watchdog.Watchdog(store.clone(), 0, 1, timeout=60.0, progress=lambda: 0).start()
+time.sleep(0.2)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdog_ends_before_the_interpreter_does() -> None:
+    # A daemon thread that comes back from a store call into a finalizing interpreter aborts the process
+    # ("terminate called without an active exception"): a two-process job failed so at its end now and then.
+    result = subprocess.run([sys.executable, "-c", WATCHDOGS_AT_EXIT], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------- without processes
 class _TwoRanks:
     """Just enough of a strategy for prepare_loader: the layout of one rank of two."""

@@ -12,6 +12,7 @@ that the failed rank's traceback is the one the job shows.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -43,6 +44,7 @@ _COMMUNICATION = (
     os.sep + os.path.join("torch", "autograd") + os.sep,
 )
 _INTERVAL = 0.5
+_STOP_WAIT = 10.0  # seconds: a store call in flight, unless the store is gone
 _FAILURE_GRACE = 3.0  # seconds for the failed rank to print its traceback before the others end the job
 
 
@@ -72,9 +74,16 @@ class Watchdog:
 
     def start(self) -> None:
         self._thread.start()
+        atexit.register(self.stop)
 
     def stop(self) -> None:
+        """End the thread and wait for it. At exit this must come before the interpreter shuts down: a
+        daemon thread that returns from a store call (C++, run without the GIL) into a finalizing interpreter
+        is ended inside C++ destructors, which aborts the process ("terminate called without an active
+        exception")."""
         self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=_STOP_WAIT)
 
     def announce_failure(self, error: BaseException) -> str | None:
         """Tell the other ranks that this one failed, so that they end the job without a traceback of theirs.
