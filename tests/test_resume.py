@@ -33,6 +33,7 @@ from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from ember.checkpoint import io as file_io
 from ember.checkpoint import state as checkpoint_state
+from ember.checkpoint.writer import AsyncWriter
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "resume_job.py")
 
@@ -143,6 +144,26 @@ def test_a_failed_background_write_is_raised_and_nothing_is_linked_or_removed(
     assert names == ["epoch=0-step=2.ckpt", "last.ckpt"]  # step 2 kept: its successor was never written
     assert checkpoint_io.load(os.path.join(trainer.checkpoint_dir, "last.ckpt"))["global_step"] == 2
 
+
+
+def test_what_follows_a_failed_background_write_never_runs_even_when_queued_after_the_failure(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(checkpoint: Any, path: Any) -> None:
+        raise checkpoint_io.CheckpointError(f"could not save {path!r}: No space left on device")
+
+    monkeypatch.setattr(file_io, "save", failing)
+    writer = AsyncWriter()
+    writer.write({"step": torch.zeros(1)}, str(tmp_path / "step=4.ckpt"))
+    time.sleep(0.5)  # on a busy machine the write may fail before the loop queues what depends on it
+    ran: list[str] = []
+    writer.then(lambda: ran.append("link last to step=4.ckpt"))
+    with pytest.raises(checkpoint_io.CheckpointError, match="No space left"):
+        writer.wait()
+    assert ran == []
+    writer.then(lambda: ran.append("after the error was raised"))  # a new save's operations run again
+    writer.wait()
+    assert ran == ["after the error was raised"]
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)

@@ -5,8 +5,8 @@ training only while the state is copied to host memory (into buffers kept from o
 pinned when the state is on a GPU); a background thread then writes the file atomically and runs the
 file operations queued behind it (``last`` links, the removal of checkpoints that left the top k), in
 order. At most one save is in flight: the next one first waits for it. A failed background write is
-raised by the next ``wait()``, and the operations queued behind it are dropped, so nothing is removed
-or linked in place of a file that was never written.
+raised by the next ``wait()``, and the operations queued behind it, before or after it failed, are
+dropped, so nothing is removed or linked in place of a file that was never written.
 """
 
 from __future__ import annotations
@@ -81,6 +81,10 @@ class AsyncWriter(Writer):
 
     def submit(self, work: Task) -> None:
         with self._condition:
+            if self._error is not None:
+                # A write failed, perhaps before the operations that depend on it were queued: they are
+                # dropped like those queued in time, until ``wait()`` raises the error.
+                return
             self._tasks.append(work)
             self._condition.notify()
             if self._thread is None:
