@@ -72,8 +72,11 @@ class _Fakes:
 
         autocast, grad = torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()
         results: list[Any] = [None] * len(functions)
+        # The replicas' threads run at the same time, as torch's do (and so have distinct identities).
+        together = threading.Barrier(len(functions))
 
         def work(index: int) -> None:
+            together.wait(timeout=30)
             self.threads.add(threading.get_ident())
             torch.set_grad_enabled(grad)
             with torch.autocast("cpu", enabled=autocast):
