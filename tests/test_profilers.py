@@ -23,11 +23,11 @@ from ember.profilers import PassThroughProfiler, SimpleProfiler
 
 
 class _MLP(ember.Module):
-    """Enough work per step (a few ms) that the loop's own bookkeeping is a small part of it."""
+    """Enough work per step (several ms) that the loop's own bookkeeping is a small part of it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+        self.net = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
