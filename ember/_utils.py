@@ -82,15 +82,18 @@ def batch_size_of(batch: Any) -> int:
     """The size of the first dimension of the first tensor found in ``batch`` (1 if there is none)."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):  # the common case, tested before the slower Mapping test
+        items: Any = batch
+    elif isinstance(batch, Mapping):
+        items = list(batch.values())
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        batch = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            size = batch_size_of(item)
-            if size != 1 or isinstance(item, torch.Tensor):
-                return size
+        items = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
+    else:
+        return 1
+    for item in items:
+        size = batch_size_of(item)
+        if size != 1 or isinstance(item, torch.Tensor):
+            return size
     return 1
 
 

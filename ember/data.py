@@ -490,14 +490,14 @@ def batches_from(loader: Iterable, sample: int) -> int | None:
     return samples // batch_size if getattr(loader, "drop_last", False) else math.ceil(samples / batch_size)
 
 
-def samples_read(loader: Iterable | None, position: int) -> int | None:
-    """How many samples of the epoch's global order the next batch of every rank reads, from ``position``
-    on: the batch size times the ranks, fewer at the end of the order (padding is not counted). None for a
-    loader that does not read an ``EpochOrder``."""
+def order_reads(loader: Iterable | None) -> tuple[int, int] | None:
+    """For a loader that reads an ``EpochOrder``: ``(positions of the epoch's global order that a batch of
+    every rank reads together, the order's length)``; they read fewer at the order's end, where the ranks'
+    batches are padded (padding is not counted). None for another loader."""
     order = _unwrapped(getattr(loader, "sampler", None))
     if not isinstance(order, EpochOrder):
         return None
-    return max(0, min((getattr(loader, "batch_size", None) or 1) * order.num_replicas, order.length - position))
+    return (getattr(loader, "batch_size", None) or 1) * order.num_replicas, order.length
 
 
 def data_replicas(loader: Iterable) -> int:

@@ -99,7 +99,7 @@ class MetricStore:
         entry.on_step = self.default_on_step if on_step is None else on_step
         entry.on_epoch = not self.default_on_step if on_epoch is None else on_epoch
         entry.prog_bar, entry.to_logger, entry.reduce_fx, entry.sync_dist = prog_bar, logger, reduce_fx, sync_dist
-        if _is_metric_object(value):
+        if not isinstance(value, torch.Tensor) and _is_metric_object(value):  # a tensor: the cheaper test
             entry.metric = value  # computed, synced and reset by itself at epoch end
             cached = getattr(value, "_forward_cache", None)
             if entry.on_step and cached is not None:

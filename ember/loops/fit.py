@@ -28,8 +28,8 @@ from ember.data import (
     loader_state,
     named_failures,
     numbered_batches,
+    order_reads,
     restore_loader_state,
-    samples_read,
     with_last_flag,
 )
 from ember.loops.evaluate import EvaluationLoop
@@ -54,29 +54,34 @@ class _Outcome(enum.Enum):
 
 
 class Window:
-    """The micro-batches of one optimizer step: ``size`` of them, the losses of each divided by it.
+    """The accumulation window being run: ``size`` micro-batches, the losses of each divided by it, then one
+    optimizer step. One record serves the whole epoch: ``next()`` starts the following window.
 
-    The epoch's last window may be shorter. When the loader's length is unknown that is found out
-    only at its end: the gradients are then rescaled by ``gradient_scale`` before the step.
+    The epoch's last window may be shorter. When the loader's length is unknown that is found out only at
+    its end: the gradients are then rescaled by ``gradient_scale`` before the step.
     """
 
-    def __init__(self, batches: Iterator[tuple[int, Any, bool]], size: int, done: int = 0) -> None:
-        self._batches = batches
-        self.size = size
+    def __init__(self, length: int, batches_left: float, done: int = 0) -> None:
+        self._length = length  # accumulate_grad_batches (1 under manual optimization or "auto")
+        self._batches_left = batches_left  # the epoch's batches from this window's start on (inf: unknown)
+        self.size = int(min(length, batches_left))
         self.seen = done  # micro-batches run (a resumed run may start in the middle of a window)
         self.has_gradients = done > 0
         #: True while the micro-batch being run is the window's last.
         self.closing = False
         self.ends_epoch = False
 
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
-        for batch_idx, batch, is_last in self._batches:
-            self.seen += 1
-            self.ends_epoch = is_last
-            self.closing = is_last or self.seen >= self.size
-            yield batch_idx, batch
-            if self.closing:
-                return
+    def add(self, is_last: bool) -> None:
+        """Count the micro-batch about to run (``is_last``: the epoch's last)."""
+        self.seen += 1
+        self.ends_epoch = is_last
+        self.closing = is_last or self.seen >= self.size
+
+    def next(self) -> None:
+        self._batches_left -= self.seen
+        self.size = int(min(self._length, self._batches_left))
+        self.seen = 0
+        self.has_gradients = self.closing = False
 
     @property
     def gradient_scale(self) -> float:
@@ -122,6 +127,7 @@ class FitLoop:
         self._module_batch_start: Callable[..., Any] | None = None
         self._to_device: Callable[[Any], Any] = trainer.strategy.batch_to_device
         self._replicas = 1  # the ranks that read disjoint shards of the training data
+        self._order: tuple[int, int] | None = None  # what order_reads says of the training loader
         # Flags read per batch, looked up once per run.
         self._split = False  # accumulate_grad_batches="auto"
         self._max_steps: float = math.inf
@@ -202,6 +208,7 @@ class FitLoop:
         config = trainer.config
         self.train_loader = train_loader
         self._replicas = data_replicas(train_loader)
+        self._order = order_reads(train_loader)
         self.num_training_batches = count_batches(train_loader, config.limit_train_batches, "limit_train_batches")
         if self.num_training_batches == 0 and config.limit_train_batches != 0:
             raise ValueError("the train dataloader is empty: it has no batches to train on")
@@ -254,7 +261,7 @@ class FitLoop:
         self._next_log_step = config.log_every_n_steps
         self._split = config.accumulate_grad_batches == "auto"
         self._max_steps = config.max_steps if config.max_steps != -1 else math.inf
-        self.interruptions.reset(config.max_time_seconds)
+        self.interruptions.reset(config.max_time_seconds, strategy.world_size)
 
     def _log_hyperparameters(self) -> None:
         trainer = self.trainer
@@ -300,12 +307,8 @@ class FitLoop:
         self._epoch_losses = 0
         # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         trainer.hooks.call("on_train_epoch_start")
-        outcome = _Outcome.CONTINUE
         with contextlib.closing(self._epoch_batches()) as batches:  # closed early, it ends the loader's workers
-            for window in self._windows(batches):
-                outcome = self._train_window(window)
-                if outcome is not _Outcome.CONTINUE:
-                    break
+            outcome = self._train_batches(batches)
         if outcome is not _Outcome.PREEMPTED:  # the process exits: no end-of-epoch work for half an epoch
             self._end_epoch(completed=outcome is _Outcome.EPOCH_DONE)
 
@@ -330,26 +333,17 @@ class FitLoop:
             return ((index, batch, is_last) for index, (batch, is_last) in enumerate(flagged, first))
         return numbered_batches(loader_batches, where, first, int(self.num_training_batches) - 1)
 
-    def _windows(self, batches: Iterator[tuple[int, Any, bool]]) -> Iterator[Window]:
-        """The epoch's accumulation windows: k micro-batches each (one under manual optimization or
-        ``accumulate_grad_batches="auto"``), the last possibly fewer."""
+    def _train_batches(self, batches: Iterator[tuple[int, Any, bool]]) -> _Outcome:
+        """Run the epoch's batches, an optimizer step closing each accumulation window. This runs per batch:
+        what it needs is looked up once per epoch, and hooks nobody overrides are not called."""
         progress = self.progress
-        k = self._window_length() or 1
-        done = progress.window_batches
-        start = progress.epoch_batches - done
-        while True:
-            size = k if math.isinf(self.num_training_batches) else min(k, int(self.num_training_batches) - start)
-            window = Window(batches, size, done)
-            yield window
-            if window.ends_epoch or not window.closing:
-                return
-            start, done = start + window.seen, 0
-
-    def _train_window(self, window: Window) -> _Outcome:
-        trainer = self.trainer
-        store = trainer.run_metrics.train
-        for batch_idx, batch in window:
-            self.is_last_batch = window.ends_epoch
+        window = Window(self._window_length() or 1, self.num_training_batches - progress.epoch_batches
+                        + progress.window_batches, done=progress.window_batches)  # fmt: skip
+        store = self.trainer.run_metrics.train
+        validation = self._validation if self._validation.selects(progress.epoch) else None
+        for batch_idx, batch, is_last in batches:
+            window.add(is_last)
+            self.is_last_batch = is_last
             batch = self._to_device(batch)
             store.batch = batch
             if self._module_batch_start is not None and self._module_batch_start(batch, batch_idx) == -1:
@@ -358,15 +352,15 @@ class FitLoop:
                 hook(batch, batch_idx)
             output, loss = self._train_batch(batch, batch_idx, window)
             self._end_batch(output, loss, batch, batch_idx, window)
-            if self._validation.due(self.progress, batch_idx, window.ends_epoch):
-                self._validate(at_epoch_end=window.ends_epoch, after_step=window.closing)
+            if validation is not None and validation.due(progress, batch_idx, is_last):
+                self._validate(at_epoch_end=is_last, after_step=window.closing)
             outcome = self._after_batch(window)
             if outcome is not _Outcome.CONTINUE:
                 return outcome
-        if window.closing:
-            return _Outcome.CONTINUE
+            if window.closing:
+                window.next()
         # The epoch's batches ran out before the window closed.
-        if window.seen == 0 and self.progress.epoch_batches == 0:
+        if window.seen == 0 and progress.epoch_batches == 0:
             raise ValueError("the train dataloader yielded no batches")
         if window.has_gradients and self.runner is not None:
             # The loader ended before the batch count it announced: step with what was accumulated.
@@ -374,9 +368,9 @@ class FitLoop:
         return _Outcome.EPOCH_DONE
 
     def _train_batch(self, batch: Any, batch_idx: int, window: Window) -> tuple[Any, torch.Tensor | None]:
-        runner, module = self.runner, self.trainer.lightning_module
-        assert runner is not None and module is not None
-        if not module.automatic_optimization:
+        runner = self.runner
+        assert runner is not None
+        if self._manual:
             steps_before = self.progress.global_step
             output, loss = runner.manual_step(batch, batch_idx)
             self.stepped = self.progress.global_step != steps_before
@@ -403,9 +397,7 @@ class FitLoop:
 
     def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int, window: Window) -> None:
         progress = self.progress
-        # Counted from the loader when it reads the epoch's order: a batch's first tensor may not be batch-first.
-        samples = samples_read(self.train_loader, progress.epoch_samples)
-        progress.finish_batch(batch_size_of(batch) * self._replicas if samples is None else samples, window.closing)
+        progress.finish_batch(self._samples_of(batch), window.closing)
         if loss is not None:
             self._epoch_losses += 1
             self.last_loss = loss
@@ -419,6 +411,13 @@ class FitLoop:
         if step >= self._next_log_step or self.should_stop:
             self._write_step_logs()
 
+    def _samples_of(self, batch: Any) -> int:
+        """The samples of the epoch's global order that this batch and those of the other ranks read."""
+        if self._order is None:  # counted from the batch when the loader does not read an EpochOrder
+            return batch_size_of(batch) * self._replicas
+        per_batch, length = self._order
+        return max(0, min(per_batch, length - self.progress.epoch_samples))  # the order's end is padded
+
     def _after_batch(self, window: Window) -> _Outcome:
         """What comes after this batch: its window goes on, the epoch ends, or training stops."""
         if window.ends_epoch:
@@ -426,7 +425,7 @@ class FitLoop:
         if (self.should_stop and self._may_stop()) or self.progress.global_step >= self._max_steps:
             return _Outcome.STOP
         # Only at a step boundary, which every rank reaches at the same batch (the check may be a collective).
-        if window.closing and self._interrupted():
+        if window.closing and self.interruptions.due() and self._interrupted():
             if self.preempted:
                 self._save_for_preemption()
                 return _Outcome.PREEMPTED
@@ -709,10 +708,13 @@ class _ValidationSchedule:
             every = interval
         return cls(every, per_epoch, loaders, trainer.validate_loop.count(loaders))
 
+    def selects(self, epoch: int) -> bool:
+        """Whether to validate at all in ``epoch`` (counted from 0)."""
+        return self.enabled and (self.every_n_epochs is None or (epoch + 1) % self.every_n_epochs == 0)
+
     def due(self, progress: Progress, batch_idx: int, is_last: bool) -> bool:
-        """Whether to validate after training batch ``batch_idx`` (``is_last``: the epoch's last)."""
-        if not self.enabled or (self.every_n_epochs is not None and (progress.epoch + 1) % self.every_n_epochs):
-            return False
+        """Whether to validate after training batch ``batch_idx`` (``is_last``: the epoch's last) of an epoch
+        that it ``selects``."""
         if self.every is None:
             return is_last
         if self.every_n_epochs is None:

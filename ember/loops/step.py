@@ -409,7 +409,9 @@ def training_loss(output: Any, module: torch.nn.Module | None = None) -> torch.T
     """The loss in what ``training_step`` returned (None skips the batch), or a clear error."""
     if output is None:
         return None
-    loss = output.get("loss") if isinstance(output, Mapping) else output
+    loss: Any = output
+    if not isinstance(output, torch.Tensor) and isinstance(output, Mapping):  # a tensor first: the cheaper test
+        loss = output.get("loss")
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
             "training_step must return the loss tensor, a dict with a 'loss' tensor, or None to skip the "

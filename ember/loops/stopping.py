@@ -44,28 +44,34 @@ class Interruptions:
         #: ``time.monotonic()`` past which training stops (``max_time``; the ``Timer`` callback may move it).
         self.deadline = math.inf
         self.signal_received: int | None = None
+        self._world_size = 1
         self._agreement = StopAgreement()
 
-    def reset(self, max_time: float | None) -> None:
+    def reset(self, max_time: float | None, world_size: int = 1) -> None:
         self.deadline = time.monotonic() + max_time if max_time is not None else math.inf
         self.signal_received = None
+        self._world_size = world_size
         self._agreement = StopAgreement()
 
-    def check(self, strategy: Strategy) -> tuple[bool, int | None]:
-        """``(stop now, the signal that asked for it or None)``, the same on every rank; call at step
-        boundaries.
+    def due(self) -> bool:
+        """Whether ``check`` must run at this step boundary (call once at each): alone, when a signal came or
+        the deadline passed; with several processes, when the steps until the ranks' next agreement are done."""
+        if self._world_size == 1:
+            return self.signal_received is not None or time.monotonic() >= self.deadline
+        self._agreement.countdown -= 1
+        return self._agreement.countdown <= 0
 
-        With several processes the ranks agree about every half second: the check is then a local
-        countdown on all the other steps. A signal that reached some ranks only stops them all.
+    def check(self, strategy: Strategy) -> tuple[bool, int | None]:
+        """``(stop now, the signal that asked for it or None)``, the same on every rank; call when ``due``.
+
+        With several processes the ranks agree (a collective), and settle when to agree next: about every
+        half second. A signal that reached some ranks only stops them all.
         """
         signal_number = self.signal_received or 0
         now = time.monotonic()
         out_of_time = now >= self.deadline
         if strategy.world_size > 1:
             agreement = self._agreement
-            agreement.countdown -= 1
-            if agreement.countdown > 0:
-                return False, None
             pace = (now - agreement.since) / agreement.steps
             proposal = min(StopAgreement.MAX_STEPS, max(1, int(StopAgreement.SECONDS / max(pace, 1e-9))))
             # The "max" of the negated proposals is the fewest steps any rank proposes.
