@@ -12,7 +12,7 @@ machine speed touches all three alike. It reports:
 - the time to resume: from ``fit(ckpt_path="last")`` to the first training step (reading and verifying
   the file, restoring model, optimizer and position).
 
-    python bench/checkpoint.py [--rounds 2] [--steps 150] [--every 50] [--width 4096] [--batch-size 48]
+    python bench/checkpoint.py [--rounds 2] [--steps 150] [--every 50] [--width 4096] [--batch-size 48] [--threads N]
 """
 
 from __future__ import annotations
@@ -108,7 +108,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=48)
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU threads for training (default: torch's choice, every core); fewer leave the background writer a core",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     parameters = sum(p.numel() for p in Wide(args.width, args.layers).parameters())
     results: dict[str, list[dict[str, Any]]] = {"none": [], "sync": [], "async": []}
