@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import ember
 from ember.callbacks import Callback
+from ember.loops.stopping import Interruptions
+from ember.strategies.single import SingleDeviceStrategy
 
 
 def test_fit_trains_and_counts_optimizer_steps() -> None:
@@ -361,3 +364,39 @@ def test_auto_micro_batching_splits_after_running_out_of_memory_and_keeps_the_re
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(torch.OutOfMemoryError, match="one sample at a time still runs out of memory"):
         quiet_trainer(max_epochs=1, accumulate_grad_batches="auto", logger=False).fit(_Tight(0), make_loader(8))
+
+
+class _TwoRanks:
+    """A strategy of two ranks whose collectives see only this rank: enough for the stop agreement."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.agreements = 0
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        self.agreements += 1
+        return tensor
+
+
+def test_the_stop_check_is_due_alone_only_after_a_signal_or_the_deadline() -> None:
+    interruptions = Interruptions()
+    interruptions.reset(max_time=None)
+    assert not any(interruptions.due() for _ in range(100))
+    interruptions.signal_received = signal.SIGTERM
+    assert interruptions.due() and interruptions.check(SingleDeviceStrategy()) == (True, signal.SIGTERM)
+    interruptions.reset(max_time=0.0)
+    assert interruptions.due() and interruptions.check(SingleDeviceStrategy()) == (True, None)
+
+
+def test_the_ranks_agree_on_stopping_only_when_their_countdown_ends() -> None:
+    interruptions, strategy = Interruptions(), _TwoRanks()
+    interruptions.reset(max_time=None, world_size=2)
+    due = [interruptions.due() for _ in range(10)]
+    assert due == [False] * 9 + [True]  # the first agreement comes after 10 steps
+    assert interruptions.check(strategy) == (False, None) and strategy.agreements == 1  # type: ignore[arg-type]
+    interruptions.signal_received = signal.SIGUSR1  # between agreements a signal waits for the next one
+    steps = 1
+    while not interruptions.due():
+        steps += 1
+    assert steps > 1 and interruptions.check(strategy) == (True, signal.SIGUSR1)  # type: ignore[arg-type]

@@ -78,6 +78,7 @@ class Window:
         self.closing = is_last or self.seen >= self.size
 
     def next(self) -> None:
+        """Start the window that follows this one."""
         self._batches_left -= self.seen
         self.size = int(min(self._length, self._batches_left))
         self.seen = 0
@@ -337,8 +338,8 @@ class FitLoop:
         """Run the epoch's batches, an optimizer step closing each accumulation window. This runs per batch:
         what it needs is looked up once per epoch, and hooks nobody overrides are not called."""
         progress = self.progress
-        window = Window(self._window_length() or 1, self.num_training_batches - progress.epoch_batches
-                        + progress.window_batches, done=progress.window_batches)  # fmt: skip
+        left = self.num_training_batches - progress.epoch_batches + progress.window_batches  # from the window's start
+        window = Window(self._window_length() or 1, left, done=progress.window_batches)
         store = self.trainer.run_metrics.train
         validation = self._validation if self._validation.selects(progress.epoch) else None
         for batch_idx, batch, is_last in batches:
@@ -412,8 +413,9 @@ class FitLoop:
             self._write_step_logs()
 
     def _samples_of(self, batch: Any) -> int:
-        """The samples of the epoch's global order that this batch and those of the other ranks read."""
-        if self._order is None:  # counted from the batch when the loader does not read an EpochOrder
+        """The samples of the epoch's global order that this batch and those of the other ranks read: counted
+        from the loader when it reads an ``EpochOrder`` (a batch's first tensor may not be batch-first)."""
+        if self._order is None:
             return batch_size_of(batch) * self._replicas
         per_batch, length = self._order
         return max(0, min(per_batch, length - self.progress.epoch_samples))  # the order's end is padded
