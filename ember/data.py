@@ -481,8 +481,8 @@ def _ending_workers(iterator: Iterator[Any]) -> Iterator[Any]:
 def batches_from(loader: Iterable, sample: int) -> int | None:
     """How many batches this rank reads of an epoch of ``loader`` that continues at position ``sample`` of
     its global order; None when ``loader`` cannot continue at a sample (it reads no ``EpochOrder``)."""
-    order = _unwrapped(getattr(loader, "sampler", None))
-    if not isinstance(order, EpochOrder):
+    order = _order_read_by(loader)
+    if order is None:
         return None
     samples, batch_size = order.length_from(sample), getattr(loader, "batch_size", None)
     if batch_size is None:
@@ -494,10 +494,16 @@ def order_reads(loader: Iterable | None) -> tuple[int, int] | None:
     """For a loader that reads an ``EpochOrder``: ``(positions of the epoch's global order that a batch of
     every rank reads together, the order's length)``; they read fewer at the order's end, where the ranks'
     batches are padded (padding is not counted). None for another loader."""
-    order = _unwrapped(getattr(loader, "sampler", None))
-    if not isinstance(order, EpochOrder):
+    order = _order_read_by(loader)
+    if order is None:
         return None
     return (getattr(loader, "batch_size", None) or 1) * order.num_replicas, order.length
+
+
+def _order_read_by(loader: Iterable | None) -> EpochOrder | None:
+    """The ``EpochOrder`` that ``loader`` reads its samples in, if it reads one."""
+    order = _unwrapped(getattr(loader, "sampler", None))
+    return order if isinstance(order, EpochOrder) else None
 
 
 def data_replicas(loader: Iterable) -> int:
