@@ -45,6 +45,10 @@ class Precision:
     name = "32-true"
     #: Whether ``convert_input`` changes batches (the loop skips the call otherwise).
     converts_input = False
+    #: Whether ``forward_context`` does anything (the training step skips entering it otherwise).
+    wraps_forward = False
+    #: Whether gradients are scaled (then backward, unscaling and stepping go through this plugin).
+    scales_gradients = False
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module
@@ -76,6 +80,7 @@ class TruePrecision(Precision):
     """Parameters, inputs and new tensors in one dtype: "64-true", "16-true" or "bf16-true"."""
 
     converts_input = True
+    wraps_forward = True
 
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         self.name = name
@@ -104,6 +109,8 @@ class TruePrecision(Precision):
 class MixedPrecision(Precision):
     """Autocast to float16 ("16-mixed", with a ``GradScaler``) or bfloat16 ("bf16-mixed", no scaler)."""
 
+    wraps_forward = True
+
     def __init__(self, name: str, dtype: torch.dtype, device_type: str) -> None:
         self.name = name
         self.dtype = dtype
@@ -111,6 +118,7 @@ class MixedPrecision(Precision):
         # float16's narrow range makes small gradients underflow; the scaler multiplies the loss up,
         # divides the gradients back, and skips steps whose gradients overflowed.
         self.scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
+        self.scales_gradients = self.scaler is not None
         self._told_of_sync = False
         self._unscaled: set[int] = set()  # the optimizers whose gradients were unscaled since the last step
 

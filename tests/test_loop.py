@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 from typing import Any
@@ -400,3 +401,32 @@ def test_the_ranks_agree_on_stopping_only_when_their_countdown_ends() -> None:
     while not interruptions.due():
         steps += 1
     assert steps > 1 and interruptions.check(strategy) == (True, signal.SIGUSR1)  # type: ignore[arg-type]
+
+
+def test_a_step_on_one_device_in_32_bit_calls_the_module_tensor_and_optimizer_directly() -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    module = Regressor()
+    trainer.fit(module, make_loader(16))
+    calls = trainer.strategy.step_calls()
+    assert calls.forward == module.training_step and calls.backward is torch.Tensor.backward
+    assert calls.unscale is None
+
+
+def test_a_precision_with_a_context_or_a_profiler_keeps_the_step_going_through_the_strategy() -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, precision="bf16-mixed")
+    trainer.fit(Regressor(), make_loader(16))
+    forward = trainer.strategy.step_calls().forward
+    assert isinstance(forward, functools.partial) and forward.func == trainer.strategy.step  # under autocast
+
+    seen: dict[str, Any] = {}
+
+    class WhileProfiled(Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            seen["calls"] = trainer.strategy.step_calls()
+
+    profiled = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, profiler="simple",
+                             callbacks=[WhileProfiled()])  # fmt: skip
+    profiled.fit(Regressor(), make_loader(16))
+    # The profiler's wrappers stand on the instance: the step must go through them to be timed.
+    assert seen["calls"].backward is not torch.Tensor.backward
+    assert profiled.profiler.records["backward"].calls == 2  # type: ignore[attr-defined]

@@ -98,6 +98,7 @@ class StepRunner:
         # Outputs of a forward that CUDA graphs replay are overwritten by the next replay: what outlives
         # the step must be a copy.
         self._copy_outputs = strategy.reuses_outputs
+        self._calls = strategy.step_calls()
 
     def step_args(self, batch: Any, batch_idx: int) -> tuple[Any, ...]:
         """What ``training_step`` receives."""
@@ -108,14 +109,21 @@ class StepRunner:
         """One micro-batch of a window of ``window_size``: its forward and backward. Gradients are
         synchronised across ranks only when ``sync`` (the window's last micro-batch). Returns the step's
         output and its detached loss (None when the step skipped the batch)."""
-        with self.strategy.no_sync(not sync):
-            output = self.strategy.step("training_step", *self.step_args(batch, batch_idx))
-            loss = training_loss(output, self.module)
-            if loss is None:
-                return output, None
-            # Dividing by the window size makes k micro-batches of b the same as one batch of k*b.
-            self.strategy.backward(loss / window_size if window_size > 1 else loss)
-        return output, self._kept(loss)
+        if not sync:
+            with self.strategy.no_sync():  # gradients accumulate locally; the window's last micro-batch syncs
+                return self.forward_backward(batch, batch_idx, window_size, sync=True)
+        # Per micro-batch: every call saved here is a microsecond a plain loop does not spend.
+        calls = self._calls
+        output = calls.forward(batch, batch_idx) if self._takes_batch_idx else calls.forward(batch)
+        # The usual return (a one-number tensor that requires grad) is recognised inline, the rest checked in full.
+        usual = type(output) is torch.Tensor and output.requires_grad and output.numel() == 1
+        loss = output if usual else training_loss(output, self.module)
+        if loss is None:
+            return output, None
+        # Dividing by the window size makes k micro-batches of b the same as one batch of k*b.
+        calls.backward(loss / window_size if window_size > 1 else loss)
+        kept = loss.detach()
+        return output, kept.clone() if self._copy_outputs else kept
 
     def split_forward_backward(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
         """Forward and backward of ``batch`` in ``micro_batches`` pieces; twice as many after running out
@@ -149,7 +157,7 @@ class StepRunner:
         loss: torch.Tensor | None = None
         with self.strategy.no_sync(True):
             for piece in split_batch(batch, self.micro_batches):
-                output = self.strategy.step("training_step", *self.step_args(piece, batch_idx))
+                output = self._calls.forward(*self.step_args(piece, batch_idx))
                 piece_loss = training_loss(output, self.module)
                 if piece_loss is not None:
                     weight = batch_size_of(piece) / total
@@ -188,17 +196,18 @@ class StepRunner:
         self._count_step()
 
     def _apply_step(self, optimizer: torch.optim.Optimizer, gradient_scale: float = 1.0) -> None:
-        strategy = self.strategy
+        calls = self._calls
         if gradient_scale != 1.0:
             _scale_gradients(optimizer, gradient_scale)
-        strategy.unscale_gradients(optimizer)  # clipping and the hooks must see the true gradients
+        if calls.unscale is not None:
+            calls.unscale(optimizer)  # clipping and the hooks must see the true gradients
         for hook in self.before_step_hooks:
             hook(optimizer)
         if self.hooks.configure_gradient_clipping is not None:
             self.hooks.configure_gradient_clipping(optimizer, self.clip_val, self.clip_algorithm)
         elif self.clip_val:
-            strategy.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
-        strategy.optimizer_step(optimizer)
+            self.strategy.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
+        calls.optimizer_step(optimizer)
 
     def _count_step(self) -> None:
         self.progress.count_step()
@@ -278,7 +287,7 @@ class StepRunner:
     # ---------------------------------------------------------------------- manual optimization
     def manual_step(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
         """A training step that steps its optimizers itself; returns its output and the loss it returned."""
-        output = self.strategy.step("training_step", *self.step_args(batch, batch_idx))
+        output = self._calls.forward(*self.step_args(batch, batch_idx))
         loss = output.get("loss") if isinstance(output, Mapping) else output
         # Under manual optimization a returned loss is only shown and checked, so any scalar tensor will do.
         return output, self._kept(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
@@ -351,7 +360,7 @@ class _Closure:
         self.ran = True
         runner = self._runner
         with runner.strategy.no_sync(not self._sync):
-            self.output = runner.strategy.step("training_step", *runner.step_args(self._batch, self._batch_idx))
+            self.output = runner._calls.forward(*runner.step_args(self._batch, self._batch_idx))
             loss = training_loss(self.output, runner.module)
             if self._zero_grad:
                 runner.zero_grad(self._batch_idx)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from itertools import chain
@@ -24,6 +26,20 @@ if TYPE_CHECKING:
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 _NO_CONTEXT = contextlib.nullcontext()  # reusable, so entering it per step allocates nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCalls:
+    """What a training step calls, as ``Strategy.step_calls`` binds it."""
+
+    forward: Callable[..., Any]
+    """``training_step(*args)``."""
+    backward: Callable[[torch.Tensor], None]
+    """Backpropagate a loss."""
+    unscale: Callable[[torch.optim.Optimizer], None] | None
+    """Bring an optimizer's gradients to their true scale (None: they are never scaled)."""
+    optimizer_step: Callable[[torch.optim.Optimizer], Any]
+    """Step an optimizer."""
 
 
 class Strategy:
@@ -221,6 +237,32 @@ class Strategy:
         """Run ``module.<name>(*args)`` (training_step, validation_step, ...) in the precision's context."""
         with self.precision.forward_context():
             return getattr(self._module, name)(*args)
+
+    def step_calls(self) -> StepCalls:
+        """How a training step calls ``step``, ``backward``, ``unscale_gradients`` and ``optimizer_step``,
+        bound once per run: each is the module's, tensor's or optimizer's own method where neither this
+        strategy nor its precision adds anything to it and no profiler wraps it (one device, 32-bit): a
+        step then goes through no layer that a hand-written loop does not have."""
+        precision, module = self.precision, self._module
+        plain_gradients = not precision.scales_gradients
+        forward: Callable[..., Any] = functools.partial(self.step, "training_step")
+        if module is not None and self._adds_nothing_to("step") and not precision.wraps_forward:
+            forward = module.training_step
+        return StepCalls(
+            forward=forward,
+            backward=torch.Tensor.backward if plain_gradients and self._adds_nothing_to("backward") else self.backward,
+            unscale=None if plain_gradients and self._adds_nothing_to("unscale_gradients") else self.unscale_gradients,
+            optimizer_step=(
+                operator.methodcaller("step")  # looked up at each call: an LR scheduler wraps optimizer.step
+                if plain_gradients and self._adds_nothing_to("optimizer_step")
+                else self.optimizer_step
+            ),
+        )
+
+    def _adds_nothing_to(self, name: str) -> bool:
+        """Whether method ``name`` is the base class's, not replaced by a subclass or on this instance (where
+        a profiler wraps what it times)."""
+        return name not in vars(self) and getattr(type(self), name) is getattr(Strategy, name)
 
     def no_sync(self, skip_gradient_sync: bool = True) -> contextlib.AbstractContextManager:
         """While active (with ``skip_gradient_sync``), backward passes accumulate gradients locally without
