@@ -213,3 +213,15 @@ def test_two_gloo_ranks_sync_metrics_and_only_rank_zero_writes(tmp_path: Any) ->
     assert result.stdout.count("Total params") == 1 and result.stdout.count("Epoch 1/2 8/8") == 1
     # a parameter sharded over the two ranks counts with its full size (6 x 8 + 6), not its half
     assert "54        Total params" in ranks[0]["sharded_summary"]
+
+
+def test_tensorboard_scalars_reach_the_file_at_each_flush_and_at_the_end(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    logger = TensorBoardLogger(str(tmp_path), flush_logs_every_n_steps=10)
+    logger.log_metrics({"loss": 1.0}, 5)
+    assert _scalars(logger.log_dir) == {}  # buffered: the writer's thread is not woken per step
+    logger.log_metrics({"loss": 0.5}, 10)
+    assert _scalars(logger.log_dir) == {"loss": [(5, 1.0), (10, 0.5)]}
+    logger.log_metrics({"loss": 0.25}, 12)
+    logger.finalize("success")
+    assert _scalars(logger.log_dir)["loss"][-1] == (12, 0.25)
