@@ -112,7 +112,7 @@ class StepRunner:
         if not sync:
             with self.strategy.no_sync():  # gradients accumulate locally; the window's last micro-batch syncs
                 return self.forward_backward(batch, batch_idx, window_size, sync=True)
-        # Per micro-batch: every call saved here is a microsecond a plain loop does not spend.
+        # Per micro-batch: no call here that a plain loop does not make, but for the loss check and the detached copy.
         calls = self._calls
         output = calls.forward(batch, batch_idx) if self._takes_batch_idx else calls.forward(batch)
         # The usual return (a one-number tensor that requires grad) is recognised inline, the rest checked in full.
