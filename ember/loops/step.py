@@ -109,21 +109,14 @@ class StepRunner:
         """One micro-batch of a window of ``window_size``: its forward and backward. Gradients are
         synchronised across ranks only when ``sync`` (the window's last micro-batch). Returns the step's
         output and its detached loss (None when the step skipped the batch)."""
-        if not sync:
-            with self.strategy.no_sync():  # gradients accumulate locally; the window's last micro-batch syncs
-                return self.forward_backward(batch, batch_idx, window_size, sync=True)
-        # Per micro-batch: no call here that a plain loop does not make, but for the loss check and the detached copy.
-        calls = self._calls
-        output = calls.forward(batch, batch_idx) if self._takes_batch_idx else calls.forward(batch)
-        # The usual return (a one-number tensor that requires grad) is recognised inline, the rest checked in full.
-        usual = type(output) is torch.Tensor and output.requires_grad and output.numel() == 1
-        loss = output if usual else training_loss(output, self.module)
-        if loss is None:
-            return output, None
-        # Dividing by the window size makes k micro-batches of b the same as one batch of k*b.
-        calls.backward(loss / window_size if window_size > 1 else loss)
-        kept = loss.detach()
-        return output, kept.clone() if self._copy_outputs else kept
+        with self.strategy.no_sync(not sync):
+            output = self._calls.forward(*self.step_args(batch, batch_idx))
+            loss = training_loss(output, self.module)
+            if loss is None:
+                return output, None
+            # Dividing by the window size makes k micro-batches of b the same as one batch of k*b.
+            self._calls.backward(loss / window_size if window_size > 1 else loss)
+        return output, self._kept(loss)
 
     def split_forward_backward(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
         """Forward and backward of ``batch`` in ``micro_batches`` pieces; twice as many after running out
