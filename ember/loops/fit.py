@@ -69,12 +69,10 @@ class Window:
         self.has_gradients = done > 0
         #: True while the micro-batch being run is the window's last.
         self.closing = False
-        self.ends_epoch = False
 
     def add(self, is_last: bool) -> None:
         """Count the micro-batch about to run (``is_last``: the epoch's last)."""
         self.seen += 1
-        self.ends_epoch = is_last
         self.closing = is_last or self.seen >= self.size
 
     def next(self) -> None:
@@ -337,13 +335,12 @@ class FitLoop:
     def _train_batches(self, batches: Iterator[tuple[int, Any, bool]]) -> _Outcome:
         """Run the epoch's batches, an optimizer step closing each accumulation window. This runs per batch:
         what it needs is looked up once per epoch, and hooks nobody overrides are not called."""
-        progress = self.progress
-        left = self.num_training_batches - progress.epoch_batches + progress.window_batches  # from the window's start
-        window = Window(self._window_length() or 1, left, done=progress.window_batches)
+        progress, runner = self.progress, self.runner
+        assert runner is not None
+        window = self._first_window()
         store = self.trainer.run_metrics.train
         validation = self._validation if self._validation.selects(progress.epoch) else None
         for batch_idx, batch, is_last in batches:
-            window.add(is_last)
             self.is_last_batch = is_last
             batch = self._to_device(batch)
             store.batch = batch
@@ -351,22 +348,36 @@ class FitLoop:
                 return _Outcome.EPOCH_DONE  # the module skips the rest of this epoch
             for hook in self._batch_start_hooks:
                 hook(batch, batch_idx)
-            output, loss = self._train_batch(batch, batch_idx, window)
-            self._end_batch(output, loss, batch, batch_idx, window)
+            if window is None:  # each batch is a window of its own: the common case, in one call
+                output, loss = runner.single_step(batch, batch_idx)
+                self.stepped, closing = loss is not None, True
+            else:
+                window.add(is_last)
+                output, loss = self._train_batch(batch, batch_idx, window)
+                closing = window.closing
+            self._end_batch(output, loss, batch, batch_idx, closing)
             if validation is not None and validation.due(progress, batch_idx, is_last):
-                self._validate(at_epoch_end=is_last, after_step=window.closing)
-            outcome = self._after_batch(window)
+                self._validate(at_epoch_end=is_last, after_step=closing)
+            outcome = self._after_batch(is_last, closing)
             if outcome is not _Outcome.CONTINUE:
                 return outcome
-            if window.closing:
+            if window is not None and closing:
                 window.next()
-        # The epoch's batches ran out before the window closed.
-        if window.seen == 0 and progress.epoch_batches == 0:
+        if progress.epoch_batches == 0:
             raise ValueError("the train dataloader yielded no batches")
-        if window.has_gradients and self.runner is not None:
+        if window is not None and window.has_gradients:
             # The loader ended before the batch count it announced: step with what was accumulated.
-            self.runner.optimizer_step(window.gradient_scale)
+            runner.optimizer_step(window.gradient_scale)
         return _Outcome.EPOCH_DONE
+
+    def _first_window(self) -> Window | None:
+        """The epoch's first accumulation window; None when every batch is a window of its own (automatic
+        optimization without accumulation nor splitting) and the step runner runs each in one call."""
+        length, progress = self._window_length(), self.progress
+        if length == 1 and not self._split:
+            return None
+        left = self.num_training_batches - progress.epoch_batches + progress.window_batches  # from the window's start
+        return Window(length or 1, left, done=progress.window_batches)
 
     def _train_batch(self, batch: Any, batch_idx: int, window: Window) -> tuple[Any, torch.Tensor | None]:
         runner = self.runner
@@ -396,9 +407,10 @@ class FitLoop:
             runner.optimizer_step(window.gradient_scale)
         return output, loss
 
-    def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int, window: Window) -> None:
+    def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int, closing: bool) -> None:
+        """Count the batch (``closing``: the last of its window) and hand its loss to the checks and hooks."""
         progress = self.progress
-        progress.finish_batch(self._samples_of(batch), window.closing)
+        progress.finish_batch(self._samples_of(batch), closing)
         if loss is not None:
             self._epoch_losses += 1
             self.last_loss = loss
@@ -420,14 +432,15 @@ class FitLoop:
         per_batch, length = self._order
         return max(0, min(per_batch, length - self.progress.epoch_samples))  # the order's end is padded
 
-    def _after_batch(self, window: Window) -> _Outcome:
-        """What comes after this batch: its window goes on, the epoch ends, or training stops."""
-        if window.ends_epoch:
+    def _after_batch(self, is_last: bool, closing: bool) -> _Outcome:
+        """What comes after this batch (``is_last``: the epoch's; ``closing``: its window's): the window goes on,
+        the epoch ends, or training stops."""
+        if is_last:
             return _Outcome.EPOCH_DONE
         if (self.should_stop and self._may_stop()) or self.progress.global_step >= self._max_steps:
             return _Outcome.STOP
         # Only at a step boundary, which every rank reaches at the same batch (the check may be a collective).
-        if window.closing and self.interruptions.due() and self._interrupted():
+        if closing and self.interruptions.due() and self._interrupted():
             if self.preempted:
                 self._save_for_preemption()
                 return _Outcome.PREEMPTED

@@ -89,8 +89,6 @@ class StepRunner:
         self.hooks = hooks or StepHooks()
         #: Whether steps run the hooks of ``hooks`` (Lightning's order), or the shorter path without them.
         self.hooked = self.hooks.any
-        step = getattr(module, "training_step", None)
-        self._takes_batch_idx = step is None or takes_batch_idx(step)
         #: With ``accumulate_grad_batches="auto"``: the pieces each batch is cut into to fit in memory.
         self.micro_batches = 1
         #: What ``Module.optimizers()`` returns under manual optimization.
@@ -99,18 +97,39 @@ class StepRunner:
         # the step must be a copy.
         self._copy_outputs = strategy.reuses_outputs
         self._calls = strategy.step_calls()
-
-    def step_args(self, batch: Any, batch_idx: int) -> tuple[Any, ...]:
-        """What ``training_step`` receives."""
-        return (batch, batch_idx) if self._takes_batch_idx else (batch,)
+        step = getattr(module, "training_step", None)
+        #: ``training_step(batch, batch_idx)`` as the strategy runs it (a step may leave ``batch_idx`` out).
+        self.training_step = _calling(self._calls.forward, with_index=step is None or takes_batch_idx(step))
 
     # ------------------------------------------------------------------- automatic optimization
+    def single_step(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
+        """A window of one micro-batch (no accumulation): its forward and backward, then the optimizer step
+        when the step produced a loss, in Lightning's order of hooks where any is overridden. Returns the
+        step's output and its detached loss (None when the step skipped the batch).
+
+        The common case, so it makes as few calls as it can: a window of one synchronises its gradients,
+        so there is no ``no_sync`` to enter."""
+        if self.hooked:
+            return self.hooked_micro_batch(
+                batch, batch_idx, 1, first=True, closing=True, had_gradients=False, gradient_scale=_one
+            )
+        output = self.training_step(batch, batch_idx)
+        loss = training_loss(output, self.module)
+        if loss is None:
+            return output, None
+        self._calls.backward(loss)
+        optimizer = self.optimizers[0]
+        self._apply_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        self._count_step()
+        return output, self._kept(loss)
+
     def forward_backward(self, batch: Any, batch_idx: int, window_size: int, sync: bool) -> tuple[Any, Any]:
         """One micro-batch of a window of ``window_size``: its forward and backward. Gradients are
         synchronised across ranks only when ``sync`` (the window's last micro-batch). Returns the step's
         output and its detached loss (None when the step skipped the batch)."""
         with self.strategy.no_sync(not sync):
-            output = self._calls.forward(*self.step_args(batch, batch_idx))
+            output = self.training_step(batch, batch_idx)
             loss = training_loss(output, self.module)
             if loss is None:
                 return output, None
@@ -150,7 +169,7 @@ class StepRunner:
         loss: torch.Tensor | None = None
         with self.strategy.no_sync(True):
             for piece in split_batch(batch, self.micro_batches):
-                output = self._calls.forward(*self.step_args(piece, batch_idx))
+                output = self.training_step(piece, batch_idx)
                 piece_loss = training_loss(output, self.module)
                 if piece_loss is not None:
                     weight = batch_size_of(piece) / total
@@ -280,7 +299,7 @@ class StepRunner:
     # ---------------------------------------------------------------------- manual optimization
     def manual_step(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
         """A training step that steps its optimizers itself; returns its output and the loss it returned."""
-        output = self._calls.forward(*self.step_args(batch, batch_idx))
+        output = self.training_step(batch, batch_idx)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         # Under manual optimization a returned loss is only shown and checked, so any scalar tensor will do.
         return output, self._kept(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
@@ -353,7 +372,7 @@ class _Closure:
         self.ran = True
         runner = self._runner
         with runner.strategy.no_sync(not self._sync):
-            self.output = runner._calls.forward(*runner.step_args(self._batch, self._batch_idx))
+            self.output = runner.training_step(self._batch, self._batch_idx)
             loss = training_loss(self.output, runner.module)
             if self._zero_grad:
                 runner.zero_grad(self._batch_idx)
@@ -391,6 +410,20 @@ class _StepOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+def _calling(step: Callable[..., Any], with_index: bool) -> Callable[[Any, int], Any]:
+    if with_index:
+        return step
+
+    def without_index(batch: Any, batch_idx: int) -> Any:
+        return step(batch)
+
+    return without_index
+
+
+def _one() -> float:
+    return 1.0
 
 
 def _step_scheduler(scheduler: Any, metric: float | None) -> None:

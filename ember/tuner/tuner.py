@@ -242,24 +242,13 @@ class _Trials:
         module.train()
         try:
             for step, batch in enumerate(islice(_endless(loader), self.steps)):
-                loss = _train_step(runner, to_device(batch), step)
+                _, loss = runner.single_step(to_device(batch), step)
                 if after_step is not None and not after_step(step, optimizer, loss):
                     break
         finally:
             module.load_state_dict(weights)
             optimizer.zero_grad(set_to_none=True)
             self.trainer.run_metrics.train.clear()
-
-
-def _train_step(runner: StepRunner, batch: Any, index: int) -> torch.Tensor | None:
-    """One step on ``batch``: through the module's step hooks (in Lightning's order) where it overrides any."""
-    if runner.hooked:
-        return runner.hooked_micro_batch(batch, index, 1, first=True, closing=True, had_gradients=False,
-                                         gradient_scale=lambda: 1.0)[1]  # fmt: skip
-    _, loss = runner.forward_backward(batch, index, window_size=1, sync=True)
-    if loss is not None:
-        runner.optimizer_step()
-    return loss
 
 
 def _display(trainer: Trainer, title: str, total: int) -> ProgressDisplay | None:
