@@ -278,8 +278,12 @@ class RunMetrics:
         self._is_global_zero = is_global_zero
         self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
         self._prog_bar_epoch_values: dict[str, Number] = {}
-        #: The values last written to the loggers.
-        self.logged: dict[str, torch.Tensor] = {}
+        self._logged: dict[str, float] = {}  # the values last written to the loggers
+
+    @property
+    def logged(self) -> dict[str, torch.Tensor]:
+        """The values last written to the loggers, as tensors (kept as numbers: most are never read)."""
+        return {name: torch.tensor(value) for name, value in self._logged.items()}
 
     def callback_metrics(self) -> dict[str, torch.Tensor]:
         """The latest value of every logged metric (the epoch value where there is one), as tensors."""
@@ -324,7 +328,7 @@ class RunMetrics:
         self.active = self.train
         self._epoch_values.clear()
         self._prog_bar_epoch_values.clear()
-        self.logged.clear()
+        self._logged.clear()
 
     def write_step_values(self, step: int, epoch: int) -> None:
         """Write the training values logged per step since the last call."""
@@ -335,7 +339,7 @@ class RunMetrics:
         if not values:
             return
         floats = to_floats(values)
-        self.logged.update({name: torch.tensor(value) for name, value in floats.items()})
+        self._logged.update(floats)
         if self._is_global_zero:
             for logger in self._loggers:
                 logger.log_metrics({**floats, "epoch": epoch}, step)

@@ -559,13 +559,13 @@ class FitLoop:
             losses = torch.stack([loss for loss, *_ in recent])
         except RuntimeError:  # mixed shapes, such as () and (1,)
             losses = torch.stack([loss.reshape(()) for loss, *_ in recent])
-        finite = torch.isfinite(losses)
-        if bool(finite.all()):
+        values = losses.reshape(-1).tolist()  # one read of the device, then checked in Python
+        first = next((index for index, value in enumerate(values) if not math.isfinite(value)), None)
+        if first is None:
             return
-        first = int((~finite).nonzero()[0])
-        loss, epoch, batch_idx, step = recent[first]
+        _, epoch, batch_idx, step = recent[first]
         raise FloatingPointError(
-            f"the training loss became {float(loss)} at epoch {epoch}, batch {batch_idx} (global step {step}). "
+            f"the training loss became {values[first]} at epoch {epoch}, batch {batch_idx} (global step {step}). "
             "Common causes: a learning rate that is too high, no gradient clipping (gradient_clip_val), "
             "a log or division of zero, or float16 overflow (precision='bf16-mixed' has a wider range). "
             "Trainer(detect_anomaly=True) names the operation that produced it."
