@@ -5,6 +5,10 @@ thread. Each round alternates epochs of the plain loop and of ``Trainer.fit`` (t
 epoch's start to its end) for each Ember configuration, in the order plain, Ember, Ember, plain so
 that a drift in machine speed cancels out; the figure is the median over rounds of the ratio.
 
+Configurations: bare (nothing but training), the defaults as a fresh install has them (progress bar,
+CSV logger, checkpoint callback, a ``self.log`` per step) and, where tensorboard is installed, the
+defaults with it (Ember then writes TensorBoard's event files too, as Lightning does).
+
     python bench/overhead.py [--rounds 9] [--profiler]
 
 It also times ``import ember`` on top of ``import torch`` in fresh interpreters. What Ember prints
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import statistics
 import subprocess
@@ -30,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback
+from ember.loggers import CSVLogger
 
 
 def make_mlp() -> nn.Module:
@@ -80,6 +86,8 @@ def plain_epoch(loader: DataLoader) -> float:
 
 def ember_epoch(loader: DataLoader, root: str, log: bool, **flags: Any) -> float:
     timer = EpochTimer()
+    if flags.get("logger") == "csv":
+        flags["logger"] = CSVLogger(root)
     trainer = ember.Trainer(
         max_epochs=1, accelerator="cpu", default_root_dir=root, callbacks=[timer], num_sanity_val_steps=0, **flags
     )
@@ -119,10 +127,13 @@ def main() -> None:
         "bare (no progress bar, logger, checkpoint or self.log)": dict(
             log=False, enable_progress_bar=False, logger=False, enable_checkpointing=False
         ),
-        "defaults (progress bar, default loggers, checkpoint, self.log per step)": dict(log=True),
+        # The default logger where tensorboard is not installed (as after the README's first command).
+        "defaults (progress bar, CSV logger, checkpoint, self.log per step)": dict(log=True, logger="csv"),
     }
+    if importlib.util.find_spec("tensorboard"):
+        configurations["defaults with tensorboard installed (TensorBoard and CSV loggers)"] = dict(log=True)
     if args.profiler:
-        configurations["defaults + profiler='simple'"] = dict(log=True, profiler="simple")
+        configurations["defaults + profiler='simple'"] = dict(log=True, logger="csv", profiler="simple")
 
     ratios: dict[str, list[float]] = {name: [] for name in configurations}
     with tempfile.TemporaryDirectory() as root:
