@@ -107,8 +107,7 @@ class StepRunner:
         when the step produced a loss, in Lightning's order of hooks where any is overridden. Returns the
         step's output and its detached loss (None when the step skipped the batch).
 
-        The common case, so it makes as few calls as it can: a window of one synchronises its gradients,
-        so there is no ``no_sync`` to enter."""
+        The common case: a window of one synchronises its gradients, so there is no ``no_sync`` to enter."""
         if self.hooked:
             return self.hooked_micro_batch(
                 batch, batch_idx, 1, first=True, closing=True, had_gradients=False, gradient_scale=_one
@@ -118,10 +117,7 @@ class StepRunner:
         if loss is None:
             return output, None
         self._calls.backward(loss)
-        optimizer = self.optimizers[0]
-        self._apply_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        self._count_step()
+        self.optimizer_step()
         return output, self._kept(loss)
 
     def forward_backward(self, batch: Any, batch_idx: int, window_size: int, sync: bool) -> tuple[Any, Any]:
