@@ -113,6 +113,23 @@ def test_unusable_training_step_results(returned: Any, error: type[Exception], m
         quiet_trainer(max_steps=1, logger=False).fit(_Returns(returned), make_loader())
 
 
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the backward of a custom function failed")
+
+
+def test_a_backward_that_fails_for_its_own_reason_is_not_blamed_on_the_loss() -> None:
+    # A sound loss whose backward fails: the step's own error comes through, not an explanation of the loss.
+    returned = _Returns(lambda self, batch: _FailingBackward.apply(self(batch[0]).mean()))
+    with pytest.raises(RuntimeError, match="the backward of a custom function failed"):
+        quiet_trainer(max_steps=1, logger=False).fit(returned, make_loader())
+
+
 class _Optimizers(Regressor):
     def __init__(self, make: Any) -> None:
         super().__init__()

@@ -97,7 +97,8 @@ class EvaluationLoop:
         batches = named_failures(limited(loader, count), where)
         with contextlib.closing(batches):  # closed early (a step raised), it ends the loader's workers
             for batch_idx, batch in enumerate(trainer.profiler.timed_batches(batches, kind)):
-                batch = to_device(batch)
+                if to_device is not None:
+                    batch = to_device(batch)
                 store.batch = batch
                 for hook in batch_start:
                     hook(batch, batch_idx, *extra)
@@ -204,7 +205,8 @@ class PredictionLoop:
             for batch_idx, batch in enumerate(trainer.profiler.timed_batches(batches, "predict")):
                 self.current_batch_indices = produced[batch_idx] if produced is not None else []
                 indices.append(self.current_batch_indices)
-                batch = to_device(batch)
+                if to_device is not None:
+                    batch = to_device(batch)
                 for hook in batch_start:
                     hook(batch, batch_idx, *extra)
                 output = strategy.step("predict_step", *arguments.of(batch, batch_idx, dataloader_idx))

@@ -115,8 +115,11 @@ class FitLoop:
         #: The latest training loss, detached (on the device).
         self.last_loss: torch.Tensor | None = None
         self.interruptions = Interruptions()
-        # (loss, epoch, batch_idx, global_step) since the last finiteness check, kept on the device
-        self._recent_losses: list[tuple[torch.Tensor, int, int, int]] = []
+        # The training losses since the last finiteness check, kept on the device, and where each was: its
+        # batch_idx and global step, in pairs in one flat list (a tuple per loss, kept until the check, costs
+        # measurably more). Every check comes before the epoch ends: all are of this epoch.
+        self._recent_losses: list[torch.Tensor] = []
+        self._recent_positions: list[int] = []
         self._next_log_step = 0
         self._pending_random_state: dict[str, Any] | None = None  # restored when a resumed run starts
         self._validation = _ValidationSchedule(None, 0, [], [])
@@ -124,13 +127,12 @@ class FitLoop:
         self._batch_start_hooks: list[Callable[..., Any]] = []
         self._batch_end_hooks: list[Callable[..., Any]] = []
         self._module_batch_start: Callable[..., Any] | None = None
-        self._to_device: Callable[[Any], Any] = trainer.strategy.batch_to_device
+        self._to_device: Callable[[Any], Any] | None = None  # None: batches are used as the loader makes them
         self._replicas = 1  # the ranks that read disjoint shards of the training data
         self._order: tuple[int, int] | None = None  # what order_reads says of the training loader
         # Flags read per batch, looked up once per run.
         self._split = False  # accumulate_grad_batches="auto"
         self._max_steps: float = math.inf
-        self._epoch_losses = 0  # training steps of the epoch that returned a loss
         self._reported_idle = False
         self._reload: Callable[[], tuple[Iterable, list[Iterable]]] | None = None
         self._loaded_at_epoch = 0  # the epoch whose start asked for the loaders last
@@ -303,7 +305,6 @@ class FitLoop:
         store.clear()
         store.default_on_step = True
         metrics.active = store
-        self._epoch_losses = 0
         # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         trainer.hooks.call("on_train_epoch_start")
         with contextlib.closing(self._epoch_batches()) as batches:  # closed early, it ends the loader's workers
@@ -333,41 +334,68 @@ class FitLoop:
         return numbered_batches(loader_batches, where, first, int(self.num_training_batches) - 1)
 
     def _train_batches(self, batches: Iterator[tuple[int, Any, bool]]) -> _Outcome:
-        """Run the epoch's batches, an optimizer step closing each accumulation window. This runs per batch:
-        what it needs is looked up once per epoch, and hooks nobody overrides are not called."""
+        """Run the epoch's batches, an optimizer step closing each accumulation window.
+
+        This is the per-batch path, kept as short as a hand-written loop's: what it needs is looked up once
+        per epoch, hooks nobody overrides are not called, what is rarely due (writing logs, validating,
+        stopping) costs a comparison when it is not, and the common case (each batch a window of its own)
+        runs in one call of the step runner."""
         progress, runner = self.progress, self.runner
         assert runner is not None
+        losses, positions = self._recent_losses, self._recent_positions
         window = self._first_window()
-        store = self.trainer.run_metrics.train
+        store, to_device = self.trainer.run_metrics.train, self._to_device
+        starts, ends = self._module_batch_start or self._batch_start_hooks, self._batch_end_hooks
         validation = self._validation if self._validation.selects(progress.epoch) else None
+        # The samples of the epoch's order that a batch of every rank reads together (0: count each batch's)
+        samples_per_batch = self._order[0] if self._order is not None else 0
         for batch_idx, batch, is_last in batches:
             self.is_last_batch = is_last
-            batch = self._to_device(batch)
+            if to_device is not None:
+                batch = to_device(batch)
             store.batch = batch
-            if self._module_batch_start is not None and self._module_batch_start(batch, batch_idx) == -1:
+            if starts and self._start_batch(batch, batch_idx):
                 return _Outcome.EPOCH_DONE  # the module skips the rest of this epoch
-            for hook in self._batch_start_hooks:
-                hook(batch, batch_idx)
-            if window is None:  # each batch is a window of its own: the common case, in one call
+            # Only the epoch's last batch may read fewer samples than a whole batch (the order's end is padded).
+            samples = samples_per_batch if samples_per_batch and not is_last else self._samples_of(batch)
+            if window is None:  # each batch a window of its own: the common case, in one call
                 output, loss = runner.single_step(batch, batch_idx)
                 self.stepped, closing = loss is not None, True
             else:
-                window.add(is_last)
-                output, loss = self._train_batch(batch, batch_idx, window)
-                closing = window.closing
-            self._end_batch(output, loss, batch, batch_idx, closing)
+                output, loss, closing = self._train_micro_batch(batch, batch_idx, is_last, samples, window)
+            progress.total_batches += 1
+            progress.epoch_batches += 1
+            progress.epoch_samples += samples
+            if loss is not None:
+                self.last_loss = loss
+                losses.append(loss)
+                positions += batch_idx, progress.global_step
+            if ends:
+                self._end_batch(output, loss, batch, batch_idx)
+            # Logs are written every log_every_n_steps, and at each step once stopping is asked for (as Lightning);
+            # the step they count is ``logging_step``'s.
+            logging_step = progress.total_batches if self._manual else progress.global_step
+            if logging_step >= self._next_log_step or self.should_stop:
+                self._write_step_logs()
             if validation is not None and validation.due(progress, batch_idx, is_last):
                 self._validate(at_epoch_end=is_last, after_step=closing)
-            outcome = self._after_batch(is_last, closing)
-            if outcome is not _Outcome.CONTINUE:
-                return outcome
-            if window is not None and closing:
-                window.next()
-        if progress.epoch_batches == 0:
+            if is_last:
+                return _Outcome.EPOCH_DONE
+            due = closing and self.interruptions.due()  # once per step boundary: it counts them
+            if due or self.should_stop or progress.global_step >= self._max_steps:
+                outcome = self._stop(due)
+                if outcome is not _Outcome.CONTINUE:
+                    return outcome
+        return self._loader_ended(window)
+
+    def _loader_ended(self, window: Window | None) -> _Outcome:
+        """The end of an epoch whose loader ran out before a batch flagged as its last: it yielded no batch, or
+        fewer than its length announced."""
+        if self.progress.epoch_batches == 0:
             raise ValueError("the train dataloader yielded no batches")
         if window is not None and window.has_gradients:
-            # The loader ended before the batch count it announced: step with what was accumulated.
-            runner.optimizer_step(window.gradient_scale)
+            assert self.runner is not None
+            self.runner.optimizer_step(window.gradient_scale)  # with what was accumulated
         return _Outcome.EPOCH_DONE
 
     def _first_window(self) -> Window | None:
@@ -378,6 +406,19 @@ class FitLoop:
             return None
         left = self.num_training_batches - progress.epoch_batches + progress.window_batches  # from the window's start
         return Window(length or 1, left, done=progress.window_batches)
+
+    def _train_micro_batch(
+        self, batch: Any, batch_idx: int, is_last: bool, samples: int, window: Window
+    ) -> tuple[Any, torch.Tensor | None, bool]:
+        """One micro-batch of ``window`` (``is_last``: the epoch's last batch), counted in the window's position;
+        returns its output, its loss and whether it closed the window."""
+        window.add(is_last)
+        output, loss = self._train_batch(batch, batch_idx, window)
+        closing = window.closing
+        self.progress.track_window(samples, closing)
+        if closing:
+            window.next()
+        return output, loss, closing
 
     def _train_batch(self, batch: Any, batch_idx: int, window: Window) -> tuple[Any, torch.Tensor | None]:
         runner = self.runner
@@ -407,22 +448,19 @@ class FitLoop:
             runner.optimizer_step(window.gradient_scale)
         return output, loss
 
-    def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int, closing: bool) -> None:
-        """Count the batch (``closing``: the last of its window) and hand its loss to the checks and hooks."""
-        progress = self.progress
-        progress.finish_batch(self._samples_of(batch), closing)
-        if loss is not None:
-            self._epoch_losses += 1
-            self.last_loss = loss
-            self._recent_losses.append((loss, progress.epoch, batch_idx, progress.global_step))
-        if self._batch_end_hooks:
-            hook_output = _with_detached_loss(output, loss)
-            for hook in self._batch_end_hooks:
-                hook(hook_output, batch, batch_idx)
-        # Logs are written every log_every_n_steps, and at each step once stopping is asked for (as Lightning).
-        step = progress.total_batches if self._manual else progress.global_step
-        if step >= self._next_log_step or self.should_stop:
-            self._write_step_logs()
+    def _start_batch(self, batch: Any, batch_idx: int) -> bool:
+        """Call the batch-start hooks; True when the module's asks to skip the rest of the epoch."""
+        if self._module_batch_start is not None and self._module_batch_start(batch, batch_idx) == -1:
+            return True
+        for hook in self._batch_start_hooks:
+            hook(batch, batch_idx)
+        return False
+
+    def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int) -> None:
+        """Call the batch-end hooks, with the step's loss detached."""
+        hook_output = _with_detached_loss(output, loss)
+        for hook in self._batch_end_hooks:
+            hook(hook_output, batch, batch_idx)
 
     def _samples_of(self, batch: Any) -> int:
         """The samples of the epoch's global order that this batch and those of the other ranks read: counted
@@ -432,15 +470,13 @@ class FitLoop:
         per_batch, length = self._order
         return max(0, min(per_batch, length - self.progress.epoch_samples))  # the order's end is padded
 
-    def _after_batch(self, is_last: bool, closing: bool) -> _Outcome:
-        """What comes after this batch (``is_last``: the epoch's; ``closing``: its window's): the window goes on,
-        the epoch ends, or training stops."""
-        if is_last:
-            return _Outcome.EPOCH_DONE
+    def _stop(self, interruptions_due: bool) -> _Outcome:
+        """Whether training stops after this batch, when it may: stopping was asked for (``should_stop``),
+        ``max_steps`` is reached, or ``interruptions_due`` (a step boundary where the signals and the deadline
+        are checked: with several processes, a collective that every rank reaches at the same batch)."""
         if (self.should_stop and self._may_stop()) or self.progress.global_step >= self._max_steps:
             return _Outcome.STOP
-        # Only at a step boundary, which every rank reaches at the same batch (the check may be a collective).
-        if closing and self.interruptions.due() and self._interrupted():
+        if interruptions_due and self._interrupted():
             if self.preempted:
                 self._save_for_preemption()
                 return _Outcome.PREEMPTED
@@ -472,7 +508,7 @@ class FitLoop:
     def _report_idle_epoch(self) -> None:
         """Say once when an epoch trained nothing: every training_step skipped its batch."""
         module, batches = self.trainer.lightning_module, self.progress.epoch_batches
-        if self._reported_idle or not batches or self._epoch_losses or module is None:
+        if self._reported_idle or not batches or self.progress.epoch_steps or module is None:
             return
         if module.automatic_optimization:
             self._reported_idle = True
@@ -551,21 +587,26 @@ class FitLoop:
         The losses are kept on the device and read here, at logging and checkpointing time, so the check
         costs one synchronisation per log interval instead of one per step.
         """
-        recent = self._recent_losses
-        if not recent:
+        losses, positions = self._recent_losses, self._recent_positions
+        if not losses:
             return
-        self._recent_losses = []
         try:
-            losses = torch.stack([loss for loss, *_ in recent])
+            stacked = torch.stack(losses)
         except RuntimeError:  # mixed shapes, such as () and (1,)
-            losses = torch.stack([loss.reshape(()) for loss, *_ in recent])
-        values = losses.reshape(-1).tolist()  # one read of the device, then checked in Python
+            stacked = torch.stack([loss.reshape(()) for loss in losses])
+        values = stacked.reshape(-1).tolist()  # one read of the device, then checked in Python
+        where_each = positions.copy()
+        losses.clear()  # in place: the training loop holds these lists
+        positions.clear()
+        if math.isfinite(sum(values)):  # the common case, in one pass (a sum that overflows is looked at below)
+            return
         first = next((index for index, value in enumerate(values) if not math.isfinite(value)), None)
         if first is None:
             return
-        _, epoch, batch_idx, step = recent[first]
+        batch_idx, step = where_each[2 * first], where_each[2 * first + 1]
+        where = f"epoch {self.progress.epoch}, batch {batch_idx} (global step {step})"
         raise FloatingPointError(
-            f"the training loss became {values[first]} at epoch {epoch}, batch {batch_idx} (global step {step}). "
+            f"the training loss became {values[first]} at {where}. "
             "Common causes: a learning rate that is too high, no gradient clipping (gradient_clip_val), "
             "a log or division of zero, or float16 overflow (precision='bf16-mixed' has a wider range). "
             "Trainer(detect_anomaly=True) names the operation that produced it."

@@ -133,14 +133,15 @@ class Hooks:
             backward=self.module_hook("backward"),
         )
 
-    def batch_transfer(self, strategy: Strategy, dataloader_idx: int = 0) -> Callable[[Any], Any]:
-        """How the batches of loader ``dataloader_idx`` reach the device: the strategy's transfer itself, or
-        with the transfer hooks of the datamodule (first) or the module around it, where they are overridden."""
+    def batch_transfer(self, strategy: Strategy, dataloader_idx: int = 0) -> Callable[[Any], Any] | None:
+        """How the batches of loader ``dataloader_idx`` reach the device: the strategy's transfer itself (None:
+        they are used as the loader makes them), or with the transfer hooks of the datamodule (first) or the
+        module around it, where they are overridden."""
         before = self._data_hook("on_before_batch_transfer")
         transfer = self._data_hook("transfer_batch_to_device")
         after = self._data_hook("on_after_batch_transfer")
         if before is None and transfer is None and after is None:
-            return strategy.batch_to_device
+            return strategy.batch_transfer()
         precision = strategy.precision
 
         def to_device(batch: Any) -> Any:

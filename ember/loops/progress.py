@@ -44,12 +44,10 @@ class Progress:
     """Whether the current epoch's training and its end-of-epoch work are done (a checkpoint saved at
     the end of an epoch resumes at the start of the next one)."""
 
-    def finish_batch(self, samples: int, closes_window: bool) -> None:
-        """Count one training batch of ``samples`` samples (all ranks together); ``closes_window``: it was
-        the last micro-batch of its accumulation window."""
-        self.total_batches += 1
-        self.epoch_batches += 1
-        self.epoch_samples += samples
+    def track_window(self, samples: int, closes_window: bool) -> None:
+        """Count a training batch of ``samples`` samples (all ranks together) in the accumulation window's
+        position; ``closes_window``: it was the window's last micro-batch. (The loop counts the batch itself
+        in ``total_batches``, ``epoch_batches`` and ``epoch_samples``.)"""
         self.window_batches = 0 if closes_window else self.window_batches + 1
         self.window_samples = 0 if closes_window else self.window_samples + samples
 

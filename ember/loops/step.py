@@ -97,6 +97,9 @@ class StepRunner:
         # the step must be a copy.
         self._copy_outputs = strategy.reuses_outputs
         self._calls = strategy.step_calls()
+        # Nothing comes between the gradients and the step (no hook, loss scaling or clipping): a batch that is
+        # its own window then steps as a plain loop does.
+        self._steps_directly = not (self.hooked or self._calls.unscale or self.before_step_hooks or clip_val)
         step = getattr(module, "training_step", None)
         #: ``training_step(batch, batch_idx)`` as the strategy runs it (a step may leave ``batch_idx`` out).
         self.training_step = _calling(self._calls.forward, with_index=step is None or takes_batch_idx(step))
@@ -113,12 +116,30 @@ class StepRunner:
                 batch, batch_idx, 1, first=True, closing=True, had_gradients=False, gradient_scale=_one
             )
         output = self.training_step(batch, batch_idx)
-        loss = training_loss(output, self.module)
+        # A plain tensor is taken as it is: what backward rejects in it (not one number, or no graph) is
+        # explained once backward has failed, so that a sound step pays for no check.
+        loss = output if type(output) is torch.Tensor else training_loss(output, self.module)
         if loss is None:
             return output, None
-        self._calls.backward(loss)
-        self.optimizer_step()
-        return output, self._kept(loss)
+        try:
+            self._calls.backward(loss)
+        except RuntimeError:
+            training_loss(output, self.module)  # raises the clear error where the loss was the cause
+            raise
+        if self._steps_directly:
+            # optimizer_step's common case spelled out: on a small model, each call more per step costs about
+            # as much as a small kernel.
+            optimizer, progress = self.optimizers[0], self.progress
+            self._calls.optimizer_step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            progress.global_step += 1
+            progress.epoch_steps += 1
+            if self.scheduler_configs:
+                self.step_schedulers("step", progress.global_step)
+        else:
+            self.optimizer_step()
+        kept = loss.detach()
+        return output, kept.clone() if self._copy_outputs else kept
 
     def forward_backward(self, batch: Any, batch_idx: int, window_size: int, sync: bool) -> tuple[Any, Any]:
         """One micro-batch of a window of ``window_size``: its forward and backward. Gradients are

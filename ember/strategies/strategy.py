@@ -225,6 +225,13 @@ class Strategy:
         what failed first on another process, when this failure is a consequence of that one."""
         return None
 
+    def batch_transfer(self) -> Callable[[Any], Any] | None:
+        """``batch_to_device``, or None where it would leave every batch as it is and count nothing anyone reads
+        (batches on the CPU, a precision that converts no input, one process, no profiler timing it): the
+        loops then skip a call per batch."""
+        moves = self._batch_device is not None or self.precision.converts_input or self.world_size > 1
+        return self.batch_to_device if moves or not self._adds_nothing_to("batch_to_device") else None
+
     def batch_to_device(self, batch: Any) -> Any:
         self.batches_moved += 1  # a sign of life the watchdog of a parallel strategy reads
         if self._batch_device is not None:

@@ -242,7 +242,7 @@ class _Trials:
         module.train()
         try:
             for step, batch in enumerate(islice(_endless(loader), self.steps)):
-                _, loss = runner.single_step(to_device(batch), step)
+                _, loss = runner.single_step(to_device(batch) if to_device is not None else batch, step)
                 if after_step is not None and not after_step(step, optimizer, loss):
                     break
         finally:
