@@ -99,13 +99,16 @@ class MetricStore:
         entry.on_step = self.default_on_step if on_step is None else on_step
         entry.on_epoch = not self.default_on_step if on_epoch is None else on_epoch
         entry.prog_bar, entry.to_logger, entry.reduce_fx, entry.sync_dist = prog_bar, logger, reduce_fx, sync_dist
-        if not isinstance(value, torch.Tensor) and _is_metric_object(value):  # a tensor: the cheaper test
+        if type(value) is torch.Tensor and value.numel() == 1:  # the usual value, taken without a call more
+            value = value.detach()  # logging must never keep the autograd graph alive
+        elif _is_metric_object(value):
             entry.metric = value  # computed, synced and reset by itself at epoch end
             cached = getattr(value, "_forward_cache", None)
             if entry.on_step and cached is not None:
                 entry.step_value, entry.step_fresh = _as_number(name, cached), True
             return
-        value = _as_number(name, value)
+        else:
+            value = _as_number(name, value)
         if self.copy_values and isinstance(value, torch.Tensor):
             value = value.clone()
         if entry.on_step:
@@ -253,6 +256,9 @@ def to_floats(values: Mapping[str, Number]) -> dict[str, float]:
     for name, tensor in tensors.items():
         by_device.setdefault(tensor.device, []).append(name)
     for names in by_device.values():
+        if len(names) == 1:  # the usual case (the loss alone): read as it is, without stacking
+            floats[names[0]] = float(tensors[names[0]].item())
+            continue
         stacked = torch.stack([tensors[name].detach().float().reshape(()) for name in names])
         floats.update(zip(names, stacked.tolist()))
     return {name: floats[name] for name in values}

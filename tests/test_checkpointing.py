@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 from conftest import Regressor, make_loader, parameters_of, quiet_trainer
 
+import ember
 from ember import checkpoint as checkpoint_io
 from ember.callbacks import EarlyStopping, ModelCheckpoint
 
@@ -188,3 +190,34 @@ def test_monitoring_a_metric_that_was_never_logged_is_a_clear_error() -> None:
 def test_bad_model_checkpoint_options(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelCheckpoint(**options)
+
+
+class _CountedBatchEnds(ModelCheckpoint):
+    calls = 0
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        type(self).calls += 1
+        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+
+
+class _BatchEndCallees(ember.callbacks.Callback):
+    """Notes which objects the loop calls on_train_batch_end of."""
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        self.callees = [hook.func.__self__ for hook in trainer.hooks.implementations("on_train_batch_end")]
+
+
+@pytest.mark.parametrize("schedule", [{}, {"every_n_train_steps": 2}, {"train_time_interval": timedelta(hours=1)}])
+def test_the_batch_hook_of_model_checkpoint_runs_only_when_it_saves_per_step(
+    schedule: dict[str, Any], tmp_path: Any
+) -> None:
+    probe = _BatchEndCallees()
+    trainer = quiet_trainer(max_epochs=1, logger=False, callbacks=[ModelCheckpoint(**schedule), probe])
+    trainer.fit(Regressor(), make_loader())
+    assert any(isinstance(callee, ModelCheckpoint) for callee in probe.callees) == bool(schedule)
+    # A subclass's own batch hook is called whatever the schedule, and its parent's saving still runs in it.
+    _CountedBatchEnds.calls = 0
+    counted = _CountedBatchEnds(dirpath=str(tmp_path / "counted"), every_n_train_steps=4, save_top_k=-1)
+    quiet_trainer(max_epochs=1, logger=False, callbacks=[counted]).fit(Regressor(), make_loader())
+    assert _CountedBatchEnds.calls == 8
+    assert _files(str(tmp_path / "counted")) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]

@@ -430,3 +430,20 @@ def test_a_precision_with_a_context_or_a_profiler_keeps_the_step_going_through_t
     # The profiler's wrappers stand on the instance: the step must go through them to be timed.
     assert seen["calls"].backward is not torch.Tensor.backward
     assert profiled.profiler.records["backward"].calls == 2  # type: ignore[attr-defined]
+
+
+def test_batches_skip_the_strategy_only_where_it_would_leave_them_as_they_are() -> None:
+    # On the CPU in 32-bit with one process, a batch is used as the loader made it: no call per batch.
+    assert quiet_trainer().strategy.batch_transfer() is None
+    # A precision that converts the input keeps the transfer, and the steps see converted batches.
+    seen: list[torch.dtype] = []
+
+    class Probe(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(batch[0].dtype)
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_steps=2, logger=False, precision="64-true")
+    assert trainer.strategy.batch_transfer() == trainer.strategy.batch_to_device
+    trainer.fit(Probe(), make_loader())
+    assert seen == [torch.float64, torch.float64]

@@ -26,6 +26,11 @@ class Callback:
         """The key of this callback's state in a checkpoint; unique among the Trainer's callbacks."""
         return type(self).__qualname__
 
+    def has_work_in(self, hook: str) -> bool:
+        """Whether ``hook``, which this callback overrides, has work to do in the stage that is starting; the
+        loops do not call one that has none (a batch hook whose schedule is unset then costs nothing per batch)."""
+        return True
+
     def setup(self, trainer: Trainer, module: Module, stage: str) -> None: ...
     def teardown(self, trainer: Trainer, module: Module, stage: str) -> None: ...
     def on_fit_start(self, trainer: Trainer, module: Module) -> None: ...

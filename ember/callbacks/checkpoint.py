@@ -121,13 +121,19 @@ class ModelCheckpoint(Callback):
         )
 
     # -------------------------------------------------------------------------------- hooks
+    def has_work_in(self, hook: str) -> bool:
+        # Its batch hook saves by step count or by time only; a subclass's own batch hook is always called.
+        if hook == "on_train_batch_end" and type(self).on_train_batch_end is ModelCheckpoint.on_train_batch_end:
+            return bool(self.every_n_train_steps) or self.train_time_interval is not None
+        return True
+
     def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
         if stage == "fit":
             self._last_time_save = time.monotonic()
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
         if self.every_n_train_steps:
+            step = trainer.global_step
             if step > 0 and step % self.every_n_train_steps == 0:
                 self._save(trainer)
         elif self.train_time_interval is not None and trainer.fit_loop.stepped:

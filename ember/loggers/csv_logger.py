@@ -64,9 +64,9 @@ class CSVLogger(VersionedLogger):
         """
         if not self._rows:
             return
-        os.makedirs(self.log_dir, exist_ok=True)
         path = self.metrics_file
         if self._file_columns is None:  # first write: continue a file a resumed run left, if any
+            os.makedirs(self.log_dir, exist_ok=True)
             self._file_columns = _read_header(path)
         widened = self._file_columns == [] or any(column not in self._file_columns for column in self._columns)
         self._columns = self._file_columns + [column for column in self._columns if column not in self._file_columns]

@@ -89,8 +89,8 @@ class VersionedLogger(Logger):
 
     @property
     def log_dir(self) -> str:
-        version = self.version if isinstance(self.version, str) else f"version_{self.version}"
-        return os.path.join(self._save_dir, self._name, version)
+        version = self.version
+        return os.path.join(self._save_dir, self._name, version if isinstance(version, str) else f"version_{version}")
 
     def write_hparams_file(self, params: Mapping[str, Any]) -> None:
         """Write ``hparams.yaml`` into the run directory (values YAML cannot hold are written as their repr)."""

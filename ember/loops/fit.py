@@ -458,7 +458,7 @@ class FitLoop:
 
     def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int) -> None:
         """Call the batch-end hooks, with the step's loss detached."""
-        hook_output = _with_detached_loss(output, loss)
+        hook_output = loss if type(output) is torch.Tensor else _with_detached_loss(output, loss)  # the usual first
         for hook in self._batch_end_hooks:
             hook(hook_output, batch, batch_idx)
 

@@ -102,7 +102,7 @@ class Hooks:
             hooks += [
                 functools.partial(getattr(callback, name), self._trainer, module)
                 for callback in self._callbacks
-                if is_overridden(name, callback, Callback)
+                if is_overridden(name, callback, Callback) and callback.has_work_in(name)
             ]
             self._cache[key] = hooks
         return hooks
