@@ -370,8 +370,10 @@ class FitLoop:
                 self.last_loss = loss
                 losses.append(loss)
                 positions += batch_idx, progress.global_step
-            if ends:
-                self._end_batch(output, loss, batch, batch_idx)
+            if ends:  # with the step's loss detached
+                hook_output = loss if type(output) is torch.Tensor else _with_detached_loss(output, loss)
+                for hook in ends:
+                    hook(hook_output, batch, batch_idx)
             # Logs are written every log_every_n_steps, and at each step once stopping is asked for (as Lightning);
             # the step they count is ``logging_step``'s.
             logging_step = progress.total_batches if self._manual else progress.global_step
@@ -382,10 +384,9 @@ class FitLoop:
             if is_last:
                 return _Outcome.EPOCH_DONE
             due = closing and self.interruptions.due()  # once per step boundary: it counts them
-            if due or self.should_stop or progress.global_step >= self._max_steps:
-                outcome = self._stop(due)
-                if outcome is not _Outcome.CONTINUE:
-                    return outcome
+            stopping = due or self.should_stop or progress.global_step >= self._max_steps
+            if stopping and (outcome := self._stop(due)) is not _Outcome.CONTINUE:
+                return outcome
         return self._loader_ended(window)
 
     def _loader_ended(self, window: Window | None) -> _Outcome:
@@ -455,12 +456,6 @@ class FitLoop:
         for hook in self._batch_start_hooks:
             hook(batch, batch_idx)
         return False
-
-    def _end_batch(self, output: Any, loss: torch.Tensor | None, batch: Any, batch_idx: int) -> None:
-        """Call the batch-end hooks, with the step's loss detached."""
-        hook_output = loss if type(output) is torch.Tensor else _with_detached_loss(output, loss)  # the usual first
-        for hook in self._batch_end_hooks:
-            hook(hook_output, batch, batch_idx)
 
     def _samples_of(self, batch: Any) -> int:
         """The samples of the epoch's global order that this batch and those of the other ranks read: counted
