@@ -289,6 +289,8 @@ class _SampleNamed(Dataset):
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
+        # Looked up once: a dataset without it would otherwise fail the lookup at every batch.
+        self._own_getitems: Callable[[list[Any]], list[Any]] | None = getattr(dataset, "__getitems__", None)
 
     def __getitem__(self, index: Any) -> Any:
         try:
@@ -297,7 +299,7 @@ class _SampleNamed(Dataset):
             raise _with_sample(error, index)  # noqa: B904 (the original itself, or chained to it on Python 3.10)
 
     def __getitems__(self, indices: list[Any]) -> list[Any]:
-        own = getattr(self.dataset, "__getitems__", None)
+        own = self._own_getitems
         if own is not None:  # the dataset reads batches itself: the failing sample is not known
             return own(indices)
         dataset, index = self.dataset, None
