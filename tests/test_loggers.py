@@ -225,3 +225,22 @@ def test_tensorboard_scalars_reach_the_file_at_each_flush_and_at_the_end(tmp_pat
     logger.log_metrics({"loss": 0.25}, 12)
     logger.finalize("success")
     assert _scalars(logger.log_dir)["loss"][-1] == (12, 0.25)
+
+
+def test_metrics_csv_stays_open_during_a_stage_and_is_closed_at_its_end(tmp_path: Any) -> None:
+    def open_files() -> set[str]:
+        return {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("no /proc/self/fd here")
+    logger = CSVLogger(str(tmp_path), flush_logs_every_n_steps=2)
+    seen: list[bool] = []
+
+    class Probe(ember.callbacks.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seen.append(os.path.realpath(logger.metrics_file) in open_files())
+
+    quiet_trainer(max_epochs=2, log_every_n_steps=1, logger=logger, callbacks=[Probe()]).fit(Regressor(), make_loader())
+    assert seen[-1] and os.path.realpath(logger.metrics_file) not in open_files()  # appended to in place, then closed
+    with open(logger.metrics_file, newline="") as file:
+        assert [int(row["step"]) for row in csv.DictReader(file) if row["train_loss"]] == list(range(1, 17))

@@ -32,6 +32,9 @@ class CSVLogger(VersionedLogger):
         self._columns: list[str] = []
         self._file_columns: list[str] | None = None  # the header of metrics.csv as written
         self._last_flush_step = 0
+        # metrics.csv's path and descriptor, open from the first append to the end of the stage (an open per
+        # append took a measurable share of a small model's steps)
+        self._file: tuple[str, int] | None = None
 
     @property
     def metrics_file(self) -> str:
@@ -68,40 +71,54 @@ class CSVLogger(VersionedLogger):
         if self._file_columns is None:  # first write: continue a file a resumed run left, if any
             os.makedirs(self.log_dir, exist_ok=True)
             self._file_columns = _read_header(path)
-        widened = self._file_columns == [] or any(column not in self._file_columns for column in self._columns)
-        self._columns = self._file_columns + [column for column in self._columns if column not in self._file_columns]
+            known = self._file_columns
+            self._columns = known + [column for column in self._columns if column not in known]
+        # From here on the file's columns begin the known ones: new metrics are the ones past them.
+        widened = not self._file_columns or len(self._columns) > len(self._file_columns)
         if widened:
+            self._close()
             _replace(path, _csv_text(self._columns, [*_read_rows(path), *self._rows], header=True))
         else:
-            _append(path, _csv_text(self._columns, self._rows, header=False))
+            _append(self._descriptor(path), _csv_text(self._columns, self._rows, header=False))
         self._file_columns = list(self._columns)
         self._last_flush_step = self._rows[-1]["step"]
         self._rows.clear()
 
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        self._close()
+
+    def _descriptor(self, path: str) -> int:
+        if self._file is None or self._file[0] != path:
+            self._close()
+            self._file = (path, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666))
+        return self._file[1]
+
+    def _close(self) -> None:
+        if self._file is not None:
+            os.close(self._file[1])
+            self._file = None
+
 
 def _csv_text(columns: list[str], rows: list[dict[str, Any]], header: bool) -> str:
     text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=columns)
+    writer = csv.writer(text)
     if header:
-        writer.writeheader()
-    writer.writerows(rows)
+        writer.writerow(columns)
+    writer.writerows([row.get(column, "") for column in columns] for row in rows)
     return text.getvalue()
 
 
-def _append(path: str, text: str) -> None:
+def _append(fd: int, text: str) -> None:
     """Append ``text`` whole or not at all: a write cut short (a full disk) is truncated back to where it began."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    start = os.lseek(fd, 0, os.SEEK_END)
+    remaining = memoryview(text.encode())
     try:
-        start = os.lseek(fd, 0, os.SEEK_END)
-        remaining = memoryview(text.encode())
-        try:
-            while remaining:
-                remaining = remaining[os.write(fd, remaining) :]
-        except OSError:
-            os.ftruncate(fd, start)
-            raise
-    finally:
-        os.close(fd)
+        while remaining:
+            remaining = remaining[os.write(fd, remaining) :]
+    except OSError:
+        os.ftruncate(fd, start)
+        raise
 
 
 def _replace(path: str, text: str) -> None:

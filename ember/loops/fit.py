@@ -589,7 +589,7 @@ class FitLoop:
             stacked = torch.stack(losses)
         except RuntimeError:  # mixed shapes, such as () and (1,)
             stacked = torch.stack([loss.reshape(()) for loss in losses])
-        values = stacked.reshape(-1).tolist()  # one read of the device, then checked in Python
+        values = (stacked if stacked.dim() == 1 else stacked.reshape(-1)).tolist()  # one read of the device
         where_each = positions.copy()
         losses.clear()  # in place: the training loop holds these lists
         positions.clear()
