@@ -73,7 +73,7 @@ class CSVLogger(VersionedLogger):
             self._file_columns = _read_header(path)
             known = self._file_columns
             self._columns = known + [column for column in self._columns if column not in known]
-        # From here on the file's columns begin the known ones: new metrics are the ones past them.
+        # The known columns begin with the file's (new metrics are added at the end): more means new ones.
         widened = not self._file_columns or len(self._columns) > len(self._file_columns)
         if widened:
             self._close()
