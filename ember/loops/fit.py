@@ -345,7 +345,8 @@ class FitLoop:
         losses, positions = self._recent_losses, self._recent_positions
         window = self._first_window()
         store, to_device = self.trainer.run_metrics.train, self._to_device
-        starts, ends = self._module_batch_start or self._batch_start_hooks, self._batch_end_hooks
+        has_start_hooks = self._module_batch_start is not None or bool(self._batch_start_hooks)
+        ends = self._batch_end_hooks
         validation = self._validation if self._validation.selects(progress.epoch) else None
         # The samples of the epoch's order that a batch of every rank reads together (0: count each batch's)
         samples_per_batch = self._order[0] if self._order is not None else 0
@@ -354,7 +355,7 @@ class FitLoop:
             if to_device is not None:
                 batch = to_device(batch)
             store.batch = batch
-            if starts and self._start_batch(batch, batch_idx):
+            if has_start_hooks and self._start_batch(batch, batch_idx):
                 return _Outcome.EPOCH_DONE  # the module skips the rest of this epoch
             # Only the epoch's last batch may read fewer samples than a whole batch (the order's end is padded).
             samples = samples_per_batch if samples_per_batch and not is_last else self._samples_of(batch)
