@@ -10,9 +10,13 @@ CSV logger, checkpoint callback, a ``self.log`` per step), bare with the same ``
 the bar, logger and checkpoint cost is seen apart from the module's logging) and, where tensorboard is
 installed, the defaults with it (Ember then writes TensorBoard's event files too, as Lightning does).
 
-    python bench/overhead.py [--rounds 9] [--profiler]
+    python bench/overhead.py [--rounds 9] [--profiler] [--breakdown 9]
 
-It also times ``import ember`` on top of ``import torch`` in fresh interpreters. What Ember prints
+It also times ``import ember`` on top of ``import torch`` in fresh interpreters. ``--breakdown N`` then runs
+N more alternated rounds with timers around the parts of a step that the plain loop and Ember both run
+(loading the batch, the model's forward, the loss, backward, the optimizer step, zero_grad) and prints the
+microseconds per step of each; what is left of a step is the loop's own code (Ember's: its bookkeeping,
+the ``training_step`` call, ``self.log``, the callbacks' hooks). What Ember prints
 (model summaries, progress lines, profiles) is discarded, so that only the figures are shown.
 """
 
@@ -27,12 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import ember
 from ember.callbacks import Callback
@@ -41,6 +47,11 @@ from ember.loggers import CSVLogger
 BARE = "bare (no progress bar, logger, checkpoint or self.log)"
 DEFAULTS = "defaults (progress bar, CSV logger, checkpoint, self.log per step)"
 BARE_LOGGING = "bare + self.log per step (no progress bar, logger or checkpoint)"
+TENSORBOARD = "defaults with tensorboard installed (TensorBoard and CSV loggers)"
+PROFILER = "defaults + profiler='simple'"
+#: Each configuration's column heading in the step breakdown.
+SHORT_NAMES = {BARE: "bare", DEFAULTS: "defaults", BARE_LOGGING: "bare+self.log", TENSORBOARD: "tensorboard",
+               PROFILER: "profiler"}  # fmt: skip
 
 
 def make_mlp() -> nn.Module:
@@ -115,11 +126,80 @@ def import_overhead(repeats: int = 7) -> tuple[float, float]:
     return statistics.median(torch_alone), statistics.median(with_ember)
 
 
+# The parts of a step that both loops run, and where each is looked up when it is called.
+STEP_PARTS: dict[str, tuple[Any, str]] = {
+    "loading the batch": (_BaseDataLoaderIter, "__next__"),
+    "model forward": (nn.Sequential, "forward"),
+    "loss": (F, "cross_entropy"),
+    "backward": (torch.Tensor, "backward"),
+    "optimizer step": (torch.optim.SGD, "step"),
+    "zero_grad": (torch.optim.Optimizer, "zero_grad"),
+}
+
+
+@contextlib.contextmanager
+def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
+    """While active, each of ``STEP_PARTS`` adds the time it takes to ``seconds[part]``. Installed before the
+    Trainer is built, so that what it binds once (``Tensor.backward``) is the timed one too."""
+
+    def timed(part: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - start
+
+        return run
+
+    originals = {part: getattr(owner, name) for part, (owner, name) in STEP_PARTS.items()}
+    for part, (owner, name) in STEP_PARTS.items():
+        setattr(owner, name, timed(part, originals[part]))
+    try:
+        yield
+    finally:
+        for part, (owner, name) in STEP_PARTS.items():
+            setattr(owner, name, originals[part])
+
+
+def step_breakdown(loader: DataLoader, root: str, configurations: dict[str, dict[str, Any]], rounds: int) -> None:
+    """Print the microseconds per step of each part of ``STEP_PARTS`` and of the rest, for the plain loop and
+    each configuration: the median over ``rounds`` alternated rounds (after one warm-up round)."""
+    steps = len(loader)
+    columns = {"plain": None, **configurations}
+    figures: dict[str, dict[str, list[float]]] = {column: {} for column in columns}
+    for round_index in range(rounds + 1):
+        for column, flags in columns.items():
+            seconds = dict.fromkeys(STEP_PARTS, 0.0)
+            with timed_parts(seconds):
+                total = plain_epoch(loader) if flags is None else ember_epoch(loader, root, **flags)
+            if round_index:
+                seconds["the loop's own code"] = total - sum(seconds.values())
+                seconds["the whole step"] = total
+                for part, value in seconds.items():
+                    figures[column].setdefault(part, []).append(value / steps * 1e6)
+    names = [SHORT_NAMES.get(column, column) for column in columns]
+    width = max(len(name) for name in names) + 2
+    print(f"Microseconds per step, median of {rounds} rounds (the timers add a little to each timed part):")
+    print(f"  {'':22s}" + "".join(f"{name:>{width}s}" for name in names))
+    for part in figures["plain"]:
+        row = "".join(f"{statistics.median(figures[column][part]):{width}.1f}" for column in columns)
+        print(f"  {part:22s}{row}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9, help="measured rounds after one warm-up round")
     parser.add_argument("--profiler", action="store_true", help="also measure Trainer(profiler='simple')")
+    parser.add_argument(
+        "--breakdown", type=int, default=0, metavar="ROUNDS",
+        help="then time the parts of a step in this many more rounds (0: not at all)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
+    if args.breakdown < 0:
+        parser.error(f"--breakdown {args.breakdown}: give 0 (no breakdown) or more rounds")
 
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
@@ -138,9 +218,9 @@ def main() -> None:
         BARE_LOGGING: dict(log=True, **bare),
     }
     if importlib.util.find_spec("tensorboard"):
-        configurations["defaults with tensorboard installed (TensorBoard and CSV loggers)"] = dict(log=True)
+        configurations[TENSORBOARD] = dict(log=True)
     if args.profiler:
-        configurations["defaults + profiler='simple'"] = dict(log=True, logger="csv", profiler="simple")
+        configurations[PROFILER] = dict(log=True, logger="csv", profiler="simple")
 
     ratios: dict[str, list[float]] = {name: [] for name in configurations}
     with tempfile.TemporaryDirectory() as root:
@@ -162,6 +242,9 @@ def main() -> None:
     torch_seconds, ember_seconds = import_overhead()
     print(f"  import torch: {torch_seconds:.2f} s; import torch, ember: {ember_seconds:.2f} s; "
           f"ember adds {ember_seconds - torch_seconds:+.3f} s")  # fmt: skip
+    if args.breakdown:
+        with tempfile.TemporaryDirectory() as root:
+            step_breakdown(loader, root, configurations, args.breakdown)
 
 
 if __name__ == "__main__":

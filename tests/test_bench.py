@@ -1,0 +1,47 @@
+"""The overhead benchmark's step breakdown and its flags (the figures themselves are measured, not tested)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import overhead  # noqa: E402  (bench/ is not a package)
+
+
+def test_step_breakdown_times_every_part_and_puts_the_timed_functions_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    originals = {part: getattr(owner, name) for part, (owner, name) in overhead.STEP_PARTS.items()}
+    x, y = torch.randn(256, 32), torch.randint(0, 10, (256,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=64)
+    bare = dict(log=False, enable_progress_bar=False, logger=False, enable_checkpointing=False)
+    overhead.step_breakdown(loader, str(tmp_path), {overhead.BARE: bare}, rounds=1)
+
+    rows = {line[:24].strip(): line[24:].split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert list(rows) == [*overhead.STEP_PARTS, "the loop's own code", "the whole step"]
+    for part, (plain, ember) in rows.items():
+        assert float(plain) > 0 and float(ember) > 0, part  # each part ran in both loops and was timed
+    assert {part: getattr(owner, name) for part, (owner, name) in overhead.STEP_PARTS.items()} == originals
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--rounds", "0"], "--rounds 0: give 1 or more"),
+        (["--breakdown", "-1"], "--breakdown -1: give 0 (no breakdown) or more rounds"),
+    ],
+)
+def test_bad_overhead_flags_are_refused(flags: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "overhead.py"), *flags], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
