@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import overhead  # noqa: E402  (bench/ is not a package)
+# bench/ is not a package: its script is loaded from its file, leaving sys.path as it is.
+_spec = importlib.util.spec_from_file_location("bench_overhead", BENCH / "overhead.py")
+assert _spec is not None and _spec.loader is not None
+overhead = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(overhead)
 
 
 def test_step_breakdown_times_every_part_and_puts_the_timed_functions_back(
