@@ -56,8 +56,10 @@ def main() -> None:
     torch.set_num_threads(cores if "threads" in planted else max(1, cores // processes))
     torch.manual_seed(0)
 
-    # Enough compute per step that reading in-memory data is not the bottleneck (unless it is planted).
-    width = 512
+    # Enough compute per step that reading in-memory data is not the bottleneck (unless it is planted): about
+    # 4% of a step at this width. At 512 it was 13%, near enough to the doctor's 20% that a busy machine's
+    # scheduling hiccup during one read of the short measured window made a clean run look input-bound.
+    width = 1024
     model: nn.Module = nn.Sequential(
         nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
     )
