@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import io
 import statistics
@@ -42,6 +43,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import ember
 from ember.callbacks import Callback
+from ember.instrument import Patches
 from ember.loggers import CSVLogger
 
 BARE = "bare (no progress bar, logger, checkpoint or self.log)"
@@ -152,14 +154,13 @@ def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
 
         return run
 
-    originals = {part: getattr(owner, name) for part, (owner, name) in STEP_PARTS.items()}
+    patches = Patches()
     for part, (owner, name) in STEP_PARTS.items():
-        setattr(owner, name, timed(part, originals[part]))
+        patches.wrap(owner, name, functools.partial(timed, part))
     try:
         yield
     finally:
-        for part, (owner, name) in STEP_PARTS.items():
-            setattr(owner, name, originals[part])
+        patches.undo()
 
 
 def step_breakdown(loader: DataLoader, root: str, configurations: dict[str, dict[str, Any]], rounds: int) -> None:
