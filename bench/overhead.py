@@ -179,13 +179,21 @@ def step_breakdown(loader: DataLoader, root: str, configurations: dict[str, dict
                 seconds["the whole step"] = total
                 for part, value in seconds.items():
                     figures[column].setdefault(part, []).append(value / steps * 1e6)
-    names = [SHORT_NAMES.get(column, column) for column in columns]
-    width = max(len(name) for name in names) + 2
     print(f"Microseconds per step, median of {rounds} rounds (the timers add a little to each timed part):")
-    print(f"  {'':22s}" + "".join(f"{name:>{width}s}" for name in names))
+    print("\n".join(breakdown_table(figures)))
+
+
+def breakdown_table(figures: dict[str, dict[str, list[float]]]) -> list[str]:
+    """The lines of the step breakdown: a column per loop (``figures``' keys), a row per part, each figure the
+    median of its measurements."""
+    names = [SHORT_NAMES.get(column, column) for column in figures]
+    width = max(len(name) for name in names) + 1
+    lines = [f"  {'':22s}" + "".join(f" {name:>{width}s}" for name in names)]
     for part in figures["plain"]:
-        row = "".join(f"{statistics.median(figures[column][part]):{width}.1f}" for column in columns)
-        print(f"  {part:22s}{row}")
+        # A space before each figure: on a busy machine one may be wider than its column.
+        row = "".join(f" {statistics.median(values[part]):{width}.1f}" for values in figures.values())
+        lines.append(f"  {part:22s}{row}")
+    return lines
 
 
 def main() -> None:

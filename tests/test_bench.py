@@ -35,6 +35,14 @@ def test_step_breakdown_times_every_part_and_puts_the_timed_functions_back(
     assert {part: getattr(owner, name) for part, (owner, name) in overhead.STEP_PARTS.items()} == originals
 
 
+def test_breakdown_figures_wider_than_their_column_stay_apart() -> None:
+    # On a busy machine a step can take more microseconds than a column's heading has letters.
+    figures = {"plain": {"backward": [123456.7]}, overhead.BARE: {"backward": [7654321.0, 7654323.0]}}
+    heading, row = overhead.breakdown_table(figures)
+    assert heading.split() == ["plain", "bare"]
+    assert row.split() == ["backward", "123456.7", "7654322.0"]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
