@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
 from datetime import timedelta
 from typing import Any
@@ -120,6 +123,78 @@ def test_atomic_save_replaces_the_file_and_leaves_no_temporary(tmp_path: Any) ->
     path.write_bytes(path.read_bytes()[:20])  # a truncated file
     with pytest.raises(checkpoint_io.CheckpointError, match="not a readable checkpoint"):
         checkpoint_io.load(path)
+
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _is_direct(fd: int) -> bool:
+    return bool(_O_DIRECT) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT)
+
+
+def _takes_direct_writes(directory: Any) -> bool:
+    if not _O_DIRECT:
+        return False
+    try:
+        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | _O_DIRECT))
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(directory / "probe")
+    return True
+
+
+def _saved_and_loaded(path: Any) -> None:
+    """Save a checkpoint larger than the writer's 4 MiB buffer and not a whole number of blocks; it must load
+    exactly, its trailer's length and digest verified."""
+    weights = torch.arange(1_500_001, dtype=torch.float32)
+    checkpoint_io.save({"weights": weights}, path)
+    assert os.listdir(path.parent) == [path.name]
+    assert checkpoint_io.verify(path) is True
+    assert torch.equal(checkpoint_io.load(path)["weights"], weights)
+
+
+def test_a_save_writes_around_the_page_cache_where_the_file_system_allows(tmp_path: Any, monkeypatch: Any) -> None:
+    directs: list[bool] = []
+    write = os.write
+
+    def spy(fd: int, data: Any) -> int:
+        directs.append(_is_direct(fd))
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", spy)
+    _saved_and_loaded(tmp_path / "a.ckpt")
+    if _takes_direct_writes(tmp_path):
+        assert any(directs)
+
+
+def test_a_file_system_that_refuses_direct_io_at_open_gets_the_file_through_the_cache(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    opened = os.open
+
+    def refusing(path: Any, flags: int, *args: Any) -> int:
+        if flags & _O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return opened(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+    _saved_and_loaded(tmp_path / "a.ckpt")
+
+
+def test_a_disk_that_refuses_a_direct_write_gets_the_rest_through_the_cache(tmp_path: Any, monkeypatch: Any) -> None:
+    write, refused = os.write, []
+
+    def refusing(fd: int, data: Any) -> int:
+        if _is_direct(fd) and not refused:  # the first direct write, as larger blocks than 4 KiB would be
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", refusing)
+    _saved_and_loaded(tmp_path / "a.ckpt")
+    assert bool(refused) == _takes_direct_writes(tmp_path)
 
 
 class _Payload:
