@@ -563,6 +563,45 @@ def test_a_run_resumes_on_a_gpu_with_numpys_generator_in_the_checkpoint(tmp_path
 
 
 @pytest.mark.cuda
+def test_a_background_checkpoint_of_a_gpu_run_is_copied_to_pinned_memory_and_resumes_exactly(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest import Regressor, make_loader, parameters_of, quiet_trainer
+
+    from ember import checkpoint
+    from ember.callbacks import ModelCheckpoint
+    from ember.checkpoint.writer import AsyncWriter
+
+    pinned: list[bool] = []
+    snapshot = AsyncWriter.snapshot
+
+    def watched(self: AsyncWriter, checkpoint: Any) -> dict[str, Any]:
+        copied = snapshot(self, checkpoint)
+        pinned.extend(tensor.is_pinned() for tensor in copied["state_dict"].values())
+        return copied
+
+    monkeypatch.setattr(AsyncWriter, "snapshot", watched)
+
+    def fit(root: str, ckpt_path: str | None = None) -> tuple[ember.Trainer, Regressor]:
+        every_four = ModelCheckpoint(every_n_train_steps=4, save_top_k=-1, save_last=True)
+        trainer = quiet_trainer(accelerator="cuda", devices=1, max_epochs=2, async_checkpoint=True, logger=False,
+                                default_root_dir=str(tmp_path / root), callbacks=[every_four])  # fmt: skip
+        model = Regressor()
+        trainer.fit(model, make_loader(), ckpt_path=ckpt_path)
+        return trainer, model
+
+    whole, model = fit("whole")
+    assert pinned and all(pinned)  # the state was on the GPU: every copy went to pinned host memory
+    last = checkpoint.load(os.path.join(whole.checkpoint_dir, "last.ckpt"))
+    assert last["global_step"] == 16
+    final = [p.cpu() for p in parameters_of(model)]
+    assert all(torch.equal(saved, p) for saved, p in zip(last["state_dict"].values(), final, strict=True))
+    resumed, model = fit("resumed", ckpt_path=os.path.join(whole.checkpoint_dir, "epoch=0-step=8.ckpt"))
+    assert resumed.global_step == 16
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(parameters_of(model), final, strict=True))
+
+
+@pytest.mark.cuda
 @pytest.mark.slow
 def test_cuda_graphs_with_a_forward_that_returns_the_loss_log_every_step() -> None:
     from conftest import Regressor, make_loader, quiet_trainer

@@ -136,7 +136,7 @@ class AsyncWriter(Writer):
         tensor = tensor.detach()
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            # Pinned host memory takes the copy from a GPU without blocking; the one wait is in `_settle`.
+            # Pinned host memory takes the copy from a GPU without blocking; the one wait is in `snapshot`.
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
             self._buffers[key] = buffer
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
