@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -164,6 +165,29 @@ def test_what_follows_a_failed_background_write_never_runs_even_when_queued_afte
     writer.then(lambda: ran.append("after the error was raised"))  # a new save's operations run again
     writer.wait()
     assert ran == ["after the error was raised"]
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="thread scheduling policies are Linux's")
+def test_the_background_write_and_the_threads_it_starts_run_only_on_idle_cores(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policies: list[int] = []
+    original = file_io.save
+
+    def watched(checkpoint: Any, path: Any) -> None:
+        policies.append(os.sched_getscheduler(0))
+        helper = threading.Thread(target=lambda: policies.append(os.sched_getscheduler(0)))
+        helper.start()
+        helper.join()
+        original(checkpoint, path)
+
+    monkeypatch.setattr(file_io, "save", watched)
+    writer = AsyncWriter()
+    writer.write({"step": torch.zeros(1)}, str(tmp_path / "a.ckpt"))
+    writer.wait()
+    assert policies == [os.SCHED_IDLE, os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # training's own thread is left as it was
+    assert checkpoint_io.verify(tmp_path / "a.ckpt")
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
