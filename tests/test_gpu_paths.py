@@ -575,8 +575,8 @@ def test_a_background_checkpoint_of_a_gpu_run_is_copied_to_pinned_memory_and_res
     pinned: list[bool] = []
     snapshot = AsyncWriter.snapshot
 
-    def watched(self: AsyncWriter, checkpoint: Any) -> dict[str, Any]:
-        copied = snapshot(self, checkpoint)
+    def watched(self: AsyncWriter, state: Any) -> dict[str, Any]:
+        copied = snapshot(self, state)
         pinned.extend(tensor.is_pinned() for tensor in copied["state_dict"].values())
         return copied
 

@@ -166,6 +166,7 @@ def test_what_follows_a_failed_background_write_never_runs_even_when_queued_afte
     writer.wait()
     assert ran == ["after the error was raised"]
 
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="thread scheduling policies are Linux's")
 def test_the_background_write_and_the_threads_it_starts_run_only_on_idle_cores(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
