@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, root: str, mode: str, ckpt_path: str | None = 
 
     trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch_size * 8, args.width, generator=generator).to(_data_device(args.accelerator))
+    x = torch.randn(args.batch_size * 8, args.width, generator=generator).to(args.accelerator)
     # Whole batches, in a shuffled order: one slice each, not a stack of single samples (slow on a GPU).
     batches = TensorDataset(x.view(8, args.batch_size, -1), torch.tanh(x).view(8, args.batch_size, -1))
     loader = DataLoader(batches, batch_size=None, shuffle=True)
@@ -148,10 +148,6 @@ def main() -> None:
           f"{asynchronous:.3f} in the background ({1 - asynchronous / none:+.1%} cost)")  # fmt: skip
     print(f"  to the first training step: {resumed['to_first_step']:.2f} s resuming from a checkpoint, "
           f"{fresh['to_first_step']:.2f} s starting fresh")  # fmt: skip
-
-
-def _data_device(accelerator: str) -> torch.device:
-    return torch.device("cuda", 0) if accelerator == "cuda" else torch.device("cpu")
 
 
 def _values(value: Any) -> list[float]:
