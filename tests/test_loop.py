@@ -447,3 +447,113 @@ def test_batches_skip_the_strategy_only_where_it_would_leave_them_as_they_are() 
     assert trainer.strategy.batch_transfer() == trainer.strategy.batch_to_device
     trainer.fit(Probe(), make_loader())
     assert seen == [torch.float64, torch.float64]
+
+
+class _OpenedRanges:
+    """The names of the profiler ranges (``record_function``) that torch opens while active."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.names: list[str] = []
+        enter = torch.autograd.profiler.record_function.__enter__
+
+        def recording(context: Any) -> Any:
+            self.names.append(context.name)
+            return enter(context)
+
+        monkeypatch.setattr(torch.autograd.profiler.record_function, "__enter__", recording)
+
+
+class _GradientsAfterEachStep(Callback):
+    """Whether every parameter's gradient was None at the end of each training batch."""
+
+    def __init__(self) -> None:
+        self.cleared: list[bool] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        optimizer = trainer.optimizers[0]
+        self.cleared.append(all(p.grad is None for group in optimizer.param_groups for p in group["params"]))
+
+
+def test_gradients_are_reset_after_each_step_without_torchs_profiler_range_unless_a_profiler_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The range around torch's zero_grad costs about 5 µs per step whether or not anything records it.
+    opened, after_steps = _OpenedRanges(monkeypatch), _GradientsAfterEachStep()
+    quiet_trainer(max_steps=3, logger=False, enable_checkpointing=False, callbacks=[after_steps]).fit(
+        Regressor(), make_loader()
+    )
+    assert after_steps.cleared == [True, True, True]
+    assert opened.names.count("Optimizer.step#SGD.step") == 3
+    assert opened.names.count("Optimizer.zero_grad#SGD.zero_grad") == 1  # once before training, in no step
+
+    # Under a profiler the reset is torch's own, so that its trace shows the range as always.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        quiet_trainer(max_steps=3, logger=False, enable_checkpointing=False).fit(Regressor(), make_loader())
+    names = [event.name for event in profile.events()]
+    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 1 + 3
+
+
+class _CountedZeroGrad(torch.optim.SGD):
+    """An optimizer with a ``zero_grad`` of its own, which zeroes the gradients in place and counts its calls."""
+
+    calls = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        type(self).calls += 1
+        super().zero_grad(set_to_none=False)
+
+
+class _GrowingOptimizer(Callback):
+    """Adds a parameter group with a parameter of its own after the first batch, as fine-tuning callbacks do."""
+
+    def __init__(self) -> None:
+        self.extra = torch.ones(1, requires_grad=True)  # not the module's: in no parameter group until added
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            trainer.optimizers[0].add_param_group({"params": [self.extra]})
+
+
+def test_an_optimizer_with_its_own_zero_grad_has_it_called_and_added_parameter_groups_are_reset() -> None:
+    class OwnReset(Regressor):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return _CountedZeroGrad(self.parameters(), lr=0.05)
+
+    _CountedZeroGrad.calls = 0
+    module = OwnReset()
+    quiet_trainer(max_steps=3, logger=False, enable_checkpointing=False).fit(module, make_loader())
+    assert _CountedZeroGrad.calls == 1 + 3  # once before training, then after each step
+    assert all(p.grad is not None and not p.grad.any() for p in module.parameters())  # zeroed in place, as it does
+
+    class WithExtra(Regressor):
+        def __init__(self, extra: torch.Tensor) -> None:
+            super().__init__()
+            self.extra = extra
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch, batch_idx) + 0.0 * self.extra.sum()
+
+    growing, after_steps = _GrowingOptimizer(), _GradientsAfterEachStep()
+    module = WithExtra(growing.extra)
+    quiet_trainer(max_steps=3, logger=False, enable_checkpointing=False, callbacks=[after_steps, growing]).fit(
+        module, make_loader()
+    )
+    assert after_steps.cleared == [True, True, True] and growing.extra.grad is None
+
+
+def test_a_manual_step_resets_gradients_as_zero_grad_does_without_the_profiler_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened, model = _OpenedRanges(monkeypatch), _Manual()
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    trainer.fit(model, make_loader(32, batch_size=8))
+    assert opened.names.count("Optimizer.step#SGD.step") == 2 * 4
+    assert opened.names.count("Optimizer.zero_grad#SGD.zero_grad") == 2  # each optimizer's, before training
+    assert all(p.grad is not None for p in model.parameters())  # from the last step: nothing reset them since
+
+    manual = trainer.fit_loop.manual_optimizers  # what self.optimizers() gave; zero_grad works after fit too
+    manual[0].zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.layer.parameters())
+    manual[0].zero_grad()
+    assert all(p.grad is None for p in model.layer.parameters())
+    assert all(p.grad is not None for p in model.other.parameters())

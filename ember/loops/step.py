@@ -133,7 +133,7 @@ class StepRunner:
         # more per step costs about as much as a small kernel.
         optimizer, progress = self.optimizers[0], self.progress
         self._calls.optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        clear_gradients(optimizer)
         progress.global_step += 1
         progress.epoch_steps += 1
         if self.scheduler_configs:
@@ -221,7 +221,7 @@ class StepRunner:
         else:
             self._apply_step(optimizer, gradient_scale)
         if not self.hooked:
-            optimizer.zero_grad(set_to_none=True)  # with hooks, optimizer_zero_grad runs when the next window starts
+            clear_gradients(optimizer)  # with hooks, optimizer_zero_grad runs when the next window starts
         self._count_step()
 
     def _apply_step(self, optimizer: torch.optim.Optimizer, gradient_scale: float = 1.0) -> None:
@@ -283,7 +283,7 @@ class StepRunner:
         if self.hooks.optimizer_zero_grad is not None:
             self.hooks.optimizer_zero_grad(self.progress.epoch, batch_idx, optimizer)
         else:
-            optimizer.zero_grad(set_to_none=True)
+            clear_gradients(optimizer)
 
     def backward(self, loss: torch.Tensor) -> None:
         """The strategy's backward of ``loss``, between the hooks around it (and through the module's own
@@ -348,7 +348,10 @@ class ManualOptimizer:
         self._runner.manual_optimizer_step(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            clear_gradients(self.optimizer)
+        else:
+            self.optimizer.zero_grad(set_to_none=False)
 
     @contextlib.contextmanager
     def toggle_model(self, sync_grad: bool = True) -> Iterator[None]:
@@ -427,6 +430,25 @@ class _StepOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+def clear_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``: the reset of the gradients between optimizer steps.
+
+    Where that is torch's own method and no profiler records, its loop runs here without the profiler range
+    that torch opens around it: entering and leaving the range costs about 5 µs whether or not anything
+    records it, 2% of a small model's step. Under a profiler, the trace shows the range as it always did; an
+    optimizer with a ``zero_grad`` of its own (in its class or on the instance) always has it called.
+    """
+    if getattr(optimizer.zero_grad, "__func__", None) is not _TORCH_ZERO_GRAD or torch.autograd._profiler_enabled():
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = None
 
 
 def _calling(step: Callable[..., Any], with_index: bool) -> Callable[[Any, int], Any]:
