@@ -14,7 +14,7 @@ installed, the defaults with it (Ember then writes TensorBoard's event files too
 
 It also times ``import ember`` on top of ``import torch`` in fresh interpreters. ``--breakdown N`` then runs
 N more alternated rounds with timers around the parts of a step that the plain loop and Ember both run
-(loading the batch, the model's forward, the loss, backward, the optimizer step, resetting the gradients) and
+(loading the batch, the model's forward, the loss, backward, the optimizer step, the gradient reset) and
 prints the microseconds per step of each; what is left of a step is the loop's own code (Ember's: its
 bookkeeping, the ``training_step`` call, ``self.log``, the callbacks' hooks). What Ember prints (model
 summaries, progress lines, profiles) is discarded, so that only the figures are shown.
@@ -136,11 +136,11 @@ STEP_PARTS: dict[str, tuple[Any, str]] = {
     "loss": (F, "cross_entropy"),
     "backward": (torch.Tensor, "backward"),
     "optimizer step": (torch.optim.SGD, "step"),
-    "zero_grad": (torch.optim.Optimizer, "zero_grad"),
+    "gradient reset": (torch.optim.Optimizer, "zero_grad"),
 }
 # Ember resets the gradients in ``clear_gradients``, which calls an optimizer's zero_grad only where it is not
 # torch's own: wrapping torch's in a timer would make Ember call it, so Ember's reset is timed where it is made.
-EMBER_STEP_PARTS = {**STEP_PARTS, "zero_grad": (ember.loops.step, "clear_gradients")}
+EMBER_STEP_PARTS = {**STEP_PARTS, "gradient reset": (ember.loops.step, "clear_gradients")}
 
 
 @contextlib.contextmanager

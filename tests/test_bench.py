@@ -22,7 +22,8 @@ _spec.loader.exec_module(overhead)
 def test_step_breakdown_times_every_part_and_puts_the_timed_functions_back(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    originals = {part: getattr(owner, name) for part, (owner, name) in overhead.STEP_PARTS.items()}
+    timed = [*overhead.STEP_PARTS.values(), *overhead.EMBER_STEP_PARTS.values()]
+    originals = [getattr(owner, name) for owner, name in timed]
     x, y = torch.randn(256, 32), torch.randint(0, 10, (256,))
     loader = DataLoader(TensorDataset(x, y), batch_size=64)
     bare = dict(log=False, enable_progress_bar=False, logger=False, enable_checkpointing=False)
@@ -32,7 +33,7 @@ def test_step_breakdown_times_every_part_and_puts_the_timed_functions_back(
     assert list(rows) == [*overhead.STEP_PARTS, "the loop's own code", "the whole step"]
     for part, (plain, ember) in rows.items():
         assert float(plain) > 0 and float(ember) > 0, part  # each part ran in both loops and was timed
-    assert {part: getattr(owner, name) for part, (owner, name) in overhead.STEP_PARTS.items()} == originals
+    assert [getattr(owner, name) for owner, name in timed] == originals
 
 
 def test_breakdown_figures_wider_than_their_column_stay_apart() -> None:
