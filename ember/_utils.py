@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import operator
 import re
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 
@@ -24,6 +25,33 @@ class AttributeDict(dict):
 
     def __setattr__(self, key: str, value: Any) -> None:
         self[key] = value
+
+
+T = TypeVar("T")
+
+
+class Reads(Generic[T]):
+    """A read-only attribute that reads ``path`` (dotted attributes) of its instance: a class that forwards what its
+    parts own writes ``world_size: Reads[int] = Reads("strategy.world_size")`` instead of a property each."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._read = operator.attrgetter(path)
+        self._name = path
+        self.__doc__ = f"``{path}``"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = f"{owner.__name__}.{name}"
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> Reads[T]: ...
+    @overload
+    def __get__(self, instance: object, owner: type) -> T: ...
+    def __get__(self, instance: object | None, owner: type) -> Reads[T] | T:
+        return self if instance is None else self._read(instance)
+
+    def __set__(self, instance: object, value: Any) -> None:
+        raise AttributeError(f"{self._name} is read-only (it reads {self.path})")
 
 
 def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

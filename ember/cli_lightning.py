@@ -136,7 +136,7 @@ class SaveConfigCallback(Callback):
         if self.already_saved:
             return
         if self.save_to_log_dir:
-            directory = trainer.log_dir or trainer.default_root_dir
+            directory = trainer.log_dir or trainer.config.root_dir
             path = os.path.join(directory, self.config_filename)
             exists = trainer.strategy.broadcast(os.path.isfile(path) if trainer.is_global_zero else False)
             if exists and not self.overwrite:

@@ -22,6 +22,7 @@ import torch
 
 from ember._utils import parse_max_time
 from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
+from ember.exceptions import MisconfigurationException
 from ember.loggers import Logger
 from ember.precision import canonical_precision
 from ember.profilers import Profiler
@@ -41,8 +42,9 @@ _BOOL_FLAGS = (
 )  # fmt: skip
 
 
-class FlagError(ValueError, TypeError):
-    """A Trainer flag with a value it does not take (both a ``ValueError`` and a ``TypeError``)."""
+class FlagError(MisconfigurationException, TypeError):
+    """A Trainer flag with a value it does not take (a ``MisconfigurationException``, so also a ``ValueError``,
+    and a ``TypeError``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

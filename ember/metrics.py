@@ -6,12 +6,15 @@ are running sums on the device, and both become Python numbers only when a logge
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 
 from ember._utils import batch_size_of
+from ember.exceptions import MisconfigurationException
 from ember.loggers import Logger
 
 ReduceFx = Literal["mean", "sum", "max", "min"]
@@ -62,9 +65,6 @@ class MetricStore:
     def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor]) -> None:
         self._reduce = reduce
         self._entries: dict[str, _Logged] = {}
-        # Steps log per step by default; validation and epoch-end hooks log per epoch.
-        self.default_on_step = False
-        self.name_suffix = ""  # "/dataloader_idx_N" when several eval loaders run
         #: The batch being processed; its size is inferred only if a per-epoch mean needs it.
         self.batch: Any = None
         self._sized_batch: Any = None
@@ -74,30 +74,28 @@ class MetricStore:
 
     def log(
         self,
-        name: str,
+        key: str,
         value: Any,
         prog_bar: bool,
         logger: bool,
-        on_step: bool | None,
-        on_epoch: bool | None,
+        on_step: bool,
+        on_epoch: bool,
         reduce_fx: ReduceFx,
         sync_dist: bool,
         batch_size: int | None,
-        add_dataloader_idx: bool = True,
     ) -> None:
-        """Record one ``self.log`` call (arguments as ``Module.log`` documents them).
+        """Record one ``self.log`` call under ``key`` (its name, with the dataloader's suffix), with the options
+        the scope resolved (see ``RunMetrics.log``).
 
         Called per step, possibly several times: the common case (a scalar tensor) takes the
         shortest path.
         """
         if reduce_fx not in _REDUCE_FX:
-            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): choose one of {sorted(_REDUCE_FX)}")
-        key = name + self.name_suffix if self.name_suffix and add_dataloader_idx else name
+            raise ValueError(f"self.log({key!r}, reduce_fx={reduce_fx!r}): choose one of {sorted(_REDUCE_FX)}")
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Logged()
-        entry.on_step = self.default_on_step if on_step is None else on_step
-        entry.on_epoch = not self.default_on_step if on_epoch is None else on_epoch
+        entry.on_step, entry.on_epoch = on_step, on_epoch
         entry.prog_bar, entry.to_logger, entry.reduce_fx, entry.sync_dist = prog_bar, logger, reduce_fx, sync_dist
         if type(value) is torch.Tensor and value.numel() == 1:  # the usual value, taken without a call more
             value = value.detach()  # logging must never keep the autograd graph alive
@@ -105,10 +103,10 @@ class MetricStore:
             entry.metric = value  # computed, synced and reset by itself at epoch end
             cached = getattr(value, "_forward_cache", None)
             if entry.on_step and cached is not None:
-                entry.step_value, entry.step_fresh = _as_number(name, cached), True
+                entry.step_value, entry.step_fresh = _as_number(key, cached), True
             return
         else:
-            value = _as_number(name, value)
+            value = _as_number(key, value)
         if self.copy_values and isinstance(value, torch.Tensor):
             value = value.clone()
         if entry.on_step:
@@ -264,12 +262,41 @@ def to_floats(values: Mapping[str, Number]) -> dict[str, float]:
     return {name: floats[name] for name in values}
 
 
+@dataclasses.dataclass(frozen=True)
+class LogScope:
+    """Where ``self.log`` records a value now, and with which defaults: what the hook caller (``loops.hooks``)
+    says of the hook it runs. Outside every hook, and in hooks where nothing may be logged, ``store`` is None."""
+
+    hook: str | None = None
+    """The hook (or step) being run."""
+    store: MetricStore | None = None
+    """The values of its stage: fit's training, or an evaluation's (None: logging is refused here)."""
+    default_on_step: bool = False
+    """``on_step`` when ``self.log`` leaves it out (``on_epoch`` is then its opposite)."""
+    epoch_only: bool = False
+    """Whether values must be epoch values (the hooks that end an epoch)."""
+    suffix: str = ""
+    """``/dataloader_idx_N`` while one of several evaluation loaders runs."""
+
+    def refusal(self, name: str, on_step: bool | None) -> str | None:
+        """Why ``self.log(name, on_step=...)`` is refused here, or None."""
+        where = f"in {self.hook}" if self.hook is not None else "outside fit, validate and test"
+        if self.store is None:
+            return (
+                f"You can't self.log({name!r}) {where}: values are logged in training_step, validation_step, "
+                "test_step and the hooks of their epochs and batches"
+            )
+        if self.epoch_only and on_step:
+            return f"You can't self.log({name!r}, on_step=True) in {self.hook}: an epoch's end logs epoch values only"
+        return None
+
+
 class RunMetrics:
     """What a run has logged, and where it goes.
 
-    ``self.log`` records into ``active``: the training store during ``fit``'s training, the evaluation
-    store while validating or testing. The values of finished epochs are published as callback
-    metrics; ``write`` hands values to the loggers (on the global-zero process) and keeps them as the
+    ``self.log`` records where ``scope`` says (the hook caller sets it): the training store during ``fit``'s
+    training, the evaluation store while validating or testing. The values of finished epochs are published as
+    callback metrics; ``write`` hands values to the loggers (on the global-zero process) and keeps them as the
     logged metrics.
     """
 
@@ -278,13 +305,37 @@ class RunMetrics:
         self.train = MetricStore(reduce)
         self.eval = MetricStore(reduce)
         self.train.copy_values = self.eval.copy_values = copy_values
-        #: Where ``self.log`` records values now.
-        self.active = self.train
+        #: Where ``self.log`` records values now, and with which defaults.
+        self.scope = LogScope()
         self._loggers = list(loggers)
         self._is_global_zero = is_global_zero
         self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
         self._prog_bar_epoch_values: dict[str, Number] = {}
         self._logged: dict[str, float] = {}  # the values last written to the loggers
+
+    @contextlib.contextmanager
+    def scoped(self, scope: LogScope) -> Iterator[None]:
+        """``self.log`` records as ``scope`` says while the block runs."""
+        previous, self.scope = self.scope, scope
+        try:
+            yield
+        finally:
+            self.scope = previous
+
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce_fx: ReduceFx = "mean", sync_dist: bool = False,
+            batch_size: int | None = None, add_dataloader_idx: bool = True) -> None:  # fmt: skip
+        """Record one ``self.log`` call where the scope says (arguments as ``Module.log`` documents them)."""
+        scope = self.scope
+        store = scope.store
+        if store is None or (scope.epoch_only and on_step):
+            raise MisconfigurationException(scope.refusal(name, on_step))
+        if on_step is None:
+            on_step = scope.default_on_step
+        if on_epoch is None:
+            on_epoch = not scope.default_on_step
+        key = name + scope.suffix if scope.suffix and add_dataloader_idx else name
+        store.log(key, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
 
     @property
     def logged(self) -> dict[str, torch.Tensor]:
@@ -331,7 +382,6 @@ class RunMetrics:
         """Forget everything logged: each stage (fit, validate, test, predict) starts with no metrics."""
         self.train.clear()
         self.eval.clear()
-        self.active = self.train
         self._epoch_values.clear()
         self._prog_bar_epoch_values.clear()
         self._logged.clear()

@@ -247,9 +247,8 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
         if trainer is not None and trainer.config.barebones:
             rank_zero_warn_once(f"self.log({name!r}, ...) does nothing with barebones=True", stacklevel=2)
         elif trainer is not None:
-            store = trainer.run_metrics.active
-            store.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size,
-                      add_dataloader_idx)  # fmt: skip
+            trainer.run_metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size,
+                                    add_dataloader_idx)  # fmt: skip
 
     def log_dict(self, dictionary: Mapping[str, Any], **options: Any) -> None:
         """``self.log`` for each item of ``dictionary``, with the same options."""

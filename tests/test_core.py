@@ -56,13 +56,13 @@ def test_an_epoch_end_checkpoint_resumes_at_the_next_epoch() -> None:
 
 def test_the_tuner_runs_fits_step_runner(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    original = StepRunner.single_step
+    original = StepRunner.step
 
     def counted(self: StepRunner, *args: Any) -> Any:
         calls.append("step")
         return original(self, *args)
 
-    monkeypatch.setattr(StepRunner, "single_step", counted)
+    monkeypatch.setattr(StepRunner, "step", counted)
 
     class Finder(Regressor):
         def train_dataloader(self) -> Any:

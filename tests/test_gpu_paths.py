@@ -114,7 +114,7 @@ class _Trainer:
     """What the module reaches through ``self.trainer`` in these steps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.run_metrics = SimpleNamespace(active=_Logs())
+        self.run_metrics = _Logs()
         self.config = SimpleNamespace(barebones=False)
         self.fit_loop = SimpleNamespace(manual_optimizers=[optimizer])
 
@@ -184,7 +184,7 @@ def test_dp_averages_only_the_training_loss_and_gathers_other_outputs(monkeypatc
     module = strategy._module
     expected = torch.nn.functional.mse_loss(module.layer(x), y)
     torch.testing.assert_close(loss, expected)  # equal shares: the mean of their losses
-    assert module.trainer.run_metrics.active.names == ["share"]  # logged once, from the first share
+    assert module.trainer.run_metrics.names == ["share"]  # logged once, from the first share
     with torch.no_grad():
         predictions = strategy.step("predict_step", (x, y), 0)
     torch.testing.assert_close(predictions["per_sample"], module.layer(x).squeeze(1))

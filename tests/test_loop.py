@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -382,17 +383,17 @@ class _TwoRanks:
 
 def test_the_stop_check_is_due_alone_only_after_a_signal_or_the_deadline() -> None:
     interruptions = Interruptions()
-    interruptions.reset(max_time=None)
+    interruptions.reset()
     assert not any(interruptions.due() for _ in range(100))
     interruptions.signal_received = signal.SIGTERM
     assert interruptions.due() and interruptions.check(SingleDeviceStrategy()) == (True, signal.SIGTERM)
-    interruptions.reset(max_time=0.0)
+    interruptions.reset(deadline=time.monotonic())
     assert interruptions.due() and interruptions.check(SingleDeviceStrategy()) == (True, None)
 
 
 def test_the_ranks_agree_on_stopping_only_when_their_countdown_ends() -> None:
     interruptions, strategy = Interruptions(), _TwoRanks()
-    interruptions.reset(max_time=None, world_size=2)
+    interruptions.reset(world_size=2)
     due = [interruptions.due() for _ in range(10)]
     assert due == [False] * 9 + [True]  # the first agreement comes after 10 steps
     assert interruptions.check(strategy) == (False, None) and strategy.agreements == 1  # type: ignore[arg-type]

@@ -67,7 +67,7 @@ def test_simple_profiler_table_adds_up_to_the_step_time(tmp_path: Any, capsys: p
         assert records[action].calls == 40, action
     assert records["logging"].calls == 8 + 1  # every 5 steps, and the epoch's values
     # every action inside the epoch, each counting only its own time, covers the epoch's wall time
-    in_epoch = sum(record.total for action, record in records.items() if action != "configure_optimizers")
+    in_epoch = sum(record.total for action, record in records.items() if not action.endswith("configure_optimizers"))
     assert 0.9 < in_epoch / clock.seconds < 1.1, (in_epoch, clock.seconds)
 
     path = os.path.join(trainer.log_dir, "fit-profile.txt")
@@ -123,7 +123,8 @@ def test_the_run_is_wrapped_only_while_profiling() -> None:
     class Look(Callback):
         def on_train_batch_end(self, trainer: ember.Trainer, module: Any, *args: Any) -> None:
             seen["wrapped"] = sorted(set(vars(trainer.strategy)) & {"step", "backward", "batch_to_device"})
-            seen["hook wrapped"] = "on_train_batch_end" in vars(self)
+            hooks = trainer.hooks.implementations("on_train_batch_end")
+            seen["hook wrapped"] = any(hasattr(getattr(hook, "func", hook), "__wrapped__") for hook in hooks)
 
     trainer = quiet_trainer(max_steps=2, logger=False, callbacks=[Look()])
     assert isinstance(trainer.profiler, PassThroughProfiler)

@@ -229,7 +229,7 @@ class ModelCheckpoint(Callback):
 
     def _default_dirpath(self, trainer: Trainer) -> str:
         if self.dirpath is None:  # decided once the run directory is: "checkpoints" in it
-            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+            self.dirpath = os.path.join(trainer.log_dir or trainer.config.root_dir, "checkpoints")
         return self.dirpath
 
     def _choose_path(self, trainer: Trainer) -> tuple[str | None, list[str]]:

@@ -102,7 +102,7 @@ class ProgressBar(Callback):
     def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
         if not trainer.is_global_zero:
             return
-        epochs = f"/{trainer.max_epochs}" if trainer.max_epochs not in (None, -1) else ""
+        epochs = f"/{trainer.config.epoch_limit}" if trainer.config.epoch_limit != -1 else ""
         progress = trainer.fit_loop.progress  # a resumed epoch starts part-way
         self._train = ProgressDisplay(
             self, f"Epoch {trainer.current_epoch + 1}{epochs}", trainer.fit_loop.batches_this_epoch(), keep=True,

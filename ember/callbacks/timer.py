@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -61,6 +62,15 @@ class Timer(Callback):
     def time_remaining(self, stage: Stage = "train") -> float | None:
         return None if self.duration is None else self.duration - self.time_elapsed(stage)
 
+    @property
+    def deadline(self) -> float:
+        """The ``time.monotonic()`` past which training stops after the batch under way (``math.inf``: none;
+        with ``interval="epoch"`` the limit is checked at each epoch's end instead)."""
+        start = self._start.get("train")
+        if self.duration is None or self.interval != "step" or start is None:
+            return math.inf
+        return start + self.duration - self._offset
+
     def _begin(self, stage: Stage) -> None:
         self._start[stage] = time.monotonic()
         self._end.pop(stage, None)
@@ -70,12 +80,7 @@ class Timer(Callback):
 
     # ---------------------------------------------------------------------------------- hooks
     def on_train_start(self, trainer: Trainer, module: Module) -> None:
-        self._begin("train")
-        if self.duration is not None and self.interval == "step":
-            # The loop's time limit stops every rank at the same batch without a collective per step.
-            remaining = self.duration - self._offset
-            interruptions = trainer.fit_loop.interruptions
-            interruptions.deadline = min(interruptions.deadline, self._start["train"] + remaining)
+        self._begin("train")  # the loop reads ``deadline`` next, and stops every rank at the same batch
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
         if self.duration is None or self.interval != "epoch":

@@ -8,17 +8,17 @@ window) is gathered from all ranks into ``ranks``.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember import checkpoint as checkpoint_io
-from ember.checkpoint import sharded
+from ember.checkpoint import resume, sharded
 from ember.checkpoint.io import CheckpointError, plain_values
-from ember.data import why_not_resumable
 from ember.loggers.logger import run_versions
-from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
+from ember.rank_zero import rank_zero_warn
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -44,15 +44,16 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
     }
     if weights_only:
         return checkpoint
-    own = fit_loop.rank_state()
+    own = resume.rank_state(trainer)
+    runner = fit_loop.runner.state_dict() if fit_loop.runner is not None else {}
     checkpoint.update(
-        loops={"fit_loop": fit_loop.state_dict()},
+        loops={"fit_loop": {**fit_loop.state.state_dict(), **runner}},
         optimizer_states=[strategy.optimizer_state_dict(optimizer) for optimizer in trainer.optimizers],
         lr_schedulers=[config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         precision=strategy.precision.state_dict(),
         callbacks={callback.state_key: callback.state_dict() for callback in trainer.callbacks},
         loggers=[{"version": logger.version} for logger in trainer.loggers],
-        data=fit_loop.data_state(),
+        data=resume.data_layout(trainer),
         ranks=dict(enumerate(strategy.all_gather_object(own))) if gather else {trainer.global_rank: own},
     )
     if trainer.datamodule is not None:
@@ -60,10 +61,21 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
         checkpoint["datamodule_hyper_parameters"] = plain_values(
             dict(trainer.datamodule.hparams), "datamodule hyper_parameters"
         )
-    module.on_save_checkpoint(checkpoint)
-    for callback in trainer.callbacks:
-        callback.on_save_checkpoint(trainer, module, checkpoint)
+    trainer.hooks.call("on_save_checkpoint", checkpoint)
     return checkpoint
+
+
+def refuse_nonfinite_weights(trainer: Trainer, path: str) -> None:
+    """Raise a ``FloatingPointError`` (on every rank) when any rank's weights hold a NaN or an infinity: such a
+    checkpoint is never saved at ``path``, and those saved before stay as they are."""
+    module = trainer.lightning_module
+    nonfinite = nonfinite_parameters(module) if module is not None else []
+    if trainer.strategy.reduce(torch.tensor(float(len(nonfinite))), "max") > 0:
+        shown = f" ({', '.join(nonfinite[:5])}{', ...' if len(nonfinite) > 5 else ''})" if nonfinite else ""
+        raise FloatingPointError(
+            f"the weights hold NaN or infinite values at global step {trainer.global_step}{shown}: "
+            f"{path!r} was not saved, and the checkpoints saved before are kept"
+        )
 
 
 def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
@@ -81,6 +93,45 @@ def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     to_local = getattr(tensor, "to_local", None)  # a DTensor's shard on this rank
     return to_local() if to_local is not None else tensor
+
+
+def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:
+    """The checkpoint a stage starts from: an explicit path as it is; "last" and "best" looked up (by rank zero,
+    for every rank)."""
+    if ckpt_path not in ("last", "best"):
+        return ckpt_path
+    found = find_checkpoint(trainer, ckpt_path) if trainer.is_global_zero else None
+    found = trainer.strategy.broadcast(found)
+    if found is None:
+        if ckpt_path == "best":
+            why = "no ModelCheckpoint saved one" if trainer.checkpoint_callback is None else "none was saved"
+            raise FileNotFoundError(
+                f"ckpt_path='best': no best checkpoint is known ({why} under {trainer.config.root_dir!r})"
+            )
+        if trainer.is_global_zero:
+            warnings.warn(
+                f"ckpt_path='last': no complete checkpoint of this run under {trainer.runs_dir!r} yet; "
+                "training starts from scratch",
+                stacklevel=6,  # the user's fit: through the Trainer's _begin_stage, _stage and contextlib
+            )
+    else:
+        trainer.print(f"resuming from {found}")
+    return found
+
+
+def resume_from(trainer: Trainer, path: str, weights_only: bool | None) -> None:
+    """Continue from a checkpoint written by ``save_checkpoint``: weights, optimizers, loop position."""
+    checkpoint = trainer.strategy.load_checkpoint(path, trust_pickles=weights_only is False)
+    restore_training_state(trainer, checkpoint, path)
+
+
+def load_weights_into(trainer: Trainer, path: str | None, weights_only: bool | None) -> None:
+    """The weights of the checkpoint at ``path`` (if any) into the module, after its ``on_load_checkpoint``."""
+    if path is None:
+        return
+    checkpoint = trainer.strategy.load_checkpoint(path, trust_pickles=weights_only is False)
+    trainer.hooks.call_module("on_load_checkpoint", checkpoint)
+    load_weights(trainer.strategy.load_module_state_dict, _module(trainer), checkpoint, path)
 
 
 def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
@@ -104,17 +155,18 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
             f"ckpt_path={path!r} was written by an older Ember, whose loop state this one cannot read"
         )
     module = _module(trainer)
-    module.on_load_checkpoint(checkpoint)
+    hooks = trainer.hooks
+    hooks.call_module("on_load_checkpoint", checkpoint)
     load_weights(trainer.strategy.load_module_state_dict, module, checkpoint, path)
     _restore_optimization(trainer, checkpoint, path)
+    hooks.call_callbacks("on_load_checkpoint", checkpoint)
     saved_callbacks = checkpoint.get("callbacks", {})
     for callback in trainer.callbacks:
-        callback.on_load_checkpoint(trainer, module, checkpoint)
         if callback.state_key in saved_callbacks:
             callback.load_state_dict(saved_callbacks[callback.state_key])
     if trainer.datamodule is not None and "datamodule" in checkpoint:
         trainer.datamodule.load_state_dict(checkpoint["datamodule"])
-    _restore_position(trainer, checkpoint, path)
+    resume.resume(trainer, checkpoint, path)
 
 
 def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: str) -> None:
@@ -158,34 +210,6 @@ def _restore_optimization(trainer: Trainer, checkpoint: dict[str, Any], path: st
     for config, state in zip(trainer.lr_scheduler_configs, checkpoint["lr_schedulers"]):
         config.scheduler.load_state_dict(state)
     strategy.precision.load_state_dict(checkpoint.get("precision", {}))
-
-
-def _restore_position(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
-    fit_loop = trainer.fit_loop
-    fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"])
-    same_setup = fit_loop.resume_data(checkpoint["data"], path)
-    ranks = checkpoint["ranks"]
-    own = ranks.get(trainer.global_rank)
-    if own is None or len(ranks) != trainer.world_size:
-        rank_zero_warn_once(
-            f"ckpt_path={path!r} was written by {len(ranks)} process(es) and is resumed by "
-            f"{trainer.world_size}: the weights, optimizers and position in the data carry over; the random "
-            "state of each rank starts afresh",
-            stacklevel=4,
-        )
-        own = None
-    else:
-        fit_loop.load_rank_state(own, same_setup)
-    progress = fit_loop.progress
-    loader = fit_loop.train_loader
-    reason = why_not_resumable(loader) if progress.epoch_batches and loader is not None else None
-    if reason is not None and (own is None or own["loader_state"] is None):
-        rank_zero_warn_once(
-            f"resuming at the start of epoch {progress.epoch + 1} instead of batch {progress.epoch_batches} of "
-            f"epoch {progress.epoch}: the train dataloader cannot skip to a batch because {reason}",
-            stacklevel=4,
-        )
-        progress.start_next_epoch()
 
 
 def find_checkpoint(trainer: Trainer, which: str) -> str | None:

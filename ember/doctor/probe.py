@@ -113,7 +113,7 @@ def _time_step(trainer: Trainer, batch: Any, dtype: torch.dtype | None, repeats:
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext():
-            runner.forward_backward(batch, 0, window_size=1, sync=False)  # no gradient all-reduce
+            runner.forward_backward(batch, 0, sync=False)  # no gradient all-reduce
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         module.zero_grad(set_to_none=True)

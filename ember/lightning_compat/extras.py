@@ -1,4 +1,4 @@
-"""Lightning names that are only types or an exception class, for programs that import them."""
+"""Lightning names that are only types, and its exception class, for programs that import them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ember.exceptions import MisconfigurationException
 from ember.optim import LRSchedulerConfig
 
 #: What a step may return: a loss tensor, a dict with "loss", or None.
@@ -38,7 +39,3 @@ __all__ = [
     "OptimizerLRSchedulerConfig",
 ]
 
-
-class MisconfigurationException(Exception):
-    """Lightning's exception for a bad configuration. Ember itself raises ``ValueError`` and ``TypeError``
-    (``FlagError`` for the Trainer's flags); this class is for programs that raise or catch it themselves."""

@@ -231,7 +231,7 @@ PYTORCH: dict[str, Names] = {
     "utilities.grads": {"grad_norm": "ember.utilities:grad_norm"},
     "utilities.parsing": {"AttributeDict": "ember.utilities:AttributeDict"},
     "utilities.types": {**_TYPES, **_OPTIMIZER_TYPES},
-    "utilities.exceptions": {"MisconfigurationException": "ember.lightning_compat.extras:MisconfigurationException"},
+    "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
     "cli": _CLI,
     "demos": _DEMOS,
     "demos.boring_classes": {name: value for name, value in _DEMOS.items() if "Transformer" not in name},

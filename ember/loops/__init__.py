@@ -1,19 +1,8 @@
-"""The loops: ``fit`` (epochs of accumulation windows, with validation), evaluation and prediction, the one
-step runner they and the tuner share, and the progress record a checkpoint saves."""
+"""The loops: ``fit`` (``loops.fit``: epochs of accumulation windows, with validation), evaluation and prediction
+(``loops.evaluate``), the hook caller (``loops.hooks``), stopping (``loops.stopping``), and the parts anything that
+runs training steps shares, exported here: the progress record a checkpoint saves and the one step runner."""
 
-from ember.loops.evaluate import EvaluationLoop, PredictionLoop
-from ember.loops.fit import FitLoop
-from ember.loops.hooks import Hooks
 from ember.loops.progress import Progress
-from ember.loops.step import ManualOptimizer, StepRunner, training_loss
+from ember.loops.step import ManualOptimizer, StepResult, StepRunner, training_loss
 
-__all__ = [
-    "EvaluationLoop",
-    "FitLoop",
-    "Hooks",
-    "ManualOptimizer",
-    "PredictionLoop",
-    "Progress",
-    "StepRunner",
-    "training_loss",
-]
+__all__ = ["ManualOptimizer", "Progress", "StepResult", "StepRunner", "training_loss"]

@@ -1,4 +1,9 @@
-"""The evaluation loops: validation (alone, or inside ``fit``), test, and prediction."""
+"""The evaluation loops: validation (alone, or inside ``fit``), test, and prediction, on one skeleton.
+
+``EvaluationLoop.run`` is the skeleton: the module in evaluation mode, the stage's start hooks, then without
+gradients each loader's batches through the step and the batch hooks, the epoch's hooks around them, and what
+the stage makes of it: metrics for validation and test, the outputs for prediction (``PredictionLoop``).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from ember._utils import apply_to_tensors
-from ember.data import count_batches, loader_batches, named_failures
+from ember.data import count_batches, loader_batches
+from ember.data_failures import named_failures
 from ember.loops.step import takes_batch_idx
 from ember.metrics import to_floats
 
@@ -22,15 +28,20 @@ if TYPE_CHECKING:
     from ember.loops.hooks import Hooks
     from ember.trainer import Trainer
 
+_HOOK_NAMES = {"validate": "validation", "test": "test", "predict": "predict"}
+_LOADER_KINDS = {"validate": "val", "test": "test", "predict": "predict"}
+
 
 class EvaluationLoop:
     """Runs ``validation_step`` or ``test_step`` over each loader without gradients, then publishes the
     epoch's metrics; returns one dict of metrics per loader."""
 
-    def __init__(self, trainer: Trainer, stage: Literal["validate", "test"]) -> None:
+    def __init__(self, trainer: Trainer, stage: Literal["validate", "test", "predict"]) -> None:
         self.trainer = trainer
         self.stage = stage
-        self._hook = "validation" if stage == "validate" else "test"
+        self._hook = _HOOK_NAMES[stage]  # as in validation_step, on_validation_start, ...
+        #: The loaders' kind: as in ``val_dataloader``, ``limit_val_batches``, ...
+        self.kind = _LOADER_KINDS[stage]
         #: The number of batches each loader contributes to the run in progress (``math.inf``: unknown).
         self.num_batches: list[float] = []
         #: Whether the loop is running (``trainer.validating``, ``trainer.evaluating``).
@@ -38,73 +49,145 @@ class EvaluationLoop:
 
     def count(self, loaders: list[Iterable], limit: int | float | None = None) -> list[float]:
         """The batches each of ``loaders`` contributes under the Trainer's ``limit_*_batches``."""
-        config = self.trainer.config
-        flag = "limit_val_batches" if self.stage == "validate" else "limit_test_batches"
-        limit = limit if limit is not None else getattr(config, flag)
+        flag = f"limit_{self.kind}_batches"
+        limit = limit if limit is not None else getattr(self.trainer.config, flag)
         return [count_batches(loader, limit, flag) for loader in loaders]
 
-    def run(
-        self, loaders: list[Iterable], counts: list[float], *, sanity_check: bool = False
-    ) -> list[dict[str, float]]:
-        """Evaluate ``counts[i]`` batches of each loader; a ``sanity_check`` publishes no metrics."""
+    def evaluate(self, loaders: list[Iterable], verbose: bool) -> Any:
+        """``Trainer.validate`` and ``Trainer.test`` once their stage has begun: the metrics per loader, printed
+        on the global-zero process when ``verbose``."""
+        results = self.run(loaders, self.count(loaders))
+        if verbose and self.trainer.is_global_zero:
+            _print_results(self.stage, results)
+        return results
+
+    def run(self, loaders: list[Iterable], counts: list[float], *, sanity_check: bool = False) -> Any:
+        """Evaluate ``counts[i]`` batches of each loader (the skeleton every evaluation stage runs); a
+        ``sanity_check`` publishes no metrics."""
+        trainer = self.trainer
+        hooks, module, hook = trainer.hooks, trainer.lightning_module, self._hook
+        assert module is not None
+        self.num_batches = counts
         self.running = True
         try:
-            return self._run(loaders, counts, sanity_check)
+            self._begin(len(loaders))
+            modes = _eval_mode(hooks, module, hook)
+            hooks.call(f"on_{hook}_start")
+            arguments = _StepArguments(getattr(module, f"{hook}_step"), several=len(loaders) > 1)
+            with _no_grad(trainer.config.inference_mode and trainer.strategy.allows_inference_mode):
+                hooks.call(f"on_{hook}_epoch_start")
+                for dataloader_idx, (loader, count) in enumerate(zip(loaders, counts)):
+                    with hooks.scope(f"{hook}_step", dataloader_idx if len(loaders) > 1 else None):
+                        self._run_loader(loader, count, dataloader_idx, arguments)
+                self._end_epoch(len(loaders))
+                hooks.call(f"on_{hook}_epoch_end")
+            results = self._results(len(loaders), sanity_check)
+            hooks.call(f"on_{hook}_end")
+            _restore_mode(hooks, module, hook, modes)
+            return results
         finally:
             self.running = False
-
-    def _run(self, loaders: list[Iterable], counts: list[float], sanity_check: bool) -> list[dict[str, float]]:
-        trainer = self.trainer
-        module, hooks, metrics = trainer.lightning_module, trainer.hooks, trainer.run_metrics
-        assert module is not None
-        store = metrics.eval
-        store.clear()
-        store.default_on_step = False
-        previous, metrics.active = metrics.active, store
-        self.num_batches = counts
-        modes = _eval_mode(hooks, module, self._hook)
-        hooks.call(f"on_{self._hook}_start")
-        step = getattr(module, f"{self._hook}_step")
-        arguments = _StepArguments(step, several=len(loaders) > 1)
-        with _no_grad(trainer.config.inference_mode and trainer.strategy.allows_inference_mode):
-            hooks.call(f"on_{self._hook}_epoch_start")
-            for dataloader_idx, (loader, count) in enumerate(zip(loaders, counts)):
-                store.name_suffix = f"/dataloader_idx_{dataloader_idx}" if len(loaders) > 1 else ""
-                self._run_loader(loader, count, dataloader_idx, arguments)
-            store.name_suffix = ""
-            hooks.call(f"on_{self._hook}_epoch_end")
-        if sanity_check:
-            store.clear()  # a sanity check's values describe nothing
-            published = {}
-        else:
-            published = metrics.publish_epoch(store, trainer.fit_loop.logging_step, trainer.current_epoch)
-        hooks.call(f"on_{self._hook}_end")
-        metrics.active = previous
-        _restore_mode(hooks, module, self._hook, modes)
-        return per_dataloader(to_floats(published), len(loaders))
 
     def _run_loader(self, loader: Iterable, count: float, dataloader_idx: int, arguments: _StepArguments) -> None:
         """The steps over one loader."""
         trainer = self.trainer
-        strategy, store, hooks = trainer.strategy, trainer.run_metrics.eval, trainer.hooks
-        batch_start = hooks.implementations(f"on_{self._hook}_batch_start")
-        batch_end = hooks.implementations(f"on_{self._hook}_batch_end")
+        strategy, hooks, hook = trainer.strategy, trainer.hooks, self._hook
+        batch_start = hooks.implementations(f"on_{hook}_batch_start")
+        batch_end = hooks.implementations(f"on_{hook}_batch_end")
         to_device = hooks.batch_transfer(strategy, dataloader_idx)
-        step_name = f"{self._hook}_step"
-        kind = "val" if self.stage == "validate" else "test"
-        extra = arguments.hook_extra(dataloader_idx)
-        where = f"{kind} dataloader {dataloader_idx} in epoch {trainer.current_epoch}"
+        step_name, extra = f"{hook}_step", arguments.hook_extra(dataloader_idx)
+        loader = self._prepare(loader, dataloader_idx)
+        where = f"{self.kind} dataloader {dataloader_idx}" + (f" in epoch {trainer.current_epoch}"
+                                                              if self.stage != "predict" else "")  # fmt: skip
         batches = named_failures(limited(loader, count), where)
         with contextlib.closing(batches):  # closed early (a step raised), it ends the loader's workers
-            for batch_idx, batch in enumerate(trainer.profiler.timed_batches(batches, kind)):
+            for batch_idx, batch in enumerate(trainer.profiler.timed_batches(batches, self.kind)):
+                self._next_batch(batch_idx)
                 if to_device is not None:
                     batch = to_device(batch)
-                store.batch = batch
-                for hook in batch_start:
-                    hook(batch, batch_idx, *extra)
+                trainer.run_metrics.eval.batch = batch  # a per-epoch mean of a logged value weighs by its size
+                for hook_function in batch_start:
+                    hook_function(batch, batch_idx, *extra)
                 output = strategy.step(step_name, *arguments.of(batch, batch_idx, dataloader_idx))
-                for hook in batch_end:
-                    hook(output, batch, batch_idx, *extra)
+                for hook_function in batch_end:
+                    hook_function(output, batch, batch_idx, *extra)
+                self._keep(output)
+
+    # ---------------------------------------------------------- what validation and test make of it
+    def _begin(self, loaders: int) -> None:
+        self.trainer.run_metrics.eval.clear()
+
+    def _prepare(self, loader: Iterable, dataloader_idx: int) -> Iterable:
+        return loader
+
+    def _next_batch(self, batch_idx: int) -> None:
+        pass
+
+    def _keep(self, output: Any) -> None:
+        pass
+
+    def _end_epoch(self, loaders: int) -> None:
+        pass
+
+    def _results(self, loaders: int, sanity_check: bool) -> Any:
+        """The epoch's metrics, published (a sanity check's are dropped: they describe nothing)."""
+        trainer = self.trainer
+        metrics = trainer.run_metrics
+        if sanity_check:
+            metrics.eval.clear()
+            return per_dataloader({}, loaders)
+        published = metrics.publish_epoch(metrics.eval, trainer.fit_loop.logging_step, trainer.current_epoch)
+        return per_dataloader(to_floats(published), loaders)
+
+
+class PredictionLoop(EvaluationLoop):
+    """Runs ``predict_step`` over each loader; keeps the outputs (moved to the CPU) when asked, or when a
+    callback (a prediction writer) wants them at the end."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__(trainer, "predict")
+        #: The outputs kept so far (a list per loader when there are several).
+        self.predictions: list[Any] = []
+        #: Per loader, the sample indices of each batch so far.
+        self.epoch_batch_indices: list[list[list[int]]] = []
+        #: The sample indices of the batch being predicted (empty when the loader has no batch sampler).
+        self.current_batch_indices: list[int] = []
+        self._keeps = False
+        self._produced: list[list[int]] | None = None  # the index lists the loader's batch sampler yielded
+
+    def evaluate(self, loaders: list[Iterable], return_predictions: bool) -> list[Any] | None:
+        """``Trainer.predict`` once its stage has begun: the outputs, when ``return_predictions``."""
+        trainer = self.trainer
+        self._keeps = return_predictions or any(callback.wants_predictions for callback in trainer.callbacks)
+        predictions = self.run(loaders, self.count(loaders))
+        return predictions if return_predictions else None
+
+    def _begin(self, loaders: int) -> None:
+        self.predictions, self.epoch_batch_indices = [], []
+
+    def _prepare(self, loader: Iterable, dataloader_idx: int) -> Iterable:
+        self.predictions.append([])
+        self.epoch_batch_indices.append([])
+        loader, self._produced = _recording_indices(loader)
+        return loader
+
+    def _next_batch(self, batch_idx: int) -> None:
+        self.current_batch_indices = self._produced[batch_idx] if self._produced is not None else []
+        self.epoch_batch_indices[-1].append(self.current_batch_indices)
+
+    def _keep(self, output: Any) -> None:
+        if self._keeps:
+            # Kept on the device, every batch's outputs would pile up in its memory.
+            self.predictions[-1].append(apply_to_tensors(output, _to_cpu))
+
+    def _end_epoch(self, loaders: int) -> None:
+        if loaders == 1:  # as Lightning gives them to prediction writers (the indices stay per loader)
+            self.predictions = self.predictions[0]
+        if self._keeps:
+            _wait_for_copies(self.trainer.strategy.root_device)  # before the writers at the epoch's end read them
+
+    def _results(self, loaders: int, sanity_check: bool) -> Any:
+        return self.predictions
 
 
 class _StepArguments:
@@ -129,92 +212,19 @@ def _eval_mode(hooks: Hooks, module: torch.nn.Module, hook: str) -> list[tuple[t
     """Put the module in evaluation mode (through its ``on_<hook>_model_eval`` if it overrides it); returns
     the mode each submodule had, so that frozen parts left in evaluation mode stay there afterwards."""
     modes = [(submodule, submodule.training) for submodule in module.modules()]
-    own = hooks.module_hook(f"on_{hook}_model_eval")
-    if own is not None:
-        own()
-    else:
-        module.eval()
+    hooks.call_module(f"on_{hook}_model_eval")  # the base class's puts the module in evaluation mode
     return modes
 
 
-def _restore_mode(hooks: Hooks, module: torch.nn.Module, hook: str | None,
+def _restore_mode(hooks: Hooks, module: torch.nn.Module, hook: str,
                   modes: list[tuple[torch.nn.Module, bool]]) -> None:  # fmt: skip
-    """Back to the modes of ``_eval_mode`` (or what the module's ``on_<hook>_model_train`` does)."""
-    own = hooks.module_hook(f"on_{hook}_model_train") if hook is not None else None
-    if own is not None:
-        own()
+    """Back to the modes of ``_eval_mode`` (or what the module's ``on_<hook>_model_train`` does; prediction has
+    no such hook)."""
+    if hook != "predict" and hooks.module_hook(f"on_{hook}_model_train") is not None:
+        hooks.call_module(f"on_{hook}_model_train")
         return
     for submodule, training in modes:
         submodule.training = training
-
-
-class PredictionLoop:
-    """Runs ``predict_step`` over each loader; keeps the outputs (moved to the CPU) when asked, or when a
-    callback (a prediction writer) wants them at the end."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        #: The number of batches each loader contributes to the run in progress (``math.inf``: unknown).
-        self.num_batches: list[float] = []
-        #: The outputs kept so far (a list per loader when there are several).
-        self.predictions: list[Any] = []
-        #: Per loader, the sample indices of each batch so far.
-        self.epoch_batch_indices: list[list[list[int]]] = []
-        #: The sample indices of the batch being predicted (empty when the loader has no batch sampler).
-        self.current_batch_indices: list[int] = []
-
-    def run(self, loaders: list[Iterable], return_predictions: bool) -> list[Any] | None:
-        trainer = self.trainer
-        module, hooks = trainer.lightning_module, trainer.hooks
-        assert module is not None
-        limit = trainer.config.limit_predict_batches
-        self.num_batches = [count_batches(loader, limit, "limit_predict_batches") for loader in loaders]
-        arguments = _StepArguments(module.predict_step, several=len(loaders) > 1)
-        keep = return_predictions or any(callback.wants_predictions for callback in trainer.callbacks)
-        self.predictions, self.epoch_batch_indices = [], []
-        modes = _eval_mode(hooks, module, "predict")
-        hooks.call("on_predict_start")
-        with _no_grad(trainer.config.inference_mode and trainer.strategy.allows_inference_mode):
-            hooks.call("on_predict_epoch_start")
-            for dataloader_idx, (loader, count) in enumerate(zip(loaders, self.num_batches)):
-                outputs: list[Any] = []
-                indices: list[list[int]] = []
-                self.predictions.append(outputs)
-                self.epoch_batch_indices.append(indices)
-                self._run_loader(loader, count, dataloader_idx, arguments, outputs if keep else None, indices)
-            if len(loaders) == 1:  # as Lightning gives them to prediction writers (the indices stay per loader)
-                self.predictions = self.predictions[0]
-            if keep:
-                _wait_for_copies(trainer.strategy.root_device)  # before the writers at the epoch's end read them
-            hooks.call("on_predict_epoch_end")
-        hooks.call("on_predict_end")
-        _restore_mode(hooks, module, None, modes)  # prediction has no hook of its own for this
-        return self.predictions if return_predictions else None
-
-    def _run_loader(self, loader: Iterable, count: float, dataloader_idx: int, arguments: _StepArguments,
-                    outputs: list[Any] | None, indices: list[list[int]]) -> None:  # fmt: skip
-        trainer = self.trainer
-        strategy, hooks = trainer.strategy, trainer.hooks
-        batch_start = hooks.implementations("on_predict_batch_start")
-        batch_end = hooks.implementations("on_predict_batch_end")
-        to_device = hooks.batch_transfer(strategy, dataloader_idx)
-        extra = arguments.hook_extra(dataloader_idx)
-        loader, produced = _recording_indices(loader)
-        batches = named_failures(limited(loader, count), f"predict dataloader {dataloader_idx}")
-        with contextlib.closing(batches):  # closed early (a step raised), it ends the loader's workers
-            for batch_idx, batch in enumerate(trainer.profiler.timed_batches(batches, "predict")):
-                self.current_batch_indices = produced[batch_idx] if produced is not None else []
-                indices.append(self.current_batch_indices)
-                if to_device is not None:
-                    batch = to_device(batch)
-                for hook in batch_start:
-                    hook(batch, batch_idx, *extra)
-                output = strategy.step("predict_step", *arguments.of(batch, batch_idx, dataloader_idx))
-                for hook in batch_end:
-                    hook(output, batch, batch_idx, *extra)
-                if outputs is not None:
-                    # Kept on the device, every batch's outputs would pile up in its memory.
-                    outputs.append(apply_to_tensors(output, _to_cpu))
 
 
 class _RecordingBatchSampler:
@@ -281,3 +291,12 @@ def takes_dataloader_idx(step: Callable[..., Any]) -> bool:
 def limited(loader: Iterable, count: float) -> Iterator[Any]:
     batches = loader_batches(loader)
     return batches if math.isinf(count) else islice(batches, int(count))
+
+
+def _print_results(stage: str, results: list[dict[str, float]]) -> None:
+    for index, metrics in enumerate(results):
+        title = f"{stage} results" + (f" (dataloader {index})" if len(results) > 1 else "")
+        width = max([len(name) for name in metrics] + [len(title)])
+        print(title)
+        for name, value in metrics.items():
+            print(f"  {name:<{width}}  {value:.6g}")

@@ -1,18 +1,23 @@
-"""``Hooks``: calling a hook on the module and on each callback, paying nothing for those nobody overrides."""
+"""``Hooks``: every call of a hook of the module, the datamodule and the callbacks, in one place: the order of the
+module and the callbacks, the profiler's range around each, the logging scope it opens (what ``self.log`` may
+do there), and nothing paid for a hook nobody overrides."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ember._utils import is_overridden
 from ember.callbacks import Callback
 from ember.loops.step import StepHooks
+from ember.metrics import LogScope, MetricStore
 from ember.module import DataModule, Module
 
 if TYPE_CHECKING:
+    from ember.profilers import Profiler
     from ember.strategies import Strategy
     from ember.trainer import Trainer
 
@@ -51,11 +56,29 @@ RETIRED_HOOKS = {
 RETIRED_DATAMODULE_HOOKS = {"on_save_checkpoint": "state_dict", "on_load_checkpoint": "load_state_dict"}
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 
+_PER_STEP = ("training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "backward",
+             "on_after_backward", "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping",
+             "on_before_zero_grad", "optimizer_zero_grad")  # fmt: skip
+_PER_EPOCH = ("on_fit_start", "on_train_start", "on_train_epoch_start", "on_validation_start", "on_test_start",
+              "on_validation_epoch_start", "on_test_epoch_start", "validation_step", "test_step",
+              "on_validation_batch_start", "on_validation_batch_end", "on_test_batch_start", "on_test_batch_end")
+_EPOCH_ENDS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+#: Where ``self.log`` may record, with its defaults: per step (``on_step=True``) in a training step and the hooks
+#: around it, per epoch elsewhere, epoch values only where an epoch ends. Anywhere else (setup, teardown, the
+#: hooks of prediction, of checkpoints, of the sanity check, where a stage ends) logging is refused, as Lightning
+#: refuses it; unlike Lightning, ``on_fit_start`` may log (as ``on_train_start`` does).
+LOGGING = {
+    **{hook: (True, False) for hook in _PER_STEP},
+    **{hook: (False, False) for hook in _PER_EPOCH},
+    **{hook: (False, True) for hook in _EPOCH_ENDS},
+}  # hook -> (default on_step, epoch values only)
+
 
 class Hooks:
-    """The implementations of each hook for one stage: the module's and each callback's, where they
-    override it. Built when the stage starts (after a profiler has wrapped what it times), so the
-    loops call exactly what is there, and nothing for a hook nobody overrides."""
+    """The hooks of one stage: the module's, the datamodule's and each callback's implementations, where they
+    override them. Built when the stage starts; each hook's list is found at its first call, so the loops call
+    exactly what is there, and nothing for a hook nobody overrides. Under a profiler that records, each call is
+    timed as ``<Class>.<hook>``."""
 
     def __init__(
         self, trainer: Trainer, module: Module, callbacks: Sequence[Callback], datamodule: DataModule | None = None
@@ -64,7 +87,9 @@ class Hooks:
         self._module = module
         self._callbacks = list(callbacks)
         self._datamodule = datamodule
-        self._cache: dict[tuple[str, bool], list[Callable[..., Any]]] = {}
+        self._profiler: Profiler | None = trainer.profiler if trainer.profiler.enabled else None
+        self._cache: dict[tuple[str, bool, bool | None], list[Callable[..., Any]]] = {}
+        self._scopes: dict[tuple[str, str], LogScope] = {}
 
     def check(self) -> None:
         """Refuse hooks that Ember would never call, naming each with what to use instead."""
@@ -92,33 +117,113 @@ class Hooks:
                     "batch_idx; take them instead of the loader's iterator"
                 )
 
-    def implementations(self, name: str, include_module: bool = True) -> list[Callable[..., Any]]:
-        """What to call for hook ``name``: the module's (if ``include_module``), then each callback's."""
-        key = (name, include_module)
+    # ----------------------------------------------------------------------------- finding
+    def implementations(
+        self, name: str, include_module: bool = True, epoch_readers: bool | None = None
+    ) -> list[Callable[..., Any]]:
+        """What to call for hook ``name``: the module's (if ``include_module``), then each callback's (only those
+        that read epoch metrics, or only those that do not, when ``epoch_readers`` says so)."""
+        key = (name, include_module, epoch_readers)
         hooks = self._cache.get(key)
         if hooks is None:
             module = self._module
-            hooks = [getattr(module, name)] if include_module and is_overridden(name, module, Module) else []
+            hooks = [self._timed(module, name)] if include_module and is_overridden(name, module, Module) else []
             hooks += [
-                functools.partial(getattr(callback, name), self._trainer, module)
+                functools.partial(self._timed(callback, name), self._trainer, module)
                 for callback in self._callbacks
                 if is_overridden(name, callback, Callback) and callback.has_work_in(name)
-            ]
+                and epoch_readers in (None, callback.reads_epoch_metrics)
+            ]  # fmt: skip
             self._cache[key] = hooks
         return hooks
 
     def module_hook(self, name: str) -> Callable[..., Any] | None:
         """The module's own ``name``, if it overrides it."""
-        return getattr(self._module, name) if is_overridden(name, self._module, Module) else None
+        return self._timed(self._module, name) if is_overridden(name, self._module, Module) else None
 
-    def call(self, name: str, *args: Any) -> None:
-        """Call ``name`` on the module, then on every callback."""
-        for hook in self.implementations(name):
-            hook(*args)
+    def _datamodule_hook(self, name: str) -> Callable[..., Any] | None:
+        datamodule = self._datamodule
+        if datamodule is not None and is_overridden(name, datamodule, DataModule):
+            return self._timed(datamodule, name)
+        return None
+
+    def _timed(self, owner: Any, name: str) -> Callable[..., Any]:
+        """``owner.<name>``, in a range of the profiler (when one records) named ``<Class>.<name>``."""
+        method = getattr(owner, name)
+        profiler = self._profiler
+        if profiler is None:
+            return method
+        label = f"{type(owner).__name__}.{name}"
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with profiler.profile(label):
+                return method(*args, **kwargs)
+
+        return timed
+
+    # ----------------------------------------------------------------------------- calling
+    def call(self, name: str, *args: Any, include_module: bool = True, epoch_readers: bool | None = None) -> None:
+        """Call ``name`` on the module, then on every callback (see ``implementations``), in its logging scope."""
+        hooks = self.implementations(name, include_module, epoch_readers)
+        if hooks:
+            with self.scope(name):
+                for hook in hooks:
+                    hook(*args)
 
     def call_callbacks(self, name: str, *args: Any) -> None:
-        for hook in self.implementations(name, include_module=False):
-            hook(*args)
+        self.call(name, *args, include_module=False)
+
+    def call_module(self, name: str, *args: Any) -> Any:
+        """The module's ``name`` (what it returns), in its logging scope: its own, or the base class's."""
+        return self._call_owner(self._module, Module, name, args)
+
+    def call_datamodule(self, name: str, *args: Any) -> Any:
+        """The datamodule's ``name``, as ``call_module`` (nothing without a datamodule)."""
+        return None if self._datamodule is None else self._call_owner(self._datamodule, DataModule, name, args)
+
+    def data_loaders(self, kind: str) -> Any:
+        """What ``<kind>_dataloader()`` ("train", "val", ...) of the datamodule returns, else the module's (None:
+        neither defines it)."""
+        name = f"{kind}_dataloader"
+        for owner, base in ((self._datamodule, DataModule), (self._module, Module)):
+            if owner is not None and hasattr(owner, name):
+                return self._call_owner(owner, base, name, ())
+        return None
+
+    def _call_owner(self, owner: Any, base: type, name: str, args: tuple[Any, ...]) -> Any:
+        hook = self._timed(owner, name) if is_overridden(name, owner, base) else getattr(owner, name)
+        with self.scope(name):
+            return hook(*args)
+
+    def configure_model(self) -> None:
+        """The module's ``configure_model()``, Lightning's form (the strategy calls the one that takes a mesh)."""
+        hook = self.module_hook("configure_model")
+        if hook is not None and _callable_without_arguments(hook):
+            self.call_module("configure_model")
+
+    def setup(self, stage: str) -> None:
+        """``setup(stage)`` of the module, then of each callback (the datamodule's runs with the data, before)."""
+        self.call_module("setup", stage)
+        self.call_callbacks("setup", stage)
+
+    def teardown(self, stage: str) -> None:
+        """``teardown(stage)`` of each callback, the module and the datamodule."""
+        self.call_callbacks("teardown", stage)
+        self.call_module("teardown", stage)
+        self.call_datamodule("teardown", stage)
+
+    @contextlib.contextmanager
+    def scope(self, hook: str, dataloader_idx: int | None = None) -> Iterator[None]:
+        """While the block runs, ``self.log`` records as hook ``hook`` may (see ``LOGGING``), in the values of its
+        stage, with ``/dataloader_idx_N`` added to names while one of several evaluation loaders runs."""
+        suffix = f"/dataloader_idx_{dataloader_idx}" if dataloader_idx is not None else ""
+        scope = self._scopes.get((hook, suffix))
+        if scope is None:
+            scope = self._scopes[hook, suffix] = _scope(hook, self._trainer.run_metrics.train,
+                                                        self._trainer.run_metrics.eval, suffix)  # fmt: skip
+        with self._trainer.run_metrics.scoped(scope):
+            yield
 
     def step_hooks(self) -> StepHooks:
         """The hooks an optimizer step calls, where the module or a callback overrides them."""
@@ -158,8 +263,20 @@ class Hooks:
         return to_device
 
     def _data_hook(self, name: str) -> Callable[..., Any] | None:
-        datamodule = self._datamodule
-        if datamodule is not None and is_overridden(name, datamodule, DataModule):
-            return getattr(datamodule, name)
-        return self.module_hook(name)
+        return self._datamodule_hook(name) or self.module_hook(name)
 
+
+def _scope(hook: str, train: MetricStore, evaluation: MetricStore, suffix: str) -> LogScope:
+    rule = LOGGING.get(hook)
+    if rule is None:
+        return LogScope(hook)
+    default_on_step, epoch_only = rule
+    store = evaluation if "validation" in hook or "test" in hook else train
+    return LogScope(hook, store, default_on_step, epoch_only, suffix)
+
+
+def _callable_without_arguments(function: Any) -> bool:
+    return all(
+        parameter.default is not parameter.empty or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        for parameter in inspect.signature(function).parameters.values()
+    )

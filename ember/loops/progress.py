@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ember.loops.step import StepResult
 
 
 @dataclasses.dataclass
@@ -44,16 +47,26 @@ class Progress:
     """Whether the current epoch's training and its end-of-epoch work are done (a checkpoint saved at
     the end of an epoch resumes at the start of the next one)."""
 
-    def track_window(self, samples: int, closes_window: bool) -> None:
-        """Count a training batch of ``samples`` samples (all ranks together) in the accumulation window's
-        position; ``closes_window``: it was the window's last micro-batch. (The loop counts the batch itself
-        in ``total_batches``, ``epoch_batches`` and ``epoch_samples``.)"""
-        self.window_batches = 0 if closes_window else self.window_batches + 1
-        self.window_samples = 0 if closes_window else self.window_samples + samples
+    def advance(self, result: StepResult, samples: int) -> None:
+        """Count what a training batch did: ``result``, from the step runner, and ``samples``, the samples of the
+        epoch's global order that it and the other ranks' batches read. The one place the counters move."""
+        batches = result.batches
+        self.total_batches += batches
+        self.epoch_batches += batches
+        self.epoch_samples += samples
+        if result.steps:
+            self.global_step += result.steps
+            self.epoch_steps += result.steps
+        if result.closes_window:
+            self.window_batches = self.window_samples = 0
+        else:
+            self.window_batches += batches
+            self.window_samples += samples
 
-    def count_step(self) -> None:
-        self.global_step += 1
-        self.epoch_steps += 1
+    def finish_epoch(self) -> None:
+        """The epoch's training and its end-of-epoch work are done: a checkpoint saved from here on resumes at the
+        next epoch."""
+        self.epoch_finished = True
 
     def start_next_epoch(self) -> None:
         self.epoch += 1
@@ -70,6 +83,11 @@ class Progress:
         self.epoch_batches -= self.window_batches
         self.epoch_samples -= self.window_samples
         self.window_batches = self.window_samples = 0
+
+    def renumber_epoch_batches(self, batches: int) -> None:
+        """Count the epoch's batches so far as ``batches``: a run resumed with another layout numbers the rest of
+        the epoch as the last batches of an epoch of its own layout."""
+        self.epoch_batches = batches
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

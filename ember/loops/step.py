@@ -1,8 +1,11 @@
 """``StepRunner``: the one place that runs training steps, for ``fit``, the tuner and the doctor.
 
-A step is the forward and backward of each micro-batch of an accumulation window (gradients are
-synchronised across ranks only on the window's last), then unscaling, clipping, the optimizer step,
-``zero_grad`` and the schedulers that step per optimizer step. Nothing here waits for the device.
+A window is k micro-batches (``accumulate_grad_batches``) and then one optimizer step. Every path (a window of
+one, accumulation, a batch split to fit in memory, Lightning's order of hooks with its closure, manual
+optimization, the tuner, the doctor) runs a micro-batch through ``forward_backward`` (``training_step``, then the
+backward of its loss, with the gradients synchronised across ranks on a window's last micro-batch only) and
+steps through ``optimizer_step`` (unscaling, the hooks, clipping, the step). Each training batch returns a
+``StepResult``, what it did, for ``Progress.advance`` to count. Nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ember._utils import batch_size_of, split_batch
+from ember.loops.loss import training_loss
 from ember.loops.progress import Progress
 from ember.optim import LRSchedulerConfig
 
@@ -26,6 +30,26 @@ if TYPE_CHECKING:
 
 Metrics = Callable[[], Mapping[str, torch.Tensor]]
 Hook = Callable[..., Any]
+
+
+@dataclasses.dataclass(slots=True)
+class StepResult:
+    """What a training batch did: ``Progress.advance`` counts it; callbacks read it as ``fit_loop.stepped``."""
+
+    output: Any
+    """What ``training_step`` returned."""
+    loss: torch.Tensor | None
+    """Its loss, detached (None: the step skipped the batch, or no batch ran)."""
+    steps: int = 0
+    """Optimizer steps taken: 0 or 1 under automatic optimization, as many as the module took under manual."""
+    closes_window: bool = True
+    """Whether the batch was the last micro-batch of its accumulation window."""
+    batches: int = 1
+    """Training batches run: 0 for a step of gradients whose batches all ran before (a loader that ended early)."""
+
+    @property
+    def stepped(self) -> bool:
+        return self.steps > 0
 
 
 @dataclasses.dataclass
@@ -50,13 +74,54 @@ class StepHooks:
 
     @property
     def any(self) -> bool:
-        return any(bool(value) for value in dataclasses.astuple(self))
+        return any(bool(getattr(self, field.name)) for field in dataclasses.fields(self))
+
+    @property
+    def around_backward(self) -> bool:
+        return bool(self.before_backward or self.after_backward or self.backward)
+
+
+class Window:
+    """The accumulation window being run: ``size`` micro-batches, the losses of each divided by it, then one
+    optimizer step. One record serves the whole epoch: the window that follows starts once one closes.
+
+    The epoch's last window may be shorter. When the loader's length is unknown that is found out only at
+    its end: the gradients are then rescaled by ``gradient_scale`` before the step.
+    """
+
+    def __init__(self, length: int, batches_left: float, done: int = 0) -> None:
+        self._length = length  # accumulate_grad_batches
+        self._batches_left = batches_left  # the epoch's batches from this window's start on (inf: unknown)
+        self.size = int(min(length, batches_left))
+        self.seen = done  # micro-batches run (a resumed run may start in the middle of a window)
+        self.has_gradients = done > 0
+        #: True while the micro-batch being run is the window's last.
+        self.closing = False
+
+    def add(self, is_last: bool) -> None:
+        """Count the micro-batch about to run (``is_last``: the epoch's last)."""
+        self.seen += 1
+        self.closing = is_last or self.seen >= self.size
+
+    def next(self) -> None:
+        """Start the window that follows this one."""
+        self._batches_left -= self.seen
+        self.size = int(min(self._length, self._batches_left))
+        self.seen = 0
+        self.has_gradients = self.closing = False
+
+    @property
+    def gradient_scale(self) -> float:
+        return self.size / self.seen if 0 < self.seen < self.size else 1.0
 
 
 class StepRunner:
-    """Runs training steps of ``module`` through ``strategy`` and counts them in ``progress``.
+    """Runs training steps of ``module`` through ``strategy``; each training batch returns a ``StepResult``.
 
     Args:
+        progress: where the fit is, read for the hooks' arguments and the schedulers' counts (never written).
+        accumulate: ``accumulate_grad_batches``: micro-batches per optimizer step, or "auto" (each batch is
+            split into as many pieces as it takes to fit in memory).
         clip_val, clip_algorithm: the Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm``.
         before_step_hooks: called with the optimizer once its gradients are complete and unscaled.
         metrics: the callback metrics, read by schedulers that watch one (``ReduceLROnPlateau``).
@@ -71,12 +136,14 @@ class StepRunner:
         scheduler_configs: Sequence[LRSchedulerConfig] = (),
         progress: Progress | None = None,
         *,
+        accumulate: int | Literal["auto"] = 1,
         clip_val: float | None = None,
         clip_algorithm: Literal["norm", "value"] = "norm",
         before_step_hooks: Sequence[Callable[..., Any]] = (),
         metrics: Metrics = dict,
         hooks: StepHooks | None = None,
     ) -> None:
+        _check_flags(strategy, module, accumulate, clip_val)
         self.strategy = strategy
         self.module = module
         self.optimizers = list(optimizers)
@@ -86,9 +153,9 @@ class StepRunner:
         self.clip_algorithm = clip_algorithm
         self.before_step_hooks = list(before_step_hooks)
         self.metrics = metrics
-        self.hooks = hooks or StepHooks()
-        #: Whether steps run the hooks of ``hooks`` (Lightning's order), or the shorter path without them.
-        self.hooked = self.hooks.any
+        self.hooks = hooks = hooks or StepHooks()
+        #: Micro-batches per optimizer step when more than one (automatic optimization only), else None.
+        self.accumulate = accumulate if isinstance(accumulate, int) and accumulate > 1 else None
         #: With ``accumulate_grad_batches="auto"``: the pieces each batch is cut into to fit in memory.
         self.micro_batches = 1
         #: What ``Module.optimizers()`` returns under manual optimization.
@@ -96,184 +163,166 @@ class StepRunner:
         # Outputs of a forward that CUDA graphs replay are overwritten by the next replay: what outlives
         # the step must be a copy.
         self._copy_outputs = strategy.reuses_outputs
-        self._calls = strategy.step_calls()
-        # Nothing comes between the gradients and the step (no hook, loss scaling or clipping): a batch that is
-        # its own window then steps as a plain loop does.
-        self._steps_directly = not (self.hooked or self._calls.unscale or self.before_step_hooks or clip_val)
+        self._calls = calls = strategy.step_calls()
+        self._backward = self.backward if hooks.around_backward else calls.backward
+        self._clips = bool(clip_val) or hooks.configure_gradient_clipping is not None
+        self._hooked = hooks.any  # Lightning's order of the hooks of a step, with its closure
+        self._manual_steps = 0  # the optimizer steps of the manual batch being run
         step = getattr(module, "training_step", None)
         #: ``training_step(batch, batch_idx)`` as the strategy runs it (a step may leave ``batch_idx`` out).
-        self.training_step = _calling(self._calls.forward, with_index=step is None or takes_batch_idx(step))
+        self.training_step = _calling(calls.forward, with_index=step is None or takes_batch_idx(step))
+        # A window of one that is not a plain forward, backward and step: manual optimization, a batch split
+        # to fit ("auto"), or Lightning's order of hooks.
+        self._window_of_one: Callable[[Any, int, Window], StepResult] | None = None
+        if not module.automatic_optimization:
+            self._window_of_one = self._manual_batch
+        elif accumulate == "auto":
+            self._window_of_one = self._split_batch
+        elif self._hooked:
+            self._window_of_one = self._hooked_micro_batch
 
-    # ------------------------------------------------------------------- automatic optimization
-    def single_step(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
+    # ----------------------------------------------------------------------------- the paths
+    def step(self, batch: Any, batch_idx: int) -> StepResult:
         """A window of one micro-batch (no accumulation): its forward and backward, then the optimizer step
-        when the step produced a loss, in Lightning's order of hooks where any is overridden. Returns the
-        step's output and its detached loss (None when the step skipped the batch).
-
-        The common case: a window of one synchronises its gradients, so there is no ``no_sync`` to enter."""
-        if self.hooked:
-            return self.hooked_micro_batch(
-                batch, batch_idx, 1, first=True, closing=True, had_gradients=False, gradient_scale=_one
-            )
-        output = self.training_step(batch, batch_idx)
-        # A plain tensor is taken as it is: what backward rejects in it (not one number, or no graph) is
-        # explained once backward has failed, so that a sound step pays for no check.
-        loss = output if type(output) is torch.Tensor else training_loss(output, self.module)
+        when the step produced a loss. The common case, kept as short as a hand-written loop's step."""
+        if self._window_of_one is not None:
+            window = Window(1, 1)
+            window.add(True)
+            return self._window_of_one(batch, batch_idx, window)
+        output, loss = self.forward_backward(batch, batch_idx)
         if loss is None:
-            return output, None
-        try:
-            self._calls.backward(loss)
-        except RuntimeError:
-            training_loss(output, self.module)  # raises the clear error where the loss was the cause
-            raise
-        if not self._steps_directly:
-            self.optimizer_step()
-            return output, self._kept(loss)
-        # The common case, with optimizer_step, _count_step and _kept spelled out: on a small model, each call
-        # more per step costs about as much as a small kernel.
-        optimizer, progress = self.optimizers[0], self.progress
-        self._calls.optimizer_step(optimizer)
-        clear_gradients(optimizer)
-        progress.global_step += 1
-        progress.epoch_steps += 1
-        if self.scheduler_configs:
-            self.step_schedulers("step", progress.global_step)
-        kept = loss.detach()
-        return output, kept.clone() if self._copy_outputs else kept
+            return StepResult(output, None)
+        optimizer = self.optimizers[0]
+        self.optimizer_step(optimizer)
+        self._after_step(optimizer)
+        return StepResult(output, self._kept(loss), 1)
 
-    def forward_backward(self, batch: Any, batch_idx: int, window_size: int, sync: bool) -> tuple[Any, Any]:
-        """One micro-batch of a window of ``window_size``: its forward and backward. Gradients are
-        synchronised across ranks only when ``sync`` (the window's last micro-batch). Returns the step's
-        output and its detached loss (None when the step skipped the batch)."""
+    def micro_step(self, batch: Any, batch_idx: int, window: Window, is_last: bool) -> StepResult:
+        """One micro-batch of ``window`` (``is_last``: the epoch's last batch): its forward and backward, the
+        optimizer step when it closes the window, and the start of the next window then."""
+        window.add(is_last)
+        if self._hooked:
+            result = self._hooked_micro_batch(batch, batch_idx, window)
+        else:
+            output, loss = self.forward_backward(batch, batch_idx, divisor=window.size, sync=window.closing)
+            window.has_gradients = window.has_gradients or loss is not None
+            steps = self._close(window, batch_idx) if window.closing else 0
+            result = StepResult(output, self._kept(loss), steps, window.closing)
+        if window.closing:
+            window.next()
+        return result
+
+    def close_window(self, window: Window) -> StepResult:
+        """The step of a window whose batches have all run (the loader ended before the window was full)."""
+        steps = self._close(window, self.progress.epoch_batches - 1)
+        window.next()
+        return StepResult(None, None, steps, batches=0)
+
+    def _hooked_micro_batch(self, batch: Any, batch_idx: int, window: Window) -> StepResult:
+        """A micro-batch in Lightning's order of hooks (see ``StepHooks``): on the window's last, the module's
+        ``optimizer_step`` (where it overrides it) runs the micro-batch through the closure it receives."""
+        closure = _Closure(self, batch, batch_idx, window)
+        if window.closing:
+            steps = self._close(window, batch_idx, closure)
+        else:
+            closure()
+            steps = 0
+        return StepResult(closure.output, closure.loss, steps, window.closing)
+
+    def _split_batch(self, batch: Any, batch_idx: int, window: Window) -> StepResult:
+        """``accumulate_grad_batches="auto"``: the batch in as many pieces as fit in memory, then the step."""
+        output, loss = self._split_forward_backward(batch, batch_idx)
+        window.has_gradients = loss is not None
+        return StepResult(output, loss, self._close(window, batch_idx))
+
+    def _manual_batch(self, batch: Any, batch_idx: int, window: Window) -> StepResult:
+        """A training step that steps its optimizers itself (``ManualOptimizer.step``)."""
+        self._manual_steps = 0
+        output = self.training_step(batch, batch_idx)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        # Under manual optimization a returned loss is only shown and checked, so any scalar tensor will do.
+        kept = self._kept(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+        return StepResult(output, kept, self._manual_steps)
+
+    # ----------------------------------------------------------- forward, backward and step
+    def forward_backward(
+        self, batch: Any, batch_idx: int, *, divisor: float = 1, sync: bool = True, reset: bool = False
+    ) -> tuple[Any, torch.Tensor | None]:
+        """The forward and backward of one micro-batch, for every path: ``training_step``, then (``reset``: a
+        window's first micro-batch in Lightning's order of hooks) the gradient reset, then the backward of the
+        loss divided by ``divisor``. Gradients are synchronised across ranks only when ``sync``. Returns the
+        step's output and its loss (None: the step skipped the batch)."""
         with self.strategy.no_sync(not sync):
             output = self.training_step(batch, batch_idx)
-            loss = training_loss(output, self.module)
+            # A plain tensor is taken as it is: what backward rejects in it (not one number, or no graph) is
+            # explained once backward has failed, so that a sound step pays for no check.
+            loss = output if type(output) is torch.Tensor else training_loss(output, self.module)
+            if reset:
+                self.zero_grad(batch_idx)
             if loss is None:
                 return output, None
-            # Dividing by the window size makes k micro-batches of b the same as one batch of k*b.
-            self._calls.backward(loss / window_size if window_size > 1 else loss)
-        return output, self._kept(loss)
-
-    def split_forward_backward(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
-        """Forward and backward of ``batch`` in ``micro_batches`` pieces; twice as many after running out
-        of memory, until the step fits. Returns the last piece's output and the whole batch's loss.
-
-        Each piece's loss is weighted by its share of the batch, so the gradients are the whole batch's.
-        With several processes the ranks first compute their pieces without communicating, then agree
-        on whether any ran out of memory (all retry with the larger count), and only then average
-        gradients: a rank that failed mid-step must never leave the others waiting in an all-reduce.
-        """
-        strategy = self.strategy
-        total = batch_size_of(batch)
-        if self.hooked:
-            self.zero_grad(batch_idx)
-        while True:
             try:
-                output, loss = self._pieces(batch, batch_idx, total)
-                out_of_memory = False
-            except torch.OutOfMemoryError:
-                output = loss = None
-                out_of_memory = True
-            if strategy.world_size > 1:
-                out_of_memory = bool(strategy.reduce(torch.tensor(float(out_of_memory)), "max"))
-            if not out_of_memory:
-                strategy.sync_gradients()
-                return output, loss
-            self._more_pieces(total, batch_idx)
-
-    def _pieces(self, batch: Any, batch_idx: int, total: int) -> tuple[Any, Any]:
-        output: Any = None
-        loss: torch.Tensor | None = None
-        with self.strategy.no_sync(True):
-            for piece in split_batch(batch, self.micro_batches):
-                output = self.training_step(piece, batch_idx)
-                piece_loss = training_loss(output, self.module)
-                if piece_loss is not None:
-                    weight = batch_size_of(piece) / total
-                    self.backward(piece_loss * weight)
-                    loss = piece_loss.detach() * weight + (0.0 if loss is None else loss)
+                # Dividing by the window's size makes k micro-batches of b the same as one batch of k*b.
+                self._backward(loss / divisor if divisor != 1 else loss)
+            except RuntimeError:
+                training_loss(output, self.module)  # raises the clear error where the loss was the cause
+                raise
         return output, loss
 
-    def _more_pieces(self, total: int, batch_idx: int) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        if self.micro_batches >= total:
-            raise torch.OutOfMemoryError(
-                f"accumulate_grad_batches='auto': one sample at a time still runs out of memory (batch {batch_idx})"
-            )
-        self.micro_batches = min(total, 2 * self.micro_batches)
-        self.strategy.release_memory()
-        if self.strategy.is_global_zero:
-            print(
-                f"out of memory at batch {batch_idx}: retrying with {self.micro_batches} micro-batches of about "
-                f"{math.ceil(total / self.micro_batches)} samples"
-            )
-
-    def optimizer_step(self, gradient_scale: float = 1.0, batch_idx: int | None = None) -> None:
-        """Step the optimizer with the gradients accumulated so far (multiplied by ``gradient_scale``
-        first: a window that turned out shorter than its losses were divided for)."""
-        optimizer = self.optimizers[0]
-        if self.hooks.optimizer_step is not None:
-            # The module steps in its own hook, with no closure: no micro-batch is left to run.
-            batch_idx = self.progress.epoch_batches - 1 if batch_idx is None else batch_idx
-            stepper = _StepOptimizer(optimizer, self, gradient_scale)
-            self.hooks.optimizer_step(self.progress.epoch, batch_idx, stepper, None)
-        else:
-            self._apply_step(optimizer, gradient_scale)
-        if not self.hooked:
-            clear_gradients(optimizer)  # with hooks, optimizer_zero_grad runs when the next window starts
-        self._count_step()
-
-    def _apply_step(self, optimizer: torch.optim.Optimizer, gradient_scale: float = 1.0) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, gradient_scale: float = 1.0, clip: bool = True) -> None:
+        """The optimizer step of every path: the gradients multiplied by ``gradient_scale`` (a window that turned
+        out shorter than its losses were divided for), unscaled where the hooks or clipping must see them,
+        shown to the ``on_before_optimizer_step`` hooks, clipped (``clip``: the Trainer's flag or the module's
+        ``configure_gradient_clipping``; under manual optimization the module clips), then stepped."""
         calls = self._calls
         if gradient_scale != 1.0:
             _scale_gradients(optimizer, gradient_scale)
-        if calls.unscale is not None:
-            calls.unscale(optimizer)  # clipping and the hooks must see the true gradients
+        if calls.unscale is not None and (clip or self.before_step_hooks):
+            calls.unscale(optimizer)
         for hook in self.before_step_hooks:
             hook(optimizer)
-        if self.hooks.configure_gradient_clipping is not None:
-            self.hooks.configure_gradient_clipping(optimizer, self.clip_val, self.clip_algorithm)
-        elif self.clip_val:
-            self.strategy.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
+        if clip and self._clips:
+            if self.hooks.configure_gradient_clipping is not None:
+                self.hooks.configure_gradient_clipping(optimizer, self.clip_val, self.clip_algorithm)
+            else:
+                self.strategy.clip_gradients(optimizer, self.clip_val or 0.0, self.clip_algorithm)
         calls.optimizer_step(optimizer)
 
-    def _count_step(self) -> None:
-        self.progress.count_step()
-        if self.scheduler_configs:
-            self.step_schedulers("step", self.progress.global_step)
+    def manual_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` in a manual ``training_step``: counted in the batch's ``StepResult``."""
+        self.optimizer_step(optimizer, clip=False)
+        self._manual_steps += 1
 
-    # ------------------------------------------------------------------ a step with hooks
-    def hooked_micro_batch(
-        self, batch: Any, batch_idx: int, window_size: int, *, first: bool, closing: bool,
-        had_gradients: bool, gradient_scale: Callable[[], float],
-    ) -> tuple[Any, Any]:  # fmt: skip
-        """One micro-batch of a window, in Lightning's order of hooks (see ``StepHooks``); on the window's
-        last (``closing``) the optimizer steps, if this or an earlier micro-batch (``had_gradients``) produced
-        gradients. Returns the step's output and detached loss, like ``forward_backward``."""
-        closure = _Closure(self, batch, batch_idx, window_size, sync=closing, zero_grad=first)
-        if not closing:
-            closure()
-            return closure.output, closure.loss
-        optimizer = self.optimizers[0]
-        hook = self.hooks.optimizer_step
-        if hook is None:
-            closure()
-            if had_gradients or closure.loss is not None:
-                self._apply_step(optimizer, gradient_scale())
-                self._count_step()
-            return closure.output, closure.loss
-        stepper = _StepOptimizer(optimizer, self, gradient_scale, lambda: had_gradients or closure.loss is not None)
-        hook(self.progress.epoch, batch_idx, stepper, closure)
-        if not closure.ran:
-            raise RuntimeError(
-                f"{type(self.module).__name__}.optimizer_step() did not call the optimizer_closure it received; "
-                "call optimizer.step(closure=optimizer_closure), or optimizer_closure() to run the step's "
-                "training_step and backward without stepping"
-            )
-        if had_gradients or closure.loss is not None:
-            self._count_step()
-        return closure.output, closure.loss
+    def _close(self, window: Window, batch_idx: int, closure: _Closure | None = None) -> int:
+        """The optimizer step that ends ``window``, through the module's ``optimizer_step`` where it overrides it
+        (handing it ``closure``, the last micro-batch, to run), with what follows a step; returns the steps
+        taken (0 when no micro-batch of the window produced a loss)."""
+        optimizer, hook = self.optimizers[0], self.hooks.optimizer_step
+        if hook is not None:
+            hook(self.progress.epoch, batch_idx, _StepOptimizer(optimizer, self, window), closure)
+            if closure is not None and not closure.ran:
+                raise RuntimeError(
+                    f"{type(self.module).__name__}.optimizer_step() did not call the optimizer_closure it received; "
+                    "call optimizer.step(closure=optimizer_closure), or optimizer_closure() to run the step's "
+                    "training_step and backward without stepping"
+                )
+        else:
+            if closure is not None:
+                closure()
+            if window.has_gradients:
+                self.optimizer_step(optimizer, window.gradient_scale)
+        if not window.has_gradients:
+            return 0
+        self._after_step(optimizer)
+        return 1
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradient reset (unless the hooks reset them when the next window starts) and the schedulers that
+        step per optimizer step, the step being counted as the next global step."""
+        if not self._hooked:
+            clear_gradients(optimizer)
+        if self.scheduler_configs:
+            self.step_schedulers("step", self.progress.global_step + 1)
 
     def zero_grad(self, batch_idx: int) -> None:
         """Reset the gradients at the start of a window, through the hooks that are overridden."""
@@ -287,7 +336,7 @@ class StepRunner:
 
     def backward(self, loss: torch.Tensor) -> None:
         """The strategy's backward of ``loss``, between the hooks around it (and through the module's own
-        ``backward`` where it overrides it)."""
+        ``backward`` where it overrides it); ``Module.manual_backward`` too."""
         hooks = self.hooks
         for hook in hooks.before_backward:
             hook(loss)
@@ -313,30 +362,78 @@ class StepRunner:
                     f"{sorted(metrics)} (set 'strict': False in the scheduler dict to skip such steps)"
                 )
 
-    # ---------------------------------------------------------------------- manual optimization
-    def manual_step(self, batch: Any, batch_idx: int) -> tuple[Any, Any]:
-        """A training step that steps its optimizers itself; returns its output and the loss it returned."""
-        output = self.training_step(batch, batch_idx)
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        # Under manual optimization a returned loss is only shown and checked, so any scalar tensor will do.
-        return output, self._kept(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+    # ------------------------------------------------------------------- batches split to fit
+    def _split_forward_backward(self, batch: Any, batch_idx: int) -> tuple[Any, torch.Tensor | None]:
+        """Forward and backward of ``batch`` in ``micro_batches`` pieces; twice as many after running out
+        of memory, until the step fits. Returns the last piece's output and the whole batch's loss.
 
-    def manual_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.before_step_hooks:
-            self.strategy.unscale_gradients(optimizer)  # the hooks must see the true gradients
-            for hook in self.before_step_hooks:
-                hook(optimizer)
-        self.strategy.optimizer_step(optimizer)
-        self.progress.count_step()
+        Each piece's loss is weighted by its share of the batch, so the gradients are the whole batch's.
+        With several processes the ranks first compute their pieces without communicating, then agree
+        on whether any ran out of memory (all retry with the larger count), and only then average
+        gradients: a rank that failed mid-step must never leave the others waiting in an all-reduce.
+        """
+        strategy = self.strategy
+        total = batch_size_of(batch)
+        if self._hooked:
+            self.zero_grad(batch_idx)
+        while True:
+            try:
+                output, loss = self._pieces(batch, batch_idx, total)
+                out_of_memory = False
+            except torch.OutOfMemoryError:
+                output = loss = None
+                out_of_memory = True
+            if strategy.world_size > 1:
+                out_of_memory = bool(strategy.reduce(torch.tensor(float(out_of_memory)), "max"))
+            if not out_of_memory:
+                strategy.sync_gradients()
+                return output, loss
+            self._more_pieces(total, batch_idx)
 
-    def _kept(self, loss: torch.Tensor) -> torch.Tensor:
+    def _pieces(self, batch: Any, batch_idx: int, total: int) -> tuple[Any, torch.Tensor | None]:
+        output: Any = None
+        loss: torch.Tensor | None = None
+        for piece in split_batch(batch, self.micro_batches):
+            size = batch_size_of(piece)
+            output, piece_loss = self.forward_backward(piece, batch_idx, divisor=total / size, sync=False)
+            if piece_loss is not None:
+                weighted = piece_loss.detach() * (size / total)
+                loss = weighted if loss is None else loss + weighted
+        return output, loss
+
+    def _more_pieces(self, total: int, batch_idx: int) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if self.micro_batches >= total:
+            raise torch.OutOfMemoryError(
+                f"accumulate_grad_batches='auto': one sample at a time still runs out of memory (batch {batch_idx})"
+            )
+        self.micro_batches = min(total, 2 * self.micro_batches)
+        self.strategy.release_memory()
+        if self.strategy.is_global_zero:
+            print(
+                f"out of memory at batch {batch_idx}: retrying with {self.micro_batches} micro-batches of about "
+                f"{math.ceil(total / self.micro_batches)} samples"
+            )
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of the runner: the pieces a batch is cut into ("auto")."""
+        return {"micro_batches": self.micro_batches}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.micro_batches = state["micro_batches"]
+
+    def _kept(self, loss: torch.Tensor | None) -> torch.Tensor | None:
+        if loss is None:
+            return None
         loss = loss.detach()
         return loss.clone() if self._copy_outputs else loss
 
 
 class ManualOptimizer:
     """What ``Module.optimizers()`` returns: ``step()`` goes through the strategy (loss scaling) and
-    counts ``trainer.global_step``; everything else is the wrapped optimizer's."""
+    counts toward ``trainer.global_step``; everything else is the wrapped optimizer's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, runner: StepRunner) -> None:
         self.optimizer = optimizer
@@ -371,17 +468,14 @@ class ManualOptimizer:
 
 
 class _Closure:
-    """One micro-batch's ``training_step``, gradient reset (at a window's first) and backward: what Lightning's
-    ``optimizer_step`` hook receives as ``optimizer_closure``. Returns the loss (None: the step skipped)."""
+    """One micro-batch's ``forward_backward``: what Lightning's ``optimizer_step`` hook receives as
+    ``optimizer_closure``. Returns the loss (None: the step skipped the batch)."""
 
-    def __init__(self, runner: StepRunner, batch: Any, batch_idx: int, window_size: int, *, sync: bool,
-                 zero_grad: bool) -> None:  # fmt: skip
+    def __init__(self, runner: StepRunner, batch: Any, batch_idx: int, window: Window) -> None:
         self._runner = runner
         self._batch = batch
         self._batch_idx = batch_idx
-        self._window_size = window_size
-        self._sync = sync
-        self._zero_grad = zero_grad
+        self._window = window
         self.ran = False
         self.output: Any = None
         self.loss: torch.Tensor | None = None
@@ -390,46 +484,56 @@ class _Closure:
         if self.ran:
             raise RuntimeError("optimizer_closure was called twice; each micro-batch runs its step once")
         self.ran = True
-        runner = self._runner
-        with runner.strategy.no_sync(not self._sync):
-            self.output = runner.training_step(self._batch, self._batch_idx)
-            loss = training_loss(self.output, runner.module)
-            if self._zero_grad:
-                runner.zero_grad(self._batch_idx)
-            if loss is None:
-                return None
-            # Dividing by the window size makes k micro-batches of b the same as one batch of k*b.
-            runner.backward(loss / self._window_size if self._window_size > 1 else loss)
-        self.loss = runner._kept(loss)
+        runner, window = self._runner, self._window
+        self.output, loss = runner.forward_backward(
+            self._batch, self._batch_idx, divisor=window.size, sync=window.closing, reset=window.seen == 1
+        )
+        if loss is not None:
+            window.has_gradients = True
+            self.loss = runner._kept(loss)
         return self.loss
 
 
 class _StepOptimizer:
-    """The optimizer that a module's ``optimizer_step`` hook receives: ``step(closure)`` runs the closure,
-    then unscales, runs the hooks, clips and steps through the strategy (skipping the step when no
-    gradients were produced); everything else is the wrapped optimizer's."""
+    """The optimizer that a module's ``optimizer_step`` hook receives: ``step(closure)`` runs the closure, then
+    the runner's ``optimizer_step`` (skipped when the window produced no gradients); everything else is the
+    wrapped optimizer's."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        runner: StepRunner,
-        gradient_scale: Callable[[], float] | float,
-        has_gradients: Callable[[], bool] = lambda: True,
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, runner: StepRunner, window: Window) -> None:
         self.optimizer = optimizer
         self._runner = runner
-        self._gradient_scale = gradient_scale
-        self._has_gradients = has_gradients
+        self._window = window
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         result = closure() if closure is not None else None
-        if self._has_gradients():
-            scale = self._gradient_scale
-            self._runner._apply_step(self.optimizer, scale() if callable(scale) else scale)
+        if self._window.has_gradients:
+            self._runner.optimizer_step(self.optimizer, self._window.gradient_scale)
         return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+def _check_flags(strategy: Strategy, module: Module, accumulate: int | Literal["auto"], clip_val: float | None) -> None:
+    """Refuse flags that the strategy or the module's optimization cannot honour."""
+    if accumulate == "auto" and not strategy.averages_split_gradients:
+        raise ValueError(
+            f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
+            f"batch; strategy {strategy.name!r} with {strategy.world_size} processes cannot (use 'ddp', or a count)"
+        )
+    if module.automatic_optimization:
+        return
+    # Under manual optimization the module steps and clips itself: the Trainer's flags for that would be ignored.
+    if accumulate != 1:
+        raise ValueError(
+            f"accumulate_grad_batches={accumulate!r} with manual optimization (automatic_optimization = False): "
+            "the module steps its optimizers itself; accumulate in training_step, or leave the flag at 1"
+        )
+    if clip_val:
+        raise ValueError(
+            f"gradient_clip_val={clip_val!r} with manual optimization (automatic_optimization = False): clip in "
+            "training_step with self.clip_gradients(optimizer, ...) before stepping, or leave the flag unset"
+        )
 
 
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
@@ -461,10 +565,6 @@ def _calling(step: Callable[..., Any], with_index: bool) -> Callable[[Any, int],
     return without_index
 
 
-def _one() -> float:
-    return 1.0
-
-
 def _step_scheduler(scheduler: Any, metric: float | None) -> None:
     if metric is None:
         scheduler.step()
@@ -477,38 +577,6 @@ def takes_batch_idx(step: Callable[..., Any]) -> bool:
     parameters = inspect.signature(step).parameters.values()
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL or p.name == "batch_idx" for p in parameters)
-
-
-def training_loss(output: Any, module: torch.nn.Module | None = None) -> torch.Tensor | None:
-    """The loss in what ``training_step`` returned (None skips the batch), or a clear error."""
-    if output is None:
-        return None
-    loss: Any = output
-    if not isinstance(output, torch.Tensor) and isinstance(output, Mapping):  # a tensor first: the cheaper test
-        loss = output.get("loss")
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            "training_step must return the loss tensor, a dict with a 'loss' tensor, or None to skip the "
-            f"batch; it returned {type(output).__name__}"
-            + (f" without a 'loss' key (keys: {sorted(output)})" if isinstance(output, Mapping) else "")
-        )
-    if loss.numel() != 1:
-        raise ValueError(
-            f"training_step returned a loss of shape {tuple(loss.shape)}; reduce it to one number "
-            "(for example with .mean()) before returning it"
-        )
-    if not loss.requires_grad:
-        raise ValueError(f"training_step returned a loss that does not require grad: {_why_no_grad(module)}")
-    return loss
-
-
-def _why_no_grad(module: torch.nn.Module | None) -> str:
-    if module is not None and not any(parameter.requires_grad for parameter in module.parameters()):
-        return "every parameter of the module is frozen (requires_grad=False), so there is nothing to train"
-    return (
-        "it was computed under torch.no_grad() (or torch.inference_mode()), or from tensors cut off the graph "
-        "(.detach(), .item(), .numpy(), torch.tensor(value)); compute it from the module's output as it is"
-    )
 
 
 def _scale_gradients(optimizer: torch.optim.Optimizer, factor: float) -> None:

@@ -1,6 +1,8 @@
-"""When training stops before its planned end: ``max_time``, and the signals that ask for a checkpoint and
-an exit (SIGTERM from a scheduler or launcher, SLURM's SIGUSR1, Ctrl-C). Every rank must stop at the same
-step, so with several processes the ranks agree on it."""
+"""When training stops before its planned end: a request (``trainer.should_stop``, from ``EarlyStopping`` and the
+like), a deadline (``max_time``, a ``Timer``), and the signals that ask for a checkpoint and an exit (SIGTERM from a
+scheduler or launcher, SLURM's SIGUSR1, Ctrl-C). Every rank must stop at the same step, so with several processes
+the ranks agree on it. A preemption signal's checkpoint (and SLURM's requeue) is saved here too; a loss that is
+no longer finite is ``loops.loss``'s."""
 
 from __future__ import annotations
 
@@ -9,15 +11,19 @@ import dataclasses
 import math
 import os
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ember.callbacks import Callback, Timer
+
 if TYPE_CHECKING:
     from ember.strategies import Strategy
+    from ember.trainer import Trainer
 
 
 @dataclasses.dataclass
@@ -41,14 +47,14 @@ class Interruptions:
     """The stops that come from outside the loop's plan: a deadline and preemption signals."""
 
     def __init__(self) -> None:
-        #: ``time.monotonic()`` past which training stops (``max_time``; the ``Timer`` callback may move it).
+        #: ``time.monotonic()`` past which training stops (the earliest ``Timer``'s, ``max_time`` being one).
         self.deadline = math.inf
         self.signal_received: int | None = None
         self._world_size = 1
         self._agreement = StopAgreement()
 
-    def reset(self, max_time: float | None, world_size: int = 1) -> None:
-        self.deadline = time.monotonic() + max_time if max_time is not None else math.inf
+    def reset(self, deadline: float = math.inf, world_size: int = 1) -> None:
+        self.deadline = deadline
         self.signal_received = None
         self._world_size = world_size
         self._agreement = StopAgreement()
@@ -106,3 +112,68 @@ class Interruptions:
         finally:
             for number, handler in previous.items():
                 signal.signal(number, handler)
+
+
+class Stopping:
+    """Why ``fit`` stops before its limits, one record per Trainer: ``requested`` (``trainer.should_stop``), honoured
+    once ``min_epochs`` and ``min_steps`` are done; the deadline and the signals (``interruptions``); and
+    ``stop_signal``, the signal that made the run save a checkpoint and stop."""
+
+    def __init__(self) -> None:
+        #: Set through ``trainer.should_stop`` (EarlyStopping, ...) to end training after the current step or epoch.
+        self.requested = False
+        #: The signal that made ``fit`` save a checkpoint and stop (None: none did).
+        self.stop_signal: int | None = None
+        self.interruptions = Interruptions()
+        self._told_about_minimum = False
+
+    @property
+    def preempted(self) -> bool:
+        return self.stop_signal is not None
+
+    def start(self, world_size: int, callbacks: Sequence[Callback]) -> None:
+        """A fit's training starts: no request, no signal yet; its deadline is the earliest ``Timer``'s (the
+        ``Timer`` callbacks start their clocks in ``on_train_start``, which has run)."""
+        self.requested = self._told_about_minimum = False
+        self.stop_signal = None
+        deadlines = [callback.deadline for callback in callbacks if isinstance(callback, Timer)]
+        self.interruptions.reset(min(deadlines, default=math.inf), world_size)
+
+    def may_stop(self, trainer: Trainer) -> bool:
+        """Whether a request to stop may be followed: ``min_epochs`` and ``min_steps`` are done (said once if not)."""
+        config, progress = trainer.config, trainer.fit_loop.progress
+        if (config.min_epochs or 0) <= progress.epoch and (config.min_steps or 0) <= progress.global_step:
+            return True
+        if not self._told_about_minimum:
+            self._told_about_minimum = True
+            trainer.print(
+                f"stopping was requested, but min_epochs={config.min_epochs} or min_steps={config.min_steps} "
+                "is not reached yet: training goes on"
+            )
+        return False
+
+    def interrupted(self, strategy: Strategy) -> bool:
+        """Whether training must stop now for the deadline or a signal (then ``stop_signal`` is set); every rank
+        gets the same answer, at the same step. Call at a step boundary where ``interruptions.due()``."""
+        stop, signal_number = self.interruptions.check(strategy)
+        if signal_number is not None:
+            self.stop_signal = signal_number
+        self.requested = self.requested or stop
+        return stop
+
+
+def save_for_preemption(trainer: Trainer, stop_signal: int | None) -> None:
+    """Save where "last" finds it first, and ask SLURM to requeue the job when the Trainer was told to.
+
+    The save needs no more data: the loader's workers may be gone (a launcher signals them too)."""
+    path = trainer.preemption_checkpoint_path()
+    trainer.save_checkpoint(path)
+    trainer.strategy.wait_for_checkpoints()  # the process exits next: the line below must be true
+    trainer.strategy.barrier()
+    name = signal.Signals(stop_signal).name if stop_signal else "a signal"
+    trainer.print(
+        f"preemption signal received: saved {path} at global step {trainer.global_step} ({name}); "
+        'resume with Trainer.fit(..., ckpt_path="last")'
+    )
+    if trainer.config.slurm_requeue and trainer.is_global_zero and "SLURM_JOB_ID" in os.environ:
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)

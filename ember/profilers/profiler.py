@@ -1,6 +1,6 @@
 """The ``Profiler`` base class: it times a run by wrapping, on instances and only while it profiles, the
-strategy's step methods, the data loaders, the hooks and logging. With no profiler nothing is wrapped,
-so the loop runs exactly the code it runs without one."""
+strategy's step methods, the data loaders and logging (the hook caller times the hooks). With no profiler
+nothing is wrapped, so the loop runs exactly the code it runs without one."""
 
 from __future__ import annotations
 
@@ -8,12 +8,9 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ember._utils import is_overridden
-from ember.callbacks import Callback
 from ember.instrument import Patches
-from ember.module import Module
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -34,6 +31,9 @@ class Profiler:
     rank, ``-rank<N>`` added when there are several) and prints it on the global-zero process.
     ``dirpath`` defaults to the run's log directory.
     """
+
+    #: Whether it records anything (the hook caller times the hooks of a stage only then).
+    enabled: ClassVar[bool] = True
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str = "profile") -> None:
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
@@ -69,13 +69,6 @@ class Profiler:
         for name in ("backward", "unscale_gradients", "clip_gradients", "optimizer_step"):
             self._wrap(strategy, name, name)
         self._wrap(trainer.run_metrics, "write", "logging")
-        self._wrap(trainer.module, "configure_optimizers", "configure_optimizers")
-        hook_owners: list[tuple[Any, type]] = [(trainer.module, Module)]
-        hook_owners += [(callback, Callback) for callback in trainer.callbacks]
-        for owner, base in hook_owners:
-            for hook in _HOOKS:
-                if is_overridden(hook, owner, base):
-                    self._wrap(owner, hook, f"{type(owner).__name__}.{hook}")
 
     def timed_batches(self, batches: Iterable, kind: str) -> Iterator[Any]:
         """``batches`` (from a loader of ``kind``: "train", "val", "test", "predict"), each wait for one timed
@@ -98,7 +91,7 @@ class Profiler:
         report = self.summary()
         if not report:
             return
-        directory = self.dirpath or trainer.log_dir or trainer.default_root_dir
+        directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
         rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         path = os.path.join(directory, f"{stage}-{self.filename}{rank}.txt")
         os.makedirs(directory, exist_ok=True)
@@ -132,6 +125,8 @@ class Profiler:
 class PassThroughProfiler(Profiler):
     """The profiler of a Trainer built without one: it wraps nothing and records nothing."""
 
+    enabled = False
+
     def start(self, action: str) -> None:
         pass
 
@@ -146,9 +141,6 @@ class PassThroughProfiler(Profiler):
 
     def timed_batches(self, batches: Iterable, kind: str) -> Iterator[Any]:
         return iter(batches)
-
-
-_HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
 
 
 def latest_start(started: list, action: str) -> int:

@@ -56,7 +56,7 @@ class PyTorchProfiler(Profiler):
     def setup(self, trainer: Trainer, stage: str) -> None:
         self._step_kind = _STEP_LOADER[stage]
         self._steps_begun = self._traces_written = 0
-        directory = self.dirpath or trainer.log_dir or trainer.default_root_dir
+        directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
         write_trace = torch.profiler.tensorboard_trace_handler(
             directory, worker_name=f"{stage}-rank{trainer.global_rank}"
         )

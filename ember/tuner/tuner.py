@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ember.loops import Hooks, StepRunner
+from ember.loops import StepRunner
+from ember.loops.hooks import Hooks
 from ember.module import DataModule, Module
 from ember.optim import parse_optimizers
 from ember.tuner.lr_finder import LRFinder
@@ -189,10 +190,15 @@ class _Trials:
         self.trainer, self.module, self.datamodule = trainer, module, datamodule
         self.steps, self.max_memory = steps, max_memory
         self.dataset_size = math.inf
+        # Attached as fit attaches them: the module's configure_optimizers may read the Trainer (its
+        # estimated_stepping_batches counts the module's or the datamodule's train loader).
         module.trainer = trainer
+        trainer.lightning_module, trainer.datamodule = module, datamodule
+        # Fit's steps, without its callbacks, schedulers and clipping; the module's own step hooks run as in fit.
+        self.hooks = Hooks(trainer, module, [], datamodule)
         if datamodule is not None:
             datamodule.trainer = trainer
-            datamodule.setup("fit")
+            self.hooks.call_datamodule("setup", "fit")
 
     def __call__(self) -> tuple[bool, str]:
         """Whether ``steps`` steps at the current batch size fit in memory (and in ``max_memory``), and the
@@ -221,19 +227,15 @@ class _Trials:
         on_start: Callable[[torch.optim.Optimizer], None] | None = None,
         after_step: Callable[[int, torch.optim.Optimizer, torch.Tensor | None], bool] | None = None,
     ) -> None:
-        module, strategy = self.module, self.trainer.strategy
-        loader = _train_loader(module, self.datamodule)
+        module, strategy, hooks = self.module, self.trainer.strategy, self.hooks
+        loader = _train_loader(hooks)
         self.dataset_size = len(getattr(loader, "dataset", ())) or math.inf
         strategy.setup_module(module, training=False)
         weights = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
-        # configure_optimizers may read trainer.estimated_stepping_batches, which counts this loader's batches.
-        self.trainer.fit_loop.num_training_batches = len(loader) if isinstance(loader, Sized) else math.inf
-        optimizers, _ = parse_optimizers(module.configure_optimizers())
+        optimizers, _ = parse_optimizers(hooks.call_module("configure_optimizers"))
         if len(optimizers) != 1:
             raise ValueError(f"the tuner steps one optimizer; configure_optimizers() returned {len(optimizers)}")
         optimizer = optimizers[0]
-        # Fit's steps, without its schedulers and clipping; the module's own step hooks run as in fit.
-        hooks = Hooks(self.trainer, module, [])
         runner = StepRunner(strategy, module, optimizers, hooks=hooks.step_hooks(),
                             before_step_hooks=hooks.implementations("on_before_optimizer_step"))  # fmt: skip
         to_device = hooks.batch_transfer(strategy)
@@ -241,10 +243,11 @@ class _Trials:
             on_start(optimizer)
         module.train()
         try:
-            for step, batch in enumerate(islice(_endless(loader), self.steps)):
-                _, loss = runner.single_step(to_device(batch) if to_device is not None else batch, step)
-                if after_step is not None and not after_step(step, optimizer, loss):
-                    break
+            with hooks.scope("training_step"):
+                for step, batch in enumerate(islice(_endless(loader), self.steps)):
+                    result = runner.step(to_device(batch) if to_device is not None else batch, step)
+                    if after_step is not None and not after_step(step, optimizer, result.loss):
+                        break
         finally:
             module.load_state_dict(weights)
             optimizer.zero_grad(set_to_none=True)
@@ -289,11 +292,10 @@ def _endless(loader: Iterable) -> Iterator[Any]:
             raise ValueError("the train dataloader is empty")
 
 
-def _train_loader(module: Module, datamodule: DataModule | None) -> Iterable:
-    for source in (datamodule, module):
-        make = getattr(source, "train_dataloader", None)
-        if callable(make):
-            return make()
+def _train_loader(hooks: Hooks) -> Iterable:
+    loader = hooks.data_loaders("train")
+    if loader is not None:
+        return loader
     raise ValueError(
         "the tuner builds loaders at each trial's batch size, so it needs train_dataloader() on the Module or a "
         "DataModule (loaders passed to fit cannot change their batch size)"

@@ -1,0 +1,150 @@
+"""What a Trainer is built of besides its strategy: the loggers and callbacks its flags ask for (Lightning's
+defaults), the module's own callbacks, and the determinism settings; and the checks of what its entry points
+are given."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember import checkpoint as checkpoint_io
+from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer
+from ember.config import TrainerConfig
+from ember.data import count_batches
+from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
+from ember.loops.hooks import Hooks
+from ember.module import Module
+from ember.rank_zero import rank_zero_warn_once
+
+if TYPE_CHECKING:
+    from ember.trainer import Trainer
+
+
+def set_determinism(config: TrainerConfig) -> None:
+    if config.deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=config.deterministic == "warn")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    elif config.benchmark is not None:
+        torch.backends.cudnn.benchmark = config.benchmark
+
+
+def default_loggers(config: TrainerConfig) -> list[Logger]:
+    logger = config.logger
+    if logger is False:
+        return []
+    if config.fast_dev_run:
+        return [DummyLogger()]  # nothing is kept, but code that writes to trainer.logger still runs
+    if logger is True:
+        # As Lightning's default, TensorBoard when it is installed (trainer.logger.experiment is its writer);
+        # metrics.csv is written beside it, for `ember plot` and for reading without TensorBoard.
+        csv = CSVLogger(config.root_dir)
+        return [TensorBoardLogger(config.root_dir), csv] if importlib.util.find_spec("tensorboard") else [csv]
+    return [logger] if isinstance(logger, Logger) else list(logger)
+
+
+def default_callbacks(config: TrainerConfig) -> list[Callback]:
+    callbacks = config.callbacks
+    given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+    if config.enable_progress_bar and not any(isinstance(callback, ProgressBar) for callback in given):
+        given.append(ProgressBar())
+    if not config.enable_progress_bar:
+        given = [callback for callback in given if not isinstance(callback, ProgressBar)]
+    checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in given)
+    if config.enable_checkpointing and not checkpointing:
+        given.append(ModelCheckpoint())
+    if not config.enable_checkpointing and checkpointing:
+        raise ValueError("enable_checkpointing=False, but a ModelCheckpoint was passed in callbacks")
+    summary = any(isinstance(callback, ModelSummary) for callback in given)
+    if config.enable_model_summary and not summary:
+        given.insert(0, ModelSummary())
+    if not config.enable_model_summary and summary:
+        raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
+    _add_timer(given, config.max_time)
+    # Callbacks that read epoch metrics (checkpointing, early stopping) run last, in the given order.
+    return sorted(given, key=lambda callback: callback.reads_epoch_metrics)
+
+
+def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
+    """``max_time`` is a ``Timer`` that stops training after the step during which the time ran out (as Lightning's;
+    it counts the time a resumed run trained before, which checkpoints save)."""
+    if max_time is None:
+        return
+    if any(isinstance(callback, Timer) for callback in callbacks):
+        rank_zero_warn_once(
+            f"Trainer(max_time={max_time!r}) is left aside: the callbacks hold a Timer, whose duration applies",
+            stacklevel=4,
+        )
+        return
+    callbacks.append(Timer(duration=max_time, interval="step"))
+
+
+def estimated_stepping_batches(trainer: Trainer) -> float:
+    """Optimizer steps ``fit`` will take (``math.inf`` if unbounded): from the fit's training data during ``fit``,
+    and outside it (the tuner's trials) from the training loader the datamodule or the module makes."""
+    config, batches = trainer.config, trainer.num_training_batches
+    if trainer.stage != "fit" and trainer.lightning_module is not None:
+        loader = Hooks(trainer, trainer.lightning_module, [], trainer.datamodule).data_loaders("train")
+        if loader is not None:
+            batches = count_batches(loader, config.limit_train_batches, "limit_train_batches")
+    accumulate = config.accumulate_grad_batches
+    per_epoch = batches if math.isinf(batches) else math.ceil(batches / (1 if accumulate == "auto" else accumulate))
+    total = per_epoch * config.epoch_limit if config.epoch_limit != -1 else math.inf
+    return min(total, config.max_steps) if config.max_steps != -1 else total
+
+
+def log_hyperparameters(trainer: Trainer) -> None:
+    """Hand the module's and the datamodule's hyperparameters to the loggers (on rank zero), unless
+    ``enable_autolog_hparams=False``."""
+    module, datamodule = trainer.lightning_module, trainer.datamodule
+    if module is None or not trainer.config.enable_autolog_hparams or not trainer.is_global_zero:
+        return
+    hyperparameters = {**module.hparams_for_logger, **(datamodule.hparams_for_logger if datamodule else {})}
+    if hyperparameters:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(hyperparameters)
+
+
+def with_module_callbacks(callbacks: list[Callback], module: Module) -> list[Callback]:
+    """The Trainer's callbacks with those of ``module.configure_callbacks()``, which replace any of the same type."""
+    returned = module.configure_callbacks()
+    added = [returned] if isinstance(returned, Callback) else list(returned)
+    if not added:
+        return callbacks
+    replaced = {type(callback) for callback in added}
+    kept = [callback for callback in callbacks if type(callback) not in replaced]
+    # Callbacks that read epoch metrics (checkpointing, early stopping) run last, as in default_callbacks.
+    return sorted(kept + added, key=lambda callback: callback.reads_epoch_metrics)
+
+
+def checked_path(ckpt_path: str | os.PathLike | None) -> str | None:
+    """``ckpt_path`` as a string, failing now (before any process starts) if an explicit path is missing."""
+    if ckpt_path is None:
+        return None
+    ckpt_path = os.fspath(ckpt_path)
+    if ckpt_path in ("last", "best") or os.path.exists(ckpt_path):
+        return ckpt_path
+    if os.path.islink(ckpt_path):
+        checkpoint_io.verify(ckpt_path)  # says where the dangling link points
+    raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint (pass a path, 'last' or 'best')")
+
+
+def check_module(model: Any, stage: str) -> None:
+    if isinstance(getattr(model, "_orig_mod", None), Module):
+        raise TypeError(
+            f"Trainer.{stage}() got a torch.compile()d module; pass the Module itself and "
+            "Trainer(compile=True) (or a dict of torch.compile options) to compile it"
+        )
+    if not isinstance(model, Module):
+        raise TypeError(f"Trainer.{stage}() needs an ember.Module; got {type(model).__name__}")
+    required = {"fit": ("training_step", "configure_optimizers"), "validate": ("validation_step",),
+                "test": ("test_step",), "predict": ()}[stage]  # fmt: skip
+    missing = [name for name in required if not hasattr(model, name)]
+    if missing:
+        raise NotImplementedError(f"Trainer.{stage}() needs {type(model).__name__} to define {', '.join(missing)}")
