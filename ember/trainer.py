@@ -501,10 +501,12 @@ class Trainer:
         self.lightning_module = module
         module.trainer = self
         self.datamodule = datamodule
+        hooks = Hooks(self, module, self.callbacks, datamodule)
         if module is not self._callbacks_added_by:  # the module's own callbacks join once
-            self.callbacks = with_module_callbacks(self.callbacks, module)
+            self.callbacks = with_module_callbacks(self.callbacks, hooks.call_module("configure_callbacks"))
             self._callbacks_added_by = module
-        self._hooks = hooks = Hooks(self, module, self.callbacks, datamodule)
+            hooks = Hooks(self, module, self.callbacks, datamodule)
+        self._hooks = hooks
         hooks.check()
         if datamodule is not None:
             datamodule.trainer = self

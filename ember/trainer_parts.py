@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,9 +112,9 @@ def log_hyperparameters(trainer: Trainer) -> None:
             logger.log_hyperparams(hyperparameters)
 
 
-def with_module_callbacks(callbacks: list[Callback], module: Module) -> list[Callback]:
-    """The Trainer's callbacks with those of ``module.configure_callbacks()``, which replace any of the same type."""
-    returned = module.configure_callbacks()
+def with_module_callbacks(callbacks: list[Callback], returned: Callback | Sequence[Callback]) -> list[Callback]:
+    """The Trainer's callbacks with those the module's ``configure_callbacks()`` ``returned``, which replace any of
+    the same type."""
     added = [returned] if isinstance(returned, Callback) else list(returned)
     if not added:
         return callbacks
