@@ -94,7 +94,8 @@ class TrainerConfig:
 
     max_time: str | timedelta | Mapping[str, int] | None = None
     """Wall-clock limit: "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict such as
-    ``{"hours": 2}``; training stops at the first step boundary past it."""
+    ``{"hours": 2}``; a ``Timer`` among the callbacks (its count survives a resume) stops training at the
+    first step boundary past it."""
 
     limit_train_batches: Limit = None
     """Training batches per epoch: an int counts batches, a float in [0, 1] is a fraction."""
