@@ -22,8 +22,11 @@ examples:
   ember run --lightning --nproc-per-node 2 train.py       a Lightning script, unchanged, on Ember
 
 Each worker sees RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the script's Trainer
-picks them up (devices="auto" becomes the number of processes per node). If any worker fails, the
-others are stopped within seconds and the exit status is non-zero.
+picks them up (devices="auto" becomes the number of processes per node). Unless OMP_NUM_THREADS is set,
+the machine's cores are shared among its processes. A traceback a worker writes is cut down to its last
+line; each worker's stderr is kept whole under /tmp/torchelastic_*. If any worker fails, the others are
+stopped within seconds, and the job ends with the failed rank, its host, its exception and the file with
+its traceback; the exit status is that rank's.
 """
 
 _PLOT_EPILOG = """\

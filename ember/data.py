@@ -479,10 +479,9 @@ class WorkerSuggestion:
 
 def cores_per_process() -> int:
     """The CPU cores this process may use, shared with the other processes of the job on this machine."""
-    import os
+    from ember.launch import threads_per_process
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def suggest_num_workers(loader: DataLoader, max_workers: int | None = None, batches: int = 30) -> WorkerSuggestion:

@@ -229,17 +229,15 @@ def run(
     script_args: list[str],
 ) -> int:
     """Start ``script`` in ``nproc_per_node`` processes with torch's elastic agent; return the exit status."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     check_run_arguments(nnodes, node_rank, rdzv_endpoint, max_restarts)
-    argv = ["--nproc-per-node", str(processes_per_node(nproc_per_node)), "--nnodes", str(nnodes)]
+    processes = processes_per_node(nproc_per_node)
+    _share_cores(processes)
+    argv = ["--nproc-per-node", str(processes), "--nnodes", str(nnodes)]
     argv += ["--max-restarts", str(max_restarts)]
     if nnodes == 1 and rdzv_endpoint is None:
         # One machine: every socket of the job listens on 127.0.0.1 only.
         _register_loopback_rendezvous()
-        argv += ["--rdzv-backend", _LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0"]
+        argv += ["--rdzv-backend", _LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", rdzv_id]
         interface = loopback_interface()
         if interface is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # inherited by the workers
@@ -254,19 +252,73 @@ def run(
     if module:
         argv.append("--module")
     argv += [script, *script_args]
+    return _launch(argv)
+
+
+def _launch(argv: list[str]) -> int:
+    """Run torchrun's agent on its command line ``argv``, the workers' stderr relayed; the exit status."""
+    import logging
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from ember.worker_logs import WorkerLogs
+
+    # The agent logs each worker it stops and each failure as a box; the failure is told below, in short.
+    agent_logger = logging.getLogger("torch.distributed.elastic.multiprocessing")
+    agent_logger.propagate = False
+    agent_logger.addHandler(logging.NullHandler())
+    config, entrypoint, arguments = torchrun.config_from_args(torchrun.parse_args(argv))
+    config.logs_specs = logs = WorkerLogs()
     try:
-        torchrun.run(torchrun.parse_args(argv))
+        elastic_launch(config, entrypoint)(*arguments)
     except ChildFailedError as failure:
+        logs.close()
         stopped = _stopped_by_signal(failure)
         if stopped is not None:  # the workers saved and exited as asked: one line, not a failure report
             print(f"ember run: the workers stopped on {stopped.name} after saving a checkpoint", file=sys.stderr)
             return 128 + int(stopped)
-        print(failure.format_msg(), file=sys.stderr)
-        return 1
+        lines, status = logs.failure_report(failure)
+        print("\n".join(lines), file=sys.stderr)
+        return status
     except SignalException as interrupted:
+        logs.close()
         print(f"ember run: stopped by {interrupted.sigval.name}; all workers were ended", file=sys.stderr)
         return 128 + int(interrupted.sigval)
+    finally:
+        logs.close()  # also when the agent itself fails
+    note = logs.note()
+    if note is not None:
+        print(note, file=sys.stderr)
     return 0
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_per_process(processes: int, cores: int | None = None) -> int:
+    """The threads each of a machine's ``processes`` workers runs: the cores (this process may use), shared."""
+    return max(1, (cores or _cores()) // processes)
+
+
+def _share_cores(processes: int) -> None:
+    """Set the workers' thread count (``OMP_NUM_THREADS``, which torch reads) unless the user did.
+
+    Left unset, each of several processes would start a thread per core, and they would take turns.
+    """
+    if processes == 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_process(processes))  # inherited by the workers
+    if processes > _cores():
+        print(
+            f"ember run: {processes} processes share {_cores()} cores: each runs one thread, and they take turns "
+            "(OMP_NUM_THREADS chooses the count)",
+            file=sys.stderr,
+        )
 
 
 def _stopped_by_signal(failure: Exception) -> signal.Signals | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from conftest import quiet_trainer, wait_for_workers
 from torch.utils.data import DataLoader
 
 import ember
-from ember.launch import detect_environment, first_host, strip_local_rank_argument
+from ember.launch import detect_environment, first_host, strip_local_rank_argument, threads_per_process
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "train_ddp.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
@@ -104,6 +105,8 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(launch: str, tmp_path:
     assert summaries[0]["metrics"]["val_rank"] == summaries[1]["metrics"]["val_rank"] == 0.5
     assert summaries[0]["log_dir"] == summaries[1]["log_dir"]
     assert result.stdout.count("done") == 1  # trainer.print writes from rank zero only
+    if launch in ("ember run", "plain python, devices=2"):  # Ember chose the thread count: no banner about it
+        assert "OMP_NUM_THREADS" not in result.stderr, result.stderr
 
 
 @pytest.mark.slow
@@ -154,20 +157,72 @@ def test_two_nodes_on_one_machine_train_together(tmp_path: Any) -> None:
     assert [s["world_size"] for s in summaries] == [2, 2]
 
 
+def _failure_report(result: subprocess.CompletedProcess, rank: int) -> str:
+    """Check the few lines ``ember run`` prints for a failed job; return the failed rank's log."""
+    lines = result.stderr.splitlines()
+    assert len(lines) <= 15, result.stderr
+    assert "OMP_NUM_THREADS" not in result.stderr and "SIGTERM" not in result.stderr, result.stderr
+    assert f"ember run: rank {rank} failed on {socket.gethostname()} " in result.stderr, result.stderr
+    logs = re.findall(r"(/\S+stderr\.log)", result.stderr)
+    assert logs, result.stderr
+    with open(logs[-1]) as file:
+        return file.read()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_failing_rank_ends_the_job_quickly_with_its_traceback(tmp_path: Any) -> None:
+def test_a_failing_rank_ends_the_job_quickly_in_a_few_lines_that_say_where_its_traceback_is(tmp_path: Any) -> None:
     out = str(tmp_path)
     started = time.monotonic()
     result = _run([*LAUNCHES["ember run"](), "--out", out, "--fail-rank", "1", "--fail-step", "3"], out, timeout=60)
     elapsed = time.monotonic() - started
-    assert result.returncode != 0
-    assert "RuntimeError: boom on rank 1" in result.stderr
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end"
-    # The failed rank's traceback is the first one, prefixed with its rank; the other rank shows none.
-    tracebacks = [line for line in result.stderr.splitlines() if "Traceback (most recent call last)" in line]
-    assert tracebacks and tracebacks[0].startswith("[rank1]")
-    assert not any(line.startswith("[rank0]") and "Traceback" in line for line in tracebacks)
+    assert result.returncode == 1
+    assert "(exit status 1): RuntimeError: boom on rank 1" in result.stderr
+    assert "Traceback" not in result.stderr
+    log = _failure_report(result, 1)
+    assert "[rank1]: Traceback (most recent call last)" in log and "in training_step" in log
+
+
+FAILING_WORKER = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank}: {os.environ.get('OMP_NUM_THREADS')} threads", flush=True)
+def descend(depth):
+    if depth == 0:
+        raise ValueError(f"no value fits on rank {rank}")
+    descend(depth - 1)
+if rank == int(sys.argv[1]):
+    time.sleep(0.5)
+    sys.exit(int(sys.argv[2])) if len(sys.argv) > 2 else descend(30)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("rank", "exit_status"), [(0, None), (1, 3)])
+def test_the_job_ends_with_the_failed_rank_s_status_and_its_last_line(
+    rank: int, exit_status: int | None, tmp_path: Any
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(FAILING_WORKER)
+    command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", str(script), str(rank)]
+    result = _run([*command, *([str(exit_status)] if exit_status else [])], str(tmp_path), timeout=50)
+    # The launcher chose the threads: the machine's cores shared by the two processes.
+    assert result.stdout.count(f"{threads_per_process(2)} threads") == 2, result.stdout
+    assert result.returncode == (exit_status or 1)
+    log = _failure_report(result, rank)
+    if exit_status is None:
+        assert f"(exit status 1): ValueError: no value fits on rank {rank}" in result.stderr
+        assert "in descend" in log and "Traceback" not in result.stderr
+    else:
+        assert f"(exit status {exit_status})" in result.stderr
+
+
+def test_the_cores_are_shared_among_the_processes_of_a_machine() -> None:
+    assert threads_per_process(4, cores=16) == 4
+    assert threads_per_process(3, cores=16) == 5
+    assert threads_per_process(4, cores=2) == 1
 
 
 @pytest.mark.slow
@@ -368,6 +423,40 @@ def test_the_watchdog_ends_before_the_interpreter_does() -> None:
 
 
 # ------------------------------------------------------------------------- without processes
+# What a worker writes to stderr, write by write: a warning, a progress bar, two chained tracebacks (the second
+# written by torch's excepthook, with the rank before each line) and a third whose first line comes in two writes.
+_STDERR_WRITES = (
+    "UserWarning: few workers\n", "\r 10%", "\r 50%", "\r100%\n",
+    "Traceback (most recent call last):\n", '  File "a.py", line 1, in <module>\n', "    f()\n", "ValueError: first\n",
+    "\n", "During handling of the above exception, another exception",
+    " occurred:\n\n[rank1]: Traceback (most recent call last):\n[rank1]:   File \"b.py\", line 2, in f\n",
+    "[rank1]: RuntimeError: second\n", "[rank1]: its message's second line\n",
+    "Trace", "back (most recent call last):\n", "  ...\nKeyError: 'third'",
+)  # fmt: skip
+
+
+def test_a_worker_s_stderr_is_passed_on_as_it_grows_with_each_traceback_cut_to_its_last_line(tmp_path: Any) -> None:
+    from ember.worker_logs import _Stream
+
+    path = tmp_path / "stderr.log"
+    stream = _Stream(str(path))
+    assert stream.read() == ""  # the worker has not started yet
+    with open(path, "w") as log:
+        shown = []
+        for text in _STDERR_WRITES:
+            log.write(text)
+            log.flush()
+            shown.append(stream.read())
+        shown.append(stream.read(final=True))
+    assert shown[1:4] == ["\r 10%", "\r 50%", "\r100%\n"]  # the progress bar as it redraws, not once done
+    assert "".join(shown) == (
+        "UserWarning: few workers\n\r 10%\r 50%\r100%\nValueError: first\n\nDuring handling of the above exception, "
+        "another exception occurred:\n\n[rank1]: RuntimeError: second\n[rank1]: its message's second line\n"
+        "KeyError: 'third'"
+    )
+    assert stream.exception == "KeyError: 'third'" and stream.shortened
+
+
 class _TwoRanks:
     """Just enough of a strategy for prepare_loader: the layout of one rank of two."""
 
