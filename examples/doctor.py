@@ -8,7 +8,8 @@ The mistakes, each common in real training code:
 - input-bound: every sample takes 2 ms to read (as from a slow disk) and the DataLoader has no
   workers, so the model waits for data most of the time;
 - graph-kept: every step's loss is appended to a list with its autograd graph, so memory grows;
-- cpu-oversubscribed: the process asks for twice as many compute threads as there are cores;
+- cpu-oversubscribed: the process asks for twice as many compute threads as there are cores (on a
+  machine so busy that the doctor's timings of the two thread counts overlap, it rightly says nothing);
 - host-sync, on a GPU only: ``loss.item()`` every step makes the host wait for the device (a CPU
   tensor's value is at hand, so on a CPU the same line costs no wait and the doctor says nothing).
 
@@ -100,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
 
     found = {finding.id: finding for finding in doctor.findings()}
     expected = ["input-bound", "graph-kept", "cpu-oversubscribed"]
+    threads = doctor.measurements.matmul_seconds
+    if "cpu-oversubscribed" not in found and threads is not None and not threads[0].above(threads[1]):
+        # Other work on the machine can blur the thread timings; a difference within their noise is no finding.
+        print(
+            f"(cpu-oversubscribed not shown: with {torch.get_num_threads()} threads a matrix product took "
+            f"{threads[0]}, with {doctor.measurements.cores_per_process} {threads[1]}: the machine is busy)"
+        )
+        expected.remove("cpu-oversubscribed")
     if trainer.strategy.root_device.type == "cuda":
         expected.append("host-sync")
     missed = [name for name in expected if name not in found]

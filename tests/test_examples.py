@@ -90,8 +90,10 @@ def test_tuning_finds_a_batch_size_and_a_learning_rate(tmp_path: Any) -> None:
 
 def test_doctor_names_the_planted_mistakes(tmp_path: Any) -> None:
     result = _example("doctor.py", cwd=tmp_path, timeout=90)
-    for finding in ("input-bound", "graph-kept", "cpu-oversubscribed"):
+    for finding in ("input-bound", "graph-kept"):
         assert f"[{finding}]" in result.stdout
+    # The planted thread count too, unless other work on the machine made the doctor's timings overlap.
+    assert "[cpu-oversubscribed]" in result.stdout or "(cpu-oversubscribed not shown: " in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,8 @@ KEPT_GRAPHS_PER_STEP = 0.8
 SYNCING_FORWARDS_PER_STEP = 1.5
 #: The share of GPU memory the peak may reach for the batch to count as small.
 SMALL_BATCH_MEMORY = 0.25
+#: The gain a measured fix must bring to be a finding: below it, the report would round it to 0%.
+MINIMUM_GAIN = 0.005
 
 
 @dataclasses.dataclass
@@ -111,16 +113,16 @@ def precision(m: Measurements) -> Finding | None:
     if m.precision_seconds is None:
         return None
     fp32, bf16 = m.precision_seconds
-    if bf16 >= 0.9 * fp32:
+    if not fp32.above(bf16) or bf16.median >= 0.9 * fp32.median:
         return None
     return Finding(
         id="precision",
-        title=f"float32 on a GPU with bfloat16 tensor cores: bf16-mixed runs the step {fp32 / bf16:.1f}x faster",
-        measured=f"forward and backward take {fp32 * 1e3:.1f} ms in float32 and {bf16 * 1e3:.1f} ms under "
-        f"bfloat16 autocast on {m.gpu_name}",
+        title="float32 on a GPU with bfloat16 tensor cores: bf16-mixed runs the step "
+        f"{fp32.median / bf16.median:.1f}x faster",
+        measured=f"forward and backward take {fp32} in float32 and {bf16} under bfloat16 autocast on {m.gpu_name}",
         why="tensor cores run 16-bit matrix products many times faster than float32 ones",
         fix="Trainer(precision='bf16-mixed')",
-        estimated_gain=1 - bf16 / fp32,
+        estimated_gain=1 - bf16.median / fp32.median,
     )
 
 
@@ -191,14 +193,17 @@ def oversubscribed(m: Measurements) -> Finding | None:
     if threads <= fair or m.matmul_seconds is None:
         return None
     now, fixed = m.matmul_seconds
+    gain = 1 - fixed.median / now.median
+    if not now.above(fixed) or gain < MINIMUM_GAIN:  # fewer threads are not faster beyond the noise
+        return None
     return Finding(
         id="cpu-oversubscribed",
         title=f"{threads} CPU threads x {m.local_processes} process(es) on {fair * m.local_processes} cores",
-        measured=f"a matrix product takes {now * 1e3:.1f} ms with {threads} threads and {fixed * 1e3:.1f} ms "
-        f"with {fair} (all processes measuring at once)",
+        measured=f"a matrix product takes {now} with {threads} threads and {fixed} with {fair} (interleaved, "
+        "all processes measuring at once)",
         why="more compute threads than cores make them take turns: caches are thrashed and threads wait",
         fix=f"torch.set_num_threads({fair}) in each process (or OMP_NUM_THREADS={fair})",
-        estimated_gain=max(0.0, 1 - fixed / now) if now else None,
+        estimated_gain=gain,
     )
 
 

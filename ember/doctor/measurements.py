@@ -3,7 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import Counter
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """A duration timed several times, in seconds: its figure is the median, its noise the range."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def above(self, other: Timings) -> bool:
+        """Whether this is longer than ``other`` beyond the noise: leaving out one outlier on each side (its
+        fastest timing, the other's slowest: a burst of other work on the machine), each of its timings is
+        above each of the other's. Two sets of 9 timings of one duration come out so once in 600."""
+        return sorted(self.samples)[1] > sorted(other.samples)[-2]
+
+    def __str__(self) -> str:
+        low, high = min(self.samples) * 1e3, max(self.samples) * 1e3
+        return f"{self.median * 1e3:.3g} ms ({low:.3g}-{high:.3g} ms over {len(self.samples)} runs)"
 
 
 @dataclasses.dataclass
@@ -62,7 +84,7 @@ class Measurements:
     cores_per_process: int = 1
     local_processes: int = 1
     #: A matrix product's time with ``threads`` threads and with ``cores_per_process`` (only when more threads).
-    matmul_seconds: tuple[float, float] | None = None
+    matmul_seconds: tuple[Timings, Timings] | None = None
     #: One all-reduce of the gradients (only when DDP all-reduced on enough micro-batches per step for the finding).
     all_reduce_seconds: float | None = None
     #: Whether a CUDA device is available.
@@ -73,7 +95,7 @@ class Measurements:
     total_memory: int | None = None
     batch_size: int | None = None
     #: In an Ember run in float32 on a GPU with bfloat16: the training step's time in float32 and in bf16 autocast.
-    precision_seconds: tuple[float, float] | None = None
+    precision_seconds: tuple[Timings, Timings] | None = None
 
     @property
     def step_seconds(self) -> float:

@@ -21,11 +21,14 @@ import torch
 from ember._utils import batch_size_of
 from ember.data import cores_per_process
 from ember.doctor.findings import KEPT_GRAPHS_PER_STEP, SYNCING_FORWARDS_PER_STEP
-from ember.doctor.measurements import Measurements
+from ember.doctor.measurements import Measurements, Timings
 from ember.loops.step import StepRunner
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
+
+#: Timings of each setting a finding compares: enough that one outlier on each side can be left out.
+_REPEATS = 9
 
 
 def measure(
@@ -68,9 +71,10 @@ def _threads(m: Measurements) -> None:
     m.local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     fair = m.cores_per_process = cores_per_process()
     if m.threads > fair:
-        # Interleaved and the best of three, since other processes on the machine add noise to each run.
-        timings = [(_matmul_seconds(m.threads), _matmul_seconds(fair)) for _ in range(3)]
-        m.matmul_seconds = (min(now for now, _ in timings), min(fixed for _, fixed in timings))
+        # Repeated and interleaved: other processes on the machine add noise to each timing, and a burst of
+        # theirs then falls on both thread counts.
+        timings = [(_matmul_seconds(m.threads), _matmul_seconds(fair)) for _ in range(_REPEATS)]
+        m.matmul_seconds = (Timings(tuple(now for now, _ in timings)), Timings(tuple(fixed for _, fixed in timings)))
 
 
 def graph_tensors() -> list[torch.Tensor]:
@@ -102,7 +106,7 @@ def _holders(tensors: list[torch.Tensor]) -> list[str]:
     return [f"{place} ({count} of the tensors sampled)" for place, count in places.most_common(3)]
 
 
-def _time_step(trainer: Trainer, batch: Any, dtype: torch.dtype | None, repeats: int = 3) -> float:
+def _time_step(trainer: Trainer, batch: Any, dtype: torch.dtype | None, repeats: int = _REPEATS) -> Timings:
     """Seconds for the module's training step and its backward on ``batch`` (gradients discarded), run by
     fit's own step runner, in autocast to ``dtype`` when given."""
     module = trainer.lightning_module
@@ -117,23 +121,24 @@ def _time_step(trainer: Trainer, batch: Any, dtype: torch.dtype | None, repeats:
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         module.zero_grad(set_to_none=True)
-    return min(seconds[1:])
+    return Timings(tuple(seconds[1:]))  # the first warms up
 
 
-def _matmul_seconds(threads: int, size: int = 384, repeats: int = 8) -> float:
-    """A matrix-product benchmark with ``threads`` threads, all ranks at the same time."""
+def _matmul_seconds(threads: int, size: int = 384, duration: float = 0.02) -> float:
+    """A matrix product's time with ``threads`` threads: the mean of those made in ``duration`` seconds, all
+    ranks at the same time (long enough that they overlap, although each starts when it leaves the barrier)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
     _barrier()
     torch.mm(a, b)
-    start = time.perf_counter()
-    for _ in range(repeats):
+    products, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < duration:
         torch.mm(a, b)
-    elapsed = (time.perf_counter() - start) / repeats
+        products += 1
     torch.set_num_threads(previous)
     _barrier()
-    return elapsed
+    return elapsed / products
 
 
 def _all_reduce_seconds(ddp: Any, repeats: int = 5) -> float:
