@@ -1,6 +1,6 @@
 """The tuner: find the largest batch size that fits a memory budget, then a learning rate, then train with both.
 
-    python examples/tuning.py [--max-memory-mib 12] [--max-epochs 6]
+    python examples/tuning.py [--max-memory-mib 1.5] [--max-epochs 6]
 
 ``Tuner(trainer).scale_batch_size`` runs a few training steps at growing batch sizes (read from and
 written to the datamodule's ``batch_size`` hyperparameter). On a GPU a size fails when it runs out of
@@ -52,7 +52,7 @@ class SmallCNN(ember.Module):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-memory-mib", type=float, default=4, help="the batch-size finder's memory budget")
+    parser.add_argument("--max-memory-mib", type=float, default=1.5, help="the batch-size finder's memory budget")
     parser.add_argument("--max-epochs", type=int, default=6)
     parser.add_argument("--root-dir", default="runs/tuning", help="where logs and checkpoints go")
     parser.add_argument("--target", type=float, default=0.93, help="fail if the final val_acc is below this")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -61,6 +63,28 @@ def test_a_cpu_memory_budget_bounds_the_batch_size() -> None:
     small = Tuner(quiet_trainer()).scale_batch_size(_Sized(width=4096), init_val=4, max_memory=2 * 2**20)
     large = Tuner(quiet_trainer()).scale_batch_size(_Sized(width=4096), init_val=4, max_memory=8 * 2**20)
     assert 4 <= small < large < 256
+
+
+CPU_PEAK = """
+import torch
+from ember.tuner.tuner import _peak_memory
+with _peak_memory(torch.device("cpu"), measure=True) as peak:
+    a = torch.empty(2**20, dtype=torch.uint8)
+    b = torch.ones(2**19, dtype=torch.uint8)
+    view = a[10:]  # no new memory: a view
+    a.add_(1)  # nor in place
+    del a, view
+    c = torch.zeros(2**20, dtype=torch.uint8)  # where a was: 1.5 MiB alive at most
+    del b, c
+print(peak())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_cpu_peak_memory_is_measured_without_a_word_on_stderr() -> None:
+    result = subprocess.run([sys.executable, "-c", CPU_PEAK], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert int(result.stdout) == 2**20 + 2**19
 
 
 def test_lr_find_suggests_a_rate_on_the_falling_part_of_the_curve(tmp_path: Any) -> None:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ember.loops import StepRunner
 from ember.loops.hooks import Hooks
@@ -315,19 +318,47 @@ def _peak_memory(device: torch.device, measure: bool) -> Iterator[Callable[[], i
         yield lambda: peak
         peak = torch.cuda.max_memory_allocated(device) - baseline
         return
-    # On a CPU there are no allocator statistics: follow allocations and frees with the profiler.
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    # On a CPU there are no allocator statistics: the tensors the ops make are followed until freed.
+    with _LiveTensorBytes() as tensors:
         yield lambda: peak
-    events = sorted(
-        (event for event in profiler.events() if event.cpu_memory_usage and not event.cpu_children),
-        key=lambda event: event.time_range.start,
-    )
-    total = 0
-    for event in events:
-        total += event.cpu_memory_usage
-        peak = max(peak, total)
+    peak = tensors.peak
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """While active, the bytes of the tensor storages the ops create and that are still alive, and their peak.
+
+    (torch's profiler can follow the allocator, but it writes to stderr each time it starts and stops.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alive = self.peak = 0
+        self._followed: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(tensor.untyped_storage()) for tensor in tree_leaves((args, kwargs)) if _has_storage(tensor)}
+        for tensor in tree_leaves(out):
+            # A view or an in-place result shares an input's storage: only a new storage is new memory.
+            if _has_storage(tensor) and id(storage := tensor.untyped_storage()) not in inputs:
+                self._follow(storage)
+        return out
+
+    def _follow(self, storage: torch.UntypedStorage) -> None:
+        if storage in self._followed:
+            return
+        self._followed.add(storage)
+        size = storage.nbytes()
+        self.alive += size
+        self.peak = max(self.peak, self.alive)
+        weakref.finalize(storage, self._freed, size)  # the storage's Python object lives as long as its memory
+
+    def _freed(self, size: int) -> None:
+        self.alive -= size
+
+
+def _has_storage(value: Any) -> bool:
+    """A dense tensor (a sparse one's memory is in its index and value tensors, which the ops made too)."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided
 
 
 # ------------------------------------------------------------------------------ attributes
