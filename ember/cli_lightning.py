@@ -35,7 +35,8 @@ try:
     from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 except ImportError:  # pragma: no cover - depends on the environment
     raise ModuleNotFoundError(
-        "EmberCLI needs the jsonargparse package: pip install 'ember[cli]' (or pip install 'jsonargparse[signatures]')"
+        "EmberCLI needs the jsonargparse package: pip install 'ember[cli]' "
+        "(or pip install 'jsonargparse[signatures]>=4.49')"
     ) from None
 
 _Scheduler = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -146,7 +147,7 @@ class SaveConfigCallback(Callback):
                 )
             if trainer.is_global_zero:
                 os.makedirs(directory, exist_ok=True)
-                self.parser.save(self.config, path, skip_none=False, overwrite=True, multifile=self.multifile)
+                self.parser.save(self.config, path, skip_unset=False, overwrite=True, multifile=self.multifile)
         if trainer.is_global_zero:
             self.save_config(trainer, module, stage)
         self.already_saved = True
@@ -282,7 +283,7 @@ class EmberCLI:
 
     def instantiate_classes(self) -> None:
         """Build the datamodule, the module (with the configured optimizer, if any) and the Trainer."""
-        self.config_init = self.parser.instantiate_classes(self.config)
+        self.config_init = self.parser.instantiate(self.config)
         self.datamodule: DataModule | None = self._get(self.config_init, "data")
         self.model: Module = self._get(self.config_init, "model")
         self._configure_optimizers_from_config()
