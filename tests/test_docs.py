@@ -83,9 +83,8 @@ def test_the_site_builds_in_strict_mode(tmp_path: Any) -> None:
 
 
 # ------------------------------------------------------------------------------ the flags table
-def _hooks() -> types.ModuleType:
-    pytest.importorskip("mkdocs")
-    spec = importlib.util.spec_from_file_location("ember_docs_hooks", os.path.join(ROOT, "docs", "hooks.py"))
+def _flags_script() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("trainer_flags", os.path.join(ROOT, "docs", "trainer_flags.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -93,8 +92,8 @@ def _hooks() -> types.ModuleType:
 
 
 def test_the_flags_table_renders_fields_in_order_with_types_defaults_and_docstrings() -> None:
-    hooks = _hooks()
-    flags = hooks.read_flags(FIXTURE, "TrainerConfig")
+    flags_script = _flags_script()
+    flags = flags_script.read_flags(FIXTURE, "TrainerConfig")
     names = ["accelerator", "devices", "gradient_clip_algorithm", "callbacks", "limit_val_batches", "max_epochs"]
     assert [flag.name for flag in flags] == names  # ClassVars, private fields and methods are not flags
     by_name = {flag.name: flag for flag in flags}
@@ -105,35 +104,54 @@ def test_the_flags_table_renders_fields_in_order_with_types_defaults_and_docstri
     assert by_name["limit_val_batches"].type == "int | float | None"  # a module-level alias, spelt out
     paragraphs = ["How many devices of this machine to use (one process each), or which.", "``-1`` means all of them."]
     assert by_name["devices"].doc == "<br>".join(paragraphs)
-    table = hooks.render_table(flags)
+    table = flags_script.render_table(flags)
     assert table.splitlines()[0] == "| Flag | Type | Default | Description |"
-    assert '| `devices` | `int | str | Sequence[int]` | `"auto"` |' in table
-    assert "Epochs to train (`int | None`): a count \\| -1 for no limit. |" in table  # a | outside code is escaped
+    # A | ends a cell on GitHub even in a code span: escaped outside code spans, an entity in HTML inside them.
+    assert '| `devices` | <code>int &#124; str &#124; Sequence[int]</code> | `"auto"` |' in table
+    assert "Epochs to train (<code>int &#124; None</code>): a count \\| -1 for no limit. |" in table
+    assert '| `gradient_clip_algorithm` | `Literal["norm", "value"]` |' in table
     assert len(table.splitlines()) == 2 + len(flags)
 
 
 def test_the_flags_table_fails_loudly_without_its_source(tmp_path: Any) -> None:
-    hooks = _hooks()
-    with pytest.raises(hooks.FlagsError, match="no such file"):
-        hooks.read_flags(str(tmp_path / "config.py"))
-    with pytest.raises(hooks.FlagsError, match="defines no class Missing"):
-        hooks.read_flags(FIXTURE, "Missing")
-    with pytest.raises(hooks.FlagsError, match="Undocumented.precision has no docstring"):
-        hooks.read_flags(FIXTURE, "Undocumented")
-    with pytest.raises(hooks.FlagsError, match="no such file"):
-        hooks.flags_table(str(tmp_path))  # a repository without ember/config.py
+    flags_script = _flags_script()
+    with pytest.raises(flags_script.FlagsError, match="no such file"):
+        flags_script.read_flags(str(tmp_path / "config.py"))
+    with pytest.raises(flags_script.FlagsError, match="defines no class Missing"):
+        flags_script.read_flags(FIXTURE, "Missing")
+    with pytest.raises(flags_script.FlagsError, match="Undocumented.precision has no docstring"):
+        flags_script.read_flags(FIXTURE, "Undocumented")
+    with pytest.raises(flags_script.FlagsError, match="no such file"):
+        flags_script.flags_table(str(tmp_path))  # a repository without ember/config.py
 
 
-def test_the_flags_page_keeps_its_marker() -> None:
-    hooks = _hooks()
+def test_the_flags_page_holds_the_table_of_the_code() -> None:
+    """The table is in the file itself (read on the repository's page too), as the script writes it from the code."""
+    flags_script = _flags_script()
     with open(os.path.join(ROOT, "docs", "trainer-flags.md"), encoding="utf-8") as file:
-        assert hooks.MARKER in file.read()
-    page = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="trainer-flags.md"))
-    config = types.SimpleNamespace(config_file_path=os.path.join(ROOT, "mkdocs.yml"))
-    with pytest.raises(hooks.FlagsError, match="lost its"):
-        hooks.on_page_markdown("# Flags\n", page, config, None)
-    other = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="index.md"))
-    assert hooks.on_page_markdown("# Home\n", other, config, None) == "# Home\n"
+        page = file.read()
+    fresh = flags_script.with_table(page, flags_script.flags_table(ROOT))
+    assert page == fresh, "docs/trainer-flags.md is out of date: run python docs/trainer_flags.py"
+    assert "| `max_epochs` | " in page
+
+
+def test_the_flags_script_writes_between_its_markers_and_checks(tmp_path: Any) -> None:
+    flags_script = _flags_script()
+    begin, end = flags_script.BEGIN, flags_script.END
+    page = f"# Flags\n\n{begin}\n\n| old | table |\n\n{end}\n\nMore.\n"
+    assert flags_script.with_table(page, "| new |") == f"# Flags\n\n{begin}\n\n| new |\n\n{end}\n\nMore.\n"
+    with pytest.raises(flags_script.FlagsError, match="lost its markers"):
+        flags_script.with_table("# Flags\n", "| new |")
+    (tmp_path / "ember").mkdir()
+    (tmp_path / "docs").mkdir()
+    with open(FIXTURE, encoding="utf-8") as fixture:
+        (tmp_path / "ember" / "config.py").write_text(fixture.read())
+    (tmp_path / "docs" / "trainer-flags.md").write_text(page)
+    assert flags_script.main(["--check", "--root", str(tmp_path)]) == 1  # stale: nothing written
+    assert (tmp_path / "docs" / "trainer-flags.md").read_text() == page
+    assert flags_script.main(["--root", str(tmp_path)]) == 0
+    assert "| `devices` |" in (tmp_path / "docs" / "trainer-flags.md").read_text()
+    assert flags_script.main(["--check", "--root", str(tmp_path)]) == 0
 
 
 def test_the_flags_table_covers_every_trainer_flag() -> None:
@@ -141,8 +159,8 @@ def test_the_flags_table_covers_every_trainer_flag() -> None:
         pytest.skip("ember/config.py (TrainerConfig) is not in this tree yet")
     import ember
 
-    hooks = _hooks()
-    documented = [flag.name for flag in hooks.read_flags(os.path.join(ROOT, "ember", "config.py"))]
+    flags_script = _flags_script()
+    documented = [flag.name for flag in flags_script.read_flags(os.path.join(ROOT, "ember", "config.py"))]
     parameters = inspect.signature(ember.Trainer.__init__).parameters
     flags = [name for name, parameter in parameters.items() if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
     assert sorted(documented) == sorted(flags)

@@ -1,33 +1,40 @@
-"""mkdocs hooks (registered in mkdocs.yml): the Trainer flags table, generated from the code.
+"""Write the table of every Trainer flag into docs/trainer-flags.md, from the code.
 
-The marker ``<!-- trainer-flags -->`` in a page becomes a table of every field of the frozen dataclass
+    python docs/trainer_flags.py            # rewrite the table after changing a flag
+    python docs/trainer_flags.py --check    # exit with status 1, writing nothing, if the table is stale
+
+The table sits in the page itself, between two HTML comments (invisible on the site and on the
+repository's page), so that it reads the same everywhere. It lists every field of the frozen dataclass
 ``TrainerConfig`` in ``ember/config.py``: flag, type, default and description, the description being the
 field's attribute docstring (the string literal on the line after the field). The source is parsed with
-``ast``, not imported, so the docs build needs neither torch nor an installed Ember.
+``ast``, not imported, so the script needs neither torch nor an installed Ember. tests/test_docs.py fails
+when the page differs from what the script would write.
 
-The build fails, loudly, if the file, the class, a field's docstring or the marker is missing: a page
-that silently lost its table would drift from the code without anyone noticing.
+It fails, loudly, if the file, the class, a field's docstring or the page's markers are missing.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import copy
+import html
 import inspect
 import os
 import re
-from typing import Any, NamedTuple
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
 
-from mkdocs.exceptions import PluginError
-
-MARKER = "<!-- trainer-flags -->"
-FLAGS_PAGE = "trainer-flags.md"
+BEGIN = "<!-- trainer-flags: written by python docs/trainer_flags.py from ember/config.py; edit there -->"
+END = "<!-- end of trainer-flags -->"
+FLAGS_PAGE = os.path.join("docs", "trainer-flags.md")
 CONFIG_FILE = os.path.join("ember", "config.py")
 CONFIG_CLASS = "TrainerConfig"
 
 
-class FlagsError(PluginError):
-    """The flags table cannot be generated; mkdocs stops the build with this message."""
+class FlagsError(Exception):
+    """The flags table cannot be generated."""
 
 
 class Flag(NamedTuple):
@@ -125,17 +132,25 @@ def _one_paragraph(docstring: str) -> str:
 
 
 def _cell(text: str) -> str:
-    """``text`` for a table cell: a ``|`` outside code spans would end the cell (inside them it is literal)."""
+    """``text`` for a table cell that reads the same on the site and on GitHub. A ``|`` would end the cell, on
+    GitHub even inside a code span, where the site would show an escaping backslash: outside code spans it is
+    escaped, and a code span holding one becomes HTML, with the ``|`` as an entity."""
     parts = re.split(r"(`+[^`]*`+)", text)
-    return "".join(part if part.startswith("`") else part.replace("|", "\\|") for part in parts)
+    return "".join(_code(part) if part.startswith("`") else part.replace("|", "\\|") for part in parts)
+
+
+def _code(span: str) -> str:
+    if "|" not in span:
+        return span
+    return f"<code>{html.escape(span.strip('`'), quote=False).replace('|', '&#124;')}</code>"
 
 
 def render_table(flags: list[Flag]) -> str:
     """The flags as a Markdown table."""
     lines = ["| Flag | Type | Default | Description |", "| --- | --- | --- | --- |"]
     for flag in flags:
-        default = f"`{flag.default}`" if flag.default is not None else "required"
-        lines.append(f"| `{flag.name}` | `{flag.type}` | {default} | {_cell(flag.doc)} |")
+        default = _cell(f"`{flag.default}`") if flag.default is not None else "required"
+        lines.append(f"| `{flag.name}` | {_cell(f'`{flag.type}`')} | {default} | {_cell(flag.doc)} |")
     return "\n".join(lines)
 
 
@@ -144,10 +159,40 @@ def flags_table(root: str) -> str:
     return render_table(read_flags(os.path.join(root, CONFIG_FILE), CONFIG_CLASS))
 
 
-def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    if MARKER not in markdown:
-        if page.file.src_uri == FLAGS_PAGE:
-            raise FlagsError(f"docs/{FLAGS_PAGE} lost its {MARKER} marker, where the flags table goes")
-        return markdown
-    root = os.path.dirname(os.path.abspath(config.config_file_path))
-    return markdown.replace(MARKER, flags_table(root))
+def with_table(page: str, table: str) -> str:
+    """The Markdown ``page`` with ``table`` between its markers, in place of what was there."""
+    start, end = page.find(BEGIN), page.find(END)
+    if start < 0 or end < start:
+        raise FlagsError(f"{FLAGS_PAGE} lost its markers, the lines between which the table goes: {BEGIN} and {END}")
+    return f"{page[: start + len(BEGIN)]}\n\n{table}\n\n{page[end:]}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write the table of every Trainer flag into " + FLAGS_PAGE)
+    parser.add_argument("--check", action="store_true", help="only say whether the table is stale (status 1)")
+    parser.add_argument(
+        "--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        help="the repository (default: the one holding this script)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    path = os.path.join(args.root, FLAGS_PAGE)
+    try:
+        with open(path, encoding="utf-8") as file:
+            page = file.read()
+        fresh = with_table(page, flags_table(args.root))
+    except (OSError, FlagsError) as error:
+        print(f"trainer_flags: {error}", file=sys.stderr)
+        return 2
+    if fresh == page:
+        return 0
+    if args.check:
+        print(f"{path} is out of date: run python docs/trainer_flags.py", file=sys.stderr)
+        return 1
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(fresh)
+    print(f"wrote the flags table into {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
