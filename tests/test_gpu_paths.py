@@ -766,14 +766,25 @@ elif arguments[0] == "bench/gpu_smoke.py":
 """
 
 
-def test_gpu_check_says_it_skips_on_a_machine_without_a_gpu() -> None:
+def _gpu_check_environment(directory: Any) -> dict[str, str]:
+    """bench/gpu_check.sh run by this interpreter (PYTHON), whatever python3 PATH finds first: here one that
+    fails, put first on PATH, as the python3 of a system without torch is when the tests run from a virtual
+    environment that is not activated."""
+    decoy = directory / "python3"
+    decoy.write_text("#!/bin/sh\necho 'not the python3 to use' >&2\nexit 1\n")
+    decoy.chmod(0o755)
+    return {**os.environ, "PATH": f"{directory}:{os.environ['PATH']}", "PYTHON": sys.executable}
+
+
+def test_gpu_check_says_it_skips_on_a_machine_without_a_gpu(tmp_path: Any) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the machine without a GPU")
-    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip().endswith("skipped: no GPU (torch.cuda.device_count() is 0 "
-                                                                     "with python3)")  # fmt: skip
+    env = _gpu_check_environment(tmp_path)
+    result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith(f"skipped: no GPU (torch.cuda.device_count() is 0 with {sys.executable})")
     missing = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "PYTHON": "/nonexistent/python"})  # fmt: skip
+                             env={**env, "PYTHON": "/nonexistent/python"})  # fmt: skip
     assert missing.returncode == 1 and "cannot import torch with /nonexistent/python" in missing.stdout
 
 
@@ -825,7 +836,7 @@ def test_gpu_check_fails_where_nvidia_smi_lists_gpus_that_torch_does_not_see(tmp
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
     smi.chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    env = _gpu_check_environment(tmp_path)  # on PATH: the nvidia-smi above, and a python3 not to use
     result = subprocess.run(["bash", GPU_CHECK], capture_output=True, text=True, timeout=60, env=env)
-    assert result.returncode == 1
+    assert result.returncode == 1, result.stdout + result.stderr
     assert f"nvidia-smi lists 1 GPU(s), but torch {torch.__version__} (CUDA None)" in result.stdout
