@@ -106,9 +106,9 @@ def test_nothing_outside_the_fit_loop_and_the_trainer_writes_the_fit_loops_state
         if name in (os.path.join("loops", "fit.py"), "trainer.py"):
             continue
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                if "fit_loop" in ast.unparse(node.value):
-                    offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+            stored = isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+            if stored and "fit_loop" in ast.unparse(node.value):
+                offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     assert not offenders, "\n".join(offenders)
 
 
