@@ -50,18 +50,18 @@ class Progress:
     def advance(self, result: StepResult, samples: int) -> None:
         """Count what a training batch did: ``result``, from the step runner, and ``samples``, the samples of the
         epoch's global order that it and the other ranks' batches read. The one place the counters move."""
-        batches = result.batches
+        batches, steps = result.batches, result.steps
         self.total_batches += batches
         self.epoch_batches += batches
         self.epoch_samples += samples
-        if result.steps:
-            self.global_step += result.steps
-            self.epoch_steps += result.steps
-        if result.closes_window:
-            self.window_batches = self.window_samples = 0
-        else:
+        if steps:
+            self.global_step += steps
+            self.epoch_steps += steps
+        if not result.closes_window:
             self.window_batches += batches
             self.window_samples += samples
+        elif self.window_batches:
+            self.window_batches = self.window_samples = 0
 
     def finish_epoch(self) -> None:
         """The epoch's training and its end-of-epoch work are done: a checkpoint saved from here on resumes at the

@@ -252,21 +252,23 @@ class StepRunner:
         window's first micro-batch in Lightning's order of hooks) the gradient reset, then the backward of the
         loss divided by ``divisor``. Gradients are synchronised across ranks only when ``sync``. Returns the
         step's output and its loss (None: the step skipped the batch)."""
-        with self.strategy.no_sync(not sync):
-            output = self.training_step(batch, batch_idx)
-            # A plain tensor is taken as it is: what backward rejects in it (not one number, or no graph) is
-            # explained once backward has failed, so that a sound step pays for no check.
-            loss = output if type(output) is torch.Tensor else training_loss(output, self.module)
-            if reset:
-                self.zero_grad(batch_idx)
-            if loss is None:
-                return output, None
-            try:
-                # Dividing by the window's size makes k micro-batches of b the same as one batch of k*b.
-                self._backward(loss / divisor if divisor != 1 else loss)
-            except RuntimeError:
-                training_loss(output, self.module)  # raises the clear error where the loss was the cause
-                raise
+        if not sync:  # this micro-batch's gradients stay on this rank; the window's last averages them all
+            with self.strategy.no_sync(True):
+                return self.forward_backward(batch, batch_idx, divisor=divisor, reset=reset)
+        output = self.training_step(batch, batch_idx)
+        # A plain tensor is taken as it is: what backward rejects in it (not one number, or no graph) is
+        # explained once backward has failed, so that a sound step pays for no check.
+        loss = output if type(output) is torch.Tensor else training_loss(output, self.module)
+        if reset:
+            self.zero_grad(batch_idx)
+        if loss is None:
+            return output, None
+        try:
+            # Dividing by the window's size makes k micro-batches of b the same as one batch of k*b.
+            self._backward(loss / divisor if divisor != 1 else loss)
+        except RuntimeError:
+            training_loss(output, self.module)  # raises the clear error where the loss was the cause
+            raise
         return output, loss
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, gradient_scale: float = 1.0, clip: bool = True) -> None:
