@@ -44,6 +44,7 @@ from ember.trainer_parts import (
     set_determinism,
     with_module_callbacks,
 )
+from ember.trainer_state import TrainerState
 
 _Loaders = Iterable | Sequence[Iterable] | None
 _Limit = int | float | None
@@ -149,6 +150,8 @@ class Trainer:
         self.predict_loop = PredictionLoop(self)
         #: "fit", "validate", "test" or "predict" while one runs.
         self.stage: str | None = None
+        #: The entry point, the loop running in it and the latest status, in Lightning's terms.
+        self.state = TrainerState(self)
         #: The module being run (the name Lightning uses).
         self.lightning_module: Module | None = None
         self.datamodule: DataModule | None = None
@@ -209,6 +212,12 @@ class Trainer:
     num_predict_batches: Reads[list[float]] = Reads("predict_loop.num_batches")
     #: The values last written to the loggers.
     logged_metrics: Reads[dict[str, torch.Tensor]] = Reads("run_metrics.logged")
+    # The loop running (``trainer.state.stage``).
+    training: Reads[bool] = Reads("state.training")
+    validating: Reads[bool] = Reads("state.validating")
+    testing: Reads[bool] = Reads("state.testing")
+    predicting: Reads[bool] = Reads("state.predicting")
+    evaluating: Reads[bool] = Reads("state.evaluating")
 
     @property
     def num_devices(self) -> int:
@@ -229,29 +238,6 @@ class Trainer:
     def should_stop(self, value: bool) -> None:
         """Ask ``fit`` to stop after the current step (or epoch), once ``min_epochs``/``min_steps`` allow it."""
         self.fit_loop.stopping.requested = value
-
-    @property
-    def training(self) -> bool:
-        """Whether ``fit`` is training (not validating, nor in its sanity check)."""
-        return self.stage == "fit" and not self.validate_loop.running
-
-    @property
-    def validating(self) -> bool:
-        """Whether a validation runs (in ``validate``, or in ``fit`` outside the sanity check)."""
-        return self.validate_loop.running and not self.sanity_checking
-
-    @property
-    def testing(self) -> bool:
-        return self.stage == "test"
-
-    @property
-    def predicting(self) -> bool:
-        return self.stage == "predict"
-
-    @property
-    def evaluating(self) -> bool:
-        """Whether a validation (sanity check included) or a test runs."""
-        return self.validate_loop.running or self.testing
 
     @property
     def val_dataloaders(self) -> Iterable | list[Iterable] | None:
@@ -496,6 +482,7 @@ class Trainer:
         self, stage: str, module: Module, datamodule: DataModule | None, ckpt_path: str | None
     ) -> str | None:
         self.stage = stage
+        self.state.begin(stage)
         self._hooks = None
         self.run_metrics.reset()
         self.lightning_module = module
@@ -556,6 +543,7 @@ class Trainer:
             self._stage_loaders = []
             self.strategy.teardown()
             self.stage = None
+            self.state.end(interrupted=status != "success")
 
     def _position(self) -> str:
         """Where the run is, in words (for the messages of a parallel strategy's watchdog)."""

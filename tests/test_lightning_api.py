@@ -1053,3 +1053,28 @@ def test_seed_everything_quiet(capsys: pytest.CaptureFixture[str], monkeypatch: 
     monkeypatch.delenv("EMBER_GLOBAL_SEED")
     ember.seed_everything()
     assert "no seed given" in capsys.readouterr().out
+
+
+def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() -> None:
+    from ember.trainer_state import RunningStage, TrainerFn, TrainerStatus
+
+    seen: list[tuple[str | None, str | None]] = []
+
+    class Watch(ember.callbacks.Callback):
+        def on_sanity_check_start(self, trainer: ember.Trainer, module: Any) -> None:
+            seen.append((trainer.state.fn, trainer.state.stage))
+
+        def on_train_batch_start(self, trainer: ember.Trainer, module: Any, *args: Any) -> None:
+            seen.append((trainer.state.fn, trainer.state.stage))
+
+        def on_validation_batch_start(self, trainer: ember.Trainer, module: Any, *args: Any) -> None:
+            seen.append((trainer.state.fn, trainer.state.stage))
+
+    trainer = quiet_trainer(max_epochs=1, limit_val_batches=1, num_sanity_val_steps=1, logger=False, callbacks=[Watch()])
+    assert trainer.state.status == TrainerStatus.INITIALIZING and trainer.state.stage is None
+    trainer.fit(Regressor(), make_loader(16), make_loader(16))
+    assert seen[0] == ("fit", "sanity_check") and {("fit", "train"), ("fit", "validate")} <= set(seen)
+    assert (trainer.state.fn, trainer.state.stage, trainer.state.finished) == (TrainerFn.FITTING, None, True)
+    trainer.test(Regressor(), make_loader(16), verbose=False)
+    assert trainer.state.fn == "test" and trainer.state.status == "finished"
+    assert not trainer.training and RunningStage.VALIDATING == "validate"
