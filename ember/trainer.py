@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from ember import hints
 from ember._utils import Reads
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
 from ember.checkpoint import state as checkpoint_state
@@ -41,6 +42,7 @@ from ember.trainer_parts import (
     default_callbacks,
     default_loggers,
     estimated_stepping_batches,
+    known_flags_only,
     set_determinism,
     with_module_callbacks,
 )
@@ -60,6 +62,7 @@ class Trainer:
     ``slurm_requeue=True`` also requeues the SLURM job. Resume with ``fit(ckpt_path="last")``.
     """
 
+    @known_flags_only
     def __init__(
         self,
         *,
@@ -348,6 +351,7 @@ class Trainer:
             restore = functools.partial(checkpoint_state.resume_from, self, path, weights_only) if path else None
             self.fit_loop.run(train_loader, val_loaders, restore, reload=loaders)
         if self.preempted:
+            self.print(self.fit_loop.stopping.report(self.global_step))  # once the progress bar has ended
             # The usual status of a process ended by that signal (143 for SIGTERM, 130 for Ctrl-C), so that
             # schedulers and launchers see the run was stopped, not finished.
             raise SystemExit(128 + (self.fit_loop.stopping.stop_signal or signal.SIGTERM))
@@ -467,6 +471,7 @@ class Trainer:
         except BaseException as exception:
             if isinstance(exception, KeyboardInterrupt):  # Ctrl-C outside training, or a second one in it
                 status = "interrupted"
+            hints.explain(exception)  # a note on what a common mistake (a batch's structure, ...) looks like
             earlier = self.strategy.announce_failure(exception) if isinstance(exception, Exception) else None
             if self._hooks is not None:
                 self._hooks.call_callbacks("on_exception", exception)

@@ -4,18 +4,21 @@ are given."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import math
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec
 
 import torch
 
 from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer
-from ember.config import TrainerConfig
+from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
+from ember.hints import closest
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
 from ember.module import Module
@@ -23,6 +26,8 @@ from ember.rank_zero import rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
+
+P = ParamSpec("P")
 
 
 def set_determinism(config: TrainerConfig) -> None:
@@ -34,6 +39,24 @@ def set_determinism(config: TrainerConfig) -> None:
         torch.backends.cudnn.benchmark = False
     elif config.benchmark is not None:
         torch.backends.cudnn.benchmark = config.benchmark
+
+
+def known_flags_only(init: Callable[P, None]) -> Callable[P, None]:
+    """``Trainer.__init__``, refusing a flag it does not take with one line that names the closest ones (Python's
+    own TypeError names none)."""
+    flags = [name for name in inspect.signature(init).parameters if name != "self"]
+
+    @functools.wraps(init)
+    def checked(*args: P.args, **given: P.kwargs) -> None:
+        for name in given:
+            if name not in flags:
+                raise FlagError(f"Trainer({name}=...) is not a flag; {closest(name, flags, _EVERY_FLAG)}")
+        init(*args, **given)
+
+    return checked
+
+
+_EVERY_FLAG = "docs/trainer-flags.md lists every flag"
 
 
 def default_loggers(config: TrainerConfig) -> list[Logger]:

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         callbacks=[ModelCheckpoint(monitor="val_loss", save_last=True)],
         log_every_n_steps=25,
     )
-    trainer.fit(model, train_loader, val_loader)
+    trainer.fit(model, train_loader, val_loader, ckpt_path="last")  # continues when run again
     val_loss = float(trainer.callback_metrics["val_loss"])
     trainer.print(f"val_loss {val_loss:.3f} nats/char ({val_loss / math.log(2):.2f} bits), unigram {entropy:.3f}")
 

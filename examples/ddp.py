@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         log_every_n_steps=10,
     )
     model = ReplicatedCNN()
-    trainer.fit(model, datamodule=DigitsData(batch_size=args.batch_size))
+    trainer.fit(model, datamodule=DigitsData(batch_size=args.batch_size), ckpt_path="last")  # continues when run again
     # val_acc was logged with sync_dist=True, so every process holds the same value and takes the same decisions.
     best = float(checkpoint.best_model_score or 0.0)  # None: never validated
     trainer.print(f"best val_acc {best:.4f} over {trainer.world_size} processes (target {args.target})")

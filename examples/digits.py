@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         log_every_n_steps=10,
     )
     model = DigitsCNN(lr=args.lr)
-    trainer.fit(model, datamodule=DigitsData(args.batch_size, args.num_workers))
+    # "last": run again after an interruption (Ctrl-C, a preemption), it continues where it stopped.
+    trainer.fit(model, datamodule=DigitsData(args.batch_size, args.num_workers), ckpt_path="last")
     best = float(checkpoint.best_model_score or 0.0)  # None: never validated
     trainer.print(f"best val_acc {best:.4f} (target {args.target})")
     trainer.print(f"checkpoint: {_short(checkpoint.best_model_path)}")  # each on a line of its own, to fit 80 columns

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         log_every_n_steps=25,
     )
     model = ShardedCharGPT(len(alphabet), context=context, width=args.width, lr=1e-2)
-    trainer.fit(model, train_loader, val_loader)
+    trainer.fit(model, train_loader, val_loader, ckpt_path="last")  # continues when run again
     val_loss = float(trainer.callback_metrics["val_loss"])  # averaged over both processes' batches
     trainer.print(f"val_loss {val_loss:.3f} nats/char (unigram entropy {entropy:.3f}); target < {args.target}")
 

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"learning rate: {finder.suggested_lr:.3g} (where the smoothed loss fell fastest in a sweep of "
           f"{len(finder.results['lr'])} steps); now model.hparams.lr = {model.hparams.lr:.3g}")  # fmt: skip
 
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path="last")  # continues when run again
     accuracy = float(trainer.callback_metrics["val_acc"])
     trainer.print(f"val_acc {accuracy:.4f} after {args.max_epochs} epochs (target {args.target})")
     if accuracy < args.target:

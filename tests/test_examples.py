@@ -79,7 +79,7 @@ def test_char_gpt_learns_from_context(tmp_path: Any) -> None:
 def test_resume_after_preemption_is_exact(tmp_path: Any) -> None:
     pytest.importorskip("sklearn")
     result = _example("resume.py", cwd=tmp_path)
-    assert "preemption signal received" in result.stdout and "bit for bit" in result.stdout
+    assert "stopped by SIGTERM at global step" in result.stdout and "bit for bit" in result.stdout
 
 
 def test_tuning_finds_a_batch_size_and_a_learning_rate(tmp_path: Any) -> None:

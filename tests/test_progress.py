@@ -142,7 +142,7 @@ def test_digits_on_an_80_column_terminal(tmp_path: Any) -> None:
     output = output[: output.index("best val_acc")]  # what the example prints itself, after fit
     assert "\r" in output
     epochs = [line for line in _screen(output) if line.startswith("Epoch ")]
-    assert [line.split()[1] for line in epochs] == ["1/3", "2/3", "3/3"], epochs  # one line per epoch stays
+    assert [line.split()[1] for line in epochs] == ["0/2", "1/2", "2/2"], epochs  # one line per epoch stays
     assert all(line.split()[2] == "23/23" and "val_acc=" in line for line in epochs), epochs
 
     # At most ~10 redraws a second.
@@ -155,7 +155,7 @@ def test_digits_on_an_80_column_terminal(tmp_path: Any) -> None:
     last = ""
     for at, text in parts:
         for segment in _segments(text):
-            if segment.startswith("Epoch 3/3"):
+            if segment.startswith("Epoch 2/2"):
                 times.append(at)
                 last = segment
     shown = float(re.search(r"(\d+) samples/s", last).group(1))  # type: ignore[union-attr]
@@ -168,7 +168,7 @@ def test_samples_per_second_counts_each_batch_with_its_own_size(clock: _Clock) -
     trainer = quiet_trainer(max_epochs=1, callbacks=[bar], enable_progress_bar=True, logger=False)
     trainer.fit(_Timed(clock, seconds=0.01), make_loader(20, batch_size=8))  # batches of 8, 8 and 4, in 0.03 s
     (line,) = stream.getvalue().splitlines()
-    assert line.startswith("Epoch 1/1 3/3 00:00 train_loss=") and line.endswith(" 667 samples/s"), line
+    assert line.startswith("Epoch 0/0 3/3 00:00 train_loss=") and line.endswith(" 667 samples/s"), line
     assert " loss=" not in line  # the loss, logged as train_loss, is shown once
 
 
@@ -180,10 +180,10 @@ def test_the_count_ends_where_max_steps_ends_training() -> None:
         trainer.fit(Regressor(), make_loader(128, batch_size=8))  # 16 batches an epoch
         return [" ".join(line.split()[:3]) for line in stream.getvalue().splitlines()]
 
-    assert counts(max_steps=5) == ["Epoch 1 5/5"]  # not 5/16, with an ETA for all 16
-    assert counts(max_steps=20, max_epochs=3) == ["Epoch 1/3 16/16", "Epoch 2/3 4/4"]
-    assert counts(max_steps=3, accumulate_grad_batches=2) == ["Epoch 1 6/6"]  # a step every two batches
-    assert counts(max_steps=3, max_epochs=1, accumulate_grad_batches=7) == ["Epoch 1/1 16/16"]  # 7 + 7 + 2
+    assert counts(max_steps=5) == ["Epoch 0 5/5"]  # not 5/16, with an ETA for all 16
+    assert counts(max_steps=20, max_epochs=3) == ["Epoch 0/2 16/16", "Epoch 1/2 4/4"]
+    assert counts(max_steps=3, accumulate_grad_batches=2) == ["Epoch 0 6/6"]  # a step every two batches
+    assert counts(max_steps=3, max_epochs=1, accumulate_grad_batches=7) == ["Epoch 0/0 16/16"]  # 7 + 7 + 2
 
 
 # ------------------------------------------------------------------------------------- logs
@@ -198,11 +198,11 @@ def test_output_that_is_not_a_terminal_gets_a_line_every_interval_and_at_each_ep
     starts = [" ".join(line.split()[:3]) for line in lines]
     # a line every 5 s (a step takes 1 s), a line for each validation and one at each epoch's end
     assert starts == [
-        "Epoch 1/2 5/12", "Epoch 1/2 10/12", "Validation 2/2 00:00", "Epoch 1/2 12/12",
-        "Epoch 2/2 5/12", "Epoch 2/2 10/12", "Validation 2/2 00:00", "Epoch 2/2 12/12",
+        "Epoch 0/1 5/12", "Epoch 0/1 10/12", "Validation 2/2 00:00", "Epoch 0/1 12/12",
+        "Epoch 1/1 5/12", "Epoch 1/1 10/12", "Validation 2/2 00:00", "Epoch 1/1 12/12",
     ], lines  # fmt: skip
-    assert lines[0].startswith("Epoch 1/2 5/12 00:05<00:07 train_loss=") and " 8.0 samples/s twice=" in lines[0]
-    assert lines[-1].startswith("Epoch 2/2 12/12 00:12 train_loss=")
+    assert lines[0].startswith("Epoch 0/1 5/12 00:05<00:07 train_loss=") and " 8.0 samples/s twice=" in lines[0]
+    assert lines[-1].startswith("Epoch 1/1 12/12 00:12 train_loss=")
 
 
 def test_values_that_do_not_fit_the_bar_are_on_the_line_that_ends_the_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,13 +221,13 @@ def test_values_that_do_not_fit_the_bar_are_on_the_line_that_ends_the_epoch(monk
     assert max(len(segment) for segment in _segments(output)) <= 80
     assert not any(name in redraw for redraw in redraws for name in names[1:])  # no room for them on the bar
     screen = _screen(output)
-    for epoch in ("1/2", "2/2"):
+    for epoch in ("0/1", "1/1"):
         (first,) = [index for index, line in enumerate(screen) if line.startswith(f"Epoch {epoch} 8/8 ")]
         ended = " ".join(screen[first : first + 3])  # the epoch's line, broken between values to fit
         assert all(f"{name}=" in ended for name in names) and "samples/s" in ended, screen
 
     monkeypatch.setenv("COLUMNS", "250")  # a wide terminal has room for them on the bar
-    redraws = [segment for segment in _segments(run()) if segment.startswith("Epoch 1/2 4/8 ")]
+    redraws = [segment for segment in _segments(run()) if segment.startswith("Epoch 0/1 4/8 ")]
     assert redraws and all(f"{name}=" in redraws[0] for name in names), redraws
 
 
@@ -250,7 +250,7 @@ def test_printing_through_the_trainer_goes_above_the_bar(monkeypatch: pytest.Mon
         trainer.fit(Printing(), make_loader(64))
     screen = _screen(stream.getvalue())
     assert [line.split()[:2] if line.startswith("Epoch") else line for line in screen] == [
-        "half way", "epoch 0 done", ["Epoch", "1/2"], "half way", "epoch 1 done", ["Epoch", "2/2"]
+        "half way", "epoch 0 done", ["Epoch", "0/1"], "half way", "epoch 1 done", ["Epoch", "1/1"]
     ], screen  # fmt: skip
 
 

@@ -224,7 +224,7 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
     os.kill(workers[-1], signal.SIGTERM)
     stdout, stderr = job.communicate(timeout=60)
     assert job.returncode == 128 + signal.SIGTERM, stdout + stderr  # the usual status of a SIGTERM'd process
-    assert "preemption signal received: saved" in stdout and 'ckpt_path="last"' in stdout
+    assert "stopped by SIGTERM at global step" in stdout and 'ckpt_path="last"' in stdout
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr
     last = checkpoint_state.find_checkpoint(quiet_trainer(default_root_dir=out), "last")
     assert last is not None and last.endswith("last.ckpt")
@@ -265,7 +265,7 @@ def test_a_signal_to_the_whole_job_with_loader_workers_saves_and_resumes_exactly
             os.kill(pid, number)
     stdout, stderr = job.communicate(timeout=90)
     assert job.returncode == 128 + number, stdout + stderr[-3000:]
-    assert stdout.count("preemption signal received: saved") == 1, stdout  # one line, from rank zero
+    assert stdout.count("at global step") == 1, stdout  # one report, from rank zero
     assert "Traceback" not in stderr, stderr[-3000:]
     resumed = _job(out, "--ckpt-path", "last", "--accumulate", "2", processes=processes)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -293,7 +293,8 @@ def test_ctrl_c_saves_at_the_step_boundary_and_exits_with_130(
         trainer.fit(Regressor(), make_loader())
     assert exited.value.code == 130 and trainer.global_step == 3
     printed = capsys.readouterr().out.strip().splitlines()
-    assert len(printed) == 1 and "saved" in printed[0] and "(SIGINT)" in printed[0] and 'ckpt_path="last"' in printed[0]
+    assert len(printed) == 3 and printed[0] == "stopped by SIGINT at global step 3; saved"
+    assert printed[1].strip().endswith("last.ckpt") and 'ckpt_path="last"' in printed[2]
     assert checkpoint_io.load(os.path.join(trainer.checkpoint_dir, "last.ckpt"))["global_step"] == 3
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back after fit
 
@@ -447,12 +448,13 @@ def test_on_exception_checkpoint_keeps_the_work_and_last_finds_it(tmp_path: Any)
     assert checkpoint_io.load(os.path.join(root, "saved", "on_exception.ckpt"))["global_step"] == 11
 
 
-def test_last_best_and_the_run_directory(tmp_path: Any) -> None:
+def test_last_best_and_the_run_directory(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     root = str(tmp_path)
     fresh = quiet_trainer(max_epochs=1, default_root_dir=root)
-    with pytest.warns(UserWarning, match="no complete checkpoint of this run under .*starts from scratch"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a first start with "last" is the usual way to write a script: no warning
         fresh.fit(Regressor(), make_loader(16), ckpt_path="last")
-    assert fresh.global_step == 2
+    assert fresh.global_step == 2 and "no checkpoint of this run yet" in capsys.readouterr().out
 
     more = quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=[ModelCheckpoint(monitor="val_loss")])
     more.fit(Regressor(), make_loader(16), make_loader(16), ckpt_path="last")

@@ -174,17 +174,20 @@ def test_a_run_that_keeps_no_files_saves_its_preemption_checkpoint_where_last_fi
     printed = capsys.readouterr().out
     resumed = quiet_trainer(max_epochs=3, **flags)
     found = checkpoint_state.find_checkpoint(resumed, "last")
-    assert found is not None and f"saved {found} at global step 3" in printed
-    # The README shows this very line, but for the path and the step.
+    report = printed.strip().splitlines()[-3:]
+    assert found is not None and report[0].endswith("at global step 3; saved")
+    assert os.path.abspath(report[1].strip()) == found and all(len(line) <= 80 for line in report[::2])
+    # The README shows this very report, but for the path and the step.
     with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as file:
-        shown = next(line for line in file if line.startswith("preemption signal received"))
-    assert _in_general(shown) == _in_general(printed.strip().splitlines()[-1])
+        lines = file.read().splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith("stopped by SIGTERM"))
+    assert _in_general(lines[start : start + 3]) == _in_general(report)
     resumed.fit(Regressor(), make_loader(16), ckpt_path="last")
     assert resumed.global_step == 6 and "resuming from" in capsys.readouterr().out
 
 
-def _in_general(line: str) -> str:
-    return re.sub(r"saved \S+ at global step \d+", "saved PATH at global step N", line.strip())
+def _in_general(lines: list[str]) -> list[str]:
+    return [re.sub(r"global step \d+", "global step N", line) for line in (lines[0], lines[2])]
 
 
 # --------------------------------------------------------------------------------------- "last"
@@ -230,7 +233,9 @@ def test_last_is_the_newest_checkpoint_of_all_the_lineages_directories(periodic_
     assert checkpoint_state.find_checkpoint(again, "last") == newest
 
 
-def test_last_without_a_complete_checkpoint_warns_and_starts_fresh(tmp_path: Any) -> None:
+def test_last_without_a_complete_checkpoint_warns_and_starts_fresh(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = str(tmp_path)
     version = tmp_path / "ember_logs" / "version_0" / "checkpoints"
     version.mkdir(parents=True)
@@ -239,10 +244,9 @@ def test_last_without_a_complete_checkpoint_warns_and_starts_fresh(tmp_path: Any
     with pytest.warns(UserWarning) as caught:
         trainer.fit(Regressor(), make_loader(16), ckpt_path="last")
     messages = [str(warning.message) for warning in caught]
-    assert any("last.ckpt" in message and "is empty" in message for message in messages)
-    assert any("starts from scratch" in message for message in messages)
-    assert {warning.filename for warning in caught} == {__file__}  # both point at the fit call
-    assert trainer.global_step == 2
+    assert len(messages) == 1 and "last.ckpt" in messages[0] and "is empty" in messages[0]
+    assert {warning.filename for warning in caught} == {__file__}  # it points at the fit call
+    assert "training starts afresh" in capsys.readouterr().out and trainer.global_step == 2
 
 
 # ------------------------------------------------------------------------------------ integrity
@@ -444,8 +448,7 @@ def _train_on(root: str, epochs: str) -> None:
 
 def test_a_run_whose_disk_fills_up_keeps_its_previous_checkpoint_and_last(tmp_path: Any) -> None:
     root = str(tmp_path)
-    with pytest.warns(UserWarning, match="starts from scratch"):
-        _train_on(root, "1")
+    _train_on(root, "1")
     directory = os.path.join(root, "ember_logs", "version_0", "checkpoints")
     kind, message = _with_file_size_limit(200_000, "_train_on", root, "3")  # a checkpoint no longer fits
     assert kind == "CheckpointError", message
@@ -550,7 +553,7 @@ def test_a_preempted_run_with_persistent_loader_workers_saves_and_exits(tmp_path
     script.write_text(_PERSISTENT.format(tests=os.path.dirname(__file__), root=str(tmp_path)))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
-    assert "preemption signal received: saved" in result.stdout
+    assert "stopped by SIGTERM at global step" in result.stdout
 
 
 class _SignalTheLoaderWorkers(Callback):

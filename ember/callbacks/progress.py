@@ -102,10 +102,12 @@ class ProgressBar(Callback):
     def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
         if not trainer.is_global_zero:
             return
-        epochs = f"/{trainer.config.epoch_limit}" if trainer.config.epoch_limit != -1 else ""
+        # Counted from 0, as everywhere an epoch is numbered (trainer.current_epoch, messages, checkpoint names):
+        # "Epoch 2/14" is the third of 15.
+        epochs = f"/{trainer.config.epoch_limit - 1}" if trainer.config.epoch_limit != -1 else ""
         progress = trainer.fit_loop.progress  # a resumed epoch starts part-way
         self._train = ProgressDisplay(
-            self, f"Epoch {trainer.current_epoch + 1}{epochs}", trainer.fit_loop.batches_this_epoch(), keep=True,
+            self, f"Epoch {trainer.current_epoch}{epochs}", trainer.fit_loop.batches_this_epoch(), keep=True,
             done=progress.epoch_batches, samples=progress.epoch_samples,
         )  # fmt: skip
         if self._train.terminal:
@@ -129,6 +131,12 @@ class ProgressBar(Callback):
         display.count, display.samples = progress.epoch_batches, progress.epoch_samples
         # Before the epoch's first batch, the latest loss is the last epoch's: it is not shown.
         display.draw(*_train_values(trainer, with_loss=display.count > display.first_count), final=final)
+
+    def on_train_end(self, trainer: Trainer, module: Module) -> None:
+        # An epoch cut short by a preemption signal ends its line here, before the report of what was saved.
+        if self._train is not None:
+            self._draw_train(trainer, final=True)
+            self._train = None
 
     # ----------------------------------------------------------------------------- evaluation
     def on_validation_start(self, trainer: Trainer, module: Module) -> None:

@@ -8,7 +8,6 @@ window) is gathered from all ranks into ``ranks``.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -108,12 +107,8 @@ def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:
             raise FileNotFoundError(
                 f"ckpt_path='best': no best checkpoint is known ({why} under {trainer.config.root_dir!r})"
             )
-        if trainer.is_global_zero:
-            warnings.warn(
-                f"ckpt_path='last': no complete checkpoint of this run under {trainer.runs_dir!r} yet; "
-                "training starts from scratch",
-                stacklevel=6,  # the user's fit: through the Trainer's _begin_stage, _stage and contextlib
-            )
+        # Not a warning: "last" on a run's first start is the usual way to write a script that continues.
+        trainer.print('ckpt_path="last": no checkpoint of this run yet, so training starts afresh')
     else:
         trainer.print(f"resuming from {found}")
     return found

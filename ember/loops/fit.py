@@ -21,7 +21,7 @@ from ember.checkpoint.resume import LoopState
 from ember.loops.loss import LossCheck
 from ember.loops.progress import Progress
 from ember.loops.step import ManualOptimizer, StepResult, StepRunner, Window
-from ember.loops.stopping import Stopping, save_for_preemption
+from ember.loops.stopping import Stopping, reached_limit
 from ember.loops.training_data import TrainingData
 from ember.optim import parse_optimizers
 from ember.rank_zero import rank_zero_warn_once
@@ -92,7 +92,10 @@ class FitLoop:
             restore()  # may bring the gradients of an unfinished window
         log_hyperparameters(trainer)
         hooks.call("on_fit_start")
-        if self.data.validation.enabled and config.num_sanity_val_steps:
+        if (limit := reached_limit(config, progress)) is not None:  # a complete run, resumed: say so
+            trainer.print(f"nothing to train: the run has reached {limit} (epoch {progress.epoch}, step "
+                          f"{progress.global_step})")  # fmt: skip
+        elif self.data.validation.enabled and config.num_sanity_val_steps:
             self._sanity_check()
         hooks.call("on_train_start")
         self.stopping.start(trainer.world_size, trainer.callbacks)
@@ -109,12 +112,8 @@ class FitLoop:
 
     def done(self) -> bool:
         """Whether a limit is reached (``max_steps``, ``max_epochs``) or stopping was asked for and may happen."""
-        config, progress = self.trainer.config, self.progress
-        return (
-            (self.stopping.requested and self.stopping.may_stop(self.trainer))
-            or (config.max_steps != -1 and progress.global_step >= config.max_steps)
-            or (config.epoch_limit != -1 and progress.epoch >= config.epoch_limit)
-        )
+        limit = reached_limit(self.trainer.config, self.progress)
+        return limit is not None or (self.stopping.requested and self.stopping.may_stop(self.trainer))
 
     def _start_optimization(self) -> StepRunner:
         """The optimizers of ``configure_optimizers``, set up by the strategy, in the step runner of this fit."""
@@ -254,7 +253,7 @@ class FitLoop:
             return _Outcome.STOP
         if interruptions_due and stopping.interrupted(trainer.strategy):
             if stopping.preempted:
-                save_for_preemption(trainer, stopping.stop_signal)
+                stopping.save_for_preemption(trainer)
                 return _Outcome.PREEMPTED
             return _Outcome.STOP
         return None

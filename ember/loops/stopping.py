@@ -22,6 +22,8 @@ import torch
 from ember.callbacks import Callback, Timer
 
 if TYPE_CHECKING:
+    from ember.config import TrainerConfig
+    from ember.loops.progress import Progress
     from ember.strategies import Strategy
     from ember.trainer import Trainer
 
@@ -122,8 +124,9 @@ class Stopping:
     def __init__(self) -> None:
         #: Set through ``trainer.should_stop`` (EarlyStopping, ...) to end training after the current step or epoch.
         self.requested = False
-        #: The signal that made ``fit`` save a checkpoint and stop (None: none did).
+        #: The signal that made ``fit`` save a checkpoint and stop (None: none did), and where it saved.
         self.stop_signal: int | None = None
+        self.saved_at: str | None = None
         self.interruptions = Interruptions()
         self._told_about_minimum = False
 
@@ -135,7 +138,7 @@ class Stopping:
         """A fit's training starts: no request, no signal yet; its deadline is the earliest ``Timer``'s (the
         ``Timer`` callbacks start their clocks in ``on_train_start``, which has run)."""
         self.requested = self._told_about_minimum = False
-        self.stop_signal = None
+        self.stop_signal = self.saved_at = None
         deadlines = [callback.deadline for callback in callbacks if isinstance(callback, Timer)]
         self.interruptions.reset(min(deadlines, default=math.inf), world_size)
 
@@ -161,19 +164,35 @@ class Stopping:
         self.requested = self.requested or stop
         return stop
 
+    def save_for_preemption(self, trainer: Trainer) -> None:
+        """Save where "last" finds it first, and ask SLURM to requeue the job when the Trainer was told to.
 
-def save_for_preemption(trainer: Trainer, stop_signal: int | None) -> None:
-    """Save where "last" finds it first, and ask SLURM to requeue the job when the Trainer was told to.
+        The save needs no more data: the loader's workers may be gone (a launcher signals them too)."""
+        self.saved_at = trainer.preemption_checkpoint_path()
+        trainer.save_checkpoint(self.saved_at)
+        trainer.strategy.wait_for_checkpoints()  # the process exits soon: the report must be true
+        trainer.strategy.barrier()
+        if trainer.config.slurm_requeue and trainer.is_global_zero and "SLURM_JOB_ID" in os.environ:
+            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
 
-    The save needs no more data: the loader's workers may be gone (a launcher signals them too)."""
-    path = trainer.preemption_checkpoint_path()
-    trainer.save_checkpoint(path)
-    trainer.strategy.wait_for_checkpoints()  # the process exits next: the line below must be true
-    trainer.strategy.barrier()
-    name = signal.Signals(stop_signal).name if stop_signal else "a signal"
-    trainer.print(
-        f"preemption signal received: saved {path} at global step {trainer.global_step} ({name}); "
-        'resume with Trainer.fit(..., ckpt_path="last")'
-    )
-    if trainer.config.slurm_requeue and trainer.is_global_zero and "SLURM_JOB_ID" in os.environ:
-        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+    def report(self, global_step: int) -> str:
+        """What a preemption saved and how to continue, in lines that fit 80 columns (but for a long path)."""
+        name = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal"
+        path = self.saved_at or ""
+        relative = os.path.relpath(path) if path else path
+        return (
+            f"stopped by {name} at global step {global_step}; saved\n"
+            f"  {relative if len(relative) < len(path) else path}\n"
+            'Trainer.fit(..., ckpt_path="last") continues from it'
+        )
+
+
+def reached_limit(config: TrainerConfig, progress: Progress) -> str | None:
+    """The limit the run has reached (``"max_epochs=3"``, ``"max_steps=100"``), or None."""
+    if config.max_steps != -1 and progress.global_step >= config.max_steps:
+        return f"max_steps={config.max_steps}"
+    if config.epoch_limit != -1 and progress.epoch >= config.epoch_limit:
+        return f"max_epochs={config.epoch_limit}"
+    return None
+
+
