@@ -125,6 +125,15 @@ def batch_size_of(batch: Any) -> int:
     return 1
 
 
+TensorOrNone = TypeVar("TensorOrNone", torch.Tensor, torch.Tensor | None)
+
+
+def local_shard(tensor: TensorOrNone) -> TensorOrNone:
+    """This rank's shard of a DTensor (a sharded parameter or gradient), or ``tensor`` itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def is_overridden(name: str, instance: object, base: type) -> bool:
     """Whether ``instance`` (its class, or the instance itself) defines ``name`` differently from ``base``."""
     if name in getattr(instance, "__dict__", {}):

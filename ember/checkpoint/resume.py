@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember._utils import local_shard
 from ember.data import (
     batches_from,
     data_replicas,
@@ -229,13 +230,10 @@ def _unfinished_window_gradients(module: torch.nn.Module | None) -> list[torch.T
     if module is None or not getattr(module, "automatic_optimization", True):
         return None
     # A sharded parameter's gradient is a DTensor: each rank keeps its own shard (rank-local, like the rest).
-    gradients = [_local(parameter.grad) for parameter in module.parameters()]
+    gradients = [local_shard(parameter.grad) for parameter in module.parameters()]
     return gradients if any(gradient is not None for gradient in gradients) else None
 
 
-def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
 
 
 def _restore_gradients(module: torch.nn.Module | None, gradients: list[torch.Tensor | None] | None) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember import checkpoint as checkpoint_io
+from ember._utils import local_shard
 from ember.checkpoint import resume, sharded
 from ember.checkpoint.io import CheckpointError, plain_values
 from ember.loggers.logger import run_versions
@@ -79,7 +80,7 @@ def refuse_nonfinite_weights(trainer: Trainer, path: str) -> None:
 
 def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
     """The names of the parameters of ``module`` that hold a NaN or an infinity (this rank's shards only)."""
-    named = [(name, _local(parameter.detach())) for name, parameter in module.named_parameters()]
+    named = [(name, local_shard(parameter.detach())) for name, parameter in module.named_parameters()]
     named = [(name, tensor) for name, tensor in named if tensor.numel() and tensor.is_floating_point()]
     if not named:
         return []
@@ -89,9 +90,6 @@ def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
     return [name for (name, _), ok in zip(named, finite) if not ok]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)  # a DTensor's shard on this rank
-    return to_local() if to_local is not None else tensor
 
 
 def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:

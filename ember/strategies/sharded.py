@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ember import checkpoint as checkpoint_io
+from ember._utils import local_shard
 from ember.checkpoint import sharded as sharded_checkpoint
 from ember.strategies.ddp import ParallelStrategy
 
@@ -68,7 +69,7 @@ class ShardedStrategy(ParallelStrategy):
     ) -> torch.Tensor | None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # Each rank scales or clamps its own shards; only the norm needs the other ranks.
-        local = [_local(grad) for grad in grads]
+        local = [local_shard(grad) for grad in grads]
         if algorithm == "value":
             for tensor in local:
                 tensor.clamp_(-max_value, max_value)
@@ -201,10 +202,6 @@ def refuse_wrappers(module: nn.Module, strategy: str) -> None:
         )
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (sharing its memory), or the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
 
 
 def _has_dtensors(values: Any) -> bool:
