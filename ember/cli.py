@@ -20,6 +20,7 @@ examples:
   ember run --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29400 train.py   on node 1
   ember run --nproc-per-node 4 -m mypackage.train         run a module, as python -m does
   ember run --lightning --nproc-per-node 2 train.py       a Lightning script, unchanged, on Ember
+  ember run --replica-groups 2 --max-restarts 3 train.py  two fault-tolerant replica groups (pip install 'ember[ft]')
 
 Each worker sees RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the script's Trainer
 picks them up (devices="auto" becomes the number of processes per node). Unless OMP_NUM_THREADS is set,
@@ -90,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
         help="restart all workers up to K times after a failure (default 0)",
+    )  # fmt: skip
+    run.add_argument(
+        "--replica-groups", type=int, default=None, metavar="G",
+        help="fault tolerance (torchft): G replica groups of --nproc-per-node processes each, every group its own "
+        "torchrun job; a group that fails restarts (--max-restarts) and heals from a live one while the others go "
+        "on training. Starts torchft's lighthouse on 127.0.0.1 unless --lighthouse is given",
+    )  # fmt: skip
+    run.add_argument(
+        "--replica-group", type=int, default=None, metavar="I",
+        help="with --replica-groups and --lighthouse, on a job spread over machines: start only group I here",
+    )  # fmt: skip
+    run.add_argument(
+        "--lighthouse", default=None, metavar="HOST:PORT",
+        help="with --replica-groups: join the lighthouse that runs there (torchft_lighthouse) instead of starting one",
     )  # fmt: skip
     run.add_argument(
         "--lightning", action="store_true",
@@ -196,6 +211,14 @@ def _run(args: argparse.Namespace) -> int:
         script_args = [*(["-m"] if module else []), script, *script_args]
         module, script = True, "ember.lightning_compat"
     try:
+        if args.replica_groups is not None:
+            from ember import replica_groups
+
+            return replica_groups.run(
+                replica_groups=args.replica_groups, replica_group=args.replica_group, lighthouse=args.lighthouse,
+                nproc_per_node=launch.processes_per_node(args.nproc_per_node), max_restarts=args.max_restarts,
+                module=module, script=script, script_args=script_args,
+            )  # fmt: skip
         return launch.run(
             nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes,
@@ -288,6 +311,7 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
             launch.processes_per_node(args.nproc_per_node)
             if args.command == "run":
                 launch.check_run_arguments(args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+                _check_replica_arguments(args)
         except ValueError as error:
             return str(error)
         return _script_problem(args.script, args.module)
@@ -298,6 +322,17 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
             return f"DIR {args.directory!r}: no such directory"
         return _output_problem(args.output, "OUT")
     return None
+
+
+def _check_replica_arguments(args: argparse.Namespace) -> None:
+    """``--replica-groups`` and the flags that go with it (ValueError naming the one that cannot work)."""
+    if args.replica_groups is not None:
+        from ember import replica_groups
+
+        replica_groups.check_arguments(args.replica_groups, args.replica_group, args.lighthouse, args.nnodes)
+    elif args.replica_group is not None or args.lighthouse is not None:
+        raise ValueError(f"--{'replica-group' if args.replica_group is not None else 'lighthouse'} goes with "
+                         "--replica-groups G (fault tolerance)")  # fmt: skip
 
 
 def _script_problem(script: str, module: bool) -> str | None:

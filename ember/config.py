@@ -27,7 +27,7 @@ from ember.loggers import Logger
 from ember.precision import canonical_precision
 from ember.profilers import Profiler
 from ember.rank_zero import rank_zero_warn_once
-from ember.strategies import Strategy
+from ember.strategies import FaultTolerance, Strategy
 
 Limit = int | float | None
 
@@ -220,6 +220,10 @@ class TrainerConfig:
     a collective before the run stops with a message naming the rank that did not arrive and the step it
     was last seen at; None keeps the strategy's own (10 minutes unless it was given one)."""
 
+    fault_tolerance: FaultTolerance | None = None
+    """For a script started by ``ember run --replica-groups G``: a ``FaultTolerance`` with the replica groups
+    needed for a step to commit and the timeouts (None: its defaults). Without that launcher it is not used."""
+
     gpus: int | str | Sequence[int] | None = None
     """Lightning 1's spelling of ``accelerator="gpu", devices=...`` (deprecated: it warns, naming the flags to
     use)."""
@@ -255,7 +259,7 @@ class TrainerConfig:
             _check_bool("deterministic", self.deterministic, also="'warn'")
         if self.benchmark is not None:
             _check_bool("benchmark", self.benchmark, also="None")
-        self._check_timeout()
+        self._check_distributed()
         if self.deterministic and self.benchmark:
             raise FlagError("benchmark=True picks kernels by speed, which deterministic=True forbids")
         self._check_gpus()
@@ -324,11 +328,14 @@ class TrainerConfig:
         if not isinstance(doctor, bool) and (not isinstance(doctor, int) or doctor <= 5):
             raise FlagError(f"doctor={doctor!r}: True (watch 30 steps), False, or a number of steps above 5")
 
-    def _check_timeout(self) -> None:
+    def _check_distributed(self) -> None:
         timeout = self.timeout
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
             raise FlagError(f"timeout={timeout!r}: expected a number of seconds > 0, a datetime.timedelta, or None")
+        if self.fault_tolerance is not None and not isinstance(self.fault_tolerance, FaultTolerance):
+            raise FlagError(f"fault_tolerance={self.fault_tolerance!r}: expected an ember.strategies.FaultTolerance "
+                            "or None")  # fmt: skip
 
     def _check_gpus(self) -> None:
         if self.gpus is None:

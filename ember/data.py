@@ -169,7 +169,7 @@ def prepare_loaders(given: Any, kind: str, strategy: Strategy, overfit_batches: 
 
 def _epoch_order(loader: DataLoader, strategy: Strategy, train: bool, shard: bool) -> EpochOrder | None:
     """The ``EpochOrder`` that replaces ``loader``'s sampler, or None when it keeps its own."""
-    options = strategy.distributed_sampler_kwargs if shard else None
+    options = (strategy.training_sampler_kwargs if train else strategy.distributed_sampler_kwargs) if shard else None
     if options is not None and not _shardable(loader):
         return None
     plain = isinstance(loader.sampler, SequentialSampler) or _plain_shuffle(loader.sampler)

@@ -31,6 +31,11 @@ class ClusterEnvironment:
     node_rank: int
     main_address: str
     main_port: int
+    #: Under fault tolerance (``ember run --replica-groups``): this process's replica group, the number of groups,
+    #: and the lighthouse's address (None: no fault tolerance).
+    replica_group: int = 0
+    num_replica_groups: int = 1
+    lighthouse: str | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -57,6 +62,9 @@ def detect_environment() -> ClusterEnvironment | None:
             node_rank=int(env.get("GROUP_RANK", 0)),
             main_address=env["MASTER_ADDR"],
             main_port=int(env["MASTER_PORT"]),
+            replica_group=int(env.get("EMBER_REPLICA_GROUP", "0")),
+            num_replica_groups=int(env.get("EMBER_REPLICA_GROUPS", "1")),
+            lighthouse=env.get("TORCHFT_LIGHTHOUSE") if "EMBER_REPLICA_GROUPS" in env else None,
         )
     if int(env.get("SLURM_NTASKS", "1")) > 1 and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
         world_size = int(env["SLURM_NTASKS"])

@@ -63,13 +63,19 @@ class RunDirectory:
             return
         trainer = self._trainer
         outcome = self._claim(trainer, continuing) if trainer.is_global_zero else None
-        versions, version, problem = trainer.strategy.broadcast(outcome)
+        # None reaches the ranks of a replica group other than the first (fault tolerance), which write no files.
+        versions, version, problem = trainer.strategy.broadcast(outcome) or self._unwritten(trainer)
         if problem is not None:
             raise problem  # rank zero's, of its own type (PermissionError, ...), on every rank
         for logger, logger_version in zip(trainer.loggers, versions):
             logger.use_version(logger_version)
         self._version = version
         self._settled = True
+
+    @staticmethod
+    def _unwritten(trainer: Trainer) -> tuple[list[int | str], None, None]:
+        """The versions of a replica group that writes nothing: named after it, never created."""
+        return [f"replica_group_{trainer.replica_group}"] * len(trainer.loggers), None, None
 
     def _claim(self, trainer: Trainer, continuing: str | None) -> tuple[list[int | str], int | None, OSError | None]:
         try:

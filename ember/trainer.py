@@ -35,7 +35,7 @@ from ember.optim import LRSchedulerConfig
 from ember.profilers import Profiler, select_profiler
 from ember.rank_zero import rank_zero_only, rank_zero_warn_once
 from ember.run_directory import RunDirectory
-from ember.strategies import Strategy, select_strategy
+from ember.strategies import FaultTolerance, Strategy, select_strategy
 from ember.trainer_parts import (
     check_module,
     checked_path,
@@ -111,6 +111,7 @@ class Trainer:
         restart_on_data_change: bool = False,
         async_checkpoint: bool = False,
         timeout: int | float | timedelta | None = None,
+        fault_tolerance: FaultTolerance | None = None,
         doctor: bool | int = False,
         gpus: int | str | Sequence[int] | None = None,
         plugins: Any = None,
@@ -134,8 +135,10 @@ class Trainer:
             compile_options=config.compile_options,
             timeout=timedelta(seconds=config.timeout_seconds) if config.timeout_seconds is not None else None,
             async_checkpoint=config.async_checkpoint,
+            fault_tolerance=config.fault_tolerance,
         )
-        rank_zero_only.rank = self.strategy.global_rank  # type: ignore[attr-defined]
+        # Under fault tolerance only replica group 0's rank 0 prints.
+        rank_zero_only.rank = int(not self.strategy.is_global_zero)  # type: ignore[attr-defined]
         set_determinism(config)
         self.loggers: list[Logger] = default_loggers(config)
         self.callbacks: list[Callback] = default_callbacks(config)
@@ -174,6 +177,8 @@ class Trainer:
     node_rank: Reads[int] = Reads("strategy.node_rank")
     world_size: Reads[int] = Reads("strategy.world_size")
     num_nodes: Reads[int] = Reads("strategy.num_nodes")
+    replica_group: Reads[int] = Reads("strategy.replica_group")  # under fault tolerance (ember run --replica-groups)
+    num_replica_groups: Reads[int] = Reads("strategy.num_replica_groups")
     is_global_zero: Reads[bool] = Reads("strategy.is_global_zero")
     precision: Reads[str] = Reads("strategy.precision.name")
     #: What the steps run through: the module, or the strategy's wrapper around it.
@@ -338,7 +343,8 @@ class Trainer:
         if isinstance(train_dataloaders, DataModule):
             datamodule, train_dataloaders = train_dataloaders, None
         check_module(model, "fit")
-        if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if ckpt_path is None and restarted and not self.strategy.heals_from_peers:
             ckpt_path = "last"  # restarted by the elastic agent after a failure: continue the run
         ckpt_path = checked_path(ckpt_path)
         self.strategy.launch()

@@ -82,14 +82,14 @@ class FitLoop:
     ) -> None:
         """Train on ``train_loader``, validating on ``val_loaders``; ``restore`` puts a checkpoint's state in
         place once the optimizers exist; ``reload`` asks for new loaders (``reload_dataloaders_every_n_epochs``)."""
-        trainer, progress = self.trainer, self.progress
-        config, hooks = trainer.config, trainer.hooks
+        trainer, progress, config, hooks = self.trainer, self.progress, self.trainer.config, self.trainer.hooks
         self.data = TrainingData(trainer, train_loader, val_loaders)
         self.runner = self._start_optimization()
         self.state.start(data_seed=trainer.strategy.broadcast(torch.initial_seed() % 2**63))
         self.last_result = self.last_loss = None
         if restore is not None:
             restore()  # may bring the gradients of an unfinished window
+        trainer.strategy.join_replica_groups(trainer)  # fault tolerance: a group that is behind heals, before data
         log_hyperparameters(trainer)
         hooks.call("on_fit_start")
         if (limit := reached_limit(config, progress)) is not None:  # a complete run, resumed: say so

@@ -41,7 +41,8 @@ class StepResult:
     loss: torch.Tensor | None
     """Its loss, detached (None: the step skipped the batch, or no batch ran)."""
     steps: int = 0
-    """Optimizer steps taken: 0 or 1 under automatic optimization, as many as the module took under manual."""
+    """Optimizer steps taken: 0 or 1 under automatic optimization (0 when fault tolerance dropped the step: the
+    replica groups did not commit it), as many as the module took under manual."""
     closes_window: bool = True
     """Whether the batch was the last micro-batch of its accumulation window."""
     batches: int = 1
@@ -168,6 +169,9 @@ class StepRunner:
         self._clips = bool(clip_val) or hooks.configure_gradient_clipping is not None
         self._hooked = hooks.any  # Lightning's order of the hooks of a step, with its closure
         self._manual_steps = 0  # the optimizer steps of the manual batch being run
+        #: Optimizer steps that fault tolerance dropped (the replica groups' vote did not commit them).
+        self.dropped_steps = 0
+        self._dropped = False  # the step under way was dropped
         step = getattr(module, "training_step", None)
         #: ``training_step(batch, batch_idx)`` as the strategy runs it (a step may leave ``batch_idx`` out).
         self.training_step = _calling(calls.forward, with_index=step is None or takes_batch_idx(step))
@@ -194,8 +198,7 @@ class StepRunner:
             return StepResult(output, None)
         optimizer = self.optimizers[0]
         self.optimizer_step(optimizer)
-        self._after_step(optimizer)
-        return StepResult(output, self._kept(loss), 1)
+        return StepResult(output, self._kept(loss), self._after_step(optimizer))
 
     def micro_step(self, batch: Any, batch_idx: int, window: Window, is_last: bool) -> StepResult:
         """One micro-batch of ``window`` (``is_last``: the epoch's last batch): its forward and backward, the
@@ -277,6 +280,9 @@ class StepRunner:
         shown to the ``on_before_optimizer_step`` hooks, clipped (``clip``: the Trainer's flag or the module's
         ``configure_gradient_clipping``; under manual optimization the module clips), then stepped."""
         calls = self._calls
+        if calls.commit is not None and not calls.commit():
+            self._dropped = True  # the replica groups did not all apply these gradients: neither does this one
+            return
         if gradient_scale != 1.0:
             _scale_gradients(optimizer, gradient_scale)
         if calls.unscale is not None and (clip or self.before_step_hooks):
@@ -315,16 +321,21 @@ class StepRunner:
                 self.optimizer_step(optimizer, window.gradient_scale)
         if not window.has_gradients:
             return 0
-        self._after_step(optimizer)
-        return 1
+        return self._after_step(optimizer)
 
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> int:
         """The gradient reset (unless the hooks reset them when the next window starts) and the schedulers that
-        step per optimizer step, the step being counted as the next global step."""
+        step per optimizer step, the step being counted as the next global step; returns the steps taken (0: fault
+        tolerance dropped the step)."""
         if not self._hooked:
             clear_gradients(optimizer)
+        if self._dropped:
+            self._dropped = False
+            self.dropped_steps += 1
+            return 0
         if self.scheduler_configs:
             self.step_schedulers("step", self.progress.global_step + 1)
+        return 1
 
     def zero_grad(self, batch_idx: int) -> None:
         """Reset the gradients at the start of a window, through the hooks that are overridden."""

@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
+from ember.exceptions import MisconfigurationException
 from ember.launch import ClusterEnvironment, detect_environment
 from ember.strategies.ddp import DDPStrategy, ParallelStrategy
 from ember.strategies.dp import DataParallelStrategy
+from ember.strategies.fault_tolerant import FaultTolerance, FaultTolerantDDPStrategy
 from ember.strategies.fsdp import FSDPStrategy
 from ember.strategies.model_parallel import ModelParallelStrategy, parallelize_transformer
 from ember.strategies.names import LIGHTNING_STRATEGIES, missing_strategy_hint
@@ -23,6 +25,8 @@ __all__ = [
     "DDPStrategy",
     "DataParallelStrategy",
     "FSDPStrategy",
+    "FaultTolerance",
+    "FaultTolerantDDPStrategy",
     "ModelParallelStrategy",
     "ParallelStrategy",
     "PipelineStrategy",
@@ -123,6 +127,7 @@ def select_strategy(
     compile_options: Mapping[str, Any] | None = None,
     timeout: timedelta | None = None,
     async_checkpoint: bool = False,
+    fault_tolerance: FaultTolerance | None = None,
 ) -> Strategy:
     """Turn the Trainer's layout flags into one configured ``Strategy`` (the only place they are decided)."""
     environment = detect_environment()
@@ -133,7 +138,9 @@ def select_strategy(
     if environment is not None:
         _check_against_launcher(environment, len(parallel_devices), num_nodes)
     processes = len(parallel_devices) * num_nodes
-    if isinstance(strategy, Strategy):
+    if environment is not None and environment.lighthouse is not None:
+        chosen = _fault_tolerant(strategy, fault_tolerance)
+    elif isinstance(strategy, Strategy):
         chosen = strategy
     elif strategy == "auto":
         chosen = DDPStrategy() if processes > 1 else SingleDeviceStrategy()
@@ -169,6 +176,18 @@ _STRATEGIES: dict[str, type[Strategy]] = {
     "model_parallel": ModelParallelStrategy,
     "pipeline": PipelineStrategy,
 }
+
+
+def _fault_tolerant(strategy: str | Strategy, fault_tolerance: FaultTolerance | None) -> Strategy:
+    """The strategy of a process that ``ember run --replica-groups`` started: DDP within its group, torchft across."""
+    if isinstance(strategy, FaultTolerantDDPStrategy):
+        return strategy
+    if strategy not in ("auto", "ddp"):
+        raise MisconfigurationException(
+            f"strategy={strategy!r}: ember run --replica-groups trains data-parallel replica groups, with "
+            "strategy='ddp' (or 'auto'); run other strategies without --replica-groups"
+        )
+    return FaultTolerantDDPStrategy(fault_tolerance)
 
 
 def _check_against_launcher(environment: ClusterEnvironment, devices: int, num_nodes: int) -> None:

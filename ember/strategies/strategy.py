@@ -23,6 +23,7 @@ from ember.precision import Precision, build_precision
 if TYPE_CHECKING:
     from ember.launch import ClusterEnvironment
     from ember.module import Module
+    from ember.trainer import Trainer
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 _NO_CONTEXT = contextlib.nullcontext()  # reusable, so entering it per step allocates nothing
@@ -40,6 +41,9 @@ class StepCalls:
     """Bring an optimizer's gradients to their true scale (None: they are never scaled)."""
     optimizer_step: Callable[[torch.optim.Optimizer], Any]
     """Step an optimizer."""
+    commit: Callable[[], bool] | None = None
+    """Whether the step under way may apply its gradients, asked once its backward passes are done: fault
+    tolerance's vote across replica groups (None: always)."""
 
 
 class Strategy:
@@ -50,6 +54,9 @@ class Strategy:
     """
 
     name = "single_device"
+    #: Whether a process that its launcher restarted takes its state from a live peer (fault tolerance) rather
+    #: than from the last checkpoint.
+    heals_from_peers = False
     #: Whether evaluation may run under ``torch.inference_mode`` (``Trainer(inference_mode=True)``); else it
     #: runs under ``torch.no_grad``.
     allows_inference_mode = True
@@ -132,9 +139,24 @@ class Strategy:
         return self.global_rank == 0
 
     @property
+    def replica_group(self) -> int:
+        """This process's replica group under fault tolerance (``ember run --replica-groups``), else 0."""
+        return 0
+
+    @property
+    def num_replica_groups(self) -> int:
+        """The replica groups of a fault-tolerant job, else 1."""
+        return 1
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, int] | None:
         """``num_replicas`` and ``rank`` when each process must read its own shard of the data."""
         return None
+
+    @property
+    def training_sampler_kwargs(self) -> dict[str, int] | None:
+        """The same for the training data (fault tolerance also shards it among the replica groups)."""
+        return self.distributed_sampler_kwargs
 
     # ------------------------------------------------------------------------------- lifecycle
     def launch(self) -> None:
@@ -144,6 +166,10 @@ class Strategy:
         """Select this process's device (and, for parallel strategies, join the process group)."""
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
+
+    def join_replica_groups(self, trainer: Trainer) -> None:
+        """Under fault tolerance, join the replica groups before the first training batch, taking a live peer's
+        state when this group is behind it (nothing to do otherwise)."""
 
     def setup_module(self, module: Module, training: bool) -> None:
         """Set ``module`` up for the steps; every strategy follows this template.
