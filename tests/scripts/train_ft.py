@@ -61,13 +61,16 @@ class Record(Callback):
     def on_before_backward(self, trainer: ember.Trainer, module: ember.Module, loss: torch.Tensor) -> None:
         if self._told("kill_during", 1) and trainer.global_step == self.started_at + self.args.kill_during:
             time.sleep(0.3)  # the peer is waiting in the allreduce by now
-            self._die()
+            self._die(trainer.global_step)
 
     def on_train_batch_end(self, trainer: ember.Trainer, module: ember.Module, *args: Any) -> None:
         if trainer.fit_loop.stepped:
             self.commits.append((time.time(), trainer.global_step))
+            if len(self.commits) == 1 and self.restart:  # for bench/ft.py: when a restarted group trained again
+                with open(os.path.join(self.args.out, f"first_commit_{self.restart}.json"), "w") as file:
+                    json.dump({"time": self.commits[0][0]}, file)
         if self._told("kill_between", 0) and trainer.global_step == self.args.kill_between:
-            self._die()
+            self._die(trainer.global_step)
         self._stop_once_rejoined(trainer)
 
     def _stop_once_rejoined(self, trainer: ember.Trainer) -> None:
@@ -86,9 +89,10 @@ class Record(Callback):
     def _told(self, name: str, restart: int) -> bool:
         return getattr(self.args, name) >= 0 and ember_group() == 1 and self.restart == restart
 
-    def _die(self) -> None:
+    def _die(self, step: int) -> None:
+        """SIGKILL this process; ``step``: the global step it committed last."""
         with open(os.path.join(self.args.out, f"killed_{self.restart}.json"), "w") as file:
-            json.dump({"time": time.time()}, file)
+            json.dump({"time": time.time(), "step": step}, file)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
