@@ -1070,7 +1070,8 @@ def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() ->
         def on_validation_batch_start(self, trainer: ember.Trainer, module: Any, *args: Any) -> None:
             seen.append((trainer.state.fn, trainer.state.stage))
 
-    trainer = quiet_trainer(max_epochs=1, limit_val_batches=1, num_sanity_val_steps=1, logger=False, callbacks=[Watch()])
+    flags: dict[str, Any] = dict(max_epochs=1, limit_val_batches=1, num_sanity_val_steps=1, logger=False)
+    trainer = quiet_trainer(callbacks=[Watch()], **flags)
     assert trainer.state.status == TrainerStatus.INITIALIZING and trainer.state.stage is None
     trainer.fit(Regressor(), make_loader(16), make_loader(16))
     assert seen[0] == ("fit", "sanity_check") and {("fit", "train"), ("fit", "validate")} <= set(seen)
