@@ -462,6 +462,7 @@ class _TwoRanks:
 
     def __init__(self, rank: int) -> None:
         self.distributed_sampler_kwargs = {"num_replicas": 2, "rank": rank}
+        self.training_sampler_kwargs = self.distributed_sampler_kwargs
         self.root_device = torch.device("cpu")
         self.global_rank = rank
 
