@@ -1,0 +1,109 @@
+"""The callbacks and the learning-rate finder as Lightning's users know them: public attributes, errors and
+the behaviour Lightning's own callbacks have."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, quiet_trainer
+from torch import nn
+
+from ember.callbacks import Callback, LearningRateMonitor
+from ember.exceptions import MisconfigurationException
+
+
+# --------------------------------------------------------------------------- LearningRateMonitor
+class _Optimizers(Regressor):
+    """Adam without a scheduler, then SGD (momentum 0.9, weight decay 0.01) with one halving it each epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.head = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            optimizer.step()
+
+    def on_train_epoch_end(self) -> None:
+        self.lr_schedulers().step()  # under manual optimization the module steps its schedulers
+
+    def configure_optimizers(self) -> Any:
+        adam = torch.optim.Adam(self.head.parameters(), lr=0.5)
+        sgd = torch.optim.SGD(self.layer.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        return [adam, sgd], [torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)]
+
+
+def test_lr_monitor_keeps_what_it_logged() -> None:
+    monitor = LearningRateMonitor(log_momentum=True, log_weight_decay=True)
+    trainer = quiet_trainer(max_epochs=3, limit_val_batches=0, callbacks=[monitor])
+    trainer.fit(_Optimizers(), make_loader())
+    assert list(monitor.lrs) == ["lr-SGD", "lr-Adam"]  # the scheduled optimizers are named first
+    assert monitor.lrs == {"lr-SGD": [0.1, 0.05, 0.025], "lr-Adam": [0.5, 0.5, 0.5]}
+    assert monitor.last_momentum_values == {"lr-SGD-momentum": 0.9, "lr-Adam-momentum": 0.9}  # Adam's betas[0]
+    assert monitor.last_weight_decay_values == {"lr-SGD-weight_decay": 0.01, "lr-Adam-weight_decay": 0.0}
+    assert LearningRateMonitor().last_momentum_values == {}
+
+
+def test_lr_monitor_logs_zero_momentum_for_an_optimizer_without() -> None:
+    class Plain(Regressor):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+    monitor = LearningRateMonitor(log_momentum=True)
+    trainer = quiet_trainer(max_epochs=1, limit_val_batches=0, callbacks=[monitor])
+    with pytest.warns(RuntimeWarning, match="optimizers do not have momentum"):
+        trainer.fit(Plain(), make_loader())
+    assert monitor.last_momentum_values == {"lr-Adagrad-momentum": 0.0}
+    assert float(trainer.callback_metrics["lr-Adagrad-momentum"]) == 0.0
+
+
+def test_lr_monitor_names_param_groups() -> None:
+    class Named(Regressor):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD([{"params": list(self.parameters()), "name": "linear"}], lr=0.1)
+
+    monitor = LearningRateMonitor()
+    quiet_trainer(max_epochs=1, limit_val_batches=0, callbacks=[monitor]).fit(Named(), make_loader())
+    assert list(monitor.lrs) == ["lr-SGD/linear"]  # a named group keeps its name even when alone
+
+    class SameNames(Regressor):
+        def configure_optimizers(self) -> Any:
+            groups = [{"params": [self.layer.weight], "name": "w"}, {"params": [self.layer.bias], "name": "w"}]
+            return torch.optim.SGD(groups, lr=0.1)
+
+    trainer = quiet_trainer(max_epochs=1, callbacks=[LearningRateMonitor()])
+    with pytest.raises(MisconfigurationException, match="parameter groups with identical names"):
+        trainer.fit(SameNames(), make_loader())
+
+
+def test_lr_monitor_history_continues_when_a_param_group_is_added() -> None:
+    class AddGroup(Callback):
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.current_epoch == 1:
+                trainer.optimizers[0].add_param_group({"params": list(pl_module.head.parameters()), "lr": 0.3})
+
+    class Frozen(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(4, 1)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.layer.parameters(), lr=0.1)
+
+    monitor = LearningRateMonitor()
+    trainer = quiet_trainer(max_epochs=3, limit_val_batches=0, callbacks=[AddGroup(), monitor])
+    trainer.fit(Frozen(), make_loader())
+    assert monitor.lrs == {"lr-SGD/pg1": [0.1, 0.1, 0.1], "lr-SGD/pg2": [0.3, 0.3]}
+
+
+def test_lr_monitor_configuration_errors() -> None:
+    with pytest.raises(MisconfigurationException, match="logging_interval"):
+        LearningRateMonitor(logging_interval="batch")  # type: ignore[arg-type]
+    trainer = quiet_trainer(max_steps=1, logger=False, callbacks=[LearningRateMonitor()])
+    with pytest.raises(MisconfigurationException, match="no logger"):
+        trainer.fit(Regressor(), make_loader())
