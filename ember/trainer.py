@@ -312,8 +312,12 @@ class Trainer:
         return callbacks[0] if callbacks else None
 
     @property
+    def early_stopping_callbacks(self) -> list[EarlyStopping]:
+        return [callback for callback in self.callbacks if isinstance(callback, EarlyStopping)]
+
+    @property
     def early_stopping_callback(self) -> EarlyStopping | None:
-        return next((callback for callback in self.callbacks if isinstance(callback, EarlyStopping)), None)
+        return next(iter(self.early_stopping_callbacks), None)
 
     @property
     def progress_bar_callback(self) -> ProgressBar | None:

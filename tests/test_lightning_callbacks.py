@@ -3,6 +3,7 @@ the behaviour Lightning's own callbacks have."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 from torch import nn
 
-from ember.callbacks import Callback, LearningRateMonitor
+from ember.callbacks import Callback, EarlyStopping, EarlyStoppingReason, LearningRateMonitor
 from ember.exceptions import MisconfigurationException
 
 
@@ -107,3 +108,62 @@ def test_lr_monitor_configuration_errors() -> None:
     trainer = quiet_trainer(max_steps=1, logger=False, callbacks=[LearningRateMonitor()])
     with pytest.raises(MisconfigurationException, match="no logger"):
         trainer.fit(Regressor(), make_loader())
+
+
+# ------------------------------------------------------------------------------ EarlyStopping
+class _Scores(Regressor):
+    """Logs ``score``, one value per validation, from a list."""
+
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("score", self.scores[self.current_epoch])
+
+
+@pytest.mark.parametrize(
+    ("options", "scores", "reason", "words", "epoch"),
+    [
+        ({"patience": 1}, [3.0, 3.0, 3.0], EarlyStoppingReason.PATIENCE_EXHAUSTED, "did not improve", 1),
+        ({"stopping_threshold": 1.5}, [3.0, 1.0, 0.5], EarlyStoppingReason.STOPPING_THRESHOLD, "Stopping threshold", 1),
+        ({"divergence_threshold": 5.0}, [3.0, 9.0, 1.0], EarlyStoppingReason.DIVERGENCE_THRESHOLD, "Divergence", 1),
+        ({}, [3.0, 2.0, math.nan], EarlyStoppingReason.NON_FINITE_METRIC, "is not finite", 2),
+        ({}, [3.0, 2.0, 1.0], EarlyStoppingReason.NOT_STOPPED, None, 0),
+    ],
+)
+def test_early_stopping_says_why_it_stopped(
+    options: dict[str, Any], scores: list[float], reason: EarlyStoppingReason, words: str | None, epoch: int
+) -> None:
+    stopping = EarlyStopping(monitor="score", **options)
+    trainer = quiet_trainer(max_epochs=3, limit_train_batches=2, limit_val_batches=1, callbacks=[stopping])
+    trainer.fit(_Scores(scores), make_loader(), make_loader(16))
+    assert stopping.stopping_reason is reason and stopping.stopped_epoch == epoch
+    if words is None:
+        assert stopping.stopping_reason_message is None
+    else:
+        assert words in str(stopping.stopping_reason_message)
+    assert trainer.early_stopping_callbacks == [stopping] and trainer.early_stopping_callback is stopping
+
+
+def test_early_stopping_reason_is_saved_and_restored() -> None:
+    stopping = EarlyStopping(monitor="score")
+    stopping.stopping_reason, stopping.stopping_reason_message = EarlyStoppingReason.PATIENCE_EXHAUSTED, "why"
+    state = stopping.state_dict()
+    assert state["stopping_reason"] == EarlyStoppingReason.PATIENCE_EXHAUSTED.value  # a plain int
+    restored = EarlyStopping(monitor="score")
+    restored.load_state_dict(state)
+    assert (restored.stopping_reason, restored.stopping_reason_message) == (
+        EarlyStoppingReason.PATIENCE_EXHAUSTED,
+        "why",
+    )
+    older = {"wait_count": 1, "stopped_epoch": 0, "best_score": 0.5, "patience": 3}  # saved before reasons were
+    restored.load_state_dict(older)
+    assert restored.stopping_reason is EarlyStoppingReason.NOT_STOPPED and restored.stopping_reason_message is None
+
+
+def test_early_stopping_configuration_errors() -> None:
+    with pytest.raises(MisconfigurationException, match="`mode` can be 'min' or 'max', got maximum"):
+        EarlyStopping(monitor="score", mode="maximum")  # type: ignore[arg-type]
+    with pytest.raises(MisconfigurationException, match="patience"):
+        EarlyStopping(monitor="score", patience=-1)

@@ -3,7 +3,7 @@
 from ember.callbacks.callback import Callback
 from ember.callbacks.checkpoint import ModelCheckpoint
 from ember.callbacks.device_stats import DeviceStatsMonitor
-from ember.callbacks.early_stopping import EarlyStopping
+from ember.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
 from ember.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from ember.callbacks.lambda_function import LambdaCallback
 from ember.callbacks.lr_monitor import LearningRateMonitor
@@ -22,6 +22,7 @@ __all__ = [
     "Callback",
     "DeviceStatsMonitor",
     "EarlyStopping",
+    "EarlyStoppingReason",
     "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",

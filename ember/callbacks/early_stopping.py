@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ember.callbacks.callback import Callback
+from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.module import Module
     from ember.trainer import Trainer
+
+
+class EarlyStoppingReason(Enum):
+    """Why ``EarlyStopping`` stopped training (``NOT_STOPPED``: it did not, or another process decided to)."""
+
+    NOT_STOPPED = 0
+    STOPPING_THRESHOLD = 1
+    DIVERGENCE_THRESHOLD = 2
+    PATIENCE_EXHAUSTED = 3
+    NON_FINITE_METRIC = 4
 
 
 class EarlyStopping(Callback):
@@ -19,6 +31,8 @@ class EarlyStopping(Callback):
 
     The check runs after each validation, or at the end of each training epoch when the run has
     no validation (or ``check_on_train_epoch_end=True``). Every rank takes the same decision.
+    Once it stops, ``stopping_reason`` says why (an ``EarlyStoppingReason``) and ``stopping_reason_message``
+    says it in words; ``stopped_epoch`` is the epoch it stopped at.
     """
 
     reads_epoch_metrics = True
@@ -37,9 +51,9 @@ class EarlyStopping(Callback):
         verbose: bool = False,
     ) -> None:
         if mode not in ("min", "max"):
-            raise ValueError(f"EarlyStopping(mode={mode!r}): choose 'min' or 'max'")
+            raise MisconfigurationException(f"EarlyStopping: `mode` can be 'min' or 'max', got {mode}")
         if not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"EarlyStopping(patience={patience!r}) must be a non-negative int")
+            raise MisconfigurationException(f"EarlyStopping(patience={patience!r}) must be a non-negative int")
         self.monitor = monitor
         self.min_delta = abs(min_delta)
         self.patience = patience
@@ -53,7 +67,8 @@ class EarlyStopping(Callback):
         self.wait_count = 0
         self.stopped_epoch = 0
         self.best_score = math.inf if mode == "min" else -math.inf
-        self.stopping_reason: str | None = None
+        self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
+        self.stopping_reason_message: str | None = None
 
     @property
     def state_key(self) -> str:
@@ -84,36 +99,44 @@ class EarlyStopping(Callback):
                 )
             return
         score = float(metrics[self.monitor])
-        reason = self._stopping_reason(score)
+        reason, message = self._stopping_reason(score)
         # The same decision on every rank, or some would leave the loop while others wait for them.
-        stop = bool(trainer.strategy.reduce(torch.tensor(float(reason is not None)), "max"))
+        stop = bool(trainer.strategy.reduce(torch.tensor(float(message is not None)), "max"))
         if stop:
             self.stopped_epoch = trainer.current_epoch
-            self.stopping_reason = reason or "another rank decided to stop"
+            self.stopping_reason = reason
+            self.stopping_reason_message = message or "another process decided to stop"
             trainer.should_stop = True
             if self.verbose:
-                trainer.print(f"EarlyStopping: {self.stopping_reason}")
+                trainer.print(f"EarlyStopping: {self.stopping_reason_message}")
 
-    def _stopping_reason(self, score: float) -> str | None:
+    def _stopping_reason(self, score: float) -> tuple[EarlyStoppingReason, str | None]:
+        """Why ``score`` stops training, in words (None: it does not)."""
         better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
+        beyond = "<" if self.mode == "min" else ">"
         if self.check_finite and not math.isfinite(score):
-            return f"{self.monitor} = {score} is not finite"
+            message = f"{self.monitor} = {score} is not finite; the best was {self.best_score:.6g}"
+            return EarlyStoppingReason.NON_FINITE_METRIC, message
         if self.stopping_threshold is not None and better(score, self.stopping_threshold):
-            return f"{self.monitor} = {score:.6g} reached stopping_threshold={self.stopping_threshold}"
+            message = f"Stopping threshold reached: {self.monitor} = {score:.6g} {beyond} {self.stopping_threshold}"
+            return EarlyStoppingReason.STOPPING_THRESHOLD, message
         if self.divergence_threshold is not None and better(self.divergence_threshold, score):
-            return f"{self.monitor} = {score:.6g} is past divergence_threshold={self.divergence_threshold}"
+            worse = ">" if self.mode == "min" else "<"
+            message = f"Divergence threshold reached: {self.monitor} = {score:.6g} {worse} {self.divergence_threshold}"
+            return EarlyStoppingReason.DIVERGENCE_THRESHOLD, message
         margin = -self.min_delta if self.mode == "min" else self.min_delta
         if better(score, self.best_score + margin):
             self.best_score = score
             self.wait_count = 0
-            return None
+            return EarlyStoppingReason.NOT_STOPPED, None
         self.wait_count += 1
         if self.wait_count >= self.patience:
-            return (
+            message = (
                 f"{self.monitor} did not improve by more than {self.min_delta} for {self.wait_count} "
                 f"checks; best {self.best_score:.6g}"
             )
-        return None
+            return EarlyStoppingReason.PATIENCE_EXHAUSTED, message
+        return EarlyStoppingReason.NOT_STOPPED, None
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -121,9 +144,14 @@ class EarlyStopping(Callback):
             "stopped_epoch": self.stopped_epoch,
             "best_score": self.best_score,
             "patience": self.patience,
+            "stopping_reason": self.stopping_reason.value,  # a plain int: checkpoints load with weights_only
+            "stopping_reason_message": self.stopping_reason_message,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.wait_count = state["wait_count"]
         self.stopped_epoch = state["stopped_epoch"]
         self.best_score = state["best_score"]
+        # Checkpoints of earlier releases have no reason.
+        self.stopping_reason = EarlyStoppingReason(state.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value))
+        self.stopping_reason_message = state.get("stopping_reason_message")

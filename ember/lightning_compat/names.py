@@ -181,7 +181,7 @@ PYTORCH: dict[str, Names] = {
     "callbacks": _CALLBACKS,
     "callbacks.callback": {"Callback": "ember.callbacks:Callback"},
     "callbacks.model_checkpoint": {"ModelCheckpoint": "ember.callbacks:ModelCheckpoint"},
-    "callbacks.early_stopping": {"EarlyStopping": "ember.callbacks:EarlyStopping"},
+    "callbacks.early_stopping": {name: f"ember.callbacks:{name}" for name in ("EarlyStopping", "EarlyStoppingReason")},
     "callbacks.lr_monitor": {"LearningRateMonitor": "ember.callbacks:LearningRateMonitor"},
     "callbacks.finetuning": {name: f"ember.callbacks:{name}" for name in ("BaseFinetuning", "BackboneFinetuning")},
     "callbacks.prediction_writer": {"BasePredictionWriter": "ember.callbacks:BasePredictionWriter"},
