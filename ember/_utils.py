@@ -13,6 +13,8 @@ from typing import Any, Generic, TypeVar, overload
 
 import torch
 
+from ember.exceptions import MisconfigurationException
+
 
 class AttributeDict(dict):
     """A ``dict`` whose keys are also attributes: ``hparams.lr`` reads ``hparams["lr"]``."""
@@ -156,19 +158,20 @@ def parse_max_time(value: str | timedelta | Mapping[str, int] | None, flag: str 
         try:
             seconds = timedelta(**value).total_seconds()
         except TypeError as err:
-            raise ValueError(
+            raise MisconfigurationException(
                 f"{flag}={dict(value)!r}: a dict takes timedelta's keys (days, hours, minutes, seconds)"
             ) from err
     elif isinstance(value, str) and (match := _TIME_PATTERN.match(value.strip())):
         days, hours, minutes, secs = (int(part) for part in match.groups())
         seconds = timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
     else:
-        raise ValueError(
-            f"{flag}={value!r}: expected 'DD:HH:MM:SS', a datetime.timedelta or a dict such as {{'hours': 2}}"
+        raise MisconfigurationException(
+            f"{flag}={value!r}: expected 'DD:HH:MM:SS', a datetime.timedelta or a dict such as {{'hours': 2}} (a "
+            "string has the format DD:HH:MM:SS, days included: '00:06:00:00' is six hours)"
         )
-    if seconds <= 0:
-        raise ValueError(f"{flag}={value!r}: the time limit must be positive")
-    return seconds
+    if seconds < 0:
+        raise MisconfigurationException(f"{flag}={value!r}: the time limit must not be negative")
+    return seconds  # 0: training stops before its first step, as Lightning's does
 
 
 def require(package: str, extra: str, needed_by: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import time
 from typing import Any
@@ -86,15 +87,16 @@ class _Slow(Regressor):
         return super().training_step(batch, batch_idx)
 
 
-def test_timer_stops_training_and_reports_stage_times(capsys: pytest.CaptureFixture[str]) -> None:
+def test_timer_stops_training_and_reports_stage_times(caplog: pytest.LogCaptureFixture) -> None:
     timer = Timer(duration={"seconds": 0.3})
     trainer = quiet_trainer(max_epochs=1000, callbacks=[timer], logger=False, enable_checkpointing=False)
-    trainer.fit(_Slow(), make_loader(64), make_loader(16))
+    with caplog.at_level(logging.INFO, logger="ember"):
+        trainer.fit(_Slow(), make_loader(64), make_loader(16))
     assert 0 < trainer.global_step < 60  # 8 steps per epoch, 10 ms each: stopped within the fourth epoch
     assert 0.3 <= timer.time_elapsed("train") < 1.5 and timer.time_remaining("train") <= 0
     assert timer.start_time("validate") is not None and timer.time_elapsed("validate") > 0
     assert timer.time_elapsed("test") == 0 and timer.start_time("test") is None
-    assert "Timer: the time limit of 0.30 s was reached after 0." in capsys.readouterr().out
+    assert "Time limit reached. Elapsed time is 0." in caplog.text and "of 0.30 s." in caplog.text
     trainer.test(Regressor(), make_loader(16), verbose=False)
     assert timer.end_time("test") is not None and timer.end_time("test") >= timer.start_time("test")
 

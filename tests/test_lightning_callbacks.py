@@ -3,7 +3,9 @@ the behaviour Lightning's own callbacks have."""
 
 from __future__ import annotations
 
+import logging
 import math
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 from torch import nn
 
-from ember.callbacks import Callback, EarlyStopping, EarlyStoppingReason, LearningRateMonitor
+from ember.callbacks import Callback, EarlyStopping, EarlyStoppingReason, LearningRateMonitor, Timer
 from ember.exceptions import MisconfigurationException
 
 
@@ -167,3 +169,46 @@ def test_early_stopping_configuration_errors() -> None:
         EarlyStopping(monitor="score", mode="maximum")  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationException, match="patience"):
         EarlyStopping(monitor="score", patience=-1)
+
+
+# -------------------------------------------------------------------------------------- Timer
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_a_zero_duration_stops_training_before_its_first_step(interval: str) -> None:
+    trainer = quiet_trainer(max_epochs=3, callbacks=[Timer(duration=timedelta(0), interval=interval)])  # type: ignore[arg-type]
+    trainer.fit(Regressor(), make_loader())
+    assert (trainer.global_step, trainer.current_epoch) == (0, 0)
+    trainer = quiet_trainer(max_epochs=3, max_time={"seconds": 0})
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.global_step == 0
+
+
+def test_a_spent_timer_still_trains_min_steps_and_min_epochs() -> None:
+    trainer = quiet_trainer(max_epochs=5, min_epochs=2, limit_train_batches=3, callbacks=[Timer(timedelta(0))])
+    trainer.fit(Regressor(), make_loader())
+    assert (trainer.global_step, trainer.current_epoch) == (6, 2)
+
+
+def test_a_timer_resumed_with_its_time_spent_takes_no_step(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=0)
+    trainer.fit(Regressor(), make_loader())
+    path = str(tmp_path / "two-epochs.ckpt")
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["callbacks"] = {Timer().state_key: {"time_elapsed": {"train": 60.0}}}  # a minute spent of one
+    torch.save(checkpoint, path)
+    timer = Timer(duration={"minutes": 1})
+    trainer = quiet_trainer(max_epochs=5, limit_train_batches=3, limit_val_batches=0, callbacks=[timer])
+    with caplog.at_level(logging.INFO, logger="ember"):
+        trainer.fit(Regressor(), make_loader(), ckpt_path=path)
+    assert trainer.global_step == 6 and timer.time_elapsed() >= 60.0
+    assert "Time limit reached." in caplog.text and "Signaling Trainer to stop." in caplog.text
+
+
+def test_timer_configuration_errors() -> None:
+    for duration in ("6:00:00", "60 minutes"):
+        with pytest.raises(MisconfigurationException, match="format DD:HH:MM:SS"):
+            Timer(duration=duration)
+    with pytest.raises(MisconfigurationException, match="Unsupported parameter value"):
+        Timer(interval="batch")  # type: ignore[arg-type]
+    with pytest.raises(MisconfigurationException, match="must not be negative"):
+        Timer(duration=timedelta(seconds=-1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ember._utils import parse_max_time
 from ember.callbacks.callback import Callback
+from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -24,7 +26,8 @@ class Timer(Callback):
     ``duration`` is "DD:HH:MM:SS", a ``timedelta`` or a dict such as ``{"hours": 2}``. With
     ``interval="step"`` training stops after the batch during which time ran out (with several
     processes, within the next ten batches, every rank at the same one), with ``"epoch"`` at the end
-    of that epoch. ``time_elapsed(stage)``,
+    of that epoch; a duration already spent when training starts (zero, or used up by the run this one resumes)
+    stops it before its first step. ``time_elapsed(stage)``,
     ``time_remaining(stage)``, ``start_time(stage)`` and ``end_time(stage)`` (``time.monotonic()``
     values) read the clock for "train", "validate", "test" or "predict". The training time is saved in
     checkpoints, so a resumed run continues the count.
@@ -37,7 +40,9 @@ class Timer(Callback):
         verbose: bool = True,
     ) -> None:
         if interval not in ("step", "epoch"):
-            raise ValueError(f"Timer(interval={interval!r}): choose 'step' or 'epoch'")
+            raise MisconfigurationException(
+                f"Unsupported parameter value Timer(interval={interval!r}): choose 'step' or 'epoch'"
+            )
         self.duration = parse_max_time(duration, flag="Timer(duration)")
         self.interval = interval
         self.verbose = verbose
@@ -61,6 +66,12 @@ class Timer(Callback):
 
     def time_remaining(self, stage: Stage = "train") -> float | None:
         return None if self.duration is None else self.duration - self.time_elapsed(stage)
+
+    @property
+    def spent(self) -> bool:
+        """Whether the duration was all spent before this fit's training began: it is zero, or the run this one
+        resumed used it up. Read from the checkpoint, not the clock, so every rank agrees."""
+        return self.duration is not None and self._offset >= self.duration
 
     @property
     def deadline(self) -> float:
@@ -92,8 +103,10 @@ class Timer(Callback):
         self._finish("train")
         remaining = self.time_remaining("train")
         if self.verbose and remaining is not None and remaining <= 0 and trainer.is_global_zero:
-            print(f"Timer: the time limit of {_readable(self.duration or 0.0)} was reached after "
-                  f"{_readable(self.time_elapsed('train'))} of training")  # fmt: skip
+            logging.getLogger("ember").info(
+                "Time limit reached. Elapsed time is %s of %s. Signaling Trainer to stop.",
+                _readable(self.time_elapsed("train")), _readable(self.duration or 0.0),
+            )  # fmt: skip
 
     def on_validation_start(self, trainer: Trainer, module: Module) -> None:
         self._begin("validate")

@@ -135,11 +135,14 @@ class Stopping:
         return self.stop_signal is not None
 
     def start(self, world_size: int, callbacks: Sequence[Callback]) -> None:
-        """A fit's training starts: no request, no signal yet; its deadline is the earliest ``Timer``'s (the
-        ``Timer`` callbacks start their clocks in ``on_train_start``, which has run)."""
-        self.requested = self._told_about_minimum = False
+        """A fit's training starts: no signal yet, and no request unless a ``Timer`` is already spent; its
+        deadline is the earliest ``Timer``'s (the ``Timer`` callbacks start their clocks in ``on_train_start``,
+        which has run)."""
+        timers = [callback for callback in callbacks if isinstance(callback, Timer)]
+        self.requested = any(timer.spent for timer in timers)
+        self._told_about_minimum = False
         self.stop_signal = self.saved_at = None
-        deadlines = [callback.deadline for callback in callbacks if isinstance(callback, Timer)]
+        deadlines = [timer.deadline for timer in timers]
         self.interruptions.reset(min(deadlines, default=math.inf), world_size)
 
     def may_stop(self, trainer: Trainer) -> bool:
