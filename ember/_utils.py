@@ -140,8 +140,10 @@ def is_overridden(name: str, instance: object, base: type) -> bool:
     """Whether ``instance`` (its class, or the instance itself) defines ``name`` differently from ``base``."""
     if name in getattr(instance, "__dict__", {}):
         return True
-    own = getattr(type(instance), name, None)
-    return own is not None and own is not getattr(base, name, None)
+    # Read through the instance, so that an object that stands in for a subclass (a mock with spec=Callback,
+    # whose attributes are its own) counts as overriding what it has.
+    own = getattr(instance, name, None)
+    return own is not None and getattr(own, "__func__", own) is not getattr(base, name, None)
 
 
 _TIME_PATTERN = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")

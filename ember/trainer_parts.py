@@ -92,7 +92,7 @@ def default_callbacks(config: TrainerConfig) -> list[Callback]:
         raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
     _add_timer(given, config.max_time)
     # Callbacks that read epoch metrics (checkpointing, early stopping) run last, in the given order.
-    return sorted(given, key=lambda callback: callback.reads_epoch_metrics)
+    return sorted(given, key=lambda callback: bool(callback.reads_epoch_metrics))
 
 
 def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
@@ -144,7 +144,7 @@ def with_module_callbacks(callbacks: list[Callback], returned: Callback | Sequen
     replaced = {type(callback) for callback in added}
     kept = [callback for callback in callbacks if type(callback) not in replaced]
     # Callbacks that read epoch metrics (checkpointing, early stopping) run last, as in default_callbacks.
-    return sorted(kept + added, key=lambda callback: callback.reads_epoch_metrics)
+    return sorted(kept + added, key=lambda callback: bool(callback.reads_epoch_metrics))
 
 
 def checked_path(ckpt_path: str | os.PathLike | None) -> str | None:

@@ -7,6 +7,7 @@ import logging
 import math
 from datetime import timedelta
 from typing import Any
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -212,3 +213,21 @@ def test_timer_configuration_errors() -> None:
         Timer(interval="batch")  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationException, match="must not be negative"):
         Timer(duration=timedelta(seconds=-1))
+
+
+# ------------------------------------------------------------------------- callbacks of any kind
+def test_a_mock_standing_in_for_a_callback_gets_the_hooks() -> None:
+    given, returned = Mock(spec=Callback), Mock(spec=Callback)
+
+    class WithCallbacks(Regressor):
+        def configure_callbacks(self) -> Any:
+            return returned
+
+    trainer = quiet_trainer(
+        max_epochs=1, limit_train_batches=2, limit_val_batches=1, enable_checkpointing=False, callbacks=[given]
+    )
+    trainer.fit(WithCallbacks(), make_loader(), make_loader(16))
+    assert trainer.callbacks[-2:] == [given, returned]
+    called = [call[0] for call in given.method_calls if call[0].startswith(("on_", "setup", "teardown"))]
+    assert {"setup", "on_fit_start", "on_train_batch_end", "on_validation_end", "teardown"} <= set(called)
+    assert returned.method_calls == given.method_calls

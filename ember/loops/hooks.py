@@ -132,7 +132,7 @@ class Hooks:
                 functools.partial(self._timed(callback, name), self._trainer, module)
                 for callback in self._callbacks
                 if is_overridden(name, callback, Callback) and callback.has_work_in(name)
-                and epoch_readers in (None, callback.reads_epoch_metrics)
+                and epoch_readers in (None, bool(callback.reads_epoch_metrics))
             ]  # fmt: skip
             self._cache[key] = hooks
         return hooks
