@@ -3,6 +3,7 @@ the behaviour Lightning's own callbacks have."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from datetime import timedelta
@@ -14,7 +15,7 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 from torch import nn
 
-from ember.callbacks import Callback, EarlyStopping, EarlyStoppingReason, LearningRateMonitor, Timer
+from ember.callbacks import Callback, EarlyStopping, EarlyStoppingReason, LambdaCallback, LearningRateMonitor, Timer
 from ember.exceptions import MisconfigurationException
 
 
@@ -231,3 +232,21 @@ def test_a_mock_standing_in_for_a_callback_gets_the_hooks() -> None:
     called = [call[0] for call in given.method_calls if call[0].startswith(("on_", "setup", "teardown"))]
     assert {"setup", "on_fit_start", "on_train_batch_end", "on_validation_end", "teardown"} <= set(called)
     assert returned.method_calls == given.method_calls
+
+
+def test_lambda_callback_takes_every_hook_and_has_work_in() -> None:
+    called: list[str] = []
+
+    def record(name: str, *args: Any) -> None:
+        called.append(name)  # answers None, also as has_work_in: the hooks stay on
+
+    callback = LambdaCallback(**{name: functools.partial(record, name) for name in ("has_work_in", "on_train_end")})
+    quiet_trainer(max_epochs=1, limit_train_batches=1, callbacks=[callback]).fit(Regressor(), make_loader())
+    assert called == ["has_work_in", "on_train_end"]
+
+    off = LambdaCallback(has_work_in=lambda hook: hook != "on_train_end", on_train_end=functools.partial(record, "off"))
+    quiet_trainer(max_epochs=1, limit_train_batches=1, callbacks=[off]).fit(Regressor(), make_loader())
+    assert "off" not in called
+    for name in ("state_dict", "state_key", "reads_epoch_metrics", "on_epoch_end"):
+        with pytest.raises(MisconfigurationException, match="is not a hook of Callback"):
+            LambdaCallback(**{name: print})
