@@ -15,7 +15,16 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 from torch import nn
 
-from ember.callbacks import Callback, EarlyStopping, EarlyStoppingReason, LambdaCallback, LearningRateMonitor, Timer
+from ember.callbacks import (
+    BaseFinetuning,
+    BasePredictionWriter,
+    Callback,
+    EarlyStopping,
+    EarlyStoppingReason,
+    LambdaCallback,
+    LearningRateMonitor,
+    Timer,
+)
 from ember.exceptions import MisconfigurationException
 
 
@@ -250,3 +259,17 @@ def test_lambda_callback_takes_every_hook_and_has_work_in() -> None:
     for name in ("state_dict", "state_key", "reads_epoch_metrics", "on_epoch_end"):
         with pytest.raises(MisconfigurationException, match="is not a hook of Callback"):
             LambdaCallback(**{name: print})
+
+
+# ------------------------------------------------------------------- finetuning, prediction writer
+def test_adding_parameters_the_optimizer_holds_warns() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="already belong to a group.*Did you init your optimizer in"):
+        BaseFinetuning.unfreeze_and_add_param_group(model, optimizer)
+    assert [len(group["params"]) for group in optimizer.param_groups] == [2, 2]  # only the second layer's joined
+
+
+def test_prediction_writer_refuses_an_unknown_interval() -> None:
+    with pytest.raises(MisconfigurationException, match=r"`write_interval` should be one of \['batch', 'epoch'"):
+        BasePredictionWriter("step")  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ember.callbacks.callback import Callback
-from ember.rank_zero import rank_zero_print
+from ember.rank_zero import rank_zero_print, rank_zero_warn
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -87,9 +87,18 @@ class BaseFinetuning(Callback):
 
     @staticmethod
     def filter_on_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-        """The parameters of ``params`` that ``optimizer`` does not hold yet."""
+        """The parameters of ``params`` that ``optimizer`` does not hold yet (with a warning if it holds some)."""
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return [p for p in params if id(p) not in held]
+        params = list(params)
+        new = [p for p in params if id(p) not in held]
+        if len(new) < len(params):
+            rank_zero_warn(
+                f"The provided params to be frozen already belong to a group of this {type(optimizer).__name__}: "
+                f"{len(params) - len(new)} of them are skipped. Did you init your optimizer in configure_optimizers() "
+                "with every parameter? Build it from filter(lambda p: p.requires_grad, self.parameters()), so that "
+                "the frozen ones join it when they are unfrozen."
+            )
+        return new
 
     @staticmethod
     def unfreeze_and_add_param_group(

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ember.callbacks.callback import Callback
+from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -22,7 +23,9 @@ class BasePredictionWriter(Callback):
 
     def __init__(self, write_interval: Literal["batch", "epoch", "batch_and_epoch"] = "batch") -> None:
         if write_interval not in _INTERVALS:
-            raise ValueError(f"BasePredictionWriter(write_interval={write_interval!r}): choose one of {_INTERVALS}")
+            raise MisconfigurationException(
+                f"BasePredictionWriter: `write_interval` should be one of {list(_INTERVALS)}, got {write_interval!r}"
+            )
         self.write_interval = write_interval
 
     @property
