@@ -15,6 +15,7 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 from torch import nn
 
+import ember
 from ember.callbacks import (
     BaseFinetuning,
     BasePredictionWriter,
@@ -26,6 +27,7 @@ from ember.callbacks import (
     Timer,
 )
 from ember.exceptions import MisconfigurationException
+from ember.tuner import LearningRateFinder, Tuner
 
 
 # --------------------------------------------------------------------------- LearningRateMonitor
@@ -273,3 +275,103 @@ def test_adding_parameters_the_optimizer_holds_warns() -> None:
 def test_prediction_writer_refuses_an_unknown_interval() -> None:
     with pytest.raises(MisconfigurationException, match=r"`write_interval` should be one of \['batch', 'epoch'"):
         BasePredictionWriter("step")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- learning-rate finder
+class _Rates(ember.Module):
+    """Keeps its learning rate in ``rate``, reads its data from the random generators when its loader is built,
+    and counts its training steps."""
+
+    def __init__(self, rate: float = 0.05) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.rate = rate
+        self.steps = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.steps += 1
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.rate)
+
+    def train_dataloader(self) -> Any:
+        x = torch.randn(64, 4)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def test_lr_find_updates_the_attribute_it_is_told() -> None:
+    model = _Rates()
+    finder = Tuner(quiet_trainer()).lr_find(model, min_lr=1e-4, max_lr=1.0, num_training=40, attr_name="rate")
+    assert finder is not None and finder.suggested_lr is not None and model.rate == finder.suggested_lr
+
+    unnamed = _Rates()
+    with pytest.raises(AttributeError, match="should have one of these fields: lr, learning_rate"):
+        Tuner(quiet_trainer()).lr_find(unnamed)
+    assert unnamed.steps == 0  # refused before any step
+    with pytest.raises(AttributeError, match="should have one of these fields: speed"):
+        Tuner(quiet_trainer()).lr_find(unnamed, attr_name="speed")
+    assert Tuner(quiet_trainer()).lr_find(unnamed, update_attr=False) is not None
+
+
+def test_lr_find_sweeps_what_it_is_given() -> None:
+    model = _Rates()
+    one = Tuner(quiet_trainer()).lr_find(model, num_training=1, attr_name="rate")
+    assert one is not None and one.results["lr"] == [1e-8] and one.suggested_lr is None and model.rate == 0.05
+    down = Tuner(quiet_trainer()).lr_find(
+        model, min_lr=1.0, max_lr=1e-3, num_training=4, early_stop_threshold=None, update_attr=False
+    )
+    assert down is not None and down.results["lr"] == pytest.approx([1.0, 0.1, 0.01, 0.001])
+
+
+def test_lr_find_records_a_skipped_step_as_nan() -> None:
+    class Skipping(_Rates):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return None if batch_idx in (3, 14) else super().training_step(batch, batch_idx)
+
+    finder = Tuner(quiet_trainer()).lr_find(Skipping(), num_training=30, early_stop_threshold=None, attr_name="rate")
+    assert finder is not None and len(finder.results["loss"]) == 30
+    assert [i for i, loss in enumerate(finder.results["loss"]) if math.isnan(loss)] == [3, 14]
+    assert finder.suggested_lr is not None and math.isfinite(finder.suggested_lr)
+
+
+def test_lr_find_leaves_the_random_generators_as_they_were() -> None:
+    torch.manual_seed(3)
+    trainer = quiet_trainer()
+    model = _Rates()
+    first, second = (Tuner(trainer).lr_find(model, num_training=20, update_attr=False) for _ in range(2))
+    assert first is not None and second is not None and first.results == second.results
+    after = torch.rand(1)
+    torch.manual_seed(3)
+    _Rates()
+    assert torch.equal(after, torch.rand(1))
+
+
+def test_lr_find_refusals() -> None:
+    with pytest.warns(UserWarning, match="Skipping learning rate finder"):
+        assert Tuner(quiet_trainer(fast_dev_run=True)).lr_find(_Rates(), attr_name="rate") is None
+
+    class Manual(_Rates):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(MisconfigurationException, match="only works with single optimizer"):
+        Tuner(quiet_trainer()).lr_find(Manual(), attr_name="rate")
+
+
+def test_learning_rate_finder_callback_trains_at_the_suggestion() -> None:
+    finder = LearningRateFinder(num_training_steps=30, attr_name="rate")
+    rates: list[float] = []
+
+    class Watch(Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    model = _Rates()
+    trainer = quiet_trainer(max_epochs=1, limit_val_batches=0, callbacks=[finder, Watch()])
+    trainer.fit(model, make_loader())
+    assert finder.optimal_lr is not None and finder.optimal_lr.suggested_lr is not None
+    assert rates == [finder.optimal_lr.suggested_lr] and model.rate == finder.optimal_lr.suggested_lr
+    assert trainer.global_step == 8 and model.steps == 30 + 8  # the sweep's steps are not training's

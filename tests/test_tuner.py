@@ -112,8 +112,8 @@ def test_tuner_errors_name_what_is_missing() -> None:
         Tuner(quiet_trainer()).scale_batch_size(NoSize())
     with pytest.raises(ValueError, match="mode='triple'"):
         Tuner(quiet_trainer()).scale_batch_size(_Sized(), mode="triple")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"min_lr=1.0, max_lr=0.1"):
-        Tuner(quiet_trainer()).lr_find(_Sized(), min_lr=1.0, max_lr=0.1)
+    with pytest.raises(ValueError, match=r"min_lr=0.0, max_lr=0.1\): both must be positive"):
+        Tuner(quiet_trainer()).lr_find(_Sized(), min_lr=0.0, max_lr=0.1)
     with pytest.raises(torch.OutOfMemoryError, match="even batch_size=1 does not fit"):
         Tuner(quiet_trainer()).scale_batch_size(_Sized(limit=0))
 

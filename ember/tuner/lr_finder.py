@@ -20,11 +20,15 @@ class LRFinder:
         self._average = 0.0
         self._best = math.inf
 
-    def add(self, lr: float, loss: float) -> None:
+    def add(self, lr: float, loss: float | None) -> None:
+        """Record a step's loss; None (the step was skipped) is recorded as NaN, outside the average."""
         count = len(self.results["lr"]) + 1
+        self.results["lr"].append(lr)
+        if loss is None:
+            self.results["loss"].append(math.nan)
+            return
         self._average = self.SMOOTHING * self._average + (1 - self.SMOOTHING) * loss
         smoothed = self._average / (1 - self.SMOOTHING**count)  # the average without its zero start's bias
-        self.results["lr"].append(lr)
         self.results["loss"].append(smoothed)
         self._best = min(self._best, smoothed)
 
@@ -34,11 +38,13 @@ class LRFinder:
         return not math.isfinite(last) or last > threshold * self._best
 
     def suggestion(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
-        """The learning rate where the smoothed loss falls fastest (None if the sweep is too short)."""
-        lrs = self.results["lr"][skip_begin : len(self.results["lr"]) - skip_end]
-        losses = self.results["loss"][skip_begin : len(self.results["loss"]) - skip_end]
-        if len(losses) < 3:
+        """The learning rate where the smoothed loss falls fastest (None if the sweep has too few finite losses)."""
+        end = len(self.results["lr"]) - skip_end
+        points = zip(self.results["lr"][skip_begin:end], self.results["loss"][skip_begin:end])
+        finite = [(lr, loss) for lr, loss in points if math.isfinite(loss)]  # skipped steps' losses are NaN
+        if len(finite) < 3:
             return None
+        lrs, losses = [lr for lr, _ in finite], [loss for _, loss in finite]
         scale = (lambda lr: math.log10(lr)) if self.mode == "exponential" else (lambda lr: lr)
         slopes = [
             (losses[i + 1] - losses[i - 1]) / (scale(lrs[i + 1]) - scale(lrs[i - 1])) for i in range(1, len(losses) - 1)

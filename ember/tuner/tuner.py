@@ -20,10 +20,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ember.exceptions import MisconfigurationException
 from ember.loops import StepRunner
 from ember.loops.hooks import Hooks
 from ember.module import DataModule, Module
 from ember.optim import parse_optimizers
+from ember.rank_zero import rank_zero_warn
+from ember.seed import random_state, set_random_state
 from ember.tuner.lr_finder import LRFinder
 
 if TYPE_CHECKING:
@@ -122,57 +125,86 @@ class Tuner:
         mode: Literal["exponential", "linear"] = "exponential",
         early_stop_threshold: float | None = 4.0,
         update_attr: bool = True,
-    ) -> LRFinder:
+        attr_name: str = "",
+    ) -> LRFinder | None:
         """Train ``num_training`` steps with the learning rate rising from ``min_lr`` to ``max_lr``.
 
         Returns the loss curve with a suggested learning rate (where the loss falls fastest); stops
         early once the loss exceeds ``early_stop_threshold`` times its best. ``update_attr`` sets the
-        suggestion as the module's ``lr`` / ``learning_rate`` (attribute or hyperparameter).
+        suggestion as the module's ``lr`` / ``learning_rate`` (attribute or hyperparameter), or as the
+        one ``attr_name`` names. Under ``fast_dev_run`` nothing runs: a warning, and None.
         """
-        _check_lr_find(mode, min_lr, max_lr, num_training)
-        _join_processes(self.trainer)
-
-        def lr_at(step: int) -> float:
-            fraction = step / (num_training - 1)
-            if mode == "exponential":
-                return min_lr * (max_lr / min_lr) ** fraction
-            return min_lr + (max_lr - min_lr) * fraction
-
-        finder = LRFinder(mode=mode, min_lr=min_lr, max_lr=max_lr)
-        trials = _Trials(self.trainer, model, datamodule, num_training, max_memory=None)
-        display = _display(self.trainer, "lr_find", num_training)
-
-        def record(step: int, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None) -> bool:
-            if loss is None:
-                return True
-            finder.add(lr_at(step), float(loss.detach()))  # the sweep reads every loss: it stops once they diverge
-            _show_step(display, step + 1, finder)
-            if step + 1 < num_training:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(step + 1)
-            stop = early_stop_threshold is not None and finder.diverged(early_stop_threshold)
-            return not stop
-
-        def start(optimizer: torch.optim.Optimizer) -> None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(0)
-
-        try:
-            trials.run(on_start=start, after_step=record)
-        finally:
-            if display is not None:
-                display.draw(_last_point(finder), [], final=True)
-        suggestion = self.trainer.strategy.broadcast(finder.suggestion())
-        finder.suggested_lr = suggestion
-        steps = len(finder.results["lr"])
-        self.trainer.print(
-            f"lr_find: suggested lr={suggestion:.3g} ({steps} steps)" if suggestion is not None
-            else f"lr_find: no suggestion: {steps} steps are too few to find where the loss falls fastest"
+        return find_lr(
+            self.trainer, model, datamodule=datamodule, min_lr=min_lr, max_lr=max_lr, num_training=num_training,
+            mode=mode, early_stop_threshold=early_stop_threshold, update_attr=update_attr, attr_name=attr_name,
         )  # fmt: skip
-        if update_attr and suggestion is not None:
-            owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
-            _set(owner, next(name for name in _LR_ATTRIBUTES if _has(owner, name)), suggestion)
-        return finder
+
+
+def find_lr(
+    trainer: Trainer,
+    module: Module,
+    *,
+    datamodule: DataModule | None = None,
+    loader: Iterable | None = None,
+    min_lr: float,
+    max_lr: float,
+    num_training: int,
+    mode: Literal["exponential", "linear"],
+    early_stop_threshold: float | None,
+    update_attr: bool,
+    attr_name: str,
+) -> LRFinder | None:
+    """The learning-rate sweep of ``Tuner.lr_find`` and of the ``LearningRateFinder`` callback. Outside ``fit`` the
+    trials attach the module and read its (or the datamodule's) ``train_dataloader()``; inside, ``loader`` is
+    fit's training loader."""
+    check_lr_find(mode, min_lr, max_lr, num_training)
+    if trainer.fast_dev_run:
+        rank_zero_warn("Skipping learning rate finder: fast_dev_run runs a few batches only, too few for a sweep")
+        return None
+    attribute = _lr_attribute(module, attr_name) if update_attr else None  # missing: fail before any step
+    if loader is None:
+        _join_processes(trainer)
+
+    def lr_at(step: int) -> float:
+        fraction = step / max(num_training - 1, 1)
+        if mode == "exponential":
+            return min_lr * (max_lr / min_lr) ** fraction
+        return min_lr + (max_lr - min_lr) * fraction
+
+    finder = LRFinder(mode=mode, min_lr=min_lr, max_lr=max_lr)
+    trials = _Trials(trainer, module, datamodule, num_training, max_memory=None, loader=loader)
+    display = _display(trainer, "lr_find", num_training)
+
+    def record(step: int, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None) -> bool:
+        # The sweep reads every loss (a skipped step's is NaN): it stops once they diverge.
+        finder.add(lr_at(step), None if loss is None else float(loss.detach()))
+        _show_step(display, step + 1, finder)
+        if step + 1 < num_training:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step + 1)
+        diverged = early_stop_threshold is not None and loss is not None and finder.diverged(early_stop_threshold)
+        # Rank zero's loss decides for every rank: inside fit, the steps of the ranks meet in collectives.
+        return not trainer.strategy.broadcast(diverged)
+
+    def start(optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(0)
+
+    try:
+        trials.run(on_start=start, after_step=record)
+    finally:
+        if display is not None:
+            display.draw(_last_point(finder), [], final=True)
+    suggestion = trainer.strategy.broadcast(finder.suggestion())
+    finder.suggested_lr = suggestion
+    steps = len(finder.results["lr"])
+    trainer.print(
+        f"lr_find: suggested lr={suggestion:.3g} ({steps} steps)" if suggestion is not None
+        else f"lr_find: no suggestion: {steps} steps are too few to find where the loss falls fastest"
+    )  # fmt: skip
+    if attribute is not None and suggestion is not None:
+        _set(module, attribute, suggestion)
+    return finder
 
 
 def _join_processes(trainer: Trainer) -> None:
@@ -186,20 +218,31 @@ class _Trials:
     """Short runs of training steps on this rank's device, with the module's weights put back after each."""
 
     def __init__(
-        self, trainer: Trainer, module: Module, datamodule: DataModule | None, steps: int, max_memory: int | None
+        self,
+        trainer: Trainer,
+        module: Module,
+        datamodule: DataModule | None,
+        steps: int,
+        max_memory: int | None,
+        loader: Iterable | None = None,
     ) -> None:
         if not module.automatic_optimization:
-            raise ValueError("the tuner runs automatic optimization steps, but the module steps its optimizers itself")
+            raise MisconfigurationException(
+                "the tuner only works with single optimizer automatic optimization, but the module steps its "
+                "optimizers itself (automatic_optimization=False)"
+            )
         self.trainer, self.module, self.datamodule = trainer, module, datamodule
         self.steps, self.max_memory = steps, max_memory
+        self.loader = loader  # fit's, when the trials run inside it (fit has attached everything then)
         self.dataset_size = math.inf
-        # Attached as fit attaches them: the module's configure_optimizers may read the Trainer (its
-        # estimated_stepping_batches counts the module's or the datamodule's train loader).
-        module.trainer = trainer
-        trainer.lightning_module, trainer.datamodule = module, datamodule
+        if loader is None:
+            # Attached as fit attaches them: the module's configure_optimizers may read the Trainer (its
+            # estimated_stepping_batches counts the module's or the datamodule's train loader).
+            module.trainer = trainer
+            trainer.lightning_module, trainer.datamodule = module, datamodule
         # Fit's steps, without its callbacks, schedulers and clipping; the module's own step hooks run as in fit.
         self.hooks = Hooks(trainer, module, [], datamodule)
-        if datamodule is not None:
+        if datamodule is not None and loader is None:
             datamodule.trainer = trainer
             self.hooks.call_datamodule("setup", "fit")
 
@@ -230,14 +273,25 @@ class _Trials:
         on_start: Callable[[torch.optim.Optimizer], None] | None = None,
         after_step: Callable[[int, torch.optim.Optimizer, torch.Tensor | None], bool] | None = None,
     ) -> None:
+        with _random_state_kept():
+            self._run(on_start, after_step)
+
+    def _run(
+        self,
+        on_start: Callable[[torch.optim.Optimizer], None] | None,
+        after_step: Callable[[int, torch.optim.Optimizer, torch.Tensor | None], bool] | None,
+    ) -> None:
         module, strategy, hooks = self.module, self.trainer.strategy, self.hooks
-        loader = _train_loader(hooks)
+        loader = self.loader if self.loader is not None else _train_loader(hooks)
         self.dataset_size = len(getattr(loader, "dataset", ())) or math.inf
         strategy.setup_module(module, training=False)
         weights = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
         optimizers, _ = parse_optimizers(hooks.call_module("configure_optimizers"))
         if len(optimizers) != 1:
-            raise ValueError(f"the tuner steps one optimizer; configure_optimizers() returned {len(optimizers)}")
+            raise MisconfigurationException(
+                f"the tuner only works with single optimizer training: configure_optimizers() returned "
+                f"{len(optimizers)}"
+            )
         optimizer = optimizers[0]
         runner = StepRunner(strategy, module, optimizers, hooks=hooks.step_hooks(),
                             before_step_hooks=hooks.implementations("on_before_optimizer_step"))  # fmt: skip
@@ -275,13 +329,26 @@ def _last_point(finder: LRFinder) -> list[str]:
     return [f"lr={results['lr'][-1]:.2e}", f"loss={results['loss'][-1]:.4g}"] if results["lr"] else []
 
 
-def _check_lr_find(mode: str, min_lr: float, max_lr: float, num_training: int) -> None:
+def check_lr_find(mode: str, min_lr: float, max_lr: float, num_training: int) -> None:
+    """Refuse a sweep that cannot run (a ``min_lr`` above ``max_lr`` sweeps downwards, as Lightning's does)."""
     if mode not in ("exponential", "linear"):
-        raise ValueError(f"lr_find(mode={mode!r}): choose 'exponential' or 'linear'")
-    if not 0 < min_lr < max_lr:
-        raise ValueError(f"lr_find(min_lr={min_lr}, max_lr={max_lr}): need 0 < min_lr < max_lr")
-    if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 2:
-        raise ValueError(f"lr_find(num_training={num_training!r}) must be an int >= 2")
+        raise MisconfigurationException(f"lr_find(mode={mode!r}): choose 'exponential' or 'linear'")
+    if not (min_lr > 0 and max_lr > 0):
+        raise MisconfigurationException(f"lr_find(min_lr={min_lr}, max_lr={max_lr}): both must be positive")
+    if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 1:
+        raise MisconfigurationException(f"lr_find(num_training={num_training!r}) must be a positive int")
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """The block may draw random numbers (a loader that makes its data, dropout) that training would draw
+    otherwise: the generators are put back as they were, so that trials change neither the run that follows
+    nor the next trial."""
+    state = random_state()
+    try:
+        yield
+    finally:
+        set_random_state(state)
 
 
 def _endless(loader: Iterable) -> Iterator[Any]:
@@ -378,6 +445,20 @@ def _set(owner: Any, name: str, value: Any) -> None:
         hparams[name] = value
     if hasattr(owner, name) and not isinstance(getattr(type(owner), name, None), property):
         setattr(owner, name, value)
+
+
+def _lr_attribute(module: Module, attr_name: str) -> str:
+    """The module's attribute or hyperparameter that holds its learning rate: ``attr_name``, else ``lr`` or
+    ``learning_rate``."""
+    names = (attr_name,) if attr_name else _LR_ATTRIBUTES
+    found = next((name for name in names if _has(module, name)), None)
+    if found is None:
+        raise AttributeError(
+            f"lr_find(update_attr=True): the module should have one of these fields: {', '.join(names)} (an "
+            "attribute, or a hyperparameter that self.save_hyperparameters() records) that configure_optimizers() "
+            "reads; name another with attr_name=..., or pass update_attr=False"
+        )
+    return found
 
 
 def _attribute_owner(names: str | tuple[str, ...], module: Module, datamodule: DataModule | None, what: str) -> Any:
