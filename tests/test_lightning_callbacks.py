@@ -375,3 +375,13 @@ def test_learning_rate_finder_callback_trains_at_the_suggestion() -> None:
     assert finder.optimal_lr is not None and finder.optimal_lr.suggested_lr is not None
     assert rates == [finder.optimal_lr.suggested_lr] and model.rate == finder.optimal_lr.suggested_lr
     assert trainer.global_step == 8 and model.steps == 30 + 8  # the sweep's steps are not training's
+
+
+def test_hooks_take_lightning_keywords() -> None:
+    trainer, model = quiet_trainer(), Regressor()
+    Callback().setup(trainer=trainer, pl_module=model, stage="fit")
+    timer = Timer()
+    timer.on_train_start(trainer=trainer, pl_module=model)
+    assert timer.start_time() is not None
+    monitor = LearningRateMonitor()
+    monitor.on_train_epoch_start(trainer=trainer, pl_module=model)

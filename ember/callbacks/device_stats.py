@@ -31,11 +31,11 @@ class DeviceStatsMonitor(Callback):
             raise ValueError(f"DeviceStatsMonitor(cpu_stats={cpu_stats!r}): choose None, True or False")
         self.cpu_stats = cpu_stats
 
-    def on_train_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
         if not trainer.loggers:
             raise ValueError("DeviceStatsMonitor needs a logger; the Trainer was built with logger=False")
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if at_logging_step(trainer):
             stats = self.stats(trainer.strategy.root_device)
             trainer.run_metrics.write(stats, trainer.global_step, trainer.current_epoch)

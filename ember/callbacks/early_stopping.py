@@ -74,11 +74,11 @@ class EarlyStopping(Callback):
     def state_key(self) -> str:
         return f"EarlyStopping{{monitor={self.monitor!r}, mode={self.mode!r}}}"
 
-    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         if self._checks_on_train_epoch_end(trainer):
             self._check(trainer)
 
-    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: Module) -> None:
         if trainer.stage == "fit" and not trainer.sanity_checking and not self._checks_on_train_epoch_end(trainer):
             self._check(trainer)
 

@@ -22,25 +22,25 @@ Modules = nn.Module | Iterable[Any]  # a module, or (nested) iterables of module
 class BaseFinetuning(Callback):
     """Freeze parts of the module before training and unfreeze them on a schedule of your own.
 
-    Subclass it and define ``freeze_before_training(module)`` (called when a stage is set up, before the
+    Subclass it and define ``freeze_before_training(pl_module)`` (called when a stage is set up, before the
     optimizers are built: build them from ``filter(lambda p: p.requires_grad, self.parameters())``) and
-    ``finetune_function(module, epoch, optimizer)`` (called with each optimizer when each training epoch
+    ``finetune_function(pl_module, epoch, optimizer)`` (called with each optimizer when each training epoch
     starts; ``unfreeze_and_add_param_group`` gives an unfrozen part its own parameter group). Resuming a run
     whose callback added parameter groups is not supported: such a run starts its schedule afresh.
     """
 
-    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
-        self.freeze_before_training(module)
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        self.freeze_before_training(pl_module)
 
-    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         for optimizer in trainer.optimizers:
-            self.finetune_function(module, trainer.current_epoch, optimizer)
+            self.finetune_function(pl_module, trainer.current_epoch, optimizer)
 
-    def freeze_before_training(self, module: Module) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must define freeze_before_training(module)")
+    def freeze_before_training(self, pl_module: Module) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define freeze_before_training(pl_module)")
 
-    def finetune_function(self, module: Module, epoch: int, optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must define finetune_function(module, epoch, optimizer)")
+    def finetune_function(self, pl_module: Module, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define finetune_function(pl_module, epoch, optimizer)")
 
     # ---------------------------------------------------------------------------- helpers
     @staticmethod
@@ -151,21 +151,21 @@ class BackboneFinetuning(BaseFinetuning):
         self.rounding = rounding
         self.previous_backbone_lr: float | None = None
 
-    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
-        if not isinstance(getattr(module, "backbone", None), nn.Module):
-            raise AttributeError(f"BackboneFinetuning needs {type(module).__name__}.backbone, an nn.Module")
-        super().setup(trainer, module, stage)
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        if not isinstance(getattr(pl_module, "backbone", None), nn.Module):
+            raise AttributeError(f"BackboneFinetuning needs {type(pl_module).__name__}.backbone, an nn.Module")
+        super().setup(trainer, pl_module, stage)
 
-    def freeze_before_training(self, module: Module) -> None:
-        self.freeze(module.backbone)
+    def freeze_before_training(self, pl_module: Module) -> None:
+        self.freeze(pl_module.backbone)
 
-    def finetune_function(self, module: Module, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+    def finetune_function(self, pl_module: Module, epoch: int, optimizer: torch.optim.Optimizer) -> None:
         current_lr = optimizer.param_groups[0]["lr"]
         if epoch == self.unfreeze_backbone_at_epoch:
             lr = self.backbone_initial_lr
             self.previous_backbone_lr = current_lr * self.backbone_initial_ratio_lr if lr is None else lr
             self.unfreeze_and_add_param_group(
-                module.backbone, optimizer, self.previous_backbone_lr,
+                pl_module.backbone, optimizer, self.previous_backbone_lr,
                 initial_denom_lr=self.initial_denom_lr, train_bn=self.train_bn,
             )  # fmt: skip
         elif epoch > self.unfreeze_backbone_at_epoch and self.previous_backbone_lr is not None:

@@ -48,7 +48,7 @@ class LearningRateMonitor(Callback):
         self.last_momentum_values: dict[str, float | None] = {}
         self.last_weight_decay_values: dict[str, float | None] = {}
 
-    def on_train_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
         if not trainer.loggers:
             raise MisconfigurationException(
                 "LearningRateMonitor needs a logger; it cannot log with a `Trainer` that has no logger (logger=False)"
@@ -66,11 +66,11 @@ class LearningRateMonitor(Callback):
         self.last_momentum_values = {f"{name}-momentum": None for name in names}
         self.last_weight_decay_values = {f"{name}-weight_decay": None for name in names}
 
-    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         if self.logging_interval != "step":
             self._log(trainer, "epoch" if self.logging_interval is None else None, trainer.fit_loop.logging_step)
 
-    def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int) -> None:
         loop = trainer.fit_loop
         if self.logging_interval == "epoch" or loop.progress.window_batches:
             return  # once per optimizer step, when its first micro-batch starts

@@ -27,9 +27,9 @@ class ModelSummary(Callback):
             raise ValueError(f"ModelSummary(max_depth={max_depth!r}): expected -1 (every layer), 0 or a positive int")
         self.max_depth = max_depth
 
-    def on_fit_start(self, trainer: Trainer, module: Module) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None:
         if trainer.is_global_zero:
-            print(summarize(module, self.max_depth))
+            print(summarize(pl_module, self.max_depth))
 
 
 def summarize(model: nn.Module, max_depth: int = 1) -> str:

@@ -33,27 +33,27 @@ class BasePredictionWriter(Callback):
         return self.write_interval != "batch"
 
     def write_on_batch_end(
-        self, trainer: Trainer, module: Module, prediction: Any, batch_indices: Sequence[int] | None, batch: Any,
+        self, trainer: Trainer, pl_module: Module, prediction: Any, batch_indices: Sequence[int] | None, batch: Any,
         batch_idx: int, dataloader_idx: int,
     ) -> None:  # fmt: skip
         """Write one batch's ``prediction``; ``batch_indices`` are its samples' indices in the dataset."""
         raise NotImplementedError(f"{type(self).__name__} must define write_on_batch_end for write_interval='batch'")
 
     def write_on_epoch_end(
-        self, trainer: Trainer, module: Module, predictions: Sequence[Any], batch_indices: Sequence[Any]
+        self, trainer: Trainer, pl_module: Module, predictions: Sequence[Any], batch_indices: Sequence[Any]
     ) -> None:
         """Write every prediction (a list per loader when there are several); ``batch_indices`` holds, per
         loader, each batch's sample indices."""
         raise NotImplementedError(f"{type(self).__name__} must define write_on_epoch_end for write_interval='epoch'")
 
     def on_predict_batch_end(
-        self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if self.write_interval != "epoch":
             indices = trainer.predict_loop.current_batch_indices
-            self.write_on_batch_end(trainer, module, outputs, indices, batch, batch_idx, dataloader_idx)
+            self.write_on_batch_end(trainer, pl_module, outputs, indices, batch, batch_idx, dataloader_idx)
 
-    def on_predict_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_predict_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         if self.write_interval != "batch":
             loop = trainer.predict_loop
-            self.write_on_epoch_end(trainer, module, loop.predictions, loop.epoch_batch_indices)
+            self.write_on_epoch_end(trainer, pl_module, loop.predictions, loop.epoch_batch_indices)

@@ -99,7 +99,7 @@ class ProgressBar(Callback):
         return ProgressDisplay(self, title, total, keep=True, samples=None)
 
     # ------------------------------------------------------------------------------- training
-    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         if not trainer.is_global_zero:
             return
         # Counted from 0, as everywhere an epoch is numbered (trainer.current_epoch, messages, checkpoint names):
@@ -113,14 +113,14 @@ class ProgressBar(Callback):
         if self._train.terminal:
             self._draw_train(trainer)
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Per batch only a clock is read (``due()`` spelled out: a call more per batch is measurable on small
         # models); the device is read when the line is drawn.
         display = self._train
         if display is not None and time.monotonic() >= display.next_draw:
             self._draw_train(trainer)
 
-    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         if self._train is not None:
             self._draw_train(trainer, final=True)
             self._train = None
@@ -139,37 +139,37 @@ class ProgressBar(Callback):
             self._train = None
 
     # ----------------------------------------------------------------------------- evaluation
-    def on_validation_start(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._start_eval(trainer, "Validation", trainer.num_val_batches)
 
-    def on_validation_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any,
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
         self._advance_eval(batch)
 
-    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: Module) -> None:
         self._finish_eval()
 
-    def on_test_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._start_eval(trainer, "Testing", trainer.num_test_batches)
 
-    def on_test_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any,
+    def on_test_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
         self._advance_eval(batch)
 
-    def on_test_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         self._finish_eval()
 
-    def on_predict_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_predict_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._start_eval(trainer, "Predicting", trainer.num_predict_batches)
 
-    def on_predict_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any,
+    def on_predict_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
         self._advance_eval(batch)
 
-    def on_predict_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_predict_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         self._finish_eval()
 
-    def on_exception(self, trainer: Trainer, module: Module, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: Module, exception: BaseException) -> None:
         # End the lines in place, so that the traceback starts on a line of its own.
         for display in (self._eval, self._train):
             if display is not None:

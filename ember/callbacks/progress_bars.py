@@ -25,21 +25,21 @@ class _SwitchableBar(ProgressBar):
         super().__init__()
         self.enabled = refresh_rate > 0
 
-    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         if self.enabled:
-            super().on_train_epoch_start(trainer, module)
+            super().on_train_epoch_start(trainer, pl_module)
 
-    def on_validation_start(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
         if self.enabled:
-            super().on_validation_start(trainer, module)
+            super().on_validation_start(trainer, pl_module)
 
-    def on_test_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         if self.enabled:
-            super().on_test_epoch_start(trainer, module)
+            super().on_test_epoch_start(trainer, pl_module)
 
-    def on_predict_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_predict_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         if self.enabled:
-            super().on_predict_epoch_start(trainer, module)
+            super().on_predict_epoch_start(trainer, pl_module)
 
 
 class TQDMProgressBar(_SwitchableBar):

@@ -164,7 +164,7 @@ class ThroughputMonitor(Callback):
         self._batches = 0
         self._samples = 0
 
-    def on_train_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
         if not trainer.loggers:
             raise ValueError("ThroughputMonitor needs a logger; the Trainer was built with logger=False")
         self._device = trainer.strategy.root_device
@@ -174,7 +174,7 @@ class ThroughputMonitor(Callback):
         self._start = None
         self._paused = False
 
-    def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int) -> None:
         if self.flops_per_sample != "measure" or self._seen:
             return
         eager = _eager()
@@ -192,7 +192,7 @@ class ThroughputMonitor(Callback):
         self._counting.enter_context(eager)
         self._counter = self._counting.enter_context(FlopCounterMode(display=False))
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._counting is not None:
             self._stop_counting()
             self._set_measured_flops(self._counter.get_total_flops() / self.batch_size_fn(batch))
@@ -211,18 +211,18 @@ class ThroughputMonitor(Callback):
             trainer.run_metrics.write(figures, trainer.global_step, trainer.current_epoch)
             self._open_window(now)
 
-    def on_validation_start(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
         if self._start is not None:  # pause the window: validation is not training time
             self._elapsed += self._now() - self._start
             self._start = None
             self._paused = True
 
-    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: Module) -> None:
         if self._paused:
             self._start = self._now()
             self._paused = False
 
-    def on_exception(self, trainer: Trainer, module: Module, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: Module, exception: BaseException) -> None:
         if self._counting is not None:
             self._stop_counting()
 

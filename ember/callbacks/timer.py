@@ -90,16 +90,16 @@ class Timer(Callback):
         self._end[stage] = time.monotonic()
 
     # ---------------------------------------------------------------------------------- hooks
-    def on_train_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._begin("train")  # the loop reads ``deadline`` next, and stops every rank at the same batch
 
-    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         if self.duration is None or self.interval != "epoch":
             return
         if trainer.strategy.broadcast(self.time_elapsed("train") >= self.duration):  # rank zero's clock decides
             trainer.should_stop = True
 
-    def on_train_end(self, trainer: Trainer, module: Module) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: Module) -> None:
         self._finish("train")
         remaining = self.time_remaining("train")
         if self.verbose and remaining is not None and remaining <= 0 and trainer.is_global_zero:
@@ -108,22 +108,22 @@ class Timer(Callback):
                 _readable(self.time_elapsed("train")), _readable(self.duration or 0.0),
             )  # fmt: skip
 
-    def on_validation_start(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._begin("validate")
 
-    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: Module) -> None:
         self._finish("validate")
 
-    def on_test_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._begin("test")
 
-    def on_test_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         self._finish("test")
 
-    def on_predict_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_predict_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._begin("predict")
 
-    def on_predict_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_predict_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         self._finish("predict")
 
     def state_dict(self) -> dict[str, Any]:
