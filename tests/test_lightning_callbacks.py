@@ -4,6 +4,7 @@ the behaviour Lightning's own callbacks have."""
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import math
 from datetime import timedelta
@@ -24,6 +25,7 @@ from ember.callbacks import (
     EarlyStoppingReason,
     LambdaCallback,
     LearningRateMonitor,
+    ProgressBar,
     Timer,
 )
 from ember.exceptions import MisconfigurationException
@@ -385,3 +387,31 @@ def test_hooks_take_lightning_keywords() -> None:
     assert timer.start_time() is not None
     monitor = LearningRateMonitor()
     monitor.on_train_epoch_start(trainer=trainer, pl_module=model)
+
+
+# -------------------------------------------------------------------------------- ProgressBar
+def test_progress_bar_tells_its_metrics_and_the_validation_batches_of_each_epoch() -> None:
+    totals: list[float] = []
+
+    class Shown(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("shown", 2.0, prog_bar=True)
+            return super().training_step(batch, batch_idx)
+
+        def on_train_epoch_end(self) -> None:
+            assert self.trainer.progress_bar_callback is not None
+            totals.append(self.trainer.progress_bar_callback.total_val_batches)
+
+    bar = ProgressBar(stream=io.StringIO())
+    trainer = quiet_trainer(
+        max_epochs=4,
+        limit_train_batches=2,
+        limit_val_batches=3,
+        check_val_every_n_epoch=2,
+        callbacks=[bar],
+        enable_progress_bar=True,
+    )
+    model = Shown()
+    trainer.fit(model, make_loader(), make_loader(32))
+    assert totals == [0, 3, 0, 3] and bar.trainer is trainer
+    assert bar.get_metrics(trainer, model) == {"v_num": 0, "shown": 2.0}

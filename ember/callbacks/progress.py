@@ -58,6 +58,7 @@ class ProgressBar(Callback):
         self._interactive = interactive
         self._train: ProgressDisplay | None = None
         self._eval: ProgressDisplay | None = None
+        self._trainer: Trainer | None = None
 
     @property
     def stream(self) -> IO[str]:
@@ -93,6 +94,33 @@ class ProgressBar(Callback):
         text = io.StringIO()
         print(*args, **{**kwargs, "file": text})
         tqdm.write(text.getvalue(), file=kwargs.get("file") or sys.stdout, end="")
+
+    @property
+    def trainer(self) -> Trainer:
+        """The Trainer this bar draws for (from the first stage it is set up in)."""
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__}.trainer is set when a stage (fit, validate, ...) sets it up")
+        return self._trainer
+
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        self._trainer = trainer
+
+    def get_metrics(self, trainer: Trainer, pl_module: Module) -> dict[str, float | int | str]:
+        """Lightning's progress-bar items: the values logged with ``prog_bar=True`` (as floats: this reads the
+        device), and ``v_num``, the first logger's version. The bar draws the same logged values beside the loss."""
+        version = trainer.logger.version if trainer.logger is not None else None
+        standard: dict[str, float | int | str] = {} if version is None else {"v_num": version}
+        return {**standard, **trainer.progress_bar_metrics}
+
+    @property
+    def total_val_batches(self) -> float:
+        """The validation batches of every loader that the current epoch of ``fit`` runs (0 in an epoch that
+        ``check_val_every_n_epoch`` leaves out, or without validation)."""
+        trainer = self.trainer
+        every = trainer.check_val_every_n_epoch
+        if not trainer.validation_enabled or (every is not None and (trainer.current_epoch + 1) % every):
+            return 0
+        return sum(trainer.num_val_batches)
 
     def display(self, title: str, total: float) -> ProgressDisplay:
         """A new bar (or periodic lines), left in place when done, for steps outside the loops (the tuner's)."""
