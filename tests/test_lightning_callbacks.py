@@ -21,12 +21,17 @@ from ember.callbacks import (
     BaseFinetuning,
     BasePredictionWriter,
     Callback,
+    DeviceStatsMonitor,
     EarlyStopping,
     EarlyStoppingReason,
     LambdaCallback,
     LearningRateMonitor,
+    ModelSummary,
     ProgressBar,
+    RichProgressBar,
+    ThroughputMonitor,
     Timer,
+    TQDMProgressBar,
 )
 from ember.exceptions import MisconfigurationException
 from ember.tuner import LearningRateFinder, Tuner
@@ -415,3 +420,20 @@ def test_progress_bar_tells_its_metrics_and_the_validation_batches_of_each_epoch
     trainer.fit(model, make_loader(), make_loader(32))
     assert totals == [0, 3, 0, 3] and bar.trainer is trainer
     assert bar.get_metrics(trainer, model) == {"v_num": 0, "shown": 2.0}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DeviceStatsMonitor(cpu_stats="yes"),  # type: ignore[arg-type]
+        lambda: ModelSummary(max_depth=-2),
+        lambda: ProgressBar(refresh_rate=-1),
+        lambda: TQDMProgressBar(refresh_rate=-1),
+        lambda: RichProgressBar(theme=object()),
+        lambda: ThroughputMonitor(peak_flops=-1),
+        lambda: Tuner(quiet_trainer()).scale_batch_size(Regressor(), mode="triple"),  # type: ignore[arg-type]
+    ],
+)
+def test_configuration_errors_of_callbacks_and_the_tuner_are_misconfigurations(make: Any) -> None:
+    with pytest.raises(MisconfigurationException):
+        make()

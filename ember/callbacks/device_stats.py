@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback, at_logging_step
+from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -28,12 +29,14 @@ class DeviceStatsMonitor(Callback):
 
     def __init__(self, cpu_stats: bool | None = None) -> None:
         if cpu_stats not in (None, True, False):
-            raise ValueError(f"DeviceStatsMonitor(cpu_stats={cpu_stats!r}): choose None, True or False")
+            raise MisconfigurationException(f"DeviceStatsMonitor(cpu_stats={cpu_stats!r}): choose None, True or False")
         self.cpu_stats = cpu_stats
 
     def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
         if not trainer.loggers:
-            raise ValueError("DeviceStatsMonitor needs a logger; the Trainer was built with logger=False")
+            raise MisconfigurationException(
+                "DeviceStatsMonitor needs a logger; the Trainer was built with logger=False"
+            )
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if at_logging_step(trainer):

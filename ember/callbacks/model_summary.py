@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ember.callbacks.callback import Callback
+from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -24,7 +25,9 @@ class ModelSummary(Callback):
 
     def __init__(self, max_depth: int = 1) -> None:
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
-            raise ValueError(f"ModelSummary(max_depth={max_depth!r}): expected -1 (every layer), 0 or a positive int")
+            raise MisconfigurationException(
+                f"ModelSummary(max_depth={max_depth!r}): expected -1 (every layer), 0 or a positive int"
+            )
         self.max_depth = max_depth
 
     def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from ember._utils import batch_size_of
 from ember.callbacks.callback import Callback
+from ember.exceptions import MisconfigurationException
 from ember.metrics import Number, to_floats
 
 if TYPE_CHECKING:
@@ -49,9 +50,9 @@ class ProgressBar(Callback):
     ) -> None:
         for flag, value in (("refresh_rate", refresh_rate), ("line_interval", line_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"ProgressBar({flag}={value!r}): expected a number of seconds >= 0")
+                raise MisconfigurationException(f"ProgressBar({flag}={value!r}): expected a number of seconds >= 0")
         if interactive not in (None, True, False):
-            raise ValueError(f"ProgressBar(interactive={interactive!r}): expected True, False or None")
+            raise MisconfigurationException(f"ProgressBar(interactive={interactive!r}): expected True, False or None")
         self.refresh_rate = refresh_rate
         self.line_interval = line_interval
         self._stream = stream

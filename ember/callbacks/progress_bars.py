@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.progress import ProgressBar
+from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -21,7 +22,9 @@ class _SwitchableBar(ProgressBar):
 
     def __init__(self, refresh_rate: int) -> None:
         if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
-            raise ValueError(f"{type(self).__name__}(refresh_rate={refresh_rate!r}): expected a number of batches >= 0")
+            raise MisconfigurationException(
+                f"{type(self).__name__}(refresh_rate={refresh_rate!r}): expected a number of batches >= 0"
+            )
         super().__init__()
         self.enabled = refresh_rate > 0
 
@@ -63,7 +66,9 @@ class RichProgressBar(_SwitchableBar):
         console_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if theme is not None:
-            raise ValueError("RichProgressBar(theme=...): Ember's progress bar has no themes; leave theme out")
+            raise MisconfigurationException(
+                "RichProgressBar(theme=...): Ember's progress bar has no themes; leave theme out"
+            )
         super().__init__(refresh_rate)
         self.leave = leave
         self.console_kwargs = dict(console_kwargs or {})

@@ -13,6 +13,7 @@ import torch
 
 from ember._utils import batch_size_of
 from ember.callbacks.callback import Callback
+from ember.exceptions import MisconfigurationException
 from ember.rank_zero import rank_zero_warn_once
 
 if TYPE_CHECKING:
@@ -134,18 +135,24 @@ class ThroughputMonitor(Callback):
         log_every_n_steps: int | None = None,
     ) -> None:
         if flops_per_sample != "measure" and flops_per_sample is not None and not _is_positive(flops_per_sample):
-            raise ValueError(
+            raise MisconfigurationException(
                 f"ThroughputMonitor(flops_per_sample={flops_per_sample!r}): expected a positive number, "
                 "'measure' or None"
             )
         if peak_flops is not None and not _is_positive(peak_flops):
-            raise ValueError(f"ThroughputMonitor(peak_flops={peak_flops!r}): expected a positive number of FLOP/s")
+            raise MisconfigurationException(
+                f"ThroughputMonitor(peak_flops={peak_flops!r}): expected a positive number of FLOP/s"
+            )
         if batch_size_fn is not None and not callable(batch_size_fn):
-            raise ValueError(f"ThroughputMonitor(batch_size_fn={batch_size_fn!r}): expected a function of the batch")
+            raise MisconfigurationException(
+                f"ThroughputMonitor(batch_size_fn={batch_size_fn!r}): expected a function of the batch"
+            )
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
-            raise ValueError(f"ThroughputMonitor(log_every_n_steps={log_every_n_steps!r}): expected an int >= 1")
+            raise MisconfigurationException(
+                f"ThroughputMonitor(log_every_n_steps={log_every_n_steps!r}): expected an int >= 1"
+            )
         self.flops_per_sample = flops_per_sample
         self.peak_flops = peak_flops
         self.batch_size_fn = batch_size_fn or batch_size_of
@@ -166,7 +173,7 @@ class ThroughputMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
         if not trainer.loggers:
-            raise ValueError("ThroughputMonitor needs a logger; the Trainer was built with logger=False")
+            raise MisconfigurationException("ThroughputMonitor needs a logger; the Trainer was built with logger=False")
         self._device = trainer.strategy.root_device
         self._peak = self.peak_flops or peak_flops(self._device, trainer.precision)
         self._every = self.log_every_n_steps or trainer.log_every_n_steps

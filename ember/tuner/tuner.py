@@ -66,12 +66,14 @@ class Tuner:
         the LR; "sqrt": by the square root), from the size the module had before.
         """
         if mode not in ("power", "binsearch"):
-            raise ValueError(f"scale_batch_size(mode={mode!r}): choose 'power' or 'binsearch'")
+            raise MisconfigurationException(f"scale_batch_size(mode={mode!r}): choose 'power' or 'binsearch'")
         if lr_scaling not in (None, "linear", "sqrt"):
-            raise ValueError(f"scale_batch_size(lr_scaling={lr_scaling!r}): choose None, 'linear' or 'sqrt'")
+            raise MisconfigurationException(
+                f"scale_batch_size(lr_scaling={lr_scaling!r}): choose None, 'linear' or 'sqrt'"
+            )
         for name, value in (("init_val", init_val), ("max_trials", max_trials), ("steps_per_trial", steps_per_trial)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"scale_batch_size({name}={value!r}) must be a positive int")
+                raise MisconfigurationException(f"scale_batch_size({name}={value!r}) must be a positive int")
         owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
         original = _get(owner, batch_arg_name)
         _join_processes(self.trainer)
@@ -366,7 +368,7 @@ def _train_loader(hooks: Hooks) -> Iterable:
     loader = hooks.data_loaders("train")
     if loader is not None:
         return loader
-    raise ValueError(
+    raise MisconfigurationException(
         "the tuner builds loaders at each trial's batch size, so it needs train_dataloader() on the Module or a "
         "DataModule (loaders passed to fit cannot change their batch size)"
     )
