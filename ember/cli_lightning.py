@@ -133,7 +133,7 @@ class SaveConfigCallback(Callback):
         self.save_to_log_dir = save_to_log_dir
         self.already_saved = False
 
-    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         if self.already_saved:
             return
         if self.save_to_log_dir:
@@ -149,10 +149,10 @@ class SaveConfigCallback(Callback):
                 os.makedirs(directory, exist_ok=True)
                 self.parser.save(self.config, path, skip_unset=False, overwrite=True, multifile=self.multifile)
         if trainer.is_global_zero:
-            self.save_config(trainer, module, stage)
+            self.save_config(trainer, pl_module, stage)
         self.already_saved = True
 
-    def save_config(self, trainer: Trainer, module: Module, stage: str) -> None:
+    def save_config(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         """Save the configuration somewhere else as well (called on the global-zero process only)."""
 
 

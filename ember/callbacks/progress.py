@@ -161,7 +161,7 @@ class ProgressBar(Callback):
         # Before the epoch's first batch, the latest loss is the last epoch's: it is not shown.
         display.draw(*_train_values(trainer, with_loss=display.count > display.first_count), final=final)
 
-    def on_train_end(self, trainer: Trainer, module: Module) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: Module) -> None:
         # An epoch cut short by a preemption signal ends its line here, before the report of what was saved.
         if self._train is not None:
             self._draw_train(trainer, final=True)
