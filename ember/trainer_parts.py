@@ -18,6 +18,7 @@ from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer
 from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
+from ember.exceptions import MisconfigurationException
 from ember.hints import closest
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
@@ -84,7 +85,9 @@ def default_callbacks(config: TrainerConfig) -> list[Callback]:
     if config.enable_checkpointing and not checkpointing:
         given.append(ModelCheckpoint())
     if not config.enable_checkpointing and checkpointing:
-        raise ValueError("enable_checkpointing=False, but a ModelCheckpoint was passed in callbacks")
+        raise MisconfigurationException(
+            "Trainer: `enable_checkpointing=False` but found `ModelCheckpoint` in callbacks: remove one of them"
+        )
     summary = any(isinstance(callback, ModelSummary) for callback in given)
     if config.enable_model_summary and not summary:
         given.insert(0, ModelSummary())
