@@ -276,19 +276,17 @@ class Trainer:
     def logger(self) -> Logger | None:
         return self.loggers[0] if self.loggers else None
 
-    #: This run's directory: the first logger's (the same on every rank once a stage has started), or, when no
-    #: logger keeps files, one claimed under ``runs_dir`` for the run's checkpoints.
+    #: This run's directory: the first logger's (the same on every rank once a stage has started; None: no logger
+    #: keeps files).
     log_dir: Reads[str | None] = Reads("_run_directory.log_dir")
     #: Where this run's directory and its predecessors' (``version_N``) are.
     runs_dir: Reads[str] = Reads("_run_directory.runs_dir")
-    #: Where this run's checkpoints go: the first ModelCheckpoint's directory, else ``<log_dir>/checkpoints``.
+    #: Where this run's checkpoints go: the first ModelCheckpoint's directory, else ``<log_dir>/checkpoints``
+    #: (``<default_root_dir>/checkpoints`` without a logger).
     checkpoint_dir: Reads[str] = Reads("_run_directory.checkpoint_dir")
 
     def preemption_checkpoint_path(self) -> str:
-        """Where a preemption signal's checkpoint goes: ``last.ckpt`` in this run's checkpoint directory. Call
-        it on every rank: a run that keeps no files otherwise (no logger, no ModelCheckpoint) claims its
-        ``version_N`` now, rank zero's for every rank, so that ``ckpt_path="last"`` finds the file."""
-        self._run_directory.claim_for_preemption()
+        """Where a preemption signal's checkpoint goes: ``last.ckpt`` in this run's checkpoint directory."""
         return os.path.join(self.checkpoint_dir, "last.ckpt")
 
     @property

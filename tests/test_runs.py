@@ -392,8 +392,9 @@ def test_a_read_only_default_root_dir_fails_before_the_first_step(tmp_path: Any)
         pytest.skip(f"cannot mount a read-only file system here: {result.stderr.strip()}")
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 0 and len(lines) == 2, result.stdout + result.stderr[-2000:]
-    for line in lines:  # with a logger, and with only the default ModelCheckpoint
-        assert f"cannot create a run directory under '{mount}" in line and "Read-only file system" in line
+    with_logger, without = lines  # the second with only the default ModelCheckpoint, into <root>/checkpoints
+    assert f"cannot create a run directory under '{mount}" in with_logger and "Read-only file system" in with_logger
+    assert f"cannot write to '{mount}/checkpoints'" in without and "Read-only file system" in without
 
 
 def _with_file_size_limit(limit: int, work: str, *args: str) -> tuple[str, str]:
@@ -449,7 +450,7 @@ def _train_on(root: str, epochs: str) -> None:
 def test_a_run_whose_disk_fills_up_keeps_its_previous_checkpoint_and_last(tmp_path: Any) -> None:
     root = str(tmp_path)
     _train_on(root, "1")
-    directory = os.path.join(root, "ember_logs", "version_0", "checkpoints")
+    directory = os.path.join(root, "checkpoints")  # no logger: <default_root_dir>/checkpoints, as Lightning
     kind, message = _with_file_size_limit(200_000, "_train_on", root, "3")  # a checkpoint no longer fits
     assert kind == "CheckpointError", message
     assert repr(os.path.join(directory, "epoch=1-step=4.ckpt")) in message and "File too large" in message

@@ -17,7 +17,7 @@ from ember import checkpoint as checkpoint_io
 from ember._utils import local_shard
 from ember.checkpoint import resume, sharded
 from ember.checkpoint.io import CheckpointError, plain_values
-from ember.loggers.logger import run_versions
+from ember.loggers.logger import VersionedLogger, run_versions
 from ember.rank_zero import rank_zero_warn
 from ember.version import __version__
 
@@ -210,8 +210,9 @@ def find_checkpoint(trainer: Trainer, which: str) -> str | None:
 
     "last" is the newest complete, verified checkpoint of this run's lineage: in the ModelCheckpoint
     ``dirpath`` the user gave and, for checkpoints that have none, in the newest version directory under
-    ``trainer.runs_dir`` that holds one. Files that fail verification (cut short, damaged) are passed
-    over with a warning that names them; failure checkpoints (non-finite weights) are never picked.
+    ``trainer.runs_dir`` that holds one (in ``<default_root_dir>/checkpoints`` without a logger). Files that
+    fail verification (cut short, damaged) are passed over with a warning that names them; failure
+    checkpoints (non-finite weights) are never picked.
     """
     if which == "last":
         return _last(trainer)
@@ -228,12 +229,17 @@ def find_checkpoint(trainer: Trainer, which: str) -> str | None:
 
 def _last(trainer: Trainer) -> str | None:
     callbacks = trainer.checkpoint_callbacks
-    given = [callback.dirpath for callback in callbacks if callback.dirpath]
-    found = _newest_complete([path for directory in given for path in _checkpoints_in(directory)])
-    if callbacks and len(given) == len(callbacks):
+    directories = [callback.dirpath for callback in callbacks if callback.dirpath]
+    # Checkpoints without a directory of their own (and preemption's, without a ModelCheckpoint) are in the run's
+    # version directory, or in <default_root_dir>/checkpoints without a logger that keeps files.
+    homeless = not callbacks or len(directories) < len(callbacks)
+    versioned = bool(trainer.loggers) and isinstance(trainer.loggers[0], VersionedLogger)
+    if homeless and not versioned:
+        directories.append(os.path.join(trainer.default_root_dir, "checkpoints"))
+    found = _newest_complete([path for directory in directories for path in _checkpoints_in(directory)])
+    if not homeless or not versioned:
         return found
-    # Checkpoints without a directory of their own (and preemption's, without a ModelCheckpoint) are in the
-    # run's version directory: the newest that holds a complete one.
+    # The run's version directory is not settled yet: the newest that holds a complete checkpoint.
     runs_dir = trainer.runs_dir
     for version in reversed(run_versions(runs_dir)):
         in_run = _newest_complete(_checkpoints_in(os.path.join(runs_dir, f"version_{version}")))
