@@ -6,9 +6,10 @@ import os
 from typing import Any
 
 import pytest
+import torch
 from conftest import Regressor, make_loader, quiet_trainer
 
-from ember.callbacks import ModelCheckpoint
+from ember.callbacks import EarlyStopping, ModelCheckpoint
 from ember.checkpoint import state as checkpoint_state
 from ember.exceptions import MisconfigurationException
 
@@ -36,3 +37,24 @@ def test_a_run_without_a_logger_keeps_its_checkpoints_in_the_root_checkpoints_di
     assert resumed.global_step == 4
     assert _files(tmp_path / "checkpoints") == {"epoch=1-step=4.ckpt", "last.ckpt"}
 
+
+def test_callback_states_are_keyed_as_lightning_keys_them() -> None:
+    checkpoint = ModelCheckpoint(monitor="val_loss")
+    assert checkpoint.state_key == (
+        "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min', 'every_n_train_steps': 0, 'every_n_epochs': 1, "
+        "'train_time_interval': None}"
+    )
+    assert EarlyStopping(monitor="val_loss").state_key == "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}"
+
+    class Subclass(ModelCheckpoint):
+        pass
+
+    assert Subclass(monitor="val_loss").state_key.startswith(Subclass.__qualname__ + "{'monitor': 'val_loss'")
+
+
+def test_early_stoppings_state_takes_lightnings_and_holds_its_keys_and_types() -> None:
+    stopper = EarlyStopping(monitor="score")
+    stopper.load_state_dict({"wait_count": 1, "stopped_epoch": 0, "best_score": torch.tensor(0.25), "patience": 3})
+    state = stopper.state_dict()
+    assert stopper.best_score == 0.25 and state["best_score"].dtype == torch.float64  # exact, for resuming
+    assert {"wait_count", "stopped_epoch", "best_score", "patience"} <= set(state)

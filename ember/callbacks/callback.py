@@ -23,7 +23,8 @@ class Callback:
 
     @property
     def state_key(self) -> str:
-        """The key of this callback's state in a checkpoint; unique among the Trainer's callbacks."""
+        """The key of this callback's state in a checkpoint; unique among the Trainer's callbacks. A callback of
+        which a Trainer may hold several returns ``settings_key(self, ...)`` with the settings that tell them apart."""
         return type(self).__qualname__
 
     def has_work_in(self, hook: str) -> bool:
@@ -100,6 +101,13 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def settings_key(callback: Callback, **settings: Any) -> str:
+    """A ``state_key`` made of the callback's class name and ``settings``, written as Lightning writes it
+    (``"EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}"``), so that each framework's checkpoints give their
+    callback states to the other's callbacks."""
+    return f"{type(callback).__qualname__}{settings!r}"
 
 
 def at_logging_step(trainer: Trainer) -> bool:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.callback import Callback, settings_key
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -114,10 +114,13 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        return (
-            f"ModelCheckpoint{{monitor={self.monitor!r}, mode={self.mode!r}, "
-            f"every_n_train_steps={self.every_n_train_steps}, every_n_epochs={self.every_n_epochs}, "
-            f"train_time_interval={self.train_time_interval}}}"
+        return settings_key(
+            self,
+            monitor=self.monitor,
+            mode=self.mode,
+            every_n_train_steps=self.every_n_train_steps,
+            every_n_epochs=self.every_n_epochs,
+            train_time_interval=self.train_time_interval,
         )
 
     # -------------------------------------------------------------------------------- hooks

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.callback import Callback, settings_key
 from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class EarlyStopping(Callback):
 
     @property
     def state_key(self) -> str:
-        return f"EarlyStopping{{monitor={self.monitor!r}, mode={self.mode!r}}}"
+        return settings_key(self, monitor=self.monitor, mode=self.mode)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         if self._checks_on_train_epoch_end(trainer):
@@ -142,7 +142,8 @@ class EarlyStopping(Callback):
         return {
             "wait_count": self.wait_count,
             "stopped_epoch": self.stopped_epoch,
-            "best_score": self.best_score,
+            # A tensor, as Lightning's EarlyStopping reads it; float64 keeps the value exactly, for resuming.
+            "best_score": torch.tensor(self.best_score, dtype=torch.float64),
             "patience": self.patience,
             "stopping_reason": self.stopping_reason.value,  # a plain int: checkpoints load with weights_only
             "stopping_reason_message": self.stopping_reason_message,
@@ -151,7 +152,7 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.wait_count = state["wait_count"]
         self.stopped_epoch = state["stopped_epoch"]
-        self.best_score = state["best_score"]
+        self.best_score = float(state["best_score"])
         # Checkpoints of earlier releases have no reason.
         self.stopping_reason = EarlyStoppingReason(state.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value))
         self.stopping_reason_message = state.get("stopping_reason_message")
