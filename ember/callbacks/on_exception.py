@@ -30,26 +30,32 @@ class OnExceptionCheckpoint(Callback):
         self.dirpath = os.fspath(dirpath)
         self.filename = filename
 
-    @property
-    def state_key(self) -> str:
-        return f"OnExceptionCheckpoint{{dirpath={self.dirpath!r}, filename={self.filename!r}}}"
-
     def on_exception(self, trainer: Trainer, module: Module, exception: BaseException) -> None:
         if trainer.stage != "fit" or not trainer.optimizers:
             return  # nothing was trained yet
-        suffix = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
-        checkpoint = training_state(trainer, weights_only=False, gather=False)
-        nonfinite = nonfinite_parameters(module)
-        if nonfinite:
-            checkpoint["failure"] = {"exception": repr(exception), "nonfinite_parameters": nonfinite}
-            suffix += FAILURE_MARK
-        path = os.path.join(self.dirpath, f"{self.filename}{suffix}.ckpt")
-        checkpoint_io.save(checkpoint, path)
-        if nonfinite:
-            print(f"OnExceptionCheckpoint: {type(exception).__name__} stopped fit with non-finite weights; saved "
-                  f"{path} for a post-mortem (ckpt_path=\"last\" does not resume from it)")  # fmt: skip
-            return
-        run_copy = os.path.join(trainer.checkpoint_dir, os.path.basename(path))
-        if os.path.abspath(run_copy) != os.path.abspath(path):
-            checkpoint_io.link(path, run_copy)  # where "last" looks
-        print(f"OnExceptionCheckpoint: {type(exception).__name__} stopped fit; saved {path}")
+        path = save_after_failure(trainer, module, exception, os.path.join(self.dirpath, f"{self.filename}.ckpt"))
+        if path is not None:
+            run_copy = os.path.join(trainer.checkpoint_dir, os.path.basename(path))
+            if os.path.abspath(run_copy) != os.path.abspath(path):
+                checkpoint_io.link(path, run_copy)  # where "last" looks
+
+
+def save_after_failure(trainer: Trainer, module: Module, exception: BaseException, path: str) -> str | None:
+    """Save this rank's view of the training state at ``path`` (``-rank<N>`` before the extension when there are
+    several processes) without waiting for the other ranks, and return where; None when the weights are not
+    finite: they are saved with ``FAILURE_MARK`` in the name instead, for a post-mortem that "last" never picks."""
+    root, extension = os.path.splitext(path)
+    suffix = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+    checkpoint = training_state(trainer, weights_only=False, gather=False)
+    nonfinite = nonfinite_parameters(module)
+    if nonfinite:
+        checkpoint["failure"] = {"exception": repr(exception), "nonfinite_parameters": nonfinite}
+        suffix += FAILURE_MARK
+    path = f"{root}{suffix}{extension}"
+    checkpoint_io.save(checkpoint, path)
+    if nonfinite:
+        print(f"{type(exception).__name__} stopped fit with non-finite weights; saved {path} for a post-mortem "
+              f"(ckpt_path=\"last\" does not resume from it)")  # fmt: skip
+        return None
+    print(f"{type(exception).__name__} stopped fit; saved {path}")
+    return path
