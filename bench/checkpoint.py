@@ -74,7 +74,9 @@ def run(args: argparse.Namespace, root: str, mode: str, ckpt_path: str | None = 
     clock = StepClock()
     callbacks: list[Callback] = [clock]
     if mode != "none":
-        callbacks.append(ModelCheckpoint(every_n_train_steps=args.every, save_top_k=2, save_last=True))
+        callbacks.append(
+            ModelCheckpoint(every_n_train_steps=args.every, save_top_k=2, monitor="step", mode="max", save_last=True)
+        )
     trainer = ember.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=args.steps, default_root_dir=root, callbacks=callbacks,
         enable_checkpointing=mode != "none", async_checkpoint=mode == "async", logger=False,

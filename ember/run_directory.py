@@ -20,6 +20,8 @@ class RunDirectory:
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
         self._settled = False
+        #: The checkpoint the latest stage continues in place (a fit resumed with "last"), else None.
+        self.continuing: str | None = None
 
     @property
     def log_dir(self) -> str | None:
@@ -53,6 +55,7 @@ class RunDirectory:
     def settle(self, continuing: str | None = None) -> None:
         """Rank zero claims this run's directory (or, continuing the checkpoint ``continuing`` in place, takes the
         one that holds it) and checks that it can write there, before any work; every rank then uses the same."""
+        self.continuing = continuing
         if self._settled:
             return
         trainer = self._trainer

@@ -284,6 +284,9 @@ class Trainer:
     #: Where this run's checkpoints go: the first ModelCheckpoint's directory, else ``<log_dir>/checkpoints``
     #: (``<default_root_dir>/checkpoints`` without a logger).
     checkpoint_dir: Reads[str] = Reads("_run_directory.checkpoint_dir")
+    #: The checkpoint a fit resumed with ``ckpt_path="last"`` continues in place, taking over its files (None: the
+    #: stage continues no run in place).
+    continued_checkpoint: Reads[str | None] = Reads("_run_directory.continuing")
 
     def preemption_checkpoint_path(self) -> str:
         """Where a preemption signal's checkpoint goes: ``last.ckpt`` in this run's checkpoint directory."""

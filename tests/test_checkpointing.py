@@ -47,8 +47,8 @@ def test_top_k_by_monitor_and_last(tmp_path: Any) -> None:
     assert last["epoch"] == 4 and last["global_step"] == 10
 
 
-def test_latest_files_without_monitor_and_step_trigger(tmp_path: Any) -> None:
-    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3, save_top_k=2)
+def test_latest_files_by_monitoring_the_step_with_a_step_trigger(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3, save_top_k=2, monitor="step", mode="max")
     trainer = quiet_trainer(max_epochs=2, callbacks=[checkpoint], logger=False)
     trainer.fit(Regressor(), make_loader(64))  # 16 steps: saves at 3, 6, ..., 15
     assert _files(str(tmp_path)) == ["epoch=1-step=12.ckpt", "epoch=1-step=15.ckpt"]
@@ -318,7 +318,7 @@ def test_monitoring_a_metric_that_was_never_logged_is_a_clear_error() -> None:
     [
         ({"mode": "avg"}, "mode='avg'"),
         ({"save_top_k": -2}, "save_top_k=-2"),
-        ({"every_n_train_steps": 2, "every_n_epochs": 1}, "only one of"),
+        ({"every_n_train_steps": 2, "every_n_epochs": 1}, "should be mutually exclusive"),
     ],
 )
 def test_bad_model_checkpoint_options(options: dict[str, Any], message: str) -> None:

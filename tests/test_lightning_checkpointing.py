@@ -2,25 +2,189 @@
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 import pytest
 import torch
+import yaml
 from conftest import Regressor, make_loader, quiet_trainer
 
-from ember.callbacks import EarlyStopping, ModelCheckpoint
+from ember import checkpoint as checkpoint_io
+from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from ember.checkpoint import state as checkpoint_state
 from ember.exceptions import MisconfigurationException
+
+
+class _Scored(Regressor):
+    """Logs ``scores[epoch]`` as "score" in validation, so the ranking of checkpoints is known in advance."""
+
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("score", self.scores[self.current_epoch])
+
+
+class _FailsAt(Callback):
+    """Raises once training reaches global step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("trouble")
 
 
 def _files(directory: Any) -> set[str]:
     return set(os.listdir(directory))
 
 
+# ------------------------------------------------------------------------------------ options
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mode": "avg"}, r"`mode` can be min, max but got avg"),
+        ({"save_top_k": -3}, r"save_top_k=-3\. Must be >= -1"),
+        ({"save_top_k": 3}, r"ModelCheckpoint\(save_top_k=3, monitor=None\) is not a valid configuration"),
+        ({"every_n_epochs": -1}, r"every_n_epochs=-1\. Must be >= 0"),
+        ({"every_n_train_steps": -1}, r"every_n_train_steps=-1\. Must be >= 0"),
+        ({"every_n_train_steps": 1, "every_n_epochs": 2}, "Combination of parameters every_n_train_steps"),
+        ({"train_time_interval": timedelta(minutes=1), "every_n_epochs": 2}, "should be mutually exclusive"),
+    ],
+)
+def test_a_configuration_that_cannot_run_is_a_misconfiguration(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(MisconfigurationException, match=message):
+        ModelCheckpoint(**options)
+
+
+def test_zero_turns_a_trigger_off_and_the_newest_k_are_kept_by_monitoring_the_step(tmp_path: Any) -> None:
+    ModelCheckpoint(every_n_train_steps=0, every_n_epochs=0, train_time_interval=timedelta(minutes=1))
+    every_three = ModelCheckpoint(
+        dirpath=tmp_path, filename="{step}", every_n_train_steps=3, every_n_epochs=0, monitor="step", mode="max",
+        save_top_k=2,
+    )  # fmt: skip
+    trainer = quiet_trainer(max_epochs=2, callbacks=[every_three], logger=False)
+    trainer.fit(Regressor(), make_loader(64))  # 16 steps
+    assert _files(tmp_path) == {"step=12.ckpt", "step=15.ckpt"}
+    assert every_three.best_model_path == str(tmp_path / "step=15.ckpt") and every_three.best_model_score == 15
+    assert every_three.kth_best_model_path == str(tmp_path / "step=12.ckpt") and every_three.kth_value == 12
+
+
+def test_the_dirpath_expands_the_home_directory_and_is_absolute(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert ModelCheckpoint(dirpath="~/checkpoints").dirpath == "/home/someone/checkpoints"
+    assert ModelCheckpoint(dirpath="./~/checkpoints").dirpath == os.path.join(os.getcwd(), "~", "checkpoints")
+
+
+def test_the_signature_holds_types_an_argument_parser_can_use() -> None:
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser()
+    parser.add_argument("--save_last", type=inspect.signature(ModelCheckpoint).parameters["save_last"].annotation)
+    assert [parser.parse_args(["--save_last", value]).save_last for value in ("true", "no", "link")] == [
+        True, False, "link"
+    ]  # fmt: skip
+
+
 def test_checkpointing_turned_off_with_a_model_checkpoint_given_is_a_misconfiguration() -> None:
     with pytest.raises(MisconfigurationException, match="`enable_checkpointing=False` but found `ModelCheckpoint`"):
         quiet_trainer(enable_checkpointing=False, callbacks=[ModelCheckpoint()])
+
+
+# ------------------------------------------------------------------------------ what is kept
+def test_the_epoch_and_the_step_can_be_monitored(tmp_path: Any) -> None:
+    latest = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", monitor="epoch", mode="max", save_top_k=-1)
+    trainer = quiet_trainer(max_epochs=3, callbacks=[latest], logger=False)
+    trainer.fit(Regressor(), make_loader(16), make_loader(8))
+    assert _files(tmp_path) == {"epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt"}
+    assert latest.best_model_path == str(tmp_path / "epoch=2.ckpt") and latest.best_model_score == 2
+    assert latest.kth_best_model_path == str(tmp_path / "epoch=0.ckpt")  # the worst kept
+    assert latest.current_score == 2
+
+
+def test_the_kept_files_their_worst_and_the_latest_score_are_in_the_callback_state(tmp_path: Any) -> None:
+    best_two = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", monitor="score", save_top_k=2)
+    trainer = quiet_trainer(max_epochs=3, callbacks=[best_two], logger=False)
+    trainer.fit(_Scored([0.5, 0.2, 0.3]), make_loader(16), make_loader(8))
+    assert best_two.kth_best_model_path == str(tmp_path / "epoch=2.ckpt")
+    assert best_two.kth_value == pytest.approx(0.3) and best_two.current_score == pytest.approx(0.3)
+    state = checkpoint_io.load(str(tmp_path / "epoch=2.ckpt"))["callbacks"][best_two.state_key]
+    assert state["kth_best_model_path"] == str(tmp_path / "epoch=2.ckpt")
+    assert state["current_score"] == pytest.approx(0.3) and state["kth_value"] == pytest.approx(0.3)
+    assert set(state["best_k_models"]) == {str(tmp_path / "epoch=1.ckpt"), str(tmp_path / "epoch=2.ckpt")}
+
+
+@pytest.mark.parametrize(("mode", "kept_as"), [("min", float("inf")), ("max", float("-inf"))])
+def test_a_nan_score_is_kept_as_the_worst_value(mode: Literal["min", "max"], kept_as: float, tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="score", mode=mode)
+    trainer = quiet_trainer(max_epochs=2, callbacks=[checkpoint], logger=False)
+    nan_then_good = [float("nan"), 0.5]
+    trainer.fit(_Scored(nan_then_good), make_loader(16), make_loader(8))
+    assert checkpoint.best_model_score == 0.5  # the NaN was kept (first), then replaced
+    only_nan = ModelCheckpoint(dirpath=tmp_path / "nan", monitor="score", mode=mode)
+    quiet_trainer(max_epochs=1, callbacks=[only_nan], logger=False).fit(
+        _Scored([float("nan")]), make_loader(16), make_loader(8)
+    )
+    assert only_nan.best_model_score == kept_as and only_nan.current_score == kept_as
+
+
+def test_a_metric_the_file_name_uses_before_it_is_logged_counts_as_zero(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val_loss:.2f}", every_n_train_steps=2)
+    quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), make_loader(16))
+    assert _files(tmp_path) == {"epoch=0-val_loss=0.00.ckpt"}
+
+
+def test_to_yaml_writes_the_kept_files_and_their_scores(tmp_path: Any) -> None:
+    best_two = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", monitor="score", save_top_k=2)
+    quiet_trainer(max_epochs=3, callbacks=[best_two], logger=False).fit(
+        _Scored([0.5, 0.25, 0.75]), make_loader(16), make_loader(8)
+    )
+    best_two.to_yaml()
+    with open(tmp_path / "best_k_models.yaml") as file:
+        assert yaml.safe_load(file) == {str(tmp_path / "epoch=0.ckpt"): 0.5, str(tmp_path / "epoch=1.ckpt"): 0.25}
+
+
+# -------------------------------------------------------------------------------------- last
+def test_last_is_named_by_checkpoint_name_last_which_may_hold_metrics(tmp_path: Any) -> None:
+    class NamedLast(ModelCheckpoint):
+        CHECKPOINT_NAME_LAST = "last-{epoch}"
+
+    checkpoint = NamedLast(dirpath=tmp_path, save_last=True, save_top_k=0)
+    quiet_trainer(max_epochs=2, callbacks=[checkpoint], logger=False).fit(Regressor(), make_loader(16))
+    assert _files(tmp_path) == {"last-epoch=1.ckpt"}  # the previous one is replaced
+    assert checkpoint.last_model_path == str(tmp_path / "last-epoch=1.ckpt")
+
+
+@pytest.mark.parametrize(
+    "schedule", [{"every_n_epochs": 0}, {"every_n_epochs": 5}, {"save_on_train_epoch_end": False}]
+)  # the last: after validations, and there are none
+def test_last_is_saved_when_training_ends_if_the_schedule_was_never_due(
+    schedule: dict[str, Any], tmp_path: Any
+) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, **schedule)
+    quiet_trainer(max_epochs=2, callbacks=[checkpoint], logger=False).fit(Regressor(), make_loader(16))
+    assert _files(tmp_path) == {"last.ckpt"} and checkpoint.last_model_path == str(tmp_path / "last.ckpt")
+    assert checkpoint_io.load(str(tmp_path / "last.ckpt"))["global_step"] == 4
+
+
+def test_a_second_run_into_the_same_directory_versions_its_files(tmp_path: Any) -> None:
+    for _ in range(2):
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_last=True)
+        quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), make_loader(16))
+    assert _files(tmp_path) == {"epoch=0.ckpt", "last.ckpt", "epoch=0-v1.ckpt", "last-v1.ckpt"}
+    assert checkpoint.best_model_path == str(tmp_path / "epoch=0-v1.ckpt")
+    assert checkpoint.last_model_path == str(tmp_path / "last-v1.ckpt")
+
+
+def test_without_the_version_counter_a_second_run_overwrites_the_files(tmp_path: Any) -> None:
+    for _ in range(2):
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_last=True, enable_version_counter=False)
+        quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), make_loader(16))
+    assert _files(tmp_path) == {"epoch=0.ckpt", "last.ckpt"}
 
 
 def test_a_run_without_a_logger_keeps_its_checkpoints_in_the_root_checkpoints_directory(tmp_path: Any) -> None:
@@ -38,6 +202,54 @@ def test_a_run_without_a_logger_keeps_its_checkpoints_in_the_root_checkpoints_di
     assert _files(tmp_path / "checkpoints") == {"epoch=1-step=4.ckpt", "last.ckpt"}
 
 
+# ---------------------------------------------------------------------------------- resuming
+def test_the_checkpoint_a_fit_started_from_is_never_rotated_away(tmp_path: Any) -> None:
+    def newest_two() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path, monitor="step", mode="max", save_top_k=2, every_n_train_steps=2)
+
+    quiet_trainer(max_steps=4, callbacks=[newest_two()], logger=False).fit(Regressor(), make_loader(64))
+    assert _files(tmp_path) == {"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"}
+    started_from = str(tmp_path / "epoch=0-step=4.ckpt")
+    quiet_trainer(max_steps=8, callbacks=[newest_two()], logger=False).fit(
+        Regressor(), make_loader(64), ckpt_path=started_from
+    )
+    assert _files(tmp_path) == {"epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"}
+
+
+def test_another_directorys_state_gives_only_its_best_model_path(tmp_path: Any) -> None:
+    written = ModelCheckpoint(dirpath=tmp_path / "first", monitor="score")
+    written.best_model_path, written.best_model_score = "first/best.ckpt", torch.tensor(0.1)
+    written.best_k_models = {"first/best.ckpt": torch.tensor(0.1)}
+    restored = ModelCheckpoint(dirpath=tmp_path / "second", monitor="score")
+    with pytest.warns(UserWarning, match="The dirpath has changed from"):
+        restored.load_state_dict(written.state_dict())
+    assert restored.best_model_path == "first/best.ckpt"
+    assert restored.best_model_score is None and restored.best_k_models == {}
+
+
+# ------------------------------------------------------------------------------- exceptions
+def test_save_on_exception_keeps_the_work_since_the_last_checkpoint(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, save_last=True)
+    trainer = quiet_trainer(max_epochs=3, callbacks=[checkpoint, _FailsAt(step=3)], logger=False)
+    with pytest.raises(RuntimeError, match="trouble"):
+        trainer.fit(Regressor(), make_loader(16))  # 2 steps an epoch: fails in the second
+    assert _files(tmp_path) == {"epoch=0-step=2.ckpt", "epoch=1-step=3.ckpt", "last.ckpt"}
+    assert checkpoint_io.load(str(tmp_path / "epoch=1-step=3.ckpt"))["global_step"] == 3
+    assert checkpoint_io.load(str(tmp_path / "last.ckpt"))["global_step"] == 3
+    resumed = quiet_trainer(max_epochs=3, callbacks=[ModelCheckpoint(dirpath=tmp_path)], logger=False)
+    resumed.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert resumed.global_step == 6
+
+
+def test_save_on_exception_saves_nothing_when_the_step_was_just_saved(tmp_path: Any) -> None:
+    every_step = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_on_exception=True)
+    trainer = quiet_trainer(max_epochs=1, callbacks=[every_step, _FailsAt(step=1)], logger=False)
+    with pytest.raises(RuntimeError, match="trouble"):
+        trainer.fit(Regressor(), make_loader(16))
+    assert _files(tmp_path) == {"step=1.ckpt"}
+
+
+# ---------------------------------------------------------------------------- callback states
 def test_callback_states_are_keyed_as_lightning_keys_them() -> None:
     checkpoint = ModelCheckpoint(monitor="val_loss")
     assert checkpoint.state_key == (
@@ -50,6 +262,21 @@ def test_callback_states_are_keyed_as_lightning_keys_them() -> None:
         pass
 
     assert Subclass(monitor="val_loss").state_key.startswith(Subclass.__qualname__ + "{'monitor': 'val_loss'")
+
+
+def test_model_checkpoints_state_takes_lightnings_and_holds_its_keys_and_types(tmp_path: Any) -> None:
+    lightning_checkpoint_state = {
+        "monitor": "score", "best_model_score": torch.tensor(0.25), "best_model_path": str(tmp_path / "a.ckpt"),
+        "current_score": torch.tensor(0.5), "dirpath": str(tmp_path),
+        "best_k_models": {str(tmp_path / "a.ckpt"): torch.tensor(0.25), str(tmp_path / "b.ckpt"): torch.tensor(0.5)},
+        "kth_best_model_path": str(tmp_path / "b.ckpt"), "kth_value": torch.tensor(0.5), "last_model_path": "",
+    }  # fmt: skip
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="score", save_top_k=2)
+    checkpoint.load_state_dict(lightning_checkpoint_state)
+    assert checkpoint.kth_best_model_path == str(tmp_path / "b.ckpt") and checkpoint.best_model_score == 0.25
+    state = checkpoint.state_dict()
+    assert set(state) == set(lightning_checkpoint_state)
+    assert isinstance(state["best_model_score"], torch.Tensor) and isinstance(state["kth_value"], torch.Tensor)
 
 
 def test_early_stoppings_state_takes_lightnings_and_holds_its_keys_and_types() -> None:

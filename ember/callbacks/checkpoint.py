@@ -1,17 +1,21 @@
 """``ModelCheckpoint``: save the run every N steps, epochs or minutes, keeping the best or latest files."""
 
-from __future__ import annotations
-
-import math
+# The annotations stay real types, not strings (no postponed evaluation): argument parsers such as jsonargparse
+# read them from the signature to convert command-line values (``--save_last link``).
 import os
 import re
 import time
+import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ember import checkpoint as checkpoint_io
 from ember.callbacks.callback import Callback, settings_key
+from ember.callbacks.on_exception import save_after_failure
+from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -27,27 +31,39 @@ class ModelCheckpoint(Callback):
     every rank writes its shard; it is kept, replaced and removed like a file.
 
     Args:
-        dirpath: directory for the files (default: ``<log_dir>/checkpoints``).
+        dirpath: directory for the files (default: ``<log_dir>/checkpoints``, or ``<default_root_dir>/checkpoints``
+            without a logger); ``~`` is expanded.
         filename: a format such as ``"{epoch}-{val_loss:.3f}"``; ``epoch``, ``step`` and logged metrics
-            can be used (default ``"epoch={epoch}-step={step}"``).
-        monitor: metric that ranks checkpoints; without it the latest ones are kept.
-        mode: ``"min"`` or ``"max"``: which direction of ``monitor`` is better.
-        save_top_k: how many files to keep (-1 all, 0 none besides ``last``).
-        save_last: also keep ``last.ckpt``, always the newest complete checkpoint.
-        every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of them;
-            default every epoch).
+            can be used, a metric not logged yet counts as 0 (default ``"epoch={epoch}-step={step}"``).
+        monitor: metric that ranks checkpoints (``"epoch"`` and ``"step"`` too); without it the latest is kept.
+        verbose: print what is saved.
+        save_last: also keep ``last.ckpt`` (named by ``CHECKPOINT_NAME_LAST``), the newest complete checkpoint,
+            written each time the callback is due; a link to the top-k file saved at the same time, if any
+            (``"link"`` means the same).
+        save_top_k: how many files to keep (-1 all, 0 none besides ``last``; without ``monitor`` only -1, 0 or 1:
+            for the newest k, monitor ``"step"`` with ``mode="max"``).
+        save_on_exception: when ``fit`` stops with an exception, save the work done since the last checkpoint
+            (each process its own view, as ``OnExceptionCheckpoint``).
         save_weights_only: write only the module's weights.
+        mode: ``"min"`` or ``"max"``: which direction of ``monitor`` is better.
         auto_insert_metric_name: ``"{epoch}"`` becomes ``"epoch=3"`` in file names.
+        every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of them; 0 is off;
+            default every epoch).
         save_on_train_epoch_end: True saves at the end of each epoch (after the epoch's validation, if any);
             False after each validation of ``fit`` instead, so an epoch without one saves nothing; None (the
             default) chooses as Lightning does: after each validation when there are validations but not one at
             the end of every epoch (``check_val_every_n_epoch`` other than 1, or ``val_check_interval`` other
             than 1.0), else at the end of each epoch.
+        enable_version_counter: a new file whose name is taken by one the callback does not replace gets
+            ``-v1`` (``-v2``, ...) appended; False overwrites it.
     """
 
     reads_epoch_metrics = True
+    CHECKPOINT_JOIN_CHAR = "-"
+    CHECKPOINT_EQUALS_CHAR = "="
+    CHECKPOINT_NAME_LAST = "last"
     FILE_EXTENSION = ".ckpt"
-    LAST_NAME = "last"
+    STARTING_VERSION = 1
     _TIME_CHECK_EVERY = 10
 
     def __init__(
@@ -57,7 +73,7 @@ class ModelCheckpoint(Callback):
         monitor: str | None = None,
         mode: Literal["min", "max"] = "min",
         save_top_k: int = 1,
-        save_last: bool | None = None,
+        save_last: bool | Literal["link"] | None = None,
         every_n_train_steps: int | None = None,
         every_n_epochs: int | None = None,
         train_time_interval: timedelta | None = None,
@@ -65,20 +81,11 @@ class ModelCheckpoint(Callback):
         auto_insert_metric_name: bool = True,
         verbose: bool = False,
         save_on_train_epoch_end: bool | None = None,
+        save_on_exception: bool = False,
+        enable_version_counter: bool = True,
     ) -> None:
-        if mode not in ("min", "max"):
-            raise ValueError(f"ModelCheckpoint(mode={mode!r}): choose 'min' or 'max'")
-        if not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k!r}): use -1 (all), 0, or a positive count")
-        for flag, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"ModelCheckpoint({flag}={value!r}) must be a non-negative int")
-        triggers = [every_n_train_steps, every_n_epochs, train_time_interval]
-        if sum(trigger is not None for trigger in triggers) > 1:
-            raise ValueError(
-                "ModelCheckpoint: give only one of every_n_train_steps, every_n_epochs and train_time_interval"
-            )
-        self.dirpath = os.fspath(dirpath) if dirpath is not None else None
+        _check_options(mode, save_top_k, monitor, every_n_train_steps, every_n_epochs, train_time_interval)
+        self.dirpath = os.path.realpath(os.path.expanduser(dirpath)) if dirpath is not None else None
         self.filename = filename
         self.monitor = monitor
         self.mode = mode
@@ -86,31 +93,27 @@ class ModelCheckpoint(Callback):
         self.save_last = save_last
         self.every_n_train_steps = every_n_train_steps or 0
         self.train_time_interval = train_time_interval
-        no_trigger = every_n_train_steps is None and train_time_interval is None
-        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (1 if no_trigger else 0)
+        no_trigger = every_n_train_steps is None and every_n_epochs is None and train_time_interval is None
+        self.every_n_epochs = 1 if no_trigger else every_n_epochs or 0
         self.save_weights_only = save_weights_only
         self.auto_insert_metric_name = auto_insert_metric_name
         self.verbose = verbose
         self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.save_on_exception = save_on_exception
+        self.enable_version_counter = enable_version_counter
 
-        self.best_k_models: dict[str, float] = {}
+        #: The kept files and their monitored values; the worst of them, and the value of the latest save.
+        self.best_k_models: dict[str, torch.Tensor] = {}
+        self.kth_best_model_path = ""
+        self.kth_value = torch.tensor(torch.inf if mode == "min" else -torch.inf)
+        self.current_score: torch.Tensor | None = None
         self.best_model_path = ""
-        self._best_model_score: float | None = None
+        self.best_model_score: torch.Tensor | None = None
         self.last_model_path = ""
-        self._latest_paths: list[str] = []  # without a monitor: newest last
         self._last_saved_step: int | None = None
         self._last_time_save = time.monotonic()
         self._steps_since_time_check = 0
         self._validated_at_epoch_end = False
-
-    @property
-    def best_model_score(self) -> torch.Tensor | None:
-        """The monitored value of the best checkpoint, as a tensor (Lightning's type), or None before one."""
-        return None if self._best_model_score is None else torch.tensor(self._best_model_score)
-
-    @best_model_score.setter
-    def best_model_score(self, value: float | torch.Tensor | None) -> None:
-        self._best_model_score = None if value is None else float(value)
 
     @property
     def state_key(self) -> str:
@@ -130,11 +133,17 @@ class ModelCheckpoint(Callback):
             return bool(self.every_n_train_steps) or self.train_time_interval is not None
         return True
 
-    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
-        if stage == "fit":
-            self._last_time_save = time.monotonic()
+    def setup(self, trainer: "Trainer", module: "Module", stage: str) -> None:
+        if stage != "fit":
+            return
+        # Decided once the run directory is, when the stage starts (reading it before would claim one).
+        if self.dirpath is None and trainer.stage == "fit":
+            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+        self._last_time_save = time.monotonic()
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "Trainer", module: "Module", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.every_n_train_steps:
             step = trainer.global_step
             if step > 0 and step % self.every_n_train_steps == 0:
@@ -151,12 +160,12 @@ class ModelCheckpoint(Callback):
                 self._save(trainer)
                 self._last_time_save = time.monotonic()
 
-    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_end(self, trainer: "Trainer", module: "Module") -> None:
         validated, self._validated_at_epoch_end = self._validated_at_epoch_end, False
         if self._epoch_due(trainer) and (validated or not self._after_validations(trainer)):
             self._save(trainer)
 
-    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_end(self, trainer: "Trainer", module: "Module") -> None:
         if trainer.stage != "fit" or trainer.sanity_checking or not self._after_validations(trainer):
             return
         if trainer.fit_loop.at_epoch_end:
@@ -165,159 +174,257 @@ class ModelCheckpoint(Callback):
         elif self._epoch_due(trainer):
             self._save(trainer)
 
-    def _epoch_due(self, trainer: Trainer) -> bool:
+    def on_train_end(self, trainer: "Trainer", module: "Module") -> None:
+        # "last" is kept even when the schedule was never due (every_n_epochs beyond max_epochs, or 0).
+        if self.save_last and not self.last_model_path and not trainer.fast_dev_run:
+            self._save(trainer, top_k=False)
+
+    def on_exception(self, trainer: "Trainer", module: "Module", exception: BaseException) -> None:
+        if not self.save_on_exception or trainer.stage != "fit" or trainer.fast_dev_run or trainer.preempted:
+            return
+        if not trainer.optimizers or self._last_saved_step == trainer.global_step:
+            return  # training had not started, or nothing was trained since the last save
+        metrics = self._candidates(trainer)
+        path = save_after_failure(trainer, module, exception, self.format_checkpoint_name(metrics))
+        if path is not None and self.save_last and trainer.is_global_zero:
+            # At once, not through the strategy's writer, which may hold the failed stage's write; no rank waits
+            # for the others after a failure.
+            last = self._versioned(metrics, self.CHECKPOINT_NAME_LAST, self.last_model_path)
+            checkpoint_io.link(path, last)
+            self.last_model_path = last
+
+    def _epoch_due(self, trainer: "Trainer") -> bool:
         return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
 
-    def _after_validations(self, trainer: Trainer) -> bool:
+    def _after_validations(self, trainer: "Trainer") -> bool:
         """Whether to save after each validation rather than at the end of each epoch (Lightning's choice)."""
         if self.save_on_train_epoch_end is not None:
             return not self.save_on_train_epoch_end
         every_epoch_end = trainer.check_val_every_n_epoch == 1 and trainer.val_check_interval == 1.0
         return trainer.validation_enabled and not every_epoch_end
 
+    # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         return {
             "monitor": self.monitor,
-            "dirpath": self.dirpath,
+            "best_model_score": self.best_model_score,
             "best_model_path": self.best_model_path,
-            "best_model_score": self._best_model_score,
+            "current_score": self.current_score,
+            "dirpath": self.dirpath,
             "best_k_models": dict(self.best_k_models),
+            "kth_best_model_path": self.kth_best_model_path,
+            "kth_value": self.kth_value,
             "last_model_path": self.last_model_path,
-            "latest_paths": list(self._latest_paths),
         }
 
-    def on_load_checkpoint(self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]) -> None:
-        self._default_dirpath(trainer)  # the state is this callback's own only if it was saved from here
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # A run continued in place ("last") saves where its predecessor did and takes over its files. A
-        # run started from another run's checkpoint has a directory of its own: the other run's bookkeeping
-        # does not describe it, and its files are not this run's to replace or delete.
-        if state.get("dirpath") != self.dirpath:
-            return
+        # A run continued in the same directory takes over its predecessor's files. A run with a directory of its
+        # own (started from another run's checkpoint) only learns which checkpoint was the best: the other run's
+        # files are not this run's to replace or delete.
         self.best_model_path = state["best_model_path"]
-        self.best_model_score = state["best_model_score"]
-        self.best_k_models = dict(state["best_k_models"])
+        if state.get("dirpath") != self.dirpath:
+            warnings.warn(
+                f"ModelCheckpoint: The dirpath has changed from {state.get('dirpath')!r} to {self.dirpath!r}: only "
+                "best_model_path is reloaded (not best_model_score, best_k_models, kth_best_model_path, kth_value "
+                "nor last_model_path)",
+                stacklevel=2,
+            )
+            return
+        self.best_model_score = _score(state["best_model_score"])
+        self.best_k_models = {path: _tensor(score) for path, score in state["best_k_models"].items()}
+        self.kth_best_model_path = state.get("kth_best_model_path", "")
+        self.kth_value = _tensor(state.get("kth_value", self.kth_value))
         self.last_model_path = state["last_model_path"]
-        self._latest_paths = list(state.get("latest_paths", []))
+
+    def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
+        """Write ``best_k_models`` (path: monitored value) to a YAML file, ``<dirpath>/best_k_models.yaml`` by
+        default."""
+        import yaml  # only here: importing ember stays cheap
+
+        if filepath is None:
+            filepath = os.path.join(self.dirpath or ".", "best_k_models.yaml")
+        with open(filepath, "w") as file:
+            yaml.dump({path: score.item() for path, score in self.best_k_models.items()}, file)
+
+    # ------------------------------------------------------------------------------- naming
+    def format_checkpoint_name(
+        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None
+    ) -> str:
+        """The path of a checkpoint named by ``filename`` (default: the callback's), filled in from ``metrics``;
+        ``ver`` appends ``-v<ver>``."""
+        template = filename or self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
+        values: dict[str, Any] = {}
+
+        def substitute(match: re.Match) -> str:
+            name, spec = match.group(1), match.group(2) or ""
+            value = metrics.get(name, 0)  # not logged yet: 0, as Lightning
+            key = f"_{len(values)}"
+            values[key] = value.item() if isinstance(value, torch.Tensor) else value
+            prefix = name + self.CHECKPOINT_EQUALS_CHAR if self.auto_insert_metric_name else ""
+            return prefix + "{" + key + spec + "}"
+
+        name = _PLACEHOLDER.sub(substitute, template).format(**values).replace(os.sep, "_")
+        if ver is not None:
+            name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
+        return os.path.join(self.dirpath or "", name + self.FILE_EXTENSION)
+
+    def _candidates(self, trainer: "Trainer") -> dict[str, Any]:
+        """What names and rankings read: the logged metrics, with the epoch and step (as logged, else the
+        loop's)."""
+        metrics: dict[str, Any] = dict(trainer.callback_metrics)
+        for name, own in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
+            logged = metrics.get(name)
+            metrics[name] = logged.int() if isinstance(logged, torch.Tensor) else torch.tensor(own)
+        return metrics
+
+    def _free_path(self, trainer: "Trainer", metrics: dict[str, Any], filename: str | None, replacing: str) -> str:
+        """``_versioned`` as rank zero sees the files, for every rank."""
+        path = self._versioned(metrics, filename, replacing) if trainer.is_global_zero else None
+        return trainer.strategy.broadcast(path)
+
+    def _versioned(self, metrics: dict[str, Any], filename: str | None, replacing: str) -> str:
+        """The path for a new checkpoint: its name, with a version appended while the name is another file's
+        (``replacing`` is the file the new one takes the place of)."""
+        path = self.format_checkpoint_name(metrics, filename)
+        if self.enable_version_counter:
+            # The callback's own files count even before a write in the background has made them exist.
+            taken = {*self.best_k_models, self.best_model_path, self.last_model_path} - {replacing, ""}
+            version = self.STARTING_VERSION
+            while path != replacing and (path in taken or os.path.lexists(path)):
+                path = self.format_checkpoint_name(metrics, filename, ver=version)
+                version += 1
+        return path
 
     # ------------------------------------------------------------------------------- saving
-    def _save(self, trainer: Trainer) -> None:
+    def _save(self, trainer: "Trainer", top_k: bool = True) -> None:
         if trainer.fast_dev_run:
             return  # a quick check that the code runs keeps nothing
         if self._last_saved_step == trainer.global_step:
             return  # nothing trained since the last save (accumulating micro-batches share a step)
         self._last_saved_step = trainer.global_step
-        directory = self._default_dirpath(trainer)
-        path, evicted = self._choose_path(trainer)
-        last = os.path.join(directory, self.LAST_NAME + self.FILE_EXTENSION) if self.save_last else None
-        if last is not None:
-            self.last_model_path = last
-        # The bookkeeping above is final before writing, so each checkpoint carries its own save's state.
-        # With async_checkpoint the write goes on in the background; the strategy links and removes files
-        # only after it, so "last" and the top k never point at a file that is not complete.
-        strategy = trainer.strategy
-        if path is not None:
-            trainer.save_checkpoint(path, weights_only=self.save_weights_only)
-            if last is not None:
-                strategy.link_checkpoint(path, last)
-        elif last is not None:
-            trainer.save_checkpoint(last, weights_only=self.save_weights_only)
-        if self.verbose and path is not None:
-            trainer.print(f"ModelCheckpoint: saved {path}")
-        for old in evicted:
-            if old != path:
-                strategy.remove_checkpoint(old)  # a file, or a sharded checkpoint's directory
-        strategy.barrier()
+        metrics = self._candidates(trainer)
+        # The bookkeeping is final before each write, so each checkpoint carries its own save's state. With
+        # async_checkpoint the write goes on in the background; the strategy links and removes files only
+        # after it, so "last" and the top k never point at a file that is not complete.
+        saved = self._save_top_k(trainer, metrics) if top_k and self.save_top_k else None
+        if self.save_last:
+            self._save_last(trainer, metrics, saved)
+        trainer.strategy.barrier()
 
-    def _default_dirpath(self, trainer: Trainer) -> str:
-        if self.dirpath is None:  # decided once the run directory is: "checkpoints" in it
-            self.dirpath = os.path.join(trainer.log_dir or trainer.config.root_dir, "checkpoints")
-        return self.dirpath
-
-    def _choose_path(self, trainer: Trainer) -> tuple[str | None, list[str]]:
-        """Where this save goes (None: only ``last``), and the kept files it pushes out of the top k."""
-        metrics = trainer.callback_metrics
-        if not self.save_top_k:
-            return None, []
-        if self.monitor is None:
-            path = self._path(trainer, metrics)
-            self.best_model_path = path  # without a monitor, the newest is the best we know
-            self._latest_paths = [*(kept for kept in self._latest_paths if kept != path), path]
-            evicted = []
-            while self.save_top_k != -1 and len(self._latest_paths) > self.save_top_k:
-                evicted.append(self._latest_paths.pop(0))
-            return path, evicted
+    def _save_top_k(self, trainer: "Trainer", metrics: dict[str, Any]) -> str | None:
+        """Save a top-k checkpoint if this one ranks among them; return its path (None: not saved)."""
+        if self.monitor is None:  # the newest is the best known
+            previous = self.best_model_path
+            path = self.best_model_path = self._free_path(trainer, metrics, None, previous)
+            self._write(trainer, path)
+            if self.save_top_k == 1:
+                self._remove(trainer, previous, path)
+            return path
         if self.monitor not in metrics:
             raise KeyError(
                 f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name was logged; "
-                f"logged metrics are {sorted(metrics)}"
+                f"logged metrics are {sorted(name for name in metrics if name not in ('epoch', 'step'))}"
             )
-        score = float(metrics[self.monitor])
-        if not self._is_top_k(score):
-            return None, []
-        path = self._path(trainer, metrics)
-        return path, self._record_top_k(path, score)
+        current = metrics[self.monitor].detach().cpu().clone()
+        if torch.isnan(current):  # a NaN is kept as the worst value, as Lightning does
+            current = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)
+        if not self._ranks(current):
+            if self.verbose:
+                trainer.print(f"ModelCheckpoint: {self.monitor}={current.item():.5g} is not in the top k")
+            return None
+        evicted = self.kth_best_model_path if len(self.best_k_models) == self.save_top_k else ""
+        self.best_k_models.pop(evicted, None)
+        path = self._free_path(trainer, metrics, None, evicted)
+        self._record(path, current)
+        self._write(trainer, path)
+        self._remove(trainer, evicted, path)
+        return path
 
-    def _path(self, trainer: Trainer, metrics: dict[str, torch.Tensor]) -> str:
-        return os.path.join(self.dirpath or ".", self._format_name(trainer, metrics) + self.FILE_EXTENSION)
+    def _save_last(self, trainer: "Trainer", metrics: dict[str, Any], saved: str | None) -> None:
+        previous = self.last_model_path
+        path = self.last_model_path = self._free_path(trainer, metrics, self.CHECKPOINT_NAME_LAST, previous)
+        if saved is not None:
+            # The same state as the top-k file just saved: a link to it rather than a second write.
+            trainer.strategy.link_checkpoint(saved, path)
+        else:
+            self._write(trainer, path)
+        self._remove(trainer, previous, path)
 
-    def _format_name(self, trainer: Trainer, metrics: dict[str, torch.Tensor]) -> str:
-        template = self.filename or "{epoch}-{step}"
-        values: dict[str, Any] = {}
+    def _write(self, trainer: "Trainer", path: str) -> None:
+        trainer.save_checkpoint(path, self.save_weights_only)
+        if self.verbose:
+            trainer.print(f"ModelCheckpoint: saved {path}")
 
-        def substitute(match: re.Match) -> str:
-            name, spec = match.group(1), match.group(2) or ""
-            if name == "epoch":
-                value: Any = trainer.current_epoch
-            elif name == "step":
-                value = trainer.global_step
-            elif name in metrics:
-                value = float(metrics[name])
-            else:
-                raise KeyError(
-                    f"ModelCheckpoint(filename={template!r}): {name!r} is not epoch, step or a logged "
-                    f"metric (logged: {sorted(metrics)})"
-                )
-            key = f"_{len(values)}"
-            values[key] = value
-            prefix = f"{name}=" if self.auto_insert_metric_name else ""
-            return prefix + "{" + key + spec + "}"
+    def _remove(self, trainer: "Trainer", path: str, kept: str) -> None:
+        """Remove ``path``, which ``kept`` replaces, unless it is not this callback's to remove: outside its
+        directory, or the checkpoint this fit started from (unless the fit continues its run in place)."""
+        if not path or path == kept or self.dirpath is None:
+            return
+        started_from = trainer.ckpt_path
+        if started_from is not None and _same(path, started_from) and trainer.continued_checkpoint is None:
+            return
+        if Path(self.dirpath).absolute() in Path(path).absolute().parents:
+            trainer.strategy.remove_checkpoint(path)  # a file, or a sharded checkpoint's directory
 
-        return _PLACEHOLDER.sub(substitute, template).format(**values).replace(os.sep, "_")
-
-    def _is_top_k(self, score: float) -> bool:
+    # -------------------------------------------------------------------------------- top k
+    def _ranks(self, score: torch.Tensor) -> bool:
         if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
             return True
-        return self._better(score, self._worst_kept()[1])
+        return self._better(score, self.best_k_models[self.kth_best_model_path])
 
-    def _better(self, score: float, other: float) -> bool:
-        if math.isnan(score):
-            return False
-        if math.isnan(other):
-            return True
-        return score < other if self.mode == "min" else score > other
+    def _better(self, score: torch.Tensor, other: torch.Tensor) -> bool:
+        return bool(score < other) if self.mode == "min" else bool(score > other)
 
-    def _worst_kept(self) -> tuple[str, float]:
-        worst = None
-        for path, score in self.best_k_models.items():
-            if worst is None or self._better(worst[1], score):
-                worst = (path, score)
-        assert worst is not None
-        return worst
-
-    def _record_top_k(self, path: str, score: float) -> list[str]:
-        """Add ``path`` to the kept files and return those that fall out of the top k."""
+    def _record(self, path: str, score: torch.Tensor) -> None:
+        """Keep ``path`` with its ``score`` among the top k, and update the best and the worst of them."""
+        self.current_score = score
         self.best_k_models[path] = score
-        evicted = []
-        if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
-            worst, _ = self._worst_kept()
-            del self.best_k_models[worst]
-            evicted.append(worst)
-        best_path = path
-        for candidate, candidate_score in self.best_k_models.items():
-            if self._better(candidate_score, self.best_k_models[best_path]):
-                best_path = candidate
-        self.best_model_path = best_path
-        self.best_model_score = self.best_k_models[best_path]
-        return evicted
+        value = {path: score.item() for path, score in self.best_k_models.items()}.__getitem__
+        lowest, highest = min(self.best_k_models, key=value), max(self.best_k_models, key=value)
+        if self.save_top_k == -1 or len(self.best_k_models) == self.save_top_k:
+            self.kth_best_model_path = highest if self.mode == "min" else lowest
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
+        self.best_model_path = lowest if self.mode == "min" else highest
+        self.best_model_score = self.best_k_models[self.best_model_path]
+
+
+def _check_options(
+    mode: str,
+    save_top_k: int,
+    monitor: str | None,
+    every_n_train_steps: int | None,
+    every_n_epochs: int | None,
+    train_time_interval: timedelta | None,
+) -> None:
+    if mode not in ("min", "max"):
+        raise MisconfigurationException(f"ModelCheckpoint(mode={mode!r}): `mode` can be min, max but got {mode}")
+    if not isinstance(save_top_k, int) or save_top_k < -1:
+        raise MisconfigurationException(
+            f"ModelCheckpoint: invalid value for save_top_k={save_top_k!r}. Must be >= -1 (-1 keeps all)"
+        )
+    if monitor is None and save_top_k not in (-1, 0, 1):
+        raise MisconfigurationException(
+            f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not a valid configuration: no quantity "
+            "ranks the checkpoints (to keep the newest k, monitor 'step' with mode='max')"
+        )
+    for flag, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise MisconfigurationException(f"ModelCheckpoint: invalid value for {flag}={value!r}. Must be >= 0")
+    if bool(every_n_train_steps) + bool(every_n_epochs) + (train_time_interval is not None) > 1:
+        raise MisconfigurationException(
+            f"ModelCheckpoint: Combination of parameters every_n_train_steps={every_n_train_steps}, "
+            f"every_n_epochs={every_n_epochs} and train_time_interval={train_time_interval} should be mutually "
+            "exclusive (0 turns one off)"
+        )
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value)
+
+
+def _score(value: Any) -> torch.Tensor | None:
+    return None if value is None else _tensor(value)
+
+
+def _same(path: str, other: str) -> bool:
+    return os.path.abspath(path) == os.path.abspath(other)
