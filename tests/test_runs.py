@@ -115,7 +115,8 @@ def test_a_run_started_from_another_runs_checkpoint_writes_only_into_its_own_dir
     first_dir = first.checkpoint_dir
     before = _snapshot(first_dir)
     second = quiet_trainer(max_epochs=6, default_root_dir=root, callbacks=[_best_and_last()])
-    second.fit(_Scored(), make_loader(16), make_loader(8), ckpt_path=os.path.join(first_dir, "epoch=2-step=6.ckpt"))
+    with pytest.warns(UserWarning, match="dirpath has changed"):  # only best_model_path is taken over
+        second.fit(_Scored(), make_loader(16), make_loader(8), ckpt_path=os.path.join(first_dir, "epoch=2-step=6.ckpt"))
     assert second.global_step == 12 and second.log_dir != first.log_dir
     assert _snapshot(first_dir) == before  # nothing replaced, nothing pruned
     assert sorted(os.listdir(second.checkpoint_dir)) == ["epoch=5-step=12.ckpt", "last.ckpt"]
