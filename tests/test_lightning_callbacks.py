@@ -390,10 +390,8 @@ def test_every_callback_names_the_module_pl_module() -> None:
     from ember.cli_lightning import SaveConfigCallback
 
     hooks = [name for name in vars(Callback) if name.startswith(("on_", "setup", "teardown"))]
-    # ModelCheckpoint and OnExceptionCheckpoint keep "module" for now: the checkpoint work rewrites them.
-    aside = {ember.callbacks.ModelCheckpoint, ember.callbacks.OnExceptionCheckpoint}
     classes = [getattr(ember.callbacks, name) for name in ember.callbacks.__all__]
-    classes = [cls for cls in classes if isinstance(cls, type) and issubclass(cls, Callback) and cls not in aside]
+    classes = [cls for cls in classes if isinstance(cls, type) and issubclass(cls, Callback)]
     named = {
         f"{cls.__name__}.{hook}": list(inspect.signature(vars(cls)[hook]).parameters)[2]
         for cls in [*classes, SaveConfigCallback, LearningRateFinder]

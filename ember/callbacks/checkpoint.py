@@ -133,7 +133,7 @@ class ModelCheckpoint(Callback):
             return bool(self.every_n_train_steps) or self.train_time_interval is not None
         return True
 
-    def setup(self, trainer: "Trainer", module: "Module", stage: str) -> None:
+    def setup(self, trainer: "Trainer", pl_module: "Module", stage: str) -> None:
         if stage != "fit":
             return
         # Decided once the run directory is, when the stage starts (reading it before would claim one).
@@ -142,7 +142,7 @@ class ModelCheckpoint(Callback):
         self._last_time_save = time.monotonic()
 
     def on_train_batch_end(
-        self, trainer: "Trainer", module: "Module", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: "Trainer", pl_module: "Module", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.every_n_train_steps:
             step = trainer.global_step
@@ -160,12 +160,12 @@ class ModelCheckpoint(Callback):
                 self._save(trainer)
                 self._last_time_save = time.monotonic()
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "Module") -> None:
+    def on_train_epoch_end(self, trainer: "Trainer", pl_module: "Module") -> None:
         validated, self._validated_at_epoch_end = self._validated_at_epoch_end, False
         if self._epoch_due(trainer) and (validated or not self._after_validations(trainer)):
             self._save(trainer)
 
-    def on_validation_end(self, trainer: "Trainer", module: "Module") -> None:
+    def on_validation_end(self, trainer: "Trainer", pl_module: "Module") -> None:
         if trainer.stage != "fit" or trainer.sanity_checking or not self._after_validations(trainer):
             return
         if trainer.fit_loop.at_epoch_end:
@@ -174,18 +174,18 @@ class ModelCheckpoint(Callback):
         elif self._epoch_due(trainer):
             self._save(trainer)
 
-    def on_train_end(self, trainer: "Trainer", module: "Module") -> None:
+    def on_train_end(self, trainer: "Trainer", pl_module: "Module") -> None:
         # "last" is kept even when the schedule was never due (every_n_epochs beyond max_epochs, or 0).
         if self.save_last and not self.last_model_path and not trainer.fast_dev_run:
             self._save(trainer, top_k=False)
 
-    def on_exception(self, trainer: "Trainer", module: "Module", exception: BaseException) -> None:
+    def on_exception(self, trainer: "Trainer", pl_module: "Module", exception: BaseException) -> None:
         if not self.save_on_exception or trainer.stage != "fit" or trainer.fast_dev_run or trainer.preempted:
             return
         if not trainer.optimizers or self._last_saved_step == trainer.global_step:
             return  # training had not started, or nothing was trained since the last save
         metrics = self._candidates(trainer)
-        path = save_after_failure(trainer, module, exception, self.format_checkpoint_name(metrics))
+        path = save_after_failure(trainer, pl_module, exception, self.format_checkpoint_name(metrics))
         if path is not None and self.save_last and trainer.is_global_zero:
             # At once, not through the strategy's writer, which may hold the failed stage's write; no rank waits
             # for the others after a failure.

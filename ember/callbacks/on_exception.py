@@ -30,10 +30,10 @@ class OnExceptionCheckpoint(Callback):
         self.dirpath = os.fspath(dirpath)
         self.filename = filename
 
-    def on_exception(self, trainer: Trainer, module: Module, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: Module, exception: BaseException) -> None:
         if trainer.stage != "fit" or not trainer.optimizers:
             return  # nothing was trained yet
-        path = save_after_failure(trainer, module, exception, os.path.join(self.dirpath, f"{self.filename}.ckpt"))
+        path = save_after_failure(trainer, pl_module, exception, os.path.join(self.dirpath, f"{self.filename}.ckpt"))
         if path is not None:
             run_copy = os.path.join(trainer.checkpoint_dir, os.path.basename(path))
             if os.path.abspath(run_copy) != os.path.abspath(path):
