@@ -136,6 +136,12 @@ def local_shard(tensor: TensorOrNone) -> TensorOrNone:
     return to_local() if to_local is not None else tensor
 
 
+def defines(owner: object, name: str) -> bool:
+    """Whether ``owner`` has ``name`` and it is not None: as in Lightning, ``model.validation_step = None`` (or
+    ``val_dataloader = None``) switches a step or a loader off."""
+    return getattr(owner, name, None) is not None
+
+
 def is_overridden(name: str, instance: object, base: type) -> bool:
     """Whether ``instance`` (its class, or the instance itself) defines ``name`` differently from ``base``."""
     if name in getattr(instance, "__dict__", {}):

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from ember import hints
-from ember._utils import Reads
+from ember._utils import Reads, defines
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
 from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig
@@ -355,7 +355,7 @@ class Trainer:
         self.strategy.launch()
         def loaders() -> tuple[Iterable, list[Iterable]]:
             train_loader = self._loaders("train", train_dataloaders, required=True)[0]
-            return train_loader, self._loaders("val", val_dataloaders) if hasattr(model, "validation_step") else []
+            return train_loader, self._loaders("val", val_dataloaders) if defines(model, "validation_step") else []
 
         with self._stage("fit", model, datamodule, ckpt_path) as path:
             train_loader, val_loaders = loaders()

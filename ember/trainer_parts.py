@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec
 import torch
 
 from ember import checkpoint as checkpoint_io
+from ember._utils import defines
 from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer
 from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
@@ -172,6 +173,6 @@ def check_module(model: Any, stage: str) -> None:
         raise TypeError(f"Trainer.{stage}() needs an ember.Module; got {type(model).__name__}")
     required = {"fit": ("training_step", "configure_optimizers"), "validate": ("validation_step",),
                 "test": ("test_step",), "predict": ()}[stage]  # fmt: skip
-    missing = [name for name in required if not hasattr(model, name)]
+    missing = [name for name in required if not defines(model, name)]
     if missing:
         raise NotImplementedError(f"Trainer.{stage}() needs {type(model).__name__} to define {', '.join(missing)}")

@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ember._utils import is_overridden
+from ember._utils import defines, is_overridden
 from ember.callbacks import Callback
 from ember.loops.step import StepHooks
 from ember.metrics import LogScope, MetricStore
@@ -187,7 +187,7 @@ class Hooks:
         neither defines it)."""
         name = f"{kind}_dataloader"
         for owner, base in ((self._datamodule, DataModule), (self._module, Module)):
-            if owner is not None and hasattr(owner, name):
+            if owner is not None and defines(owner, name):
                 return self._call_owner(owner, base, name, ())
         return None
 
