@@ -136,6 +136,15 @@ def local_shard(tensor: TensorOrNone) -> TensorOrNone:
     return to_local() if to_local is not None else tensor
 
 
+def sized_len(iterable: object) -> int | None:
+    """``len(iterable)``, or None when it has no length: no ``__len__``, or one that raises ``TypeError`` or
+    ``NotImplementedError`` (as a DataLoader of an ``IterableDataset`` without a length does)."""
+    try:
+        return len(iterable)  # type: ignore[arg-type]
+    except (TypeError, NotImplementedError):
+        return None
+
+
 def defines(owner: object, name: str) -> bool:
     """Whether ``owner`` has ``name`` and it is not None: as in Lightning, ``model.validation_step = None`` (or
     ``val_dataloader = None``) switches a step or a loader off."""

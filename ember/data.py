@@ -15,7 +15,7 @@ import os
 import random
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +30,15 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from ember._utils import apply_to_tensors
+from ember._utils import apply_to_tensors, sized_len
+from ember.combined_loader import CombinedLoader
 from ember.data_failures import DataLoadingError as DataLoadingError  # served here too (ember.data.X)
 from ember.data_failures import SampleError as SampleError
 from ember.data_failures import SampleNamed
-from ember.rank_zero import rank_zero_warn_once
+from ember.data_workers import WorkerSuggestion as WorkerSuggestion  # served here too (ember.data.X)
+from ember.data_workers import cores_per_process as cores_per_process
+from ember.data_workers import suggest_num_workers as suggest_num_workers
+from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -154,17 +158,40 @@ def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: 
     return prepared
 
 
-def prepare_loaders(given: Any, kind: str, strategy: Strategy, overfit_batches: float, shard: bool) -> list[Iterable]:
-    """The loaders of ``kind`` ("train", "val", ...) that a Trainer's method was given (or a module made), each
-    prepared (``prepare_loader``): a list of DataLoaders is several; any other iterable (even a list of batches)
-    is one. ``overfit_batches`` reads the training and validation loaders in order (the same batches each epoch)."""
-    several = isinstance(given, (list, tuple)) and given and all(isinstance(item, DataLoader) for item in given)
-    loaders = list(given) if several else [given]
-    if kind == "train" and len(loaders) != 1:
-        raise ValueError(f"fit() trains on one dataloader; got {len(loaders)}")
+def prepare_loaders(
+    given: Any, kind: str, strategy: Strategy, overfit_batches: float, shard: bool
+) -> tuple[Any, list[Iterable]]:
+    """The loaders of ``kind`` ("train", "val", ...) that a Trainer's method was given (or a module made): as the
+    Trainer shows them (``trainer.train_dataloader``, ...: what was given, in its structure), and each prepared
+    (``prepare_loader``) for the loops.
+
+    A dict, list or tuple of DataLoaders is several: validation, test and prediction read them one after the
+    other; training reads them together, as one ``CombinedLoader`` (in its "max_size_cycle" mode unless one is
+    given), so that the loop reads one loader whatever their number. Any other iterable (even a list of batches)
+    is one loader. ``overfit_batches`` reads the training and validation data in order (the same batches each
+    epoch): the loaders shown are then copies that do.
+    """
+    combined = _combined(given, kind)
+    loaders = combined.flattened if combined is not None else [given]
     if overfit_batches and kind in ("train", "val"):
-        loaders = [in_order(loader, "overfit_batches") for loader in loaders]
-    return [prepare_loader(loader, strategy, train=kind == "train", shard=shard) for loader in loaders]
+        loaders = [in_order(loader, kind) for loader in loaders]
+    prepared = [prepare_loader(loader, strategy, train=kind == "train", shard=shard) for loader in loaders]
+    if combined is None:
+        return loaders[0], prepared
+    shown = combined.iterables if loaders == combined.flattened else combined.replaced(loaders).iterables
+    if kind != "train" and combined.mode == "sequential":
+        return shown, prepared
+    return shown, [combined.replaced(prepared)]
+
+
+def _combined(given: Any, kind: str) -> CombinedLoader | None:
+    """``given`` as a ``CombinedLoader`` when it is one or holds several DataLoaders (else None)."""
+    if isinstance(given, CombinedLoader):
+        return given
+    if not isinstance(given, (Mapping, list, tuple)) or not given:
+        return None
+    combined = CombinedLoader(given, "max_size_cycle" if kind == "train" else "sequential")
+    return combined if all(isinstance(loader, DataLoader) for loader in combined.flattened) else None
 
 
 def _epoch_order(loader: DataLoader, strategy: Strategy, train: bool, shard: bool) -> EpochOrder | None:
@@ -265,6 +292,9 @@ def _wait_for_the_main_process(stops: set[signal.Signals], main_pid: int) -> Non
 def release_workers(loader: Iterable) -> None:
     """End the worker processes a loader with ``persistent_workers`` keeps between epochs (they would
     otherwise be left to the interpreter's exit, which waits for them)."""
+    if isinstance(loader, CombinedLoader):
+        for part in loader.flattened:
+            release_workers(part)
     iterator = getattr(loader, "_iterator", None) if isinstance(loader, DataLoader) else None
     # A StatefulDataLoader keeps its iterator without workers too: that one has no workers to end.
     shutdown = getattr(iterator, "_shutdown_workers", None)
@@ -291,10 +321,8 @@ def _seed_worker(worker_id: int) -> None:
 
 def count_batches(loader: Iterable, limit: int | float | None, flag: str) -> float:
     """How many batches of ``loader`` a run uses (``math.inf`` for loaders without a length)."""
-    try:
-        available: float = len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        available = math.inf
+    length = sized_len(loader)
+    available = math.inf if length is None else length
     if limit is None:
         return available
     if isinstance(limit, int):
@@ -314,36 +342,51 @@ def epoch_batches(
 ) -> Iterator[Any]:
     """Iterate ``loader`` for ``epoch``, continuing a resumed epoch: from position ``start_sample`` of the
     epoch's global order when the loader reads through an ``EpochOrder``, else after its first ``skip``
-    batches.
+    batches (a ``CombinedLoader``'s are read again: its loaders read the epoch's order from its start).
 
     ``seed`` is the run's data seed: it sets the order of the training loaders the Trainer prepared,
     and the seeds of their workers, for this epoch and rank.
     """
-    if isinstance(loader, DataLoader):
-        sampler = _unwrapped(loader.sampler)
-        index_sampler = _unwrapped(loader.batch_sampler) if loader.batch_sampler is not None else sampler
-        if isinstance(sampler, EpochOrder):
-            sampler.seed = seed
-            sampler.start, skip = (start_sample, 0) if start_sample is not None else (0, skip)
-        for candidate in (sampler, getattr(index_sampler, "sampler", None)):
-            set_epoch = getattr(candidate, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
-                break
-        if loader.generator is not None and not _is_stateful(loader):
-            # Persistent workers keep the seeds of the epoch that started them, in a resumed run too.
-            worker_epoch = 0 if loader.persistent_workers else epoch
-            loader.generator.manual_seed((seed * 1_000_003 + worker_epoch * 10_007 + rank) % 2**63)
-        skipper = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-        if isinstance(skipper, _Skippable):
-            skipper.skip, skip = skip, 0
+    if isinstance(loader, CombinedLoader):
+        for part in loader.flattened:
+            _start_epoch(part, epoch, 0, seed, rank, None)
+    else:
+        skip = _start_epoch(loader, epoch, skip, seed, rank, start_sample)
     iterator = loader_batches(loader)
-    return islice(iterator, skip, None) if skip and isinstance(loader, Sequence) else iterator
+    return islice(iterator, skip, None) if skip and isinstance(loader, (Sequence, CombinedLoader)) else iterator
+
+
+def _start_epoch(loader: Iterable, epoch: int, skip: int, seed: int, rank: int, start_sample: int | None) -> int:
+    """Set a loader the Trainer prepared to read ``epoch`` (see ``epoch_batches``); returns how many of its first
+    batches are still to be skipped by reading them."""
+    if not isinstance(loader, DataLoader):
+        return skip
+    sampler = _unwrapped(loader.sampler)
+    index_sampler = _unwrapped(loader.batch_sampler) if loader.batch_sampler is not None else sampler
+    if isinstance(sampler, EpochOrder):
+        sampler.seed = seed
+        sampler.start, skip = (start_sample, 0) if start_sample is not None else (0, skip)
+    for candidate in (sampler, getattr(index_sampler, "sampler", None)):
+        set_epoch = getattr(candidate, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+            break
+    if loader.generator is not None and not _is_stateful(loader):
+        # Persistent workers keep the seeds of the epoch that started them, in a resumed run too.
+        worker_epoch = 0 if loader.persistent_workers else epoch
+        loader.generator.manual_seed((seed * 1_000_003 + worker_epoch * 10_007 + rank) % 2**63)
+    skipper = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    if isinstance(skipper, _Skippable):
+        skipper.skip, skip = skip, 0
+    return skip
 
 
 def loader_batches(loader: Iterable) -> Iterator[Any]:
-    """``iter(loader)``; for a DataLoader with workers, one that ends them as soon as it is closed early
-    (the loops close their batches when a step raises or training stops)."""
+    """``iter(loader)``, but the batches alone for a ``CombinedLoader``; for a DataLoader with workers, one that
+    ends them as soon as it is closed early (the loops close their batches when a step raises or training
+    stops)."""
+    if isinstance(loader, CombinedLoader):
+        return loader.batches(loader_batches)
     iterator = iter(loader)
     if isinstance(loader, DataLoader) and loader.num_workers > 0 and not loader.persistent_workers:
         return _ending_workers(iterator)
@@ -396,19 +439,27 @@ def _order_read_by(loader: Iterable | None) -> EpochOrder | None:
 
 def data_replicas(loader: Iterable) -> int:
     """How many ranks read disjoint shards of ``loader``'s data (its sampler's replicas), else 1."""
+    if isinstance(loader, CombinedLoader):
+        return max((data_replicas(part) for part in loader.flattened), default=1)
     sampler = _unwrapped(getattr(loader, "sampler", None))
     return sampler.num_replicas if isinstance(sampler, (EpochOrder, DistributedSampler)) else 1
 
 
-def dataset_length(loader: Iterable) -> int | None:
-    """The length of ``loader``'s map-style dataset, or None."""
+def dataset_length(loader: Iterable) -> int | list[Any] | None:
+    """The length of ``loader``'s map-style dataset, or None (for a ``CombinedLoader``, a list: each loader's)."""
+    if isinstance(loader, CombinedLoader):
+        return [dataset_length(part) for part in loader.flattened]
     dataset = getattr(loader, "dataset", None)
     if dataset is None or isinstance(dataset, IterableDataset):
         return None
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
+    return sized_len(dataset)
+
+
+def loader_batch_size(loader: Iterable) -> int | list[Any] | None:
+    """``loader``'s batch size, or None (for a ``CombinedLoader``, a list: each loader's)."""
+    if isinstance(loader, CombinedLoader):
+        return [loader_batch_size(part) for part in loader.flattened]
+    return getattr(loader, "batch_size", None)
 
 
 def _unwrapped(sampler: Any) -> Any:
@@ -432,6 +483,11 @@ def restore_loader_state(loader: Iterable, state: dict[str, Any] | None) -> None
 
 def why_not_resumable(loader: Iterable) -> str | None:
     """Why ``loader`` cannot continue exactly in the middle of an epoch, or None if it can."""
+    if isinstance(loader, CombinedLoader):  # its batches are read again: each loader must read them alike
+        parts = [part for part in loader.flattened if not isinstance(part, Sequence)]
+        if any(_is_stateful(part) for part in parts):
+            return "a CombinedLoader does not save the state of its loaders (state_dict/load_state_dict)"
+        return next(filter(None, map(why_not_resumable, parts)), None)
     if _is_stateful(loader) or isinstance(loader, Sequence):
         return None
     if not isinstance(loader, DataLoader):
@@ -464,69 +520,18 @@ def with_last_flag(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
     yield current, True
 
 
-# ------------------------------------------------------------------------------- loader workers
-class WorkerSuggestion:
-    """How fast a loader delivers batches with each number of workers, and the count to use."""
-
-    def __init__(self, num_workers: int, batches_per_second: dict[int, float]) -> None:
-        self.num_workers = num_workers
-        self.batches_per_second = batches_per_second
-
-    def __repr__(self) -> str:
-        figures = ", ".join(f"{workers}: {rate:.1f}" for workers, rate in self.batches_per_second.items())
-        return f"WorkerSuggestion(num_workers={self.num_workers}, batches/s by workers: {figures})"
-
-
-def cores_per_process() -> int:
-    """The CPU cores this process may use, shared with the other processes of the job on this machine."""
-    from ember.launch import threads_per_process
-
-    return threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def suggest_num_workers(loader: DataLoader, max_workers: int | None = None, batches: int = 30) -> WorkerSuggestion:
-    """Measure ``loader``'s throughput with 0, 1, 2, ... workers (up to the cores available per process) and
-    return the fastest count; a smaller count within 5% of the fastest is preferred (fewer processes).
-
-    Each measurement skips a first batch per worker (their start) and times the next ``batches``.
-    """
-    import time
-
-    if not isinstance(loader, DataLoader):
-        raise TypeError(f"suggest_num_workers needs a torch DataLoader; got {type(loader).__name__}")
-    limit = cores_per_process() if max_workers is None else max_workers
-    rates: dict[int, float] = {}
-    for workers in range(limit + 1):
-        trial = _with_workers(loader, workers)
-        iterator = iter(trial)
-        for _ in islice(iterator, max(1, workers)):
-            pass
-        start, count = time.perf_counter(), 0
-        for _ in islice(iterator, batches):
-            count += 1
-        elapsed = time.perf_counter() - start
-        rates[workers] = count / elapsed if count and elapsed > 0 else 0.0
-        del iterator
-    fastest = max(rates.values())
-    best = min(workers for workers, rate in rates.items() if rate >= 0.95 * fastest)
-    return WorkerSuggestion(best, rates)
-
-
-def _with_workers(loader: DataLoader, workers: int) -> DataLoader:
-    options: dict[str, Any] = {
-        "num_workers": workers, "collate_fn": loader.collate_fn, "pin_memory": loader.pin_memory,
-        "worker_init_fn": loader.worker_init_fn, "prefetch_factor": 2 if workers else None,
-    }  # fmt: skip
-    if loader.batch_sampler is not None:
-        return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **options)
-    return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **options)
-
-
-def in_order(loader: Iterable, flag: str) -> Iterable:
-    """A copy of ``loader`` that reads its dataset in order instead of shuffling it (``flag`` needs that)."""
-    if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, RandomSampler):
+def in_order(loader: Iterable, kind: str) -> Iterable:
+    """A copy of ``loader`` that reads its map-style dataset in order (``overfit_batches`` needs the same batches
+    each epoch), with a warning, when its sampler would read it otherwise; else ``loader`` itself."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.sampler, SequentialSampler):
         return loader
-    rank_zero_warn_once(f"{flag}: the train dataloader shuffles; it is read in order instead", stacklevel=4)
+    if isinstance(loader.dataset, IterableDataset) or type(loader.batch_sampler) not in (BatchSampler, type(None)):
+        return loader  # no sampler to replace
+    rank_zero_warn(
+        f"You requested to overfit but enabled {kind} dataloader shuffling: overfit_batches reads it in order "
+        "instead, the same batches each epoch",
+        stacklevel=5,
+    )
     ordered = copy.copy(loader)
     sampler = SequentialSampler(loader.dataset)  # type: ignore[arg-type]
     # DataLoader forbids assigning samplers after construction; the copy is not shared with anyone.

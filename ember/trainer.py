@@ -166,7 +166,7 @@ class Trainer:
         self._hooks: Hooks | None = None  # the latest stage's (kept after it: save_checkpoint calls them)
         self._environment_ready = False
         self._stage_loaders: list[Iterable] = []  # the loaders of the stage in progress
-        self._latest_loaders: dict[str, list[Iterable]] = {}  # by kind ("val", ...): the latest stage's
+        self._latest_loaders: dict[str, Any] = {}  # by kind ("val", ...): the latest stage's, as given
         self._run_directory = RunDirectory(self)
         self._doctor: Doctor | None = None
         self._callbacks_added_by: Module | None = None  # the module whose configure_callbacks() joined
@@ -213,7 +213,6 @@ class Trainer:
     is_last_batch: Reads[bool] = Reads("fit_loop.is_last_batch")
     validation_enabled: Reads[bool] = Reads("fit_loop.validation_enabled")
     num_training_batches: Reads[float] = Reads("fit_loop.num_training_batches")
-    train_dataloader: Reads[Iterable | None] = Reads("fit_loop.train_loader")
     optimizers: Reads[list[torch.optim.Optimizer]] = Reads("fit_loop.optimizers")
     num_val_batches: Reads[list[float]] = Reads("validate_loop.num_batches")
     num_test_batches: Reads[list[float]] = Reads("test_loop.num_batches")
@@ -247,18 +246,23 @@ class Trainer:
         """Ask ``fit`` to stop after the current step (or epoch), once ``min_epochs``/``min_steps`` allow it."""
         self.fit_loop.stopping.requested = value
 
+    # The loaders of the latest stage of each kind as they were given (the loops read prepared copies).
     @property
-    def val_dataloaders(self) -> Iterable | list[Iterable] | None:
-        """The validation loader of the latest ``fit`` or ``validate`` (a list when there are several)."""
-        return _one_or_list(self._latest_loaders.get("val"))
+    def train_dataloader(self) -> Any:
+        return self._latest_loaders.get("train")
 
     @property
-    def test_dataloaders(self) -> Iterable | list[Iterable] | None:
-        return _one_or_list(self._latest_loaders.get("test"))
+    def val_dataloaders(self) -> Any:
+        """The validation loaders of the latest ``fit`` or ``validate``."""
+        return self._latest_loaders.get("val")
 
     @property
-    def predict_dataloaders(self) -> Iterable | list[Iterable] | None:
-        return _one_or_list(self._latest_loaders.get("predict"))
+    def test_dataloaders(self) -> Any:
+        return self._latest_loaders.get("test")
+
+    @property
+    def predict_dataloaders(self) -> Any:
+        return self._latest_loaders.get("predict")
 
     @property
     def lr_scheduler_configs(self) -> list[LRSchedulerConfig]:
@@ -586,13 +590,8 @@ class Trainer:
                 )
             return []
         config = self.config
-        prepared = prepare_loaders(given, kind, self.strategy, config.overfit_batches, config.use_distributed_sampler)
+        shown, prepared = prepare_loaders(given, kind, self.strategy, config.overfit_batches,
+                                          config.use_distributed_sampler)  # fmt: skip
         self._stage_loaders += prepared
-        self._latest_loaders[kind] = prepared
+        self._latest_loaders[kind] = shown
         return prepared
-
-
-def _one_or_list(loaders: list[Iterable] | None) -> Iterable | list[Iterable] | None:
-    if not loaders:
-        return None
-    return loaders[0] if len(loaders) == 1 else loaders

@@ -777,7 +777,7 @@ def test_overfit_batches_uses_the_same_few_batches_unshuffled() -> None:
             return super().training_step(batch, batch_idx)
 
     trainer = quiet_trainer(max_epochs=2, overfit_batches=2, logger=False)
-    with pytest.warns(UserWarning, match="overfit_batches: the train dataloader shuffles"):
+    with pytest.warns(UserWarning, match="You requested to overfit but enabled train dataloader shuffling"):
         trainer.fit(Watching(), make_loader(shuffle=True), make_loader())
     targets = make_data().tensors[1].flatten().tolist()
     assert seen == [targets[:8], targets[8:16]] * 2 and trainer.num_val_batches == [2]

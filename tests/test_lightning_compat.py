@@ -119,8 +119,6 @@ def test_submodules_and_names_programs_import(statement: str, name: str) -> None
         ("from lightning.pytorch.callbacks import Nonexistent", r"callbacks.Nonexistent is not covered.*has Callback"),
         ("from lightning.pytorch.callbacks.stochastic_weight_avg import StochasticWeightAveraging",
          r"callbacks.stochastic_weight_avg is a part of Lightning that Ember does not cover: average weights"),
-        ("from lightning.pytorch.utilities.combined_loader import CombinedLoader",
-         r"utilities.combined_loader is a part .*pass a list of DataLoaders"),
         ("from lightning.pytorch.trainer.states import TrainerFn", r"trainer.states is a part .*trainer.stage"),
         ("from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy",
          r"strategies.deepspeed .*FSDPStrategy"),

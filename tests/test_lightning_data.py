@@ -3,9 +3,20 @@ loaders, the loaders the Trainer shows, when loaders are asked for, and the data
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
-from conftest import Regressor, make_loader, quiet_trainer
-from torch.utils.data import DataLoader
+import torch
+from conftest import Regressor, make_data, make_loader, parameters_of, quiet_trainer
+from test_lightning_compat import served_by_ember
+from torch.utils.data import DataLoader, Sampler, SequentialSampler
+
+import ember
+from ember.callbacks import Callback
+from ember.combined_loader import CombinedLoader
+from ember.exceptions import MisconfigurationException
 
 
 # --------------------------------------------------------------------------- switched off with None
@@ -34,3 +45,126 @@ def test_a_loader_hook_set_to_none_is_absent() -> None:
     model.test_step = None  # type: ignore[assignment,method-assign]
     with pytest.raises(NotImplementedError, match="test_step"):
         trainer.test(model, make_loader(8))
+
+
+# --------------------------------------------------------------------------- several training loaders
+class _TwoSources(Regressor):
+    """Trains on the batch of source "a"; records the structure of each combined batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append({key: None if value is None else len(value[0]) for key, value in batch.items()})
+        return super().training_step(batch["a"], batch_idx)
+
+
+def _sources() -> dict[str, DataLoader]:
+    return {"a": make_loader(32, batch_size=4), "b": make_loader(12, batch_size=4)}  # 8 and 3 batches
+
+
+@pytest.mark.parametrize(("mode", "batches", "last"), [("max_size_cycle", 8, {"a": 4, "b": 4}),
+                                                        ("min_size", 3, {"a": 4, "b": 4}),
+                                                        ("max_size", 8, {"a": 4, "b": None})])  # fmt: skip
+def test_training_reads_several_loaders_together(mode: str, batches: int, last: dict[str, Any]) -> None:
+    model = _TwoSources()
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    trainer.fit(model, CombinedLoader(_sources(), mode))  # type: ignore[arg-type]
+    assert trainer.num_training_batches == batches == len(model.seen) and model.seen[-1] == last
+
+
+def test_a_dict_of_training_loaders_cycles_the_shorter_ones() -> None:
+    model = _TwoSources()
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    sources = _sources()
+    trainer.fit(model, sources)  # type: ignore[arg-type]
+    assert trainer.num_training_batches == 8 and trainer.train_dataloader == sources
+    combined = CombinedLoader(sources, "max_size_cycle")
+    assert len(combined) == 8 and [index for _, index, _ in combined] == list(range(8))
+
+
+def test_combined_loader_is_served_at_lightnings_paths() -> None:
+    with served_by_ember():
+        from lightning.pytorch.utilities import CombinedLoader as FromUtilities
+        from pytorch_lightning.utilities.combined_loader import CombinedLoader as FromItsModule
+    assert FromUtilities is FromItsModule is CombinedLoader
+
+
+def test_sequential_training_is_refused_when_the_epoch_starts() -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(MisconfigurationException, match="does not support a CombinedLoader in the 'sequential'"):
+        trainer.fit(_TwoSources(), CombinedLoader(_sources(), "sequential"))  # type: ignore[arg-type]
+    assert trainer.num_training_batches == 8 + 3
+
+
+def test_several_training_loaders_resume_mid_epoch_exactly(tmp_path: Any) -> None:
+    def sources() -> dict[str, DataLoader]:
+        return {"a": make_loader(32, batch_size=4, shuffle=True), "b": make_loader(12, batch_size=4, shuffle=True)}
+
+    def fit(model: ember.Module, **flags: Any) -> None:
+        trainer = quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False, **flags)
+        trainer.fit(model, sources(), ckpt_path=flags.pop("ckpt_path", None))  # type: ignore[arg-type]
+
+    ember.seed_everything(3)
+    reference = _TwoSources()
+    fit(reference)
+    path = str(tmp_path / "mid-epoch.ckpt")
+
+    class SaveAndStop(Callback):
+        def on_train_batch_end(self, trainer: ember.Trainer, *_: Any) -> None:
+            if trainer.global_step == 5:
+                trainer.save_checkpoint(path)
+                raise KeyboardInterrupt
+
+    ember.seed_everything(3)
+    with pytest.raises(KeyboardInterrupt):
+        fit(_TwoSources(), callbacks=[SaveAndStop()])
+    resumed = _TwoSources()
+    quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False).fit(resumed, sources(), ckpt_path=path)  # type: ignore[arg-type]
+    assert resumed.seen == reference.seen[5:]
+    for mine, theirs in zip(parameters_of(resumed), parameters_of(reference), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_loader_whose_length_raises_not_implemented_has_no_length() -> None:
+    class Unsized(DataLoader):
+        def __len__(self) -> int:
+            raise NotImplementedError
+
+    trainer = quiet_trainer(max_steps=5, logger=False, enable_checkpointing=False, val_check_interval=3)
+    trainer.fit(Regressor(), Unsized(make_data(64), batch_size=4), Unsized(make_data(8), batch_size=4))
+    assert trainer.global_step == 5 and math.isinf(trainer.num_training_batches)
+
+
+# --------------------------------------------------------------------------- the loaders the Trainer shows
+def test_the_trainer_shows_the_loaders_it_was_given() -> None:
+    train, val = make_loader(16), make_loader(16)
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    trainer.fit(Regressor(), train, val)
+    assert trainer.train_dataloader is train and trainer.val_dataloaders is val
+    tests = [make_loader(8), make_loader(8)]
+    trainer.test(Regressor(), tests, verbose=False)
+    assert trainer.test_dataloaders is tests
+    trainer.validate(Regressor(), [val], verbose=False)
+    assert trainer.val_dataloaders == [val]  # as given: a list of one stays a list
+
+
+def test_overfit_batches_reads_in_order_and_says_so() -> None:
+    class Backwards(Sampler[int]):
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(self.size - 1, -1, -1))
+
+        def __len__(self) -> int:
+            return self.size
+
+    data = make_data(32)
+    train = DataLoader(data, batch_size=4, sampler=Backwards(32))
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, overfit_batches=2)
+    with pytest.warns(UserWarning, match="You requested to overfit but enabled train dataloader shuffling"):
+        trainer.fit(Regressor(), train, make_loader(16, shuffle=True))
+    assert isinstance(trainer.train_dataloader.sampler, SequentialSampler) and trainer.train_dataloader is not train
+    assert isinstance(trainer.val_dataloaders.sampler, SequentialSampler) and trainer.num_training_batches == 2

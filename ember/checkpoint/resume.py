@@ -19,6 +19,7 @@ from ember.data import (
     batches_from,
     data_replicas,
     dataset_length,
+    loader_batch_size,
     loader_state,
     restore_loader_state,
     why_not_resumable,
@@ -79,7 +80,7 @@ def data_layout(trainer: Trainer) -> dict[str, Any]:
         "seed": fit_loop.state.data_seed,
         "global_seed": os.environ.get("EMBER_GLOBAL_SEED"),  # set by seed_everything
         "dataset_length": dataset_length(loader) if loader is not None else None,
-        "batch_size": getattr(loader, "batch_size", None),
+        "batch_size": loader_batch_size(loader),
         "replicas": data_replicas(loader) if loader is not None else 1,
         "accumulate": accumulate,
         "steps_per_epoch": None if math.isinf(batches) else math.ceil(batches / accumulate),

@@ -131,9 +131,7 @@ _UTILITIES: Names = {
     "grad_norm": "ember.utilities:grad_norm",
     "AttributeDict": "ember.utilities:AttributeDict",
     "move_data_to_device": "ember.utilities:move_data_to_device",
-    "CombinedLoader": Missing(
-        "pass a list of DataLoaders (validation, test, prediction) or one DataLoader for training"
-    ),
+    "CombinedLoader": "ember.combined_loader:CombinedLoader",
     "measure_flops": Missing("use ember.callbacks.ThroughputMonitor, which counts the FLOPs of a sample"),
 }
 
@@ -233,6 +231,7 @@ PYTORCH: dict[str, Names] = {
     "utilities.parsing": {"AttributeDict": "ember.utilities:AttributeDict"},
     "utilities.types": {**_TYPES, **_OPTIMIZER_TYPES},
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
+    "utilities.combined_loader": {"CombinedLoader": "ember.combined_loader:CombinedLoader"},
     "cli": _CLI,
     "demos": _DEMOS,
     "demos.boring_classes": {name: value for name, value in _DEMOS.items() if "Transformer" not in name},
@@ -266,8 +265,6 @@ MISSING_MODULES = {
     "state (ZeRO 3)",
     "strategies.xla": "Ember runs on CUDA, MPS and CPU devices, not on TPUs",
     "profilers.advanced": "use Trainer(profiler='simple') for where the time goes, 'pytorch' for a trace",
-    "utilities.combined_loader": "pass a list of DataLoaders (validation, test, prediction) or one DataLoader for "
-    "training",
     "utilities.model_summary": "use the ember.callbacks.ModelSummary callback (Trainer(enable_model_summary=True))",
     "trainer.states": "read trainer.stage ('fit', 'validate', 'test', 'predict' or None) and trainer.sanity_checking",
     "loops": "Ember's loops are not replaceable: override the module's hooks, or write a callback",

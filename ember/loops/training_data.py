@@ -9,6 +9,7 @@ from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ember._utils import batch_size_of
+from ember.combined_loader import CombinedLoader
 from ember.data import (
     count_batches,
     data_replicas,
@@ -17,6 +18,7 @@ from ember.data import (
     with_last_flag,
 )
 from ember.data_failures import named_failures, numbered_batches
+from ember.exceptions import MisconfigurationException
 from ember.loops.progress import Progress
 
 if TYPE_CHECKING:
@@ -42,6 +44,11 @@ class TrainingData:
     def batches(self, trainer: Trainer, progress: Progress, seed: int) -> Generator[tuple[int, Any, bool], None, None]:
         """``(batch_idx, batch, is_last)`` for the rest of the current epoch, from where ``progress`` is; the
         order follows from ``seed`` and the epoch."""
+        if isinstance(self.loader, CombinedLoader) and self.loader.mode == "sequential":
+            raise MisconfigurationException(
+                "the `FitLoop` does not support a CombinedLoader in the 'sequential' mode: training reads its loaders "
+                "together; choose 'max_size_cycle', 'max_size' or 'min_size'"
+            )
         first = progress.epoch_batches
         batches = epoch_batches(
             self.loader, progress.epoch, first, seed, trainer.global_rank, start_sample=progress.epoch_samples
