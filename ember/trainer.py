@@ -357,14 +357,15 @@ class Trainer:
             ckpt_path = "last"  # restarted by the elastic agent after a failure: continue the run
         ckpt_path = checked_path(ckpt_path)
         self.strategy.launch()
-        def loaders() -> tuple[Iterable, list[Iterable]]:
-            train_loader = self._loaders("train", train_dataloaders, required=True)[0]
-            return train_loader, self._loaders("val", val_dataloaders) if defines(model, "validation_step") else []
-
         with self._stage("fit", model, datamodule, ckpt_path) as path:
-            train_loader, val_loaders = loaders()
+            validates = defines(model, "validation_step") and (val_dataloaders is not None
+                                                               or self.hooks.has_loaders("val"))  # fmt: skip
             restore = functools.partial(checkpoint_state.resume_from, self, path, weights_only) if path else None
-            self.fit_loop.run(train_loader, val_loaders, restore, reload=loaders)
+            self.fit_loop.run(
+                lambda: self._loaders("train", train_dataloaders, required=True)[0],
+                (lambda: self._loaders("val", val_dataloaders)) if validates else None,
+                restore,
+            )
         if self.preempted:
             self.print(self.fit_loop.stopping.report(self.global_step))  # once the progress bar has ended
             # The usual status of a process ended by that signal (143 for SIGTERM, 130 for Ctrl-C), so that

@@ -116,7 +116,10 @@ def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
 def estimated_stepping_batches(trainer: Trainer) -> float:
     """Optimizer steps ``fit`` will take (``math.inf`` if unbounded): from the fit's training data during ``fit``,
     and outside it (the tuner's trials) from the training loader the datamodule or the module makes."""
-    config, batches = trainer.config, trainer.num_training_batches
+    config, data = trainer.config, trainer.fit_loop.data
+    if trainer.stage == "fit" and data is not None:
+        data.load()  # asked for in configure_optimizers: the training loader is needed now
+    batches = trainer.num_training_batches
     if trainer.stage != "fit" and trainer.lightning_module is not None:
         loader = Hooks(trainer, trainer.lightning_module, [], trainer.datamodule).data_loaders("train")
         if loader is not None:

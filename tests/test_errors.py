@@ -204,7 +204,8 @@ def test_fraction_of_a_loader_without_length() -> None:
 
 
 def test_val_check_interval_longer_than_an_epoch() -> None:
-    with pytest.raises(ValueError, match="val_check_interval=20 is more than the 8 training batches"):
+    message = r"val_check_interval=20 must be less than or equal to the number of the training batches of an epoch \(8"
+    with pytest.raises(ValueError, match=message):
         quiet_trainer(max_epochs=1, val_check_interval=20).fit(Regressor(), make_loader(), make_loader())
 
 

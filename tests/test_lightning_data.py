@@ -168,3 +168,53 @@ def test_overfit_batches_reads_in_order_and_says_so() -> None:
         trainer.fit(Regressor(), train, make_loader(16, shuffle=True))
     assert isinstance(trainer.train_dataloader.sampler, SequentialSampler) and trainer.train_dataloader is not train
     assert isinstance(trainer.val_dataloaders.sampler, SequentialSampler) and trainer.num_training_batches == 2
+
+
+# --------------------------------------------------------------------------- when loaders are asked for
+class _Recording(Regressor):
+    """Records each call of its loader hooks: (kind, epoch, whether the sanity check runs)."""
+
+    def __init__(self, steps_in_configure: bool = False) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int, bool]] = []
+        self.steps_in_configure = steps_in_configure
+
+    def train_dataloader(self) -> DataLoader:
+        self.calls.append(("train", self.current_epoch, self.trainer.sanity_checking))
+        return make_loader(16)
+
+    def val_dataloader(self) -> DataLoader:
+        self.calls.append(("val", self.current_epoch, self.trainer.sanity_checking))
+        return make_loader(16)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.steps_in_configure:
+            assert self.trainer.estimated_stepping_batches == 2
+        return super().configure_optimizers()
+
+
+@pytest.mark.parametrize(
+    ("sanity_steps", "steps_in_configure", "calls"),
+    [
+        (2, False, [("val", 0, True), ("train", 0, False)]),  # validation's, inside the sanity check, first
+        (0, False, [("train", 0, False), ("val", 0, False)]),  # validation's at the first validation
+        (2, True, [("train", 0, False), ("val", 0, True)]),  # configure_optimizers needs the training data
+    ],
+)
+def test_loaders_are_asked_for_when_first_needed(sanity_steps: int, steps_in_configure: bool, calls: Any) -> None:
+    model = _Recording(steps_in_configure)
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, num_sanity_val_steps=sanity_steps)
+    trainer.fit(model)
+    assert model.calls == calls
+
+
+def test_validation_loaders_are_reloaded_at_the_validations_due() -> None:
+    model = _Recording()
+    trainer = quiet_trainer(max_epochs=9, logger=False, enable_checkpointing=False, num_sanity_val_steps=1,
+                            check_val_every_n_epoch=3, reload_dataloaders_every_n_epochs=4)  # fmt: skip
+    trainer.fit(model)
+    assert [call[:2] for call in model.calls if call[0] == "train"] == [("train", 0), ("train", 4), ("train", 8)]
+    # The sanity check's loaders serve epoch 2's validation (epoch 0 validates not), which asks again at 8.
+    assert [call for call in model.calls if call[0] == "val"] == [("val", 0, True), ("val", 2, False),
+                                                                  ("val", 8, False)]  # fmt: skip
+

@@ -72,6 +72,9 @@ class LoopState:
 def data_layout(trainer: Trainer) -> dict[str, Any]:
     """What a checkpoint's position in the epoch is relative to: the data seed and the data's layout."""
     fit_loop = trainer.fit_loop
+    if fit_loop.data is not None:
+        # Saved or resumed before the loop asks for the training loader (after the sanity check): ask now.
+        fit_loop.data.load()
     loader = fit_loop.train_loader
     accumulate = trainer.config.accumulate_grad_batches
     accumulate = accumulate if isinstance(accumulate, int) else 1
@@ -80,7 +83,7 @@ def data_layout(trainer: Trainer) -> dict[str, Any]:
         "seed": fit_loop.state.data_seed,
         "global_seed": os.environ.get("EMBER_GLOBAL_SEED"),  # set by seed_everything
         "dataset_length": dataset_length(loader) if loader is not None else None,
-        "batch_size": loader_batch_size(loader),
+        "batch_size": loader_batch_size(loader) if loader is not None else None,
         "replicas": data_replicas(loader) if loader is not None else 1,
         "accumulate": accumulate,
         "steps_per_epoch": None if math.isinf(batches) else math.ceil(batches / accumulate),

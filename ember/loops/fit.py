@@ -75,15 +75,14 @@ class FitLoop:
     # ---------------------------------------------------------------------------------- a fit
     def run(
         self,
-        train_loader: Iterable,
-        val_loaders: list[Iterable],
+        load_train: Callable[[], Iterable],
+        load_validation: Callable[[], list[Iterable]] | None,
         restore: Callable[[], None] | None,
-        reload: Callable[[], tuple[Iterable, list[Iterable]]] | None = None,
     ) -> None:
-        """Train on ``train_loader``, validating on ``val_loaders``; ``restore`` puts a checkpoint's state in
-        place once the optimizers exist; ``reload`` asks for new loaders (``reload_dataloaders_every_n_epochs``)."""
+        """Train on what ``load_train`` gives, validating on what ``load_validation`` gives (None: no validation);
+        ``restore`` puts a checkpoint's state in place once the optimizers exist."""
         trainer, progress, config, hooks = self.trainer, self.progress, self.trainer.config, self.trainer.hooks
-        self.data = TrainingData(trainer, train_loader, val_loaders)
+        self.data = TrainingData(trainer, load_train, load_validation)
         self.runner = self._start_optimization()
         self.state.start(data_seed=trainer.strategy.broadcast(torch.initial_seed() % 2**63))
         self.last_result = self.last_loss = None
@@ -97,14 +96,13 @@ class FitLoop:
                           f"{progress.global_step})")  # fmt: skip
         elif self.data.validation.enabled and config.num_sanity_val_steps:
             self._sanity_check()
+        self.data.load()
         hooks.call("on_train_start")
         self.stopping.start(trainer.world_size, trainer.callbacks)
         fit = self._look_up(self.runner)
-        loaded_at = progress.epoch
         with self.stopping.interruptions.catching_signals():
             while not self.done():
-                if reload is not None and _due(config.reload_dataloaders_every_n_epochs, progress.epoch - loaded_at):
-                    self.data, loaded_at = TrainingData(trainer, *reload()), progress.epoch
+                self.data.start_epoch(progress.epoch)
                 if not self.data.num_batches or self._run_epoch(fit) is _Outcome.PREEMPTED:
                     break
         hooks.call("on_train_end")
@@ -374,11 +372,6 @@ class FitLoop:
         if self.runner is None:
             raise RuntimeError("manual_backward() is available during fit only")
         self.runner.backward(loss)
-
-
-def _due(every: int, epochs_since: int) -> bool:
-    """Whether loaders asked for ``epochs_since`` epochs ago are reloaded now (``every``: 0 never)."""
-    return bool(every) and epochs_since >= every
 
 
 def _skips_epoch(fit: _Fit, batch: Any, batch_idx: int) -> bool:

@@ -185,10 +185,17 @@ class Hooks:
     def data_loaders(self, kind: str) -> Any:
         """What ``<kind>_dataloader()`` ("train", "val", ...) of the datamodule returns, else the module's (None:
         neither defines it)."""
-        name = f"{kind}_dataloader"
+        found = self._loader_owner(kind)
+        return None if found is None else self._call_owner(*found, f"{kind}_dataloader", ())
+
+    def has_loaders(self, kind: str) -> bool:
+        """Whether the datamodule or the module defines ``<kind>_dataloader()``."""
+        return self._loader_owner(kind) is not None
+
+    def _loader_owner(self, kind: str) -> tuple[Any, type] | None:
         for owner, base in ((self._datamodule, DataModule), (self._module, Module)):
-            if owner is not None and defines(owner, name):
-                return self._call_owner(owner, base, name, ())
+            if owner is not None and defines(owner, f"{kind}_dataloader"):
+                return owner, base
         return None
 
     def _call_owner(self, owner: Any, base: type, name: str, args: tuple[Any, ...]) -> Any:

@@ -1,11 +1,11 @@
 """What a fit trains on and when it validates: the training loader with its batches per epoch and the order it
-reads, the validation loaders and their schedule. One ``TrainingData`` per fit, built again when the loaders are
-reloaded (``reload_dataloaders_every_n_epochs``)."""
+reads, the validation loaders and their schedule. One ``TrainingData`` per fit; it asks for the loaders when they
+are first needed, and again when ``reload_dataloaders_every_n_epochs`` says."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ember._utils import batch_size_of
@@ -28,22 +28,53 @@ if TYPE_CHECKING:
 
 class TrainingData:
     """The training loader of a fit (``loader``), the batches of an epoch (``num_batches``, ``math.inf`` when the
-    loader has no length) and the validation (``validation``)."""
+    loader has no length) and the validation (``validation``).
 
-    def __init__(self, trainer: Trainer, loader: Iterable, val_loaders: list[Iterable]) -> None:
-        config = trainer.config
-        self.loader = loader
+    As in Lightning, the training loader is asked for (``load``) when first needed: before ``on_train_start``,
+    after the sanity check, unless something needs it earlier (``estimated_stepping_batches`` in
+    ``configure_optimizers``, the position of a resumed checkpoint). It is asked for again every
+    ``reload_dataloaders_every_n_epochs`` epochs, counted from the first epoch that reads it.
+    """
+
+    def __init__(self, trainer: Trainer, load: Callable[[], Iterable],
+                 load_validation: Callable[[], list[Iterable]] | None) -> None:  # fmt: skip
+        self._trainer = trainer
+        self._load = load
+        self.validation = ValidationSchedule(trainer, load_validation)
+        self.loader: Iterable | None = None
+        self.num_batches = 0.0
+        self._first_epoch: int | None = None  # the first epoch that read the loader
+        self._replicas = 1  # the ranks that read disjoint shards of the data
+        # For a loader that reads an EpochOrder: (samples of the order a batch of every rank reads, its length).
+        self._order: tuple[int, int] | None = None
+
+    def load(self) -> None:
+        """Ask for the training loader, unless it is there."""
+        if self.loader is not None:
+            return
+        config = self._trainer.config
+        self.loader = loader = self._load()
         self.num_batches = count_batches(loader, config.limit_train_batches, "limit_train_batches")
         if self.num_batches == 0 and config.limit_train_batches != 0:
             raise ValueError("the train dataloader is empty: it has no batches to train on")
-        self.validation = ValidationSchedule.build(trainer, self.num_batches, val_loaders)
-        self._replicas = data_replicas(loader)  # the ranks that read disjoint shards of the data
-        # For a loader that reads an EpochOrder: (samples of the order a batch of every rank reads, its length).
+        self.validation.plan(self.num_batches)
+        self._replicas = data_replicas(loader)
         self._order = order_reads(loader)
+
+    def start_epoch(self, epoch: int) -> None:
+        """As ``epoch`` starts, ask for the training loader if it is not there, or again when
+        ``reload_dataloaders_every_n_epochs`` says it is time."""
+        every = self._trainer.config.reload_dataloaders_every_n_epochs
+        if self._first_epoch is not None and every and epoch - self._first_epoch >= every:
+            self.loader = self._first_epoch = None
+        self.load()
+        if self._first_epoch is None:
+            self._first_epoch = epoch
 
     def batches(self, trainer: Trainer, progress: Progress, seed: int) -> Generator[tuple[int, Any, bool], None, None]:
         """``(batch_idx, batch, is_last)`` for the rest of the current epoch, from where ``progress`` is; the
         order follows from ``seed`` and the epoch."""
+        assert self.loader is not None
         if isinstance(self.loader, CombinedLoader) and self.loader.mode == "sequential":
             raise MisconfigurationException(
                 "the `FitLoop` does not support a CombinedLoader in the 'sequential' mode: training reads its loaders "
@@ -77,32 +108,38 @@ class TrainingData:
 
 
 class ValidationSchedule:
-    """When ``fit`` validates: every ``every`` training batches, or at the end of each epoch (``every`` is
-    None), in the epochs ``check_val_every_n_epoch`` selects."""
+    """When ``fit`` validates (every ``every`` training batches, or at the end of each epoch when ``every`` is
+    None, in the epochs ``check_val_every_n_epoch`` selects), and on which loaders.
 
-    def __init__(self, every: int | None, every_n_epochs: int | None, loaders: list[Iterable],
-                 counts: list[float]) -> None:  # fmt: skip
-        self.every = every
-        self.every_n_epochs = every_n_epochs
-        self.loaders = loaders
-        self.counts = counts
-        self.enabled = sum(counts) > 0
+    As in Lightning, the validation loaders are asked for when a validation (or the sanity check) first needs
+    them, and again at the first validation ``reload_dataloaders_every_n_epochs`` epochs after the epoch they were
+    asked for (a sanity check before an epoch that does not validate counts for none)."""
 
-    @classmethod
-    def build(cls, trainer: Trainer, num_batches: float, loaders: list[Iterable]) -> ValidationSchedule:
+    def __init__(self, trainer: Trainer, load: Callable[[], list[Iterable]] | None) -> None:
         config = trainer.config
-        interval, per_epoch = config.val_check_interval, config.check_val_every_n_epoch
-        every: int | None
+        self._trainer = trainer
+        self._load = load
+        self.every: int | None = None
+        self.every_n_epochs = config.check_val_every_n_epoch
+        #: Whether fit validates at all: there is a validation_step, something to validate on, and batches to take.
+        self.enabled = load is not None and config.limit_val_batches != 0
+        self.loaders: list[Iterable] | None = None
+        self.counts: list[float] = []
+        self._loaded_for = -math.inf  # the epoch whose validation asked for the loaders
+
+    def plan(self, num_batches: float) -> None:
+        """Set ``every`` from the training batches of an epoch (``num_batches``) and ``val_check_interval``."""
+        interval = self._trainer.config.val_check_interval
         if isinstance(interval, float):
-            every = None if interval == 1.0 else _fraction_of_epoch(interval, num_batches)
-        else:
-            if per_epoch is not None and interval > num_batches:
-                raise ValueError(
-                    f"val_check_interval={interval} is more than the {num_batches} training batches of an epoch; "
-                    "lower it, or set check_val_every_n_epoch=None to count batches across epochs"
-                )
-            every = interval
-        return cls(every, per_epoch, loaders, trainer.validate_loop.count(loaders))
+            self.every = None if interval == 1.0 else _fraction_of_epoch(interval, num_batches)
+            return
+        if self.every_n_epochs is not None and interval > num_batches:
+            raise ValueError(
+                f"val_check_interval={interval} must be less than or equal to the number of the training batches "
+                f"of an epoch ({num_batches}); lower it, or set check_val_every_n_epoch=None to count batches "
+                "across epochs"
+            )
+        self.every = interval
 
     def selects(self, epoch: int) -> bool:
         """Whether to validate at all in ``epoch`` (counted from 0)."""
@@ -118,9 +155,21 @@ class ValidationSchedule:
         return (batch_idx + 1) % self.every == 0
 
     def run(self, loop: EvaluationLoop, limit: int | None = None) -> None:
-        """Validate, on at most ``limit`` batches of each loader (-1 or None: all)."""
+        """Validate, on at most ``limit`` batches of each loader (-1 or None: all; a limit: the sanity check)."""
+        self._load_when_due(sanity_check=limit is not None)
         counts = self.counts if limit is None or limit == -1 else [min(count, limit) for count in self.counts]
-        loop.run(self.loaders, counts, sanity_check=limit is not None)
+        if sum(counts):
+            loop.run(self.loaders or [], counts, sanity_check=limit is not None)
+
+    def _load_when_due(self, sanity_check: bool) -> None:
+        epoch, every = self._trainer.current_epoch, self._trainer.config.reload_dataloaders_every_n_epochs
+        if self.loaders is not None and not (every and epoch - self._loaded_for >= every):
+            return
+        assert self._load is not None
+        self.loaders = self._load()
+        self.counts = self._trainer.validate_loop.count(self.loaders)
+        if not sanity_check or self.selects(epoch):
+            self._loaded_for = epoch
 
 
 def _fraction_of_epoch(fraction: float, num_batches: float) -> int:
