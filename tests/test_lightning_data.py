@@ -218,3 +218,25 @@ def test_validation_loaders_are_reloaded_at_the_validations_due() -> None:
     assert [call for call in model.calls if call[0] == "val"] == [("val", 0, True), ("val", 2, False),
                                                                   ("val", 8, False)]  # fmt: skip
 
+
+def test_the_sanity_check_leaves_the_random_generators_as_they_were() -> None:
+    class Drawing(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drawn: list[float] = []
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            torch.rand(3)  # as a random augmentation would
+
+        def on_train_start(self) -> None:
+            self.drawn.append(torch.rand(1).item())
+
+    runs = []
+    for sanity_steps in (0, 2):
+        torch.manual_seed(4)
+        model = Drawing()
+        quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, num_sanity_val_steps=sanity_steps).fit(
+            model, make_loader(16), make_loader(16)
+        )
+        runs.append(model.drawn)
+    assert runs[0] == runs[1]

@@ -25,7 +25,7 @@ from ember.loops.stopping import Stopping, reached_limit
 from ember.loops.training_data import TrainingData
 from ember.optim import parse_optimizers
 from ember.rank_zero import rank_zero_warn_once
-from ember.seed import set_random_state
+from ember.seed import random_state, set_random_state
 from ember.trainer_parts import log_hyperparameters
 
 if TYPE_CHECKING:
@@ -296,15 +296,18 @@ class FitLoop:
         self.at_epoch_end = False
 
     def _sanity_check(self) -> None:
-        """Run a few validation batches before training, so a broken validation_step fails in seconds."""
+        """Run a few validation batches before training, so a broken validation_step fails in seconds; as in
+        Lightning, the random generators are as if it had not run."""
         trainer = self.trainer
         assert self.data is not None
         self.sanity_checking = True
+        generators = random_state()
         try:
             trainer.hooks.call_callbacks("on_sanity_check_start")
             self.data.validation.run(trainer.validate_loop, limit=trainer.config.num_sanity_val_steps)
             trainer.hooks.call_callbacks("on_sanity_check_end")
         finally:
+            set_random_state(generators)
             self.sanity_checking = False
 
     # ------------------------------------------------------------------------------- logging
