@@ -121,9 +121,10 @@ class TrainerConfig:
     """Ask the module or datamodule for new training and validation dataloaders every n epochs (0: once)."""
 
     # ---------------------------------------------------------------------------- validation
-    val_check_interval: int | float = 1.0
+    val_check_interval: int | float | str | timedelta | Mapping[str, int] = 1.0
     """How often to validate within an epoch: a float in (0, 1] is a fraction of the epoch, an
-    int a number of training batches."""
+    int a number of training batches, a duration ("DD:HH:MM:SS", a ``datetime.timedelta`` or a dict such as
+    ``{"minutes": 30}``) the time since training started or last validated, checked after each batch."""
 
     check_val_every_n_epoch: int | None = 1
     """Validate every N epochs; None counts ``val_check_interval`` batches across epochs."""
@@ -294,10 +295,12 @@ class TrainerConfig:
     def _check_validation(self) -> None:
         value = self.val_check_interval
         is_int = isinstance(value, int) and not isinstance(value, bool)
-        if not ((is_int and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0)):
+        if isinstance(value, (str, timedelta, Mapping)):
+            parse_max_time(value, flag="val_check_interval")
+        elif not ((is_int and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0)):
             raise FlagError(
-                f"val_check_interval={value!r}: expected a fraction of the epoch (a float in (0, 1]) or a "
-                "number of batches (an int >= 1)"
+                f"val_check_interval={value!r}: expected a fraction of the epoch (a float in (0, 1]), a "
+                "number of batches (an int >= 1) or a duration ('DD:HH:MM:SS', a datetime.timedelta or a dict)"
             )
         if self.check_val_every_n_epoch is not None:
             _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None")

@@ -85,7 +85,7 @@ class Trainer:
         overfit_batches: int | float = 0.0,
         fast_dev_run: bool | int = False,
         reload_dataloaders_every_n_epochs: int = 0,
-        val_check_interval: int | float | None = 1.0,
+        val_check_interval: int | float | str | timedelta | Mapping[str, int] | None = 1.0,
         check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int | None = 2,
         accumulate_grad_batches: int | Literal["auto"] = 1,
@@ -194,7 +194,7 @@ class Trainer:
     accumulate_grad_batches: Reads[int | Literal["auto"]] = Reads("config.accumulate_grad_batches")
     log_every_n_steps: Reads[int] = Reads("config.log_every_n_steps")
     check_val_every_n_epoch: Reads[int | None] = Reads("config.check_val_every_n_epoch")
-    val_check_interval: Reads[int | float] = Reads("config.val_check_interval")
+    val_check_interval: Reads[int | float | str | timedelta | Mapping[str, int]] = Reads("config.val_check_interval")
     num_sanity_val_steps: Reads[int] = Reads("config.num_sanity_val_steps")
     gradient_clip_val: Reads[int | float | None] = Reads("config.gradient_clip_val")
     gradient_clip_algorithm: Reads[str] = Reads("config.gradient_clip_algorithm")

@@ -1,10 +1,13 @@
 """Data loading as Lightning programs expect it: steps and loader hooks switched off with None, several training
-loaders, the loaders the Trainer shows, when loaders are asked for, and the datamodule's own behaviour."""
+loaders, the loaders the Trainer shows, when loaders are asked for, a time-based val_check_interval, and the
+datamodule's own behaviour."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +20,7 @@ import ember
 from ember.callbacks import Callback
 from ember.combined_loader import CombinedLoader
 from ember.exceptions import MisconfigurationException
+from ember.loops import training_data
 
 
 # --------------------------------------------------------------------------- switched off with None
@@ -240,3 +244,34 @@ def test_the_sanity_check_leaves_the_random_generators_as_they_were() -> None:
         )
         runs.append(model.drawn)
     assert runs[0] == runs[1]
+
+
+# --------------------------------------------------------------------------- validation on a clock
+@pytest.mark.parametrize("interval", [timedelta(seconds=3), {"seconds": 3}, "00:00:00:03"])
+def test_a_duration_validates_when_that_much_time_has_passed(
+    interval: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    clock = [0.0]
+    monkeypatch.setattr(training_data, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    class OneSecondBatches(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.validated_at: list[int] = []
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            clock[0] += 1.0
+
+        def on_validation_epoch_start(self) -> None:
+            self.validated_at.append(self.global_step)
+
+    model = OneSecondBatches()
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                            val_check_interval=interval)  # fmt: skip
+    trainer.fit(model, make_loader(32, batch_size=4), make_loader(8))  # 8 batches, 1 s each
+    assert model.validated_at == [3, 6]  # the time counts again from each validation; none at the epoch's end
+
+
+def test_a_wrong_duration_is_refused_with_the_forms_it_takes() -> None:
+    with pytest.raises(ValueError, match="val_check_interval='3s': expected 'DD:HH:MM:SS', a datetime.timedelta"):
+        ember.Trainer(val_check_interval="3s")

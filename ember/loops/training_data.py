@@ -5,10 +5,12 @@ are first needed, and again when ``reload_dataloaders_every_n_epochs`` says."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator, Iterable
+import time
+from collections.abc import Callable, Generator, Iterable, Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ember._utils import batch_size_of
+from ember._utils import batch_size_of, parse_max_time
 from ember.combined_loader import CombinedLoader
 from ember.data import (
     count_batches,
@@ -126,10 +128,18 @@ class ValidationSchedule:
         self.loaders: list[Iterable] | None = None
         self.counts: list[float] = []
         self._loaded_for = -math.inf  # the epoch whose validation asked for the loaders
+        # A time-based val_check_interval: (its seconds, when training started or last validated: time.monotonic).
+        self._timer: tuple[float, float] | None = None
 
     def plan(self, num_batches: float) -> None:
         """Set ``every`` from the training batches of an epoch (``num_batches``) and ``val_check_interval``."""
         interval = self._trainer.config.val_check_interval
+        if isinstance(interval, (str, timedelta, Mapping)):
+            seconds = parse_max_time(interval, flag="val_check_interval")
+            assert seconds is not None  # (checked with the flags)
+            since = self._timer[1] if self._timer is not None else time.monotonic()  # (a reload keeps the count)
+            self.every, self._timer = None, (seconds, since)
+            return
         if isinstance(interval, float):
             self.every = None if interval == 1.0 else _fraction_of_epoch(interval, num_batches)
             return
@@ -148,6 +158,9 @@ class ValidationSchedule:
     def due(self, progress: Progress, batch_idx: int, is_last: bool) -> bool:
         """Whether to validate after training batch ``batch_idx`` (``is_last``: the epoch's last) of an epoch
         that it ``selects``."""
+        if self._timer is not None:
+            seconds, since = self._timer
+            return time.monotonic() - since >= seconds
         if self.every is None:
             return is_last
         if self.every_n_epochs is None:
@@ -160,6 +173,8 @@ class ValidationSchedule:
         counts = self.counts if limit is None or limit == -1 else [min(count, limit) for count in self.counts]
         if sum(counts):
             loop.run(self.loaders or [], counts, sanity_check=limit is not None)
+        if self._timer is not None and limit is None:  # the time counts again from the end of this validation
+            self._timer = (self._timer[0], time.monotonic())
 
     def _load_when_due(self, sanity_check: bool) -> None:
         epoch, every = self._trainer.current_epoch, self._trainer.config.reload_dataloaders_every_n_epochs
