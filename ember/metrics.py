@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -16,13 +17,19 @@ import torch
 from ember._utils import batch_size_of
 from ember.exceptions import MisconfigurationException
 from ember.loggers import Logger
+from ember.rank_zero import rank_zero_warn_once
 
 ReduceFx = Literal["mean", "sum", "max", "min"]
-_REDUCE_FX = frozenset(("mean", "sum", "max", "min"))
+#: The reductions ``self.log(reduce_fx=...)`` takes, as Lightning does: their names (in any case, "avg" for the
+#: mean) and the functions that compute them.
+_REDUCE_FX: dict[Any, ReduceFx] = {
+    "mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min",
+    torch.mean: "mean", torch.sum: "sum", sum: "sum", torch.max: "max", max: "max", torch.min: "min", min: "min",
+}  # fmt: skip
 Number = torch.Tensor | float
 
 
-def _is_metric_object(value: Any) -> bool:
+def is_metric_object(value: Any) -> bool:
     """A ``torchmetrics.Metric``-like object: it updates per batch and computes its own (synced) value."""
     return callable(getattr(value, "compute", None)) and callable(getattr(value, "reset", None))
 
@@ -32,8 +39,10 @@ class _Logged:
 
     __slots__ = (
         "metric",
+        "name",
         "on_epoch",
         "on_step",
+        "options",
         "prog_bar",
         "reduce_fx",
         "step_fresh",
@@ -51,7 +60,9 @@ class _Logged:
     reduce_fx: ReduceFx
     sync_dist: bool
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name  # as self.log got it (without a loader's suffix)
+        self.options: tuple[Any, ...] = ()  # the scope and the arguments of the self.log call that set them
         self.step_value: Number | None = None
         self.step_fresh = False
         self.total: Number | None = None
@@ -72,41 +83,21 @@ class MetricStore:
         #: Keep copies of logged tensors: the step's outputs are overwritten by the next (CUDA graphs).
         self.copy_values = False
 
-    def log(
-        self,
-        key: str,
-        value: Any,
-        prog_bar: bool,
-        logger: bool,
-        on_step: bool,
-        on_epoch: bool,
-        reduce_fx: ReduceFx,
-        sync_dist: bool,
-        batch_size: int | None,
-    ) -> None:
-        """Record one ``self.log`` call under ``key`` (its name, with the dataloader's suffix), with the options
-        the scope resolved (see ``RunMetrics.log``).
+    def record(self, entry: _Logged, value: Any, batch_size: int | None) -> None:
+        """Record one ``self.log`` value in ``entry``, with the options ``RunMetrics.log`` gave it.
 
-        Called per step, possibly several times: the common case (a scalar tensor) takes the
-        shortest path.
+        Called per step, possibly several times: the common case (a scalar tensor) takes the shortest path.
         """
-        if reduce_fx not in _REDUCE_FX:
-            raise ValueError(f"self.log({key!r}, reduce_fx={reduce_fx!r}): choose one of {sorted(_REDUCE_FX)}")
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._entries[key] = _Logged()
-        entry.on_step, entry.on_epoch = on_step, on_epoch
-        entry.prog_bar, entry.to_logger, entry.reduce_fx, entry.sync_dist = prog_bar, logger, reduce_fx, sync_dist
         if type(value) is torch.Tensor and value.numel() == 1:  # the usual value, taken without a call more
             value = value.detach()  # logging must never keep the autograd graph alive
-        elif _is_metric_object(value):
+        elif is_metric_object(value):
             entry.metric = value  # computed, synced and reset by itself at epoch end
             cached = getattr(value, "_forward_cache", None)
             if entry.on_step and cached is not None:
-                entry.step_value, entry.step_fresh = _as_number(key, cached), True
+                entry.step_value, entry.step_fresh = _as_number(entry.name, cached), True
             return
         else:
-            value = _as_number(key, value)
+            value = _as_number(entry.name, value)
         if self.copy_values and isinstance(value, torch.Tensor):
             value = value.clone()
         if entry.on_step:
@@ -213,15 +204,31 @@ def _as_number(name: str, value: Any) -> Number:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(
-                f"self.log({name!r}, ...) takes a single number; got a tensor of shape {tuple(value.shape)}"
+                f"`self.log({name}, ...)` was called, but the tensor must have a single element (its shape is "
+                f"{tuple(value.shape)}): log a reduction of it, such as `self.log({name}, value.mean())`"
             )
         return value.detach()  # logging must never keep the autograd graph alive
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real):
         return float(value)
-    raise TypeError(
-        f"self.log({name!r}, ...) takes a number, a one-element tensor or a torchmetrics Metric; "
-        f"got {type(value).__name__}"
+    if isinstance(value, Mapping) and any(isinstance(item, Mapping) for item in value.values()):
+        raise ValueError(f"`self.log({name}, {value})` was called, but nested dictionaries cannot be logged")
+    raise ValueError(
+        f"`self.log({name}, {value})` was called, but `{type(value).__name__}` values cannot be logged: log a "
+        "number, a one-element tensor or a torchmetrics Metric (self.log_dict for several)"
     )
+
+
+def reduction(name: str, reduce_fx: Any) -> ReduceFx:
+    """What ``self.log(name, reduce_fx=...)`` asks for: a name (in any case) or a function of ``_REDUCE_FX``."""
+    key = reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx
+    try:
+        return _REDUCE_FX[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable argument
+        raise MisconfigurationException(
+            f"self.log({name!r}, reduce_fx={reduce_fx!r}): only `self.log(..., reduce_fx={{min,max,mean,sum}})` are "
+            "supported (as names or as torch's and Python's functions); for another reduction, log a "
+            "torchmetrics.Metric that computes it"
+        ) from None
 
 
 def _accumulate(total: Number | None, value: Number, reduce_fx: ReduceFx, weight: int) -> Number:
@@ -274,20 +281,39 @@ class LogScope:
     default_on_step: bool = False
     """``on_step`` when ``self.log`` leaves it out (``on_epoch`` is then its opposite)."""
     epoch_only: bool = False
-    """Whether values must be epoch values (the hooks that end an epoch)."""
+    """Whether values must be epoch values (the hooks that start or end a stage or an epoch)."""
     suffix: str = ""
     """``/dataloader_idx_N`` while one of several evaluation loaders runs."""
+    predicting: bool = False
+    """Whether the scope is prediction's, which logs nothing."""
 
-    def refusal(self, name: str, on_step: bool | None) -> str | None:
-        """Why ``self.log(name, on_step=...)`` is refused here, or None."""
+    def refusal(self, name: str) -> str:
+        """Why ``self.log(name, ...)`` is refused here, where nothing may be logged."""
         where = f"in {self.hook}" if self.hook is not None else "outside fit, validate and test"
-        if self.store is None:
+        if self.predicting:
             return (
-                f"You can't self.log({name!r}) {where}: values are logged in training_step, validation_step, "
-                "test_step and the hooks of their epochs and batches"
+                f"You can't self.log({name!r}) {where}: prediction logs nothing (its result collection is not "
+                "registered yet, nor ever: return what to keep from predict_step)"
             )
-        if self.epoch_only and on_step:
-            return f"You can't self.log({name!r}, on_step=True) in {self.hook}: an epoch's end logs epoch values only"
+        return (
+            f"You can't self.log({name!r}) {where}: values are logged in training_step, validation_step, "
+            "test_step and the hooks of their epochs and batches"
+        )
+
+    def check(self, name: str, on_step: bool, on_epoch: bool, add_dataloader_idx: bool) -> str | None:
+        """Why ``self.log(name, on_step=..., on_epoch=...)`` (defaults resolved) is refused here, or None."""
+        if not on_step and not on_epoch:
+            return f"`self.log({name}, on_step=False, on_epoch=False)` is not useful: it would be kept nowhere"
+        if self.epoch_only and (on_step or not on_epoch):
+            return (
+                f"You can't self.log({name!r}, on_step={on_step}, on_epoch={on_epoch}) in {self.hook}: it logs "
+                "epoch values only (on_step=False, on_epoch=True)"
+            )
+        if add_dataloader_idx and "/dataloader_idx_" in name:
+            return (
+                f"You called `self.log` with the key `{name}`, which names a dataloader_idx: with several loaders "
+                "Ember adds it (pass add_dataloader_idx=False to name each loader's values yourself)"
+            )
         return None
 
 
@@ -322,20 +348,44 @@ class RunMetrics:
         finally:
             self.scope = previous
 
-    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
-            on_epoch: bool | None = None, reduce_fx: ReduceFx = "mean", sync_dist: bool = False,
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
+            on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean", sync_dist: bool = False,
             batch_size: int | None = None, add_dataloader_idx: bool = True) -> None:  # fmt: skip
         """Record one ``self.log`` call where the scope says (arguments as ``Module.log`` documents them)."""
         scope = self.scope
         store = scope.store
-        if store is None or (scope.epoch_only and on_step):
-            raise MisconfigurationException(scope.refusal(name, on_step))
-        if on_step is None:
-            on_step = scope.default_on_step
-        if on_epoch is None:
-            on_epoch = not scope.default_on_step
+        if store is None:
+            raise MisconfigurationException(scope.refusal(name))
         key = name + scope.suffix if scope.suffix and add_dataloader_idx else name
-        store.log(key, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
+        options = (scope, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, add_dataloader_idx)
+        entry = store._entries.get(key)
+        if entry is None or entry.options != options:  # a name's first call, or other options: checked, then kept
+            entry = self._configure(store, key, name, entry, options)
+        store.record(entry, value, batch_size)
+
+    def _configure(self, store: MetricStore, key: str, name: str, entry: _Logged | None,
+                   options: tuple[Any, ...]) -> _Logged:  # fmt: skip
+        """Check the options of a ``self.log(name, ...)`` call, resolve their defaults and give them to the
+        record of ``key`` in ``store`` (made on the name's first call). The latest call's options hold: the hooks
+        of a batch share its step's scope, so a name logged with other options in another hook is no mistake."""
+        scope, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, add_dataloader_idx = options
+        on_step = scope.default_on_step if on_step is None else on_step
+        on_epoch = (not scope.default_on_step) if on_epoch is None else on_epoch
+        problem = scope.check(name, on_step, on_epoch, add_dataloader_idx)
+        if problem is not None:
+            raise MisconfigurationException(problem)
+        if logger and not self._loggers:
+            rank_zero_warn_once(
+                f"You called `self.log({name!r}, ..., logger=True)` but have no logger configured: pass one to the "
+                "Trainer (logger=True, or a Logger) to write the value",
+                stacklevel=4,
+            )
+        reduce = reduction(name, reduce_fx)
+        if entry is None:
+            entry = store._entries[key] = _Logged(name)
+        entry.on_step, entry.on_epoch, entry.prog_bar, entry.reduce_fx = on_step, on_epoch, prog_bar, reduce
+        entry.to_logger, entry.sync_dist, entry.options = logger is not False, sync_dist, options
+        return entry
 
     @property
     def logged(self) -> dict[str, torch.Tensor]:

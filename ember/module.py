@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -17,9 +17,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from ember import checkpoint as checkpoint_io
 from ember._utils import AttributeDict
 from ember.checkpoint.state import load_weights
-from ember.metrics import ReduceFx
+from ember.exceptions import MisconfigurationException
+from ember.metrics import is_metric_object
 from ember.module_hooks import DataHooks, ModuleHooks
-from ember.rank_zero import rank_zero_warn_once
+from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.loggers import Logger
@@ -220,10 +221,10 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
         name: str,
         value: Any,
         prog_bar: bool = False,
-        logger: bool = True,
+        logger: bool | None = None,
         on_step: bool | None = None,
         on_epoch: bool | None = None,
-        reduce_fx: ReduceFx = "mean",
+        reduce_fx: str | Callable[..., Any] = "mean",
         enable_graph: bool = False,
         sync_dist: bool = False,
         sync_dist_group: Any = None,
@@ -235,20 +236,50 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
         """Log a number, a one-element tensor or a torchmetrics ``Metric`` under ``name``.
 
         In ``training_step`` values are logged per step by default, elsewhere per epoch (the
-        batch-size-weighted mean unless ``reduce_fx`` says otherwise). Values stay on the device,
-        detached, until a logger writes them. ``sync_dist=True`` reduces epoch values across ranks.
-        With several evaluation loaders the name gets ``/dataloader_idx_N`` unless ``add_dataloader_idx``
-        is False. ``rank_zero_only=True`` says the call is made on global rank zero only (it cannot then be
-        synchronised). ``metric_attribute`` is accepted for Lightning's sake: Ember reads a Metric directly.
+        batch-size-weighted mean unless ``reduce_fx`` says otherwise: "mean", "sum", "max", "min" or the
+        functions ``torch.mean``, ``max``, ...). Values stay on the device, detached, until a logger writes
+        them. ``logger=False`` keeps a value from the loggers (None, the default, is True).
+        ``sync_dist=True`` reduces epoch values across ranks. With several evaluation loaders the name gets
+        ``/dataloader_idx_N`` unless ``add_dataloader_idx`` is False. ``rank_zero_only=True`` says the call is
+        made on global rank zero only (it cannot then be synchronised). A Metric must be an attribute of the
+        module (so that it moves and is saved with it), found by itself or named by ``metric_attribute``.
         """
         if enable_graph or sync_dist_group is not None or (rank_zero_only and sync_dist):
             raise ValueError(_unsupported_log_option(name, enable_graph, sync_dist_group))
         trainer = self._trainer
-        if trainer is not None and trainer.config.barebones:
+        if trainer is None:  # a step called by hand, as in a unit test: not an error
+            rank_zero_warn(
+                f"self.log({name!r}, ...) does nothing: the `self.trainer` reference is not registered on the "
+                "module yet (the module has not been given to a Trainer)"
+            )
+        elif trainer.config.barebones:
             rank_zero_warn_once(f"self.log({name!r}, ...) does nothing with barebones=True", stacklevel=2)
-        elif trainer is not None:
+        else:
+            if type(value) is not torch.Tensor and metric_attribute is None and is_metric_object(value):
+                self._check_metric_attribute(name, value)
             trainer.run_metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size,
                                     add_dataloader_idx)  # fmt: skip
+
+    def _check_metric_attribute(self, name: str, metric: Any) -> None:
+        """Refuse a logged Metric that is not one of the module's attributes: it would not move to the module's
+        device nor be saved with it."""
+        attributes = self.__dict__.get("_metric_attributes")
+        if attributes is None or id(metric) not in attributes:  # looked for again when it is new
+            attributes = {id(module): key for key, module in self.named_modules() if is_metric_object(module)}
+            self.__dict__["_metric_attributes"] = attributes
+        if id(metric) in attributes:
+            return
+        if not attributes:
+            fix = "you can fix this by setting an attribute for the metric in your Module (self.accuracy = ...)"
+        else:
+            fix = (
+                f"you can fix this by calling `self.log({name}, ..., metric_attribute=name)` where `name` is one of "
+                f"{list(attributes.values())}"
+            )
+        raise MisconfigurationException(
+            f"self.log({name!r}, <{type(metric).__name__}>): the metric is not an attribute of the module, so it "
+            f"would neither move to its device nor be saved with it; {fix}"
+        )
 
     def log_dict(self, dictionary: Mapping[str, Any], **options: Any) -> None:
         """``self.log`` for each item of ``dictionary``, with the same options."""

@@ -252,7 +252,7 @@ class _Recorder(Logger):
         pass
 
 
-_EPOCH_LOGGING_HOOKS = ["on_fit_start", "on_train_start", "on_train_epoch_start", "on_validation_start",
+_EPOCH_LOGGING_HOOKS = ["on_train_start", "on_train_epoch_start", "on_validation_start",
                         "on_validation_epoch_start", "on_validation_epoch_end", "on_train_epoch_end"]  # fmt: skip
 _STEP_LOGGING_HOOKS = ["on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
                        "on_before_optimizer_step", "on_before_zero_grad"]  # fmt: skip
@@ -293,7 +293,9 @@ def test_a_value_logged_in_the_hooks_that_start_an_evaluation_reaches_its_result
     assert results[0]["started"] == 1.0 and results[0]["epoch_started"] == 2.0
 
 
-@pytest.mark.parametrize("hook", ["setup", "on_train_end", "on_fit_end", "configure_optimizers", "on_save_checkpoint"])
+@pytest.mark.parametrize(
+    "hook", ["setup", "on_fit_start", "on_train_end", "on_fit_end", "configure_optimizers", "on_save_checkpoint"]
+)
 def test_logging_where_nothing_may_be_logged_is_refused_by_name(hook: str) -> None:
     def refused(self: Any, *args: Any) -> Any:
         with pytest.raises(MisconfigurationException, match=rf"self.log\('x'\) in {hook}"):
@@ -314,7 +316,7 @@ def test_an_epoch_end_refuses_a_value_per_step_and_prediction_refuses_logging() 
         def on_train_epoch_end(self) -> None:
             self.log("per_step", 1.0, on_step=True)
 
-    with pytest.raises(ValueError, match=r"on_step=True\) in on_train_epoch_end"):
+    with pytest.raises(ValueError, match=r"on_step=True, on_epoch=True\) in on_train_epoch_end"):
         quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False).fit(Logs(), make_loader(16))
 
     class Predicts(Regressor):

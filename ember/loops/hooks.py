@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ember._utils import defines, is_overridden
 from ember.callbacks import Callback
 from ember.loops.step import StepHooks
-from ember.metrics import LogScope, MetricStore
+from ember.metrics import LogScope
 from ember.module import DataModule, Module
 
 if TYPE_CHECKING:
@@ -59,18 +59,19 @@ _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 _PER_STEP = ("training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "backward",
              "on_after_backward", "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping",
              "on_before_zero_grad", "optimizer_zero_grad")  # fmt: skip
-_PER_EPOCH = ("on_fit_start", "on_train_start", "on_train_epoch_start", "on_validation_start", "on_test_start",
-              "on_validation_epoch_start", "on_test_epoch_start", "validation_step", "test_step",
-              "on_validation_batch_start", "on_validation_batch_end", "on_test_batch_start", "on_test_batch_end")
-_EPOCH_ENDS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
-#: Where ``self.log`` may record, with its defaults: per step (``on_step=True``) in a training step and the hooks
-#: around it, per epoch elsewhere, epoch values only where an epoch ends. Anywhere else (setup, teardown, the
-#: hooks of prediction, of checkpoints, of the sanity check, where a stage ends) logging is refused, as Lightning
-#: refuses it; unlike Lightning, ``on_fit_start`` may log (as ``on_train_start`` does).
+_PER_EPOCH = ("validation_step", "test_step", "on_validation_batch_start", "on_validation_batch_end",
+              "on_test_batch_start", "on_test_batch_end")  # fmt: skip
+_EPOCH_ONLY = ("on_train_start", "on_validation_start", "on_test_start", "on_train_epoch_start",
+               "on_validation_epoch_start", "on_test_epoch_start", "on_train_epoch_end", "on_validation_epoch_end",
+               "on_test_epoch_end")  # fmt: skip
+#: Where ``self.log`` may record, with its defaults, as Lightning allows it: per step (``on_step=True``) in a
+#: training step and the hooks around it, per epoch in evaluation steps and their batch hooks, epoch values only
+#: where a stage or an epoch starts or ends. Anywhere else (setup, teardown, ``on_fit_start``, the hooks of
+#: prediction, of checkpoints, of the sanity check, where a stage ends) logging is refused.
 LOGGING = {
     **{hook: (True, False) for hook in _PER_STEP},
     **{hook: (False, False) for hook in _PER_EPOCH},
-    **{hook: (False, True) for hook in _EPOCH_ENDS},
+    **{hook: (False, True) for hook in _EPOCH_ONLY},
 }  # hook -> (default on_step, epoch values only)
 
 
@@ -227,8 +228,7 @@ class Hooks:
         suffix = f"/dataloader_idx_{dataloader_idx}" if dataloader_idx is not None else ""
         scope = self._scopes.get((hook, suffix))
         if scope is None:
-            scope = self._scopes[hook, suffix] = _scope(hook, self._trainer.run_metrics.train,
-                                                        self._trainer.run_metrics.eval, suffix)  # fmt: skip
+            scope = self._scopes[hook, suffix] = _scope(hook, self._trainer, suffix)
         with self._trainer.run_metrics.scoped(scope):
             yield
 
@@ -273,12 +273,13 @@ class Hooks:
         return self._datamodule_hook(name) or self.module_hook(name)
 
 
-def _scope(hook: str, train: MetricStore, evaluation: MetricStore, suffix: str) -> LogScope:
+def _scope(hook: str, trainer: Trainer, suffix: str) -> LogScope:
     rule = LOGGING.get(hook)
-    if rule is None:
-        return LogScope(hook)
+    if rule is None or trainer.stage == "predict":
+        return LogScope(hook, predicting=trainer.stage == "predict")
     default_on_step, epoch_only = rule
-    store = evaluation if "validation" in hook or "test" in hook else train
+    metrics = trainer.run_metrics
+    store = metrics.eval if "validation" in hook or "test" in hook else metrics.train
     return LogScope(hook, store, default_on_step, epoch_only, suffix)
 
 

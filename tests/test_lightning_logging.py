@@ -1,0 +1,165 @@
+"""``self.log`` as Lightning defines it: the values and options it takes or refuses, where, and with which message."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torchmetrics
+from conftest import Regressor, make_loader, quiet_trainer
+
+import ember
+from ember.callbacks import Callback
+from ember.exceptions import MisconfigurationException
+
+
+class _LogsInStep(Regressor):
+    """Logs ``value`` under "x" with ``options`` in each training step."""
+
+    def __init__(self, value: Any = 1.0, **options: Any) -> None:
+        super().__init__()
+        self.value, self.options = value, options
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("x", self.value, **self.options)
+        return super().training_step(batch, batch_idx)
+
+
+def _fit(model: ember.Module, **flags: Any) -> ember.Trainer:
+    flags = {"max_epochs": 1, "logger": False, "enable_checkpointing": False, **flags}
+    trainer = quiet_trainer(**flags)
+    trainer.fit(model, make_loader(32))
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (None, "`NoneType` values cannot be logged"),
+        ("text", "`str` values cannot be logged"),
+        ([1, 2], "`list` values cannot be logged"),
+        ({"a": 1}, "`dict` values cannot be logged"),
+        ({"a": {"b": 1}}, "nested dictionaries cannot be logged"),
+        (torch.ones(2), "the tensor must have a single element"),
+    ],
+)
+def test_a_value_that_is_not_one_number_is_refused_with_a_value_error(value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=rf"self.log\(x, .*\)` was called, but .*{message}"):
+        _fit(_LogsInStep(value))
+
+
+def test_booleans_and_numpy_numbers_are_numbers() -> None:
+    trainer = _fit(_LogsInStep(np.float32(2.5)))
+    assert trainer.callback_metrics["x"] == 2.5
+    assert _fit(_LogsInStep(True)).callback_metrics["x"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("reduce_fx", "expected"),
+    [(max, 3.0), (torch.max, 3.0), (min, 0.0), (torch.min, 0.0), ("AVG", 1.5), ("Mean", 1.5), ("SUM", 6.0),
+     (sum, 6.0), (torch.sum, 6.0), (torch.mean, 1.5)],
+)  # fmt: skip
+def test_reduce_fx_takes_names_in_any_case_and_the_reducing_functions(reduce_fx: Any, expected: float) -> None:
+    class Logs(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("batch", torch.tensor(batch_idx), on_step=False, on_epoch=True, reduce_fx=reduce_fx)
+            return super().training_step(batch, batch_idx)
+
+    trainer = _fit(Logs())  # 4 batches: 0, 1, 2, 3
+    assert trainer.callback_metrics["batch"] == expected
+    assert trainer.logged_metrics["batch"] == expected
+
+
+def test_another_reduction_is_refused() -> None:
+    with pytest.raises(MisconfigurationException, match=r"reduce_fx=\{min,max,mean,sum\}\)` are supported"):
+        _fit(_LogsInStep(reduce_fx=torch.argmax))
+
+
+def test_a_value_kept_neither_per_step_nor_per_epoch_is_refused() -> None:
+    with pytest.raises(MisconfigurationException, match="is not useful"):
+        _fit(_LogsInStep(on_step=False, on_epoch=False))
+
+
+def test_a_name_holding_a_loader_index_is_refused_unless_the_index_is_left_to_the_caller() -> None:
+    class Named(Regressor):
+        def __init__(self, **options: Any) -> None:
+            super().__init__()
+            self.options = options
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("x/dataloader_idx_0", 1.0, **self.options)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(MisconfigurationException, match="with the key `x/dataloader_idx_0`"):
+        _fit(Named())
+    assert _fit(Named(add_dataloader_idx=False)).callback_metrics["x/dataloader_idx_0"] == 1.0
+
+
+def test_a_name_logged_in_two_hooks_of_a_batch_with_other_options_takes_the_latest() -> None:
+    class TwoHooks(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("x", 1.0)
+            return super().training_step(batch, batch_idx)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.log("x", 2.0, prog_bar=True)
+
+    trainer = _fit(TwoHooks())
+    assert trainer.callback_metrics["x"] == 2.0 and trainer.progress_bar_metrics["x"] == 2.0
+
+
+def test_a_logged_metric_must_be_an_attribute_of_the_module() -> None:
+    def accuracy() -> torchmetrics.Metric:
+        return torchmetrics.classification.BinaryAccuracy()
+
+    class Unattached(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            metric = accuracy()
+            metric(torch.tensor([0.9]), torch.tensor([1]))
+            self.log("acc", metric)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(MisconfigurationException, match="fix this by setting an attribute for the metric in your"):
+        _fit(Unattached())
+
+    class OtherAttached(Unattached):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept = accuracy()
+
+    with pytest.raises(MisconfigurationException, match=r"metric_attribute=name\)` where `name` is one of \['kept'\]"):
+        _fit(OtherAttached())
+
+    class Attached(OtherAttached):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.kept(torch.tensor([0.9]), torch.tensor([1]))
+            self.log("acc", self.kept)
+            return Regressor.training_step(self, batch, batch_idx)
+
+    assert _fit(Attached()).callback_metrics["acc"] == 1.0
+
+
+def test_logging_without_a_trainer_warns_and_logging_to_no_logger_warns() -> None:
+    with pytest.warns(UserWarning, match="`self.trainer` reference is not registered"):
+        Regressor().log("x", 1.0)
+    with pytest.warns(UserWarning, match=r"log\('x', ..., logger=True\)` but have no logger"):
+        _fit(_LogsInStep(logger=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fit(_LogsInStep())  # logger left out: nothing to say
+
+
+@pytest.mark.parametrize("hook", ["on_train_start", "on_train_epoch_start", "on_validation_start"])
+def test_the_hooks_that_start_a_stage_or_an_epoch_log_epoch_values_only(hook: str) -> None:
+    class Logs(Callback):
+        pass
+
+    def log(self: Any, trainer: Any, module: Any) -> None:
+        module.log("x", 1.0, on_step=True)
+
+    setattr(Logs, hook, log)
+    with pytest.raises(MisconfigurationException, match=rf"on_step=True, on_epoch=True\) in {hook}"):
+        quiet_trainer(max_epochs=1, logger=False, callbacks=[Logs()]).fit(Regressor(), make_loader(16), make_loader(8))
