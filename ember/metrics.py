@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -27,6 +27,7 @@ _REDUCE_FX: dict[Any, ReduceFx] = {
     torch.mean: "mean", torch.sum: "sum", sum: "sum", torch.max: "max", max: "max", torch.min: "min", min: "min",
 }  # fmt: skip
 Number = torch.Tensor | float
+_Key = TypeVar("_Key", bound=Hashable)
 
 
 def is_metric_object(value: Any) -> bool:
@@ -253,11 +254,11 @@ def _accumulate(total: Number | None, value: Number, reduce_fx: ReduceFx, weight
     return max(total, value) if reduce_fx == "max" else min(total, value)
 
 
-def to_floats(values: Mapping[str, Number]) -> dict[str, float]:
+def to_floats(values: Mapping[_Key, Number]) -> dict[_Key, float]:
     """Python floats for ``values``, with one host-device transfer per device instead of one per value."""
     floats = {name: float(value) for name, value in values.items() if not isinstance(value, torch.Tensor)}
     tensors = {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
-    by_device: dict[torch.device, list[str]] = {}
+    by_device: dict[torch.device, list[_Key]] = {}
     for name, tensor in tensors.items():
         by_device.setdefault(tensor.device, []).append(name)
     for names in by_device.values():
@@ -324,6 +325,11 @@ class RunMetrics:
     training, the evaluation store while validating or testing. The values of finished epochs are published as
     callback metrics; ``write`` hands values to the loggers (on the global-zero process) and keeps them as the
     logged metrics.
+
+    Values are written with Lightning's step labels: while fitting, the index of the latest optimizer step (the
+    first step's values, and those of the validation and the epoch end that follow it, are labelled 0); in
+    ``validate`` and ``test``, the steps taken. An evaluation's per-step values are labelled with the batch's
+    index among its loader's batches in the stage, and written when the evaluation's epoch ends.
     """
 
     def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor], loggers: Sequence[Logger],
@@ -338,6 +344,9 @@ class RunMetrics:
         self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
         self._prog_bar_epoch_values: dict[str, Number] = {}
         self._logged: dict[str, float] = {}  # the values last written to the loggers
+        self._fitting = False  # whether the stage is fit's (see the class's step labels)
+        self._eval_batches: dict[int, int] = {}  # per evaluation loader, its batches run in the stage
+        self._eval_steps: list[tuple[int, dict[str, Number]]] = []  # evaluation step values to write, by label
 
     @contextlib.contextmanager
     def scoped(self, scope: LogScope) -> Iterator[None]:
@@ -389,8 +398,10 @@ class RunMetrics:
 
     @property
     def logged(self) -> dict[str, torch.Tensor]:
-        """The values last written to the loggers, as tensors (kept as numbers: most are never read)."""
-        return {name: torch.tensor(value) for name, value in self._logged.items()}
+        """The latest value of each metric meant for the loggers, as tensors, whether or not a logger wrote it
+        yet (a training step's values are written every ``log_every_n_steps``); as Lightning's logged metrics."""
+        live = self.train.step_values(fresh_only=False, for_logger=True)
+        return {name: _as_tensor(value) for name, value in {**self._logged, **live}.items()}
 
     def callback_metrics(self) -> dict[str, torch.Tensor]:
         """The latest value of every logged metric (the epoch value where there is one), as tensors."""
@@ -405,8 +416,11 @@ class RunMetrics:
         """Values logged with ``prog_bar=True`` as they were logged: tensors stay on the device."""
         return {**self._prog_bar_epoch_values, **self.train.prog_bar_step_values()}
 
-    def publish_epoch(self, store: MetricStore, step: int, epoch: int) -> dict[str, Number]:
-        """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers."""
+    def publish_epoch(self, store: MetricStore, steps: int, epoch: int) -> dict[str, Number]:
+        """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers (after
+        the evaluation's step values), labelled as ``steps`` (the optimizer steps taken) says."""
+        if store is self.eval:
+            self._write_evaluation_steps()
         for_loggers = {}
         published = {}
         for key, (value, entry) in store.epoch_values().items():
@@ -419,36 +433,64 @@ class RunMetrics:
                 self._prog_bar_epoch_values[name] = value
             if entry.to_logger:
                 for_loggers[name] = value
-        self.write(for_loggers, step, epoch)
+        self.write(for_loggers, self._label(steps), epoch)
         return published
 
     def log_values(self, values: Mapping[str, float], step: int, epoch: int) -> None:
-        """Values a callback measured itself (learning rates, device memory): written to the loggers and,
-        like logged metrics, readable in the callback metrics."""
+        """Values a callback measured itself (learning rates, device memory): written to the loggers with the
+        label ``step`` and, like logged metrics, readable in the callback metrics."""
         self._epoch_values.update(values)
         self.write(values, step, epoch)
 
-    def reset(self) -> None:
+    def reset(self, fitting: bool = False) -> None:
         """Forget everything logged: each stage (fit, validate, test, predict) starts with no metrics."""
         self.train.clear()
         self.eval.clear()
         self._epoch_values.clear()
         self._prog_bar_epoch_values.clear()
         self._logged.clear()
+        self._fitting = fitting
+        self._eval_batches.clear()
+        self._eval_steps.clear()
 
-    def write_step_values(self, step: int, epoch: int) -> None:
-        """Write the training values logged per step since the last call."""
-        self.write(self.train.step_values(fresh_only=True, for_logger=True), step, epoch)
+    def write_step_values(self, steps: int, epoch: int) -> None:
+        """Write the training values logged per step since the last call, ``steps`` optimizer steps into fit."""
+        self.write(self.train.step_values(fresh_only=True, for_logger=True), self._label(steps), epoch)
 
-    def write(self, values: Mapping[str, Number], step: int, epoch: int) -> None:
-        """Turn values into numbers (one device sync) and hand them to the loggers on rank zero."""
-        if not values:
-            return
-        floats = to_floats(values)
+    def evaluation_batch_done(self, dataloader_idx: int) -> None:
+        """Keep the step values an evaluation batch logged, with its label, for the epoch's end to write (so that
+        no batch waits for the device)."""
+        step = self._eval_batches.get(dataloader_idx, 0)
+        self._eval_batches[dataloader_idx] = step + 1
+        values = self.eval.step_values(fresh_only=True, for_logger=True)
+        if values:
+            self._eval_steps.append((step, values))
+
+    def _write_evaluation_steps(self) -> None:
+        kept, self._eval_steps = self._eval_steps, []
+        floats = to_floats({(index, name): value for index, (_, values) in enumerate(kept)
+                            for name, value in values.items()})  # fmt: skip
+        for index, (step, values) in enumerate(kept):
+            self._hand_over({name: floats[index, name] for name in values}, step, None)
+
+    def _label(self, steps: int) -> int:
+        return max(steps - 1, 0) if self._fitting else steps
+
+    def write(self, values: Mapping[str, Number], step: int, epoch: int | None) -> None:
+        """Turn values into numbers (one device sync) and hand them to the loggers on rank zero, labelled
+        ``step``, with the ``epoch`` (unless None, or logged by the module)."""
+        if values:
+            self._hand_over(to_floats(values), step, epoch)
+
+    def _hand_over(self, floats: dict[str, float], step: int, epoch: int | None) -> None:
         self._logged.update(floats)
-        if self._is_global_zero:
-            for logger in self._loggers:
-                logger.log_metrics({**floats, "epoch": epoch}, step)
+        if not self._is_global_zero:
+            return
+        metrics: dict[str, float] = dict(floats)
+        if epoch is not None:
+            metrics.setdefault("epoch", epoch)
+        for logger in self._loggers:
+            logger.log_metrics(metrics=metrics, step=step)
 
 
 def _as_tensor(value: Number) -> torch.Tensor:

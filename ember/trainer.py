@@ -505,7 +505,7 @@ class Trainer:
         self.stage = stage
         self.state.begin(stage)
         self._hooks = None
-        self.run_metrics.reset()
+        self.run_metrics.reset(fitting=stage == "fit")
         self.lightning_module = module
         module.trainer = self
         self.datamodule = datamodule

@@ -973,7 +973,8 @@ def test_learning_rate_monitor_logs_the_rate_each_logging_step_uses() -> None:
     trainer.fit(Halving(), make_loader())
     with open(os.path.join(trainer.log_dir, "metrics.csv"), newline="") as file:
         logged = [(int(row["step"]), float(row["lr-Adam"])) for row in csv.DictReader(file) if row.get("lr-Adam")]
-    assert logged == [(2, rates[1]), (4, rates[3])] and rates == [0.1, 0.05, 0.025, 0.0125]
+    # labelled as the step's other values: with the step's index (the second step is 1)
+    assert logged == [(1, rates[1]), (3, rates[3])] and rates == [0.1, 0.05, 0.025, 0.0125]
     monitor = LearningRateMonitor()
 
     class Two(Regressor):

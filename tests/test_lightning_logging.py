@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from conftest import Regressor, make_loader, quiet_trainer
 import ember
 from ember.callbacks import Callback
 from ember.exceptions import MisconfigurationException
+from ember.loggers import Logger
 
 
 class _LogsInStep(Regressor):
@@ -163,3 +165,65 @@ def test_the_hooks_that_start_a_stage_or_an_epoch_log_epoch_values_only(hook: st
     setattr(Logs, hook, log)
     with pytest.raises(MisconfigurationException, match=rf"on_step=True, on_epoch=True\) in {hook}"):
         quiet_trainer(max_epochs=1, logger=False, callbacks=[Logs()]).fit(Regressor(), make_loader(16), make_loader(8))
+
+
+# ------------------------------------------------------------------------- what reaches the loggers, and when
+class _Calls(Logger):
+    """Keeps each ``log_metrics`` call; takes its arguments by keyword only, as Lightning passes them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, float], int | None]] = []
+
+    def log_metrics(self, *, metrics: Mapping[str, float], step: int | None = None) -> None:  # type: ignore[override]
+        self.calls.append((dict(metrics), step))
+
+
+class _StepAndEpoch(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("t", float(batch_idx), on_step=True, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("v", float(batch_idx), on_step=True, on_epoch=True)
+
+
+def test_values_are_labelled_and_handed_to_loggers_as_lightning_does() -> None:
+    calls = _Calls()
+    trainer = quiet_trainer(max_epochs=2, logger=calls, log_every_n_steps=1, enable_checkpointing=False)
+    model = _StepAndEpoch()
+    trainer.fit(model, make_loader(16), make_loader(16))  # 2 training and 2 validation batches an epoch
+    # A training step's values carry the index of its step (0 for the first), the epoch's values its last step's;
+    # a validation step's the batch's index among the stage's validation batches, without an epoch.
+    step = ["epoch", "t_step", "train_loss"]
+    assert [(sorted(metrics), step) for metrics, step in calls.calls] == [
+        (step, 0), (step, 1), (["v_step"], 0), (["v_step"], 1), (["epoch", "v_epoch"], 1), (["epoch", "t_epoch"], 1),
+        (step, 2), (step, 3), (["v_step"], 2), (["v_step"], 3), (["epoch", "v_epoch"], 3), (["epoch", "t_epoch"], 3),
+    ]  # fmt: skip
+    assert [metrics["epoch"] for metrics, _ in calls.calls if "epoch" in metrics] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+    calls.calls.clear()
+    trainer.validate(model, make_loader(16), verbose=False)
+    # outside fit, values carry the steps taken
+    assert calls.calls == [({"v_step": 0.0}, 0), ({"v_step": 1.0}, 1), ({"v_epoch": 0.5, "epoch": 2}, 4)]
+
+
+def test_logged_metrics_hold_the_step_and_the_epoch_values_whether_or_not_a_logger_wrote_them() -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, log_every_n_steps=50, enable_checkpointing=False)
+    trainer.fit(_StepAndEpoch(), make_loader(16), make_loader(16))
+    logged = trainer.logged_metrics
+    assert {"t_step", "t_epoch", "v_step", "v_epoch"} <= set(logged)
+    assert logged["t_step"] == 1.0 and logged["v_step"] == 1.0 and logged["v_epoch"] == 0.5
+    assert all(isinstance(value, torch.Tensor) for value in logged.values())
+
+
+def test_an_epoch_logged_by_the_module_is_kept() -> None:
+    class LogsEpoch(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("epoch", -float(batch_idx))
+            return super().training_step(batch, batch_idx)
+
+    calls = _Calls()
+    trainer = quiet_trainer(max_epochs=1, logger=calls, log_every_n_steps=1, enable_checkpointing=False)
+    trainer.fit(LogsEpoch(), make_loader(16))
+    assert [metrics["epoch"] for metrics, _ in calls.calls if "train_loss" in metrics] == [0.0, -1.0]
+    assert trainer.logged_metrics["epoch"] == -1.0

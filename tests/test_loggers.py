@@ -39,8 +39,8 @@ def test_tensorboard_event_files_read_back_with_scalars_and_hyperparameters(tmp_
     trainer.fit(Regressor(lr=0.03), make_loader(32), make_loader(16))
     assert logger.log_dir == os.path.join(str(tmp_path), "ember_logs", "version_0") == trainer.log_dir
     scalars = _scalars(logger.log_dir)
-    assert [step for step, _ in scalars["train_loss"]] == [2, 4, 6, 8]
-    assert [step for step, _ in scalars["val_loss"]] == [4, 8]
+    assert [step for step, _ in scalars["train_loss"]] == [1, 3, 5, 7]  # each step's index, as Lightning labels
+    assert [step for step, _ in scalars["val_loss"]] == [3, 7]
     assert scalars["train_loss"][-1][1] == pytest.approx(float(trainer.logged_metrics["train_loss"]))
 
     events = EventAccumulator(logger.log_dir)
@@ -67,8 +67,8 @@ def test_mlflow_runs_read_back_from_the_local_store(tmp_path: Any) -> None:
     assert run.info.run_id == logger.version and run.info.status == "FINISHED"
     assert run.data.params == {"lr": "0.03", "features": "4"} and run.data.tags["team"] == "core"
     history = client.get_metric_history(run.info.run_id, "train_loss")
-    assert [metric.step for metric in history] == [2, 4, 6, 8]
-    assert [metric.step for metric in client.get_metric_history(run.info.run_id, "val_loss")] == [4, 8]
+    assert [metric.step for metric in history] == [1, 3, 5, 7]
+    assert [metric.step for metric in client.get_metric_history(run.info.run_id, "val_loss")] == [3, 7]
     runs = mlflow.search_runs(experiment_names=["regression"], output_format="list")
     assert [found.info.run_id for found in runs] == [logger.version]
     # checkpoints go into the run's directory of the store
@@ -201,10 +201,9 @@ def test_two_gloo_ranks_sync_metrics_and_only_rank_zero_writes(tmp_path: Any) ->
     run_dir = os.path.join(out, "ember_logs", "version_0")
     assert sorted(os.listdir(os.path.join(out, "ember_logs"))) == ["version_0"]
     assert len([name for name in os.listdir(run_dir) if name.startswith("events.out")]) == 1
-    assert [step for step, _ in _scalars(run_dir)["train_loss"]] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert [step for step, _ in _scalars(run_dir)["train_loss"]] == [1, 3, 5, 7, 9, 11, 13, 15]
     with open(os.path.join(run_dir, "metrics.csv"), newline="") as file:
-        assert [row["step"] for row in csv.DictReader(file) if row["train_loss"]] == ["2", "4", "6", "8", "10",
-                                                                                     "12", "14", "16"]  # fmt: skip
+        assert [row["step"] for row in csv.DictReader(file) if row["train_loss"]] == [str(n) for n in range(1, 16, 2)]
     experiments = [name for name in os.listdir(os.path.join(out, "mlruns")) if name not in ("0", ".trash")]
     assert len(experiments) == 1
     runs = [name for name in os.listdir(os.path.join(out, "mlruns", experiments[0])) if name != "meta.yaml"]
@@ -243,4 +242,4 @@ def test_metrics_csv_stays_open_during_a_stage_and_is_closed_at_its_end(tmp_path
     quiet_trainer(max_epochs=2, log_every_n_steps=1, logger=logger, callbacks=[Probe()]).fit(Regressor(), make_loader())
     assert seen[-1] and os.path.realpath(logger.metrics_file) not in open_files()  # appended to in place, then closed
     with open(logger.metrics_file, newline="") as file:
-        assert [int(row["step"]) for row in csv.DictReader(file) if row["train_loss"]] == list(range(1, 17))
+        assert [int(row["step"]) for row in csv.DictReader(file) if row["train_loss"]] == list(range(16))

@@ -119,7 +119,7 @@ def test_csv_logger_versions_runs_and_writes_hyperparameters(tmp_path: Any) -> N
     with open(os.path.join(trainer.log_dir, "hparams.yaml")) as file:
         assert "lr: 0.02" in file.read().splitlines()
     rows = _rows(os.path.join(trainer.log_dir, "metrics.csv"))
-    assert [row["step"] for row in rows if row["train_loss"]] == ["2", "4", "6", "8"]
+    assert [row["step"] for row in rows if row["train_loss"]] == ["1", "3", "5", "7"]
     assert rows[-1]["val_loss"] and rows[-1]["epoch"] == "0"
 
 

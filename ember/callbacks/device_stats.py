@@ -41,7 +41,8 @@ class DeviceStatsMonitor(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if at_logging_step(trainer):
             stats = self.stats(trainer.strategy.root_device)
-            trainer.run_metrics.write(stats, trainer.global_step, trainer.current_epoch)
+            # labelled as the batch's other values: with the index of its step
+            trainer.run_metrics.write(stats, trainer.fit_loop.logging_step - 1, trainer.current_epoch)
 
     def stats(self, device: torch.device) -> dict[str, float]:
         """The figures for ``device`` (and the host), by name."""

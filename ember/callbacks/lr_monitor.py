@@ -74,9 +74,9 @@ class LearningRateMonitor(Callback):
         loop = trainer.fit_loop
         if self.logging_interval == "epoch" or loop.progress.window_batches:
             return  # once per optimizer step, when its first micro-batch starts
-        step = loop.logging_step + 1  # the step that begins, the label its other values get
-        if step % trainer.log_every_n_steps == 0:
-            self._log(trainer, "step" if self.logging_interval is None else None, step)
+        # Written when the step that begins is a logging step, with the label its values get (the steps before it).
+        if (loop.logging_step + 1) % trainer.log_every_n_steps == 0:
+            self._log(trainer, "step" if self.logging_interval is None else None, loop.logging_step)
 
     def _log(self, trainer: Trainer, interval: str | None, step: int) -> None:
         values = self._values(trainer, interval)

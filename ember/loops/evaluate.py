@@ -111,7 +111,7 @@ class EvaluationLoop:
                 output = strategy.step(step_name, *arguments.of(batch, batch_idx, dataloader_idx))
                 for hook_function in batch_end:
                     hook_function(output, batch, batch_idx, *extra)
-                self._keep(output)
+                self._batch_done(output, dataloader_idx)
 
     # ---------------------------------------------------------- what validation and test make of it
     def _begin(self, loaders: int) -> None:
@@ -123,8 +123,9 @@ class EvaluationLoop:
     def _next_batch(self, batch_idx: int) -> None:
         pass
 
-    def _keep(self, output: Any) -> None:
-        pass
+    def _batch_done(self, output: Any, dataloader_idx: int) -> None:
+        if not self.trainer.sanity_checking:  # a sanity check's values describe nothing: they are dropped
+            self.trainer.run_metrics.evaluation_batch_done(dataloader_idx)
 
     def _end_epoch(self, loaders: int) -> None:
         pass
@@ -175,7 +176,7 @@ class PredictionLoop(EvaluationLoop):
         self.current_batch_indices = self._produced[batch_idx] if self._produced is not None else []
         self.epoch_batch_indices[-1].append(self.current_batch_indices)
 
-    def _keep(self, output: Any) -> None:
+    def _batch_done(self, output: Any, dataloader_idx: int) -> None:
         if self._keeps:
             # Kept on the device, every batch's outputs would pile up in its memory.
             self.predictions[-1].append(apply_to_tensors(output, _to_cpu))
