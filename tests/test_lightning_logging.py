@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -10,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
+import yaml
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
 from ember.callbacks import Callback
 from ember.exceptions import MisconfigurationException
-from ember.loggers import Logger
+from ember.loggers import CSVLogger, Logger, TensorBoardLogger
+from ember.loggers.csv_logger import ExperimentWriter
 
 
 class _LogsInStep(Regressor):
@@ -227,3 +231,83 @@ def test_an_epoch_logged_by_the_module_is_kept() -> None:
     trainer.fit(LogsEpoch(), make_loader(16))
     assert [metrics["epoch"] for metrics, _ in calls.calls if "train_loss" in metrics] == [0.0, -1.0]
     assert trainer.logged_metrics["epoch"] == -1.0
+
+
+# ---------------------------------------------------------------------------------------------- the loggers
+def _csv_rows(path: str) -> list[dict[str, str]]:
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_the_csv_logger_has_lightnings_writer_and_optional_arguments(tmp_path: Any) -> None:
+    logger = CSVLogger(str(tmp_path), name=None, prefix="train")
+    assert os.path.normpath(logger.root_dir) == str(tmp_path)
+    logger.log_hyperparams()  # nothing to write but the file
+    logger.log_hyperparams({"lr": 0.1})
+    logger.log_hyperparams({"layers": 2})  # added to what was logged
+    writer = logger.experiment
+    assert isinstance(writer, ExperimentWriter) and writer.log_dir == str(tmp_path / "version_0")
+    with open(os.path.join(writer.log_dir, ExperimentWriter.NAME_HPARAMS_FILE)) as file:
+        assert yaml.safe_load(file) == {"lr": 0.1, "layers": 2}
+    logger.log_metrics({"loss": torch.tensor(0.5), "count": 3})  # no step: numbered by the rows not yet written
+    assert writer.metrics == [{"step": 0, "train-loss": 0.5, "train-count": 3}]
+    logger.save()
+    assert writer.metrics == []
+    assert _csv_rows(writer.metrics_file_path) == [{"step": "0", "train-loss": "0.5", "train-count": "3"}]
+    assert os.path.basename(writer.metrics_file_path) == ExperimentWriter.NAME_METRICS_FILE
+
+
+def test_the_csv_logger_writes_every_n_steps(tmp_path: Any) -> None:
+    saves: list[int] = []
+
+    class Recording(CSVLogger):
+        def save(self) -> None:
+            saves.append(self.experiment.metrics[-1]["step"])
+            super().save()
+
+    logger = Recording(str(tmp_path), flush_logs_every_n_steps=3)
+    for step in range(7):
+        logger.log_metrics({"loss": 1.0}, step=step)
+    assert saves == [2, 5]  # when the next step is a multiple of 3
+    logger = CSVLogger(str(tmp_path), flush_logs_every_n_steps=3)
+    for step in (1, 3, 5, 7, 9):  # steps that skip the multiples still write every 3 or so
+        logger.log_metrics({"loss": 1.0}, step=step)
+        assert len(logger.experiment.metrics) <= 2
+
+
+def test_an_earlier_runs_metrics_are_replaced_with_a_warning_unless_the_run_continues(tmp_path: Any) -> None:
+    version_dir = tmp_path / "ember_logs" / "version_0"
+    version_dir.mkdir(parents=True)
+    (version_dir / "metrics.csv").write_text("step,old\n0,1\n")
+    logger = CSVLogger(str(tmp_path), version=0)
+    with pytest.warns(UserWarning, match="Experiment logs directory .* exists and is not empty"):
+        _ = logger.experiment
+    assert not (version_dir / "metrics.csv").exists()
+
+    # a fit that continues its checkpoint appends to the file its run left
+    flags = {"default_root_dir": str(tmp_path / "run"), "log_every_n_steps": 1}
+    trainer = quiet_trainer(max_epochs=1, **flags)
+    trainer.fit(Regressor(), make_loader(16))
+    log_dir, first = trainer.log_dir, _csv_rows(os.path.join(str(trainer.log_dir), "metrics.csv"))
+    trainer = quiet_trainer(max_epochs=2, **flags)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert trainer.log_dir == log_dir
+    rows = _csv_rows(os.path.join(log_dir, "metrics.csv"))
+    assert rows[: len(first)] == first and {row["epoch"] for row in rows} == {"0", "1"}
+
+
+def test_the_tensorboard_logger_logs_lightnings_placeholder_metric_with_the_hyperparameters(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    calls: list[tuple[dict[str, float], int | None]] = []
+
+    class Recording(TensorBoardLogger):
+        def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+            calls.append((dict(metrics), step))
+
+    Recording(str(tmp_path)).log_hyperparams({"lr": 0.1})
+    Recording(str(tmp_path), default_hp_metric=False).log_hyperparams({"lr": 0.1})
+    Recording(str(tmp_path)).log_hyperparams({"lr": 0.1}, {"accuracy": 0.5}, step=3)
+    assert calls == [({"hp_metric": -1}, None), ({"accuracy": 0.5}, 3)]
+    assert TensorBoardLogger.NAME_HPARAMS_FILE == "hparams.yaml"

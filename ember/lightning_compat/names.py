@@ -207,7 +207,10 @@ PYTORCH: dict[str, Names] = {
         "DummyLogger": "ember.loggers:DummyLogger",
         "rank_zero_experiment": "ember.loggers.dummy:rank_zero_experiment",
     },
-    "loggers.csv_logs": {"CSVLogger": "ember.loggers:CSVLogger"},
+    "loggers.csv_logs": {
+        "CSVLogger": "ember.loggers:CSVLogger",
+        "ExperimentWriter": "ember.loggers.csv_logger:ExperimentWriter",
+    },
     "loggers.tensorboard": {"TensorBoardLogger": "ember.loggers:TensorBoardLogger"},
     "loggers.mlflow": {"MLFlowLogger": "ember.loggers:MLflowLogger"},
     "strategies": _STRATEGIES,

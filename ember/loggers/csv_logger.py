@@ -9,95 +9,154 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ember.loggers.logger import VersionedLogger
+import torch
+
+from ember.loggers.dummy import rank_zero_experiment
+from ember.loggers.logger import VersionedLogger, prefixed, write_hparams_file
+from ember.rank_zero import rank_zero_warn
+
+
+class ExperimentWriter:
+    """What a ``CSVLogger`` writes into its run directory (``logger.experiment``, as Lightning's): ``metrics.csv``,
+    from the rows of ``metrics`` that ``save`` appends, and ``hparams.yaml``.
+
+    The file is only ever appended to: a failed write (a full disk) is cut back to the rows written before. When a
+    new metric appears, a complete file with the wider header replaces it at once (written beside it, then
+    renamed), so the history is never truncated either. A ``metrics.csv`` left in the directory by an earlier run
+    is replaced (with a warning), unless ``continues`` says this run continues that one (it is appended to).
+    """
+
+    NAME_METRICS_FILE = "metrics.csv"
+    NAME_HPARAMS_FILE = "hparams.yaml"
+
+    def __init__(self, log_dir: str, continues: bool = False) -> None:
+        self.log_dir = log_dir
+        self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
+        #: The rows logged and not yet written.
+        self.metrics: list[dict[str, Any]] = []
+        #: The columns: the file's, then those of new metrics.
+        self.metrics_keys: list[str] = []
+        self.hparams: dict[str, Any] = {}
+        self._file_columns: list[str] | None = None  # the header of metrics.csv as written
+        # metrics.csv's descriptor, open from the first append to ``close`` (an open per append took a measurable
+        # share of a small model's steps)
+        self._descriptor: int | None = None
+        if not continues and os.path.isfile(self.metrics_file_path):
+            rank_zero_warn(
+                f"Experiment logs directory {log_dir} exists and is not empty: the metrics.csv an earlier run left "
+                "there is replaced by this run's (continue a run with fit(ckpt_path=...) to append to it)"
+            )
+            os.unlink(self.metrics_file_path)
+        os.makedirs(log_dir, exist_ok=True)
+
+    def log_metrics(self, metrics_dict: Mapping[str, Any], step: int | None = None) -> None:
+        """Add a row (``step`` None: the number of rows not yet written, as Lightning's writer numbers them).
+        Values logged at the same step share a row, unless an epoch began in between (the epoch-start values of
+        the next epoch come at the step where the last one ended)."""
+        row: dict[str, Any] = {"step": len(self.metrics) if step is None else step}
+        row.update((name, value.item() if isinstance(value, torch.Tensor) else value)
+                   for name, value in metrics_dict.items())  # fmt: skip
+        last = self.metrics[-1] if self.metrics else None
+        if last is not None and last["step"] == row["step"] and last.get("epoch") == row.get("epoch"):
+            last.update(row)
+        else:
+            self.metrics.append(row)
+        for key in row:
+            if key not in self.metrics_keys:
+                self.metrics_keys.append(key)
+
+    def log_hparams(self, params: Mapping[str, Any]) -> None:
+        """Add ``params`` to the hyperparameters and write them all to ``hparams.yaml``."""
+        self.hparams.update(params)
+        write_hparams_file(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
+
+    def save(self) -> None:
+        """Append the rows of ``metrics`` to ``metrics.csv``."""
+        if not self.metrics:
+            return
+        path = self.metrics_file_path
+        if self._file_columns is None:  # first write: continue the file of the run this one continues, if any
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._file_columns = _read_header(path)
+            known = self._file_columns
+            self.metrics_keys = known + [column for column in self.metrics_keys if column not in known]
+        # The known columns begin with the file's (new metrics are added at the end): more means new ones.
+        if not self._file_columns or len(self.metrics_keys) > len(self._file_columns):
+            self.close()
+            _replace(path, _csv_text(self.metrics_keys, [*_read_rows(path), *self.metrics], header=True))
+        else:
+            _append(self._open(path), _csv_text(self.metrics_keys, self.metrics, header=False))
+        self._file_columns = list(self.metrics_keys)
+        self.metrics = []
+
+    def close(self) -> None:
+        if self._descriptor is not None:
+            os.close(self._descriptor)
+            self._descriptor = None
+
+    def _open(self, path: str) -> int:
+        if self._descriptor is None:
+            self._descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        return self._descriptor
 
 
 class CSVLogger(VersionedLogger):
     """Writes ``<save_dir>/<name>/version_<N>/metrics.csv`` (one row per logged step) and ``hparams.yaml``.
 
-    Rows are buffered and appended every ``flush_logs_every_n_steps`` steps and at the end of a stage;
-    when a new metric appears, a complete file with the wider header replaces the old one atomically.
+    Rows are buffered (``experiment.metrics``) and appended every ``flush_logs_every_n_steps`` steps (when the
+    step after a row's is a multiple of N, as in Lightning, or N steps after the last write, for logging steps
+    that skip the multiples) and at the end of a stage. ``prefix`` is put before each metric's name
+    (``prefix-name``). ``name=None`` (or "") puts the versions in ``save_dir`` itself.
     """
 
     def __init__(
         self,
         save_dir: str | os.PathLike = ".",
-        name: str = "ember_logs",
+        name: str | None = "ember_logs",
         version: int | str | None = None,
+        prefix: str = "",
         flush_logs_every_n_steps: int = 100,
     ) -> None:
         super().__init__(save_dir, name, version)
+        self._prefix = prefix
         self._flush_every = flush_logs_every_n_steps
-        self._rows: list[dict[str, Any]] = []
-        self._columns: list[str] = []
-        self._file_columns: list[str] | None = None  # the header of metrics.csv as written
-        self._last_flush_step = 0
-        # metrics.csv's path and descriptor, open from the first append to the end of the stage (an open per
-        # append took a measurable share of a small model's steps)
-        self._file: tuple[str, int] | None = None
+        self._last_flush_step = -1
+        self._experiment: ExperimentWriter | None = None
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        """The run directory's writer, created on first use (``experiment.metrics``: the rows not yet written);
+        on other processes than global zero, an object that takes any call and does nothing."""
+        if self._experiment is None:
+            self._experiment = ExperimentWriter(self.log_dir, continues=self.continues)
+        return self._experiment
 
     @property
     def metrics_file(self) -> str:
-        return os.path.join(self.log_dir, "metrics.csv")
+        return os.path.join(self.log_dir, ExperimentWriter.NAME_METRICS_FILE)
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self.write_hparams_file(params)
+    def log_hyperparams(self, params: Mapping[str, Any] | None = None) -> None:
+        self.experiment.log_hparams(params or {})
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        row = {"step": step, **metrics}
-        last = self._rows[-1] if self._rows else None
-        # Values logged at the same step share a row, unless an epoch began in between (the
-        # epoch-start values of the next epoch come at the step where the last one ended).
-        if last is not None and last["step"] == step and last.get("epoch") == row.get("epoch"):
-            last.update(row)
-        else:
-            self._rows.append(row)
-        for key in row:
-            if key not in self._columns:
-                self._columns.append(key)
-        if step - self._last_flush_step >= self._flush_every:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        experiment = self.experiment
+        if step is None:
+            step = len(experiment.metrics)
+        experiment.log_metrics(prefixed(metrics, self._prefix), step)
+        if (step + 1) % self._flush_every == 0 or step - self._last_flush_step > self._flush_every:
             self.save()
 
     def save(self) -> None:
-        """Append the buffered rows to ``metrics.csv``.
-
-        The file is only ever appended to: a failed write (a full disk) is cut back to the rows written
-        before. When a new metric appears, a complete file with the wider header replaces it at once
-        (written beside it, then renamed), so the history is never truncated either.
-        """
-        if not self._rows:
-            return
-        path = self.metrics_file
-        if self._file_columns is None:  # first write: continue a file a resumed run left, if any
-            os.makedirs(self.log_dir, exist_ok=True)
-            self._file_columns = _read_header(path)
-            known = self._file_columns
-            self._columns = known + [column for column in self._columns if column not in known]
-        # The known columns begin with the file's (new metrics are added at the end): more means new ones.
-        widened = not self._file_columns or len(self._columns) > len(self._file_columns)
-        if widened:
-            self._close()
-            _replace(path, _csv_text(self._columns, [*_read_rows(path), *self._rows], header=True))
-        else:
-            _append(self._descriptor(path), _csv_text(self._columns, self._rows, header=False))
-        self._file_columns = list(self._columns)
-        self._last_flush_step = self._rows[-1]["step"]
-        self._rows.clear()
+        """Append the buffered rows to ``metrics.csv``."""
+        if self._experiment is not None and self._experiment.metrics:
+            self._last_flush_step = self._experiment.metrics[-1]["step"]
+            self._experiment.save()
 
     def finalize(self, status: str) -> None:
         super().finalize(status)
-        self._close()
-
-    def _descriptor(self, path: str) -> int:
-        if self._file is None or self._file[0] != path:
-            self._close()
-            self._file = (path, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666))
-        return self._file[1]
-
-    def _close(self) -> None:
-        if self._file is not None:
-            os.close(self._file[1])
-            self._file = None
+        if self._experiment is not None:
+            self._experiment.close()
 
 
 def _csv_text(columns: list[str], rows: list[dict[str, Any]], header: bool) -> str:

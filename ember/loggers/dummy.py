@@ -29,7 +29,7 @@ class DummyLogger(Logger):
     def experiment(self) -> Any:
         return _Discard()
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         pass
 
 

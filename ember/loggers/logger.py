@@ -33,10 +33,11 @@ class Logger:
     def use_version(self, version: int | str) -> None:
         """Adopt ``version`` (rank zero's choice), so that every rank names the same run directory."""
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Write ``metrics`` labelled ``step`` (the Trainer passes both by keyword, as Lightning does)."""
         raise NotImplementedError
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
         pass
 
     def save(self) -> None:
@@ -52,13 +53,16 @@ class VersionedLogger(Logger):
 
     The version is claimed when first asked for (by the Trainer, on rank zero, before anything is
     written): its directory is created then, atomically, so two runs started together in one folder
-    never share one. Loggers sharing ``save_dir`` and ``name`` write into the same run directory.
+    never share one. Loggers sharing ``save_dir`` and ``name`` write into the same run directory; without a
+    name (None or ""), the versions are in ``save_dir`` itself.
     """
 
-    def __init__(self, save_dir: str | os.PathLike, name: str, version: int | str | None) -> None:
+    def __init__(self, save_dir: str | os.PathLike, name: str | None, version: int | str | None) -> None:
         self._save_dir = os.fspath(save_dir)
-        self._name = name
+        self._name = name or ""
         self._version = version
+        #: Whether this run continues the one whose directory it writes into (a resumed fit), set by the Trainer.
+        self.continues = False
 
     @property
     def name(self) -> str:
@@ -74,6 +78,11 @@ class VersionedLogger(Logger):
     def runs_dir(self) -> str:
         """The directory this logger's runs (``version_<N>``) live in."""
         return os.path.join(self._save_dir, self._name)
+
+    @property
+    def root_dir(self) -> str:
+        """``runs_dir``, by Lightning's name."""
+        return self.runs_dir
 
     def use_version(self, version: int | str) -> None:
         self._version = version
@@ -92,13 +101,19 @@ class VersionedLogger(Logger):
         version = self.version
         return os.path.join(self._save_dir, self._name, version if isinstance(version, str) else f"version_{version}")
 
-    def write_hparams_file(self, params: Mapping[str, Any]) -> None:
-        """Write ``hparams.yaml`` into the run directory (values YAML cannot hold are written as their repr)."""
-        import yaml
 
-        os.makedirs(self.log_dir, exist_ok=True)
-        with open(os.path.join(self.log_dir, "hparams.yaml"), "w") as file:
-            yaml.safe_dump(_yaml_ready(dict(params)), file, sort_keys=False, allow_unicode=True)
+def write_hparams_file(path: str, params: Mapping[str, Any]) -> None:
+    """Write ``params`` to the YAML file ``path`` (values YAML cannot hold are written as their repr)."""
+    import yaml
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as file:
+        yaml.safe_dump(_yaml_ready(dict(params)), file, sort_keys=False, allow_unicode=True)
+
+
+def prefixed(metrics: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
+    """``metrics`` with each name after ``prefix`` and a dash (as they are without a prefix)."""
+    return {f"{prefix}-{name}": value for name, value in metrics.items()} if prefix else metrics
 
 
 _PLAIN = (bool, int, float, str)
@@ -140,8 +155,9 @@ def settle_versions(loggers: Sequence[Logger], continuing: str | None) -> list[i
     """Give each logger its run directory and return their versions (rank zero decides; the others adopt).
 
     A run that continues the checkpoint ``continuing`` in place keeps writing into the version directory
-    that holds it; otherwise each runs directory gets a version claimed anew, shared by the loggers that
-    write under it. A version the user gave is kept as it is.
+    that holds it (and its loggers are told so: they append to what is there); otherwise each runs directory
+    gets a version claimed anew, shared by the loggers that write under it. A version the user gave is kept
+    as it is.
     """
     claimed: dict[str, int | str] = {}
     for logger in loggers:
@@ -153,7 +169,13 @@ def settle_versions(loggers: Sequence[Logger], continuing: str | None) -> list[i
             if shared is not None:
                 logger.use_version(shared)
         claimed.setdefault(logger.runs_dir, logger.version)
+        logger.continues = continuing is not None and _inside(continuing, logger.log_dir)
     return [logger.version for logger in loggers]
+
+
+def _inside(path: str, directory: str) -> bool:
+    relative = os.path.relpath(os.path.abspath(path), os.path.abspath(directory))
+    return relative != ".." and not relative.startswith(".." + os.sep)
 
 
 def lineage_version(runs_dir: str, path: str | None) -> int | None:

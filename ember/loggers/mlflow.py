@@ -105,15 +105,15 @@ class MLflowLogger(Logger):
             return None
         return os.path.join(self._local_dir, self.name, self.version)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         from mlflow.entities import Metric
 
         timestamp = int(time.time() * 1000)
-        entries = [Metric(_key(name), float(value), timestamp, step) for name, value in metrics.items()]
+        entries = [Metric(_key(name), float(value), timestamp, step or 0) for name, value in metrics.items()]
         for start in range(0, len(entries), _METRICS_PER_CALL):
             self.experiment.log_batch(self.version, metrics=entries[start : start + _METRICS_PER_CALL])
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
         from mlflow.entities import Param
 
         entries = [Param(_key(key), str(value)[:_MAX_PARAM_LENGTH]) for key, value in flatten(params).items()]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ember._utils import require
-from ember.loggers.logger import VersionedLogger, flatten
+from ember.loggers.logger import VersionedLogger, flatten, prefixed, write_hparams_file
 
 
 class TensorBoardLogger(VersionedLogger):
@@ -23,22 +23,32 @@ class TensorBoardLogger(VersionedLogger):
     stage, then written before training goes on. The writer's background thread otherwise wakes for each
     scalar and takes Python's interpreter lock from the training loop at every step that logs (4% of
     the time of a small model's epoch).
+
+    As in Lightning, ``prefix`` is put before each metric's name (``prefix-name``), and logging the
+    hyperparameters logs the metric ``hp_metric`` (-1, a placeholder to overwrite) unless
+    ``default_hp_metric=False`` or ``log_hyperparams`` is given metrics of its own.
     """
+
+    NAME_HPARAMS_FILE = "hparams.yaml"
 
     def __init__(
         self,
         save_dir: str | os.PathLike = ".",
-        name: str = "ember_logs",
+        name: str | None = "ember_logs",
         version: int | str | None = None,
+        default_hp_metric: bool = True,
+        prefix: str = "",
         flush_logs_every_n_steps: int = 100,
         **writer_options: Any,
     ) -> None:
         require("tensorboard", "tensorboard", "TensorBoardLogger")  # torch.utils.tensorboard writes through it
         super().__init__(save_dir, name, version)
+        self._default_hp_metric = default_hp_metric
+        self._prefix = prefix
         self._writer_options = writer_options
         self._writer: Any = None
         self._flush_every = flush_logs_every_n_steps
-        self._pending: list[tuple[str, float, int]] = []  # (name, value, step) not yet handed to the writer
+        self._pending: list[tuple[str, float, int | None]] = []  # (name, value, step) not yet handed to the writer
         self._last_flush_step = 0
 
     @property
@@ -50,15 +60,23 @@ class TensorBoardLogger(VersionedLogger):
             self._writer = SummaryWriter(log_dir=self.log_dir, **self._writer_options)
         return self._writer
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self._pending.extend((name, value, step) for name, value in metrics.items())
-        if step - self._last_flush_step >= self._flush_every:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self._pending.extend((name, value, step) for name, value in prefixed(metrics, self._prefix).items())
+        if step is not None and step - self._last_flush_step >= self._flush_every:
             self.save()
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def log_hyperparams(
+        self, params: Mapping[str, Any], metrics: Mapping[str, float] | float | None = None, step: int | None = None
+    ) -> None:
         from torch.utils.tensorboard.summary import hparams
 
-        self.write_hparams_file(params)
+        write_hparams_file(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), params)
+        if metrics is None and self._default_hp_metric:
+            metrics = {"hp_metric": -1}
+        elif metrics is not None and not isinstance(metrics, Mapping):
+            metrics = {"hp_metric": metrics}
+        if metrics:
+            self.log_metrics(metrics, step)
         values = {key: _hparam_value(value) for key, value in flatten(params).items()}
         # Only the session's start record: without an experiment record, TensorBoard's HPARAMS tab
         # lists every scalar of the run as a metric, so nothing has to be named in advance.
@@ -71,7 +89,8 @@ class TensorBoardLogger(VersionedLogger):
             writer = self.experiment
             for name, value, step in self._pending:
                 writer.add_scalar(name, value, step)
-            self._last_flush_step = self._pending[-1][2]
+            last_step = self._pending[-1][2]
+            self._last_flush_step = self._last_flush_step if last_step is None else last_step
             self._pending = []
         if self._writer is not None:
             self._writer.flush()  # waits for the writer's thread, which then has the interpreter to itself
