@@ -39,6 +39,7 @@ class _Logged:
     """One logged name: its options, latest step value and running epoch aggregate."""
 
     __slots__ = (
+        "loaders",
         "metric",
         "name",
         "on_epoch",
@@ -64,6 +65,7 @@ class _Logged:
     def __init__(self, name: str) -> None:
         self.name = name  # as self.log got it (without a loader's suffix)
         self.options: tuple[Any, ...] = ()  # the scope and the arguments of the self.log call that set them
+        self.loaders: set[int] = set()  # the evaluation loaders whose steps logged it (none: all of them)
         self.step_value: Number | None = None
         self.step_fresh = False
         self.total: Number | None = None
@@ -285,6 +287,8 @@ class LogScope:
     """Whether values must be epoch values (the hooks that start or end a stage or an epoch)."""
     suffix: str = ""
     """``/dataloader_idx_N`` while one of several evaluation loaders runs."""
+    dataloader_idx: int | None = None
+    """That loader's index."""
     predicting: bool = False
     """Whether the scope is prediction's, which logs nothing."""
 
@@ -392,6 +396,8 @@ class RunMetrics:
         reduce = reduction(name, reduce_fx)
         if entry is None:
             entry = store._entries[key] = _Logged(name)
+        if scope.dataloader_idx is not None:
+            entry.loaders.add(scope.dataloader_idx)
         entry.on_step, entry.on_epoch, entry.prog_bar, entry.reduce_fx = on_step, on_epoch, prog_bar, reduce
         entry.to_logger, entry.sync_dist, entry.options = logger is not False, sync_dist, options
         return entry
@@ -413,19 +419,22 @@ class RunMetrics:
         return to_floats(self.progress_bar_values())
 
     def progress_bar_values(self) -> dict[str, Number]:
-        """Values logged with ``prog_bar=True`` as they were logged: tensors stay on the device."""
-        return {**self._prog_bar_epoch_values, **self.train.prog_bar_step_values()}
+        """Values logged with ``prog_bar=True`` as they were logged (an evaluation's per-step ones too, as in
+        Lightning): tensors stay on the device."""
+        eval_steps = self.eval.prog_bar_step_values()
+        return {**self._prog_bar_epoch_values, **eval_steps, **self.train.prog_bar_step_values()}
 
-    def publish_epoch(self, store: MetricStore, steps: int, epoch: int) -> dict[str, Number]:
+    def publish_epoch(self, store: MetricStore, steps: int, epoch: int) -> dict[str, tuple[Number, set[int]]]:
         """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers (after
-        the evaluation's step values), labelled as ``steps`` (the optimizer steps taken) says."""
+        the evaluation's step values), labelled as ``steps`` (the optimizer steps taken) says. Returns each
+        value with the evaluation loaders that logged it (none: logged outside them, for all)."""
         if store is self.eval:
             self._write_evaluation_steps()
         for_loggers = {}
         published = {}
         for key, (value, entry) in store.epoch_values().items():
             name = epoch_name(key, entry)
-            published[name] = value
+            published[name] = value, entry.loaders
             self._epoch_values[name] = value
             if name != key:
                 self._epoch_values[key] = value  # "loss" holds the epoch value when both were logged

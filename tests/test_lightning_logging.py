@@ -311,3 +311,50 @@ def test_the_tensorboard_logger_logs_lightnings_placeholder_metric_with_the_hype
     Recording(str(tmp_path)).log_hyperparams({"lr": 0.1}, {"accuracy": 0.5}, step=3)
     assert calls == [({"hp_metric": -1}, None), ({"accuracy": 0.5}, 3)]
     assert TensorBoardLogger.NAME_HPARAMS_FILE == "hparams.yaml"
+
+
+# ------------------------------------------------------------------------------------- callbacks, loaders, bar
+def test_a_callback_logs_with_self_log_in_the_hooks_where_the_module_may() -> None:
+    class Logs(Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.log("per_step", float(batch_idx))
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            self.log_dict({"a": 1.0, "b": 2.0})
+
+        def on_fit_end(self, trainer: Any, module: Any) -> None:
+            with pytest.raises(MisconfigurationException, match="in on_fit_end"):
+                self.log("refused", 1.0)
+
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, callbacks=[Logs()])
+    trainer.fit(Regressor(), make_loader(32))
+    metrics = trainer.callback_metrics
+    assert metrics["per_step"] == 3.0 and metrics["a"] == 1.0 and metrics["b"] == 2.0 and "refused" not in metrics
+    with pytest.raises(MisconfigurationException, match="while a stage runs"):
+        Logs().log("x", 1.0)
+
+
+def test_each_loaders_results_hold_what_its_steps_logged_without_the_loader_index() -> None:
+    class Named(Regressor):
+        def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.log("shared", 1.0)  # gets each loader's suffix
+            self.log(f"own_{dataloader_idx}", float(dataloader_idx), add_dataloader_idx=False)
+
+        def on_test_epoch_end(self) -> None:
+            self.log("all", 5.0)
+
+    results = quiet_trainer(logger=False).test(Named(), [make_loader(16), make_loader(16)], verbose=False)
+    assert results == [
+        {"shared/dataloader_idx_0": 1.0, "own_0": 0.0, "all": 5.0},
+        {"shared/dataloader_idx_1": 1.0, "own_1": 1.0, "all": 5.0},
+    ]
+
+
+def test_an_evaluation_step_value_for_the_bar_is_a_progress_bar_metric() -> None:
+    class Shows(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("shown", float(batch_idx), on_step=True, on_epoch=False, prog_bar=True)
+
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    trainer.fit(Shows(), make_loader(16), make_loader(16))
+    assert trainer.progress_bar_metrics["shown"] == 1.0 and "shown" not in trainer.callback_metrics

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -20,6 +23,8 @@ class Callback:
     #: Whether the callback reads ``trainer.predict_loop.predictions`` when prediction ends (a prediction
     #: writer): the outputs are then kept even with ``predict(return_predictions=False)``.
     wants_predictions = False
+    #: The module of the stage in progress, whose ``log`` the callback's logs through (given by the hook caller).
+    _logging_module: Module | None = None
 
     @property
     def state_key(self) -> str:
@@ -31,6 +36,21 @@ class Callback:
         """Whether ``hook``, which this callback overrides, has work to do in the stage that is starting; the
         loops do not call one that has none (a batch hook whose schedule is unset then costs nothing per batch)."""
         return True
+
+    def log(self, name: str, value: Any, **options: Any) -> None:
+        """Log ``value`` as the module's ``self.log`` does (same options), from the hook being run: as in
+        Lightning, a callback may call ``self.log`` in the hooks where the module may."""
+        module = self._logging_module
+        if module is None:
+            raise MisconfigurationException(
+                f"{type(self).__name__}.log({name!r}, ...): a callback logs from its hooks, while a stage runs"
+            )
+        module.log(name, value, **options)
+
+    def log_dict(self, dictionary: Mapping[str, Any], **options: Any) -> None:
+        """``self.log`` for each item of ``dictionary``, with the same options."""
+        for name, value in dictionary.items():
+            self.log(name, value, **options)
 
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None: ...
     def teardown(self, trainer: Trainer, pl_module: Module, stage: str) -> None: ...

@@ -22,7 +22,7 @@ from ember._utils import apply_to_tensors
 from ember.data import count_batches, loader_batches
 from ember.data_failures import named_failures
 from ember.loops.step import takes_batch_idx
-from ember.metrics import to_floats
+from ember.metrics import Number, to_floats
 
 if TYPE_CHECKING:
     from ember.loops.hooks import Hooks
@@ -136,9 +136,9 @@ class EvaluationLoop:
         metrics = trainer.run_metrics
         if sanity_check:
             metrics.eval.clear()
-            return per_dataloader({}, loaders)
+            return [{} for _ in range(loaders)]
         published = metrics.publish_epoch(metrics.eval, trainer.fit_loop.logging_step, trainer.current_epoch)
-        return per_dataloader(to_floats(published), loaders)
+        return per_dataloader(published, loaders)
 
 
 class PredictionLoop(EvaluationLoop):
@@ -271,15 +271,14 @@ def _no_grad(inference_mode: bool) -> Any:
     return torch.inference_mode() if inference_mode else torch.no_grad()
 
 
-def per_dataloader(metrics: dict[str, float], count: int) -> list[dict[str, float]]:
-    """``metrics`` split by the loader they belong to (names without a loader suffix belong to all)."""
-    split: list[dict[str, float]] = [{} for _ in range(count)]
-    for name, value in metrics.items():
-        _, marker, index = name.partition("/dataloader_idx_")
-        for position, loader_metrics in enumerate(split):
-            if not marker or int(index) == position:
-                loader_metrics[name] = value
-    return split
+def per_dataloader(metrics: dict[str, tuple[Number, set[int]]], count: int) -> list[dict[str, float]]:
+    """The published ``metrics``, as numbers, split by the loaders that logged them (those logged outside the
+    loaders' steps, in the epoch's hooks, belong to all)."""
+    floats = to_floats({name: value for name, (value, _) in metrics.items()})
+    return [
+        {name: floats[name] for name, (_, loaders) in metrics.items() if not loaders or index in loaders}
+        for index in range(count)
+    ]
 
 
 def takes_dataloader_idx(step: Callable[..., Any]) -> bool:

@@ -89,8 +89,10 @@ class Hooks:
         self._callbacks = list(callbacks)
         self._datamodule = datamodule
         self._profiler: Profiler | None = trainer.profiler if trainer.profiler.enabled else None
+        for callback in self._callbacks:  # a callback's self.log logs through the stage's module
+            callback._logging_module = module
         self._cache: dict[tuple[str, bool, bool | None], list[Callable[..., Any]]] = {}
-        self._scopes: dict[tuple[str, str], LogScope] = {}
+        self._scopes: dict[tuple[str, int | None], LogScope] = {}
 
     def check(self) -> None:
         """Refuse hooks that Ember would never call, naming each with what to use instead."""
@@ -225,10 +227,9 @@ class Hooks:
     def scope(self, hook: str, dataloader_idx: int | None = None) -> Iterator[None]:
         """While the block runs, ``self.log`` records as hook ``hook`` may (see ``LOGGING``), in the values of its
         stage, with ``/dataloader_idx_N`` added to names while one of several evaluation loaders runs."""
-        suffix = f"/dataloader_idx_{dataloader_idx}" if dataloader_idx is not None else ""
-        scope = self._scopes.get((hook, suffix))
+        scope = self._scopes.get((hook, dataloader_idx))
         if scope is None:
-            scope = self._scopes[hook, suffix] = _scope(hook, self._trainer, suffix)
+            scope = self._scopes[hook, dataloader_idx] = _scope(hook, self._trainer, dataloader_idx)
         with self._trainer.run_metrics.scoped(scope):
             yield
 
@@ -273,14 +274,15 @@ class Hooks:
         return self._datamodule_hook(name) or self.module_hook(name)
 
 
-def _scope(hook: str, trainer: Trainer, suffix: str) -> LogScope:
+def _scope(hook: str, trainer: Trainer, dataloader_idx: int | None) -> LogScope:
     rule = LOGGING.get(hook)
     if rule is None or trainer.stage == "predict":
         return LogScope(hook, predicting=trainer.stage == "predict")
     default_on_step, epoch_only = rule
     metrics = trainer.run_metrics
     store = metrics.eval if "validation" in hook or "test" in hook else metrics.train
-    return LogScope(hook, store, default_on_step, epoch_only, suffix)
+    suffix = f"/dataloader_idx_{dataloader_idx}" if dataloader_idx is not None else ""
+    return LogScope(hook, store, default_on_step, epoch_only, suffix, dataloader_idx)
 
 
 def _callable_without_arguments(function: Any) -> bool:
