@@ -24,6 +24,7 @@ from ember._utils import parse_max_time
 from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
 from ember.exceptions import MisconfigurationException
 from ember.loggers import Logger
+from ember.loggers.logger import is_logger
 from ember.precision import canonical_precision
 from ember.profilers import Profiler
 from ember.rank_zero import rank_zero_warn_once
@@ -317,8 +318,9 @@ class TrainerConfig:
     def _check_watching(self) -> None:
         _check_int("log_every_n_steps", self.log_every_n_steps, minimum=1)
         _check_items("callbacks", self.callbacks, Callback, "a Callback or a list of them")
-        if not isinstance(self.logger, bool):
-            _check_items("logger", self.logger, Logger, "True, False, a Logger or a list of them")
+        loggers = [] if self.logger is None else self.logger if isinstance(self.logger, Sequence) else [self.logger]
+        if not isinstance(self.logger, bool) and not all(is_logger(item) for item in loggers):
+            raise FlagError(f"logger={self.logger!r}: expected True, False, a Logger or a list of them")
         profiler = self.profiler
         if profiler is not None and not isinstance(profiler, Profiler) and profiler not in _PROFILERS:
             raise FlagError(

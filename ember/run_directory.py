@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ember import checkpoint as checkpoint_io
-from ember.loggers.logger import VersionedLogger, settle_versions
+from ember.loggers.logger import Logger, VersionedLogger, run_directory_of, settle_versions
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -27,7 +27,7 @@ class RunDirectory:
     def log_dir(self) -> str | None:
         """The first logger's directory (None: no logger keeps files)."""
         loggers = self._trainer.loggers
-        return loggers[0].log_dir if loggers else None
+        return run_directory_of(loggers[0]) if loggers else None
 
     @property
     def runs_dir(self) -> str:
@@ -65,7 +65,8 @@ class RunDirectory:
         if problem is not None:
             raise problem  # rank zero's, of its own type (PermissionError, ...), on every rank
         for logger, logger_version in zip(trainer.loggers, versions):
-            logger.use_version(logger_version)
+            if isinstance(logger, Logger):  # another object that logs keeps its own
+                logger.use_version(logger_version)
         self._settled = True
 
     @staticmethod

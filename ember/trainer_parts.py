@@ -72,7 +72,7 @@ def default_loggers(config: TrainerConfig) -> list[Logger]:
         # metrics.csv is written beside it, for `ember plot` and for reading without TensorBoard.
         csv = CSVLogger(config.root_dir)
         return [TensorBoardLogger(config.root_dir), csv] if importlib.util.find_spec("tensorboard") else [csv]
-    return [logger] if isinstance(logger, Logger) else list(logger)
+    return list(logger) if isinstance(logger, Sequence) else [logger]  # a Logger, or an object that logs like one
 
 
 def default_callbacks(config: TrainerConfig) -> list[Callback]:

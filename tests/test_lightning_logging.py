@@ -358,3 +358,35 @@ def test_an_evaluation_step_value_for_the_bar_is_a_progress_bar_metric() -> None
     trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
     trainer.fit(Shows(), make_loader(16), make_loader(16))
     assert trainer.progress_bar_metrics["shown"] == 1.0 and "shown" not in trainer.callback_metrics
+
+
+def test_an_object_that_logs_like_a_logger_is_taken_as_one(tmp_path: Any) -> None:
+    class Duck:  # no Logger subclass: Lightning takes any object with the logger's methods
+        name, version, save_dir = "duck", "run", str(tmp_path)
+
+        def __init__(self) -> None:
+            self.metrics: list[tuple[dict[str, float], int | None]] = []
+            self.params: dict[str, Any] = {}
+            self.status = ""
+
+        def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+            self.metrics.append((dict(metrics), step))
+
+        def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+            self.params.update(params)
+
+        def finalize(self, status: str) -> None:
+            self.status = status
+
+    duck = Duck()
+    trainer = quiet_trainer(max_epochs=1, logger=duck, log_every_n_steps=1)
+    trainer.fit(Regressor(lr=0.02), make_loader(16))
+    assert trainer.logger is duck and duck.params["lr"] == 0.02 and duck.status == "success"
+    assert [step for metrics, step in duck.metrics if "train_loss" in metrics] == [0, 1]
+    # its checkpoints go where Lightning puts them: <save_dir>/<name>/<version>/checkpoints
+    assert os.listdir(tmp_path / "duck" / "run" / "checkpoints") == ["epoch=0-step=2.ckpt"]
+    with pytest.raises(ValueError, match="logger=3: expected True, False, a Logger or a list of them"):
+        ember.Trainer(logger=3)
+    del Duck.finalize  # an object the Trainer could not close is refused when the Trainer is made, not at the end
+    with pytest.raises(ValueError, match="expected True, False, a Logger or a list of them"):
+        ember.Trainer(logger=[Duck()])

@@ -48,6 +48,28 @@ class Logger:
         self.save()
 
 
+_LOGGER_METHODS = ("log_metrics", "log_hyperparams", "finalize")  # the ones the Trainer calls
+
+
+def is_logger(value: Any) -> bool:
+    """Whether ``value`` logs: a ``Logger``, or an object with the methods the Trainer calls on one (Lightning takes
+    any such object: a stand-in such as a mock, or a logger of another library)."""
+    return isinstance(value, Logger) or all(callable(getattr(value, name, None)) for name in _LOGGER_METHODS)
+
+
+def run_directory_of(logger: Any) -> str | None:
+    """The run directory of ``logger``: a ``Logger``'s ``log_dir``; for another object that logs,
+    ``<save_dir>/<name>/<version>``, where Lightning puts its checkpoints (None: it has no ``save_dir``)."""
+    if isinstance(logger, Logger):
+        return logger.log_dir
+    save_dir = getattr(logger, "save_dir", None)
+    if save_dir is None:
+        return None
+    version = logger.version
+    version = version if isinstance(version, str) else f"version_{version}"
+    return os.path.join(os.fspath(save_dir), str(logger.name), version)
+
+
 class VersionedLogger(Logger):
     """A logger that writes into ``<save_dir>/<name>/version_<N>``, N one more than the last run's.
 
