@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -56,10 +57,50 @@ def rank_zero_info(*args: Any, **kwargs: Any) -> None:
     print(*args, **kwargs)
 
 
+class _Console(logging.Handler):
+    """Writes the "ember" logger's messages to ``sys.stdout`` as it is at each message (so that redirecting or
+    capturing stdout takes them, as it took their ``print``), above the progress bars while they are drawn;
+    unless the root logger already writes to the console, where they would then be shown twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _root_shows_on_console():
+            return
+        try:
+            text = self.format(record)
+            tqdm = sys.modules.get("tqdm")  # drawing bars imported it; importing it here would cost every message
+            if tqdm is not None:
+                tqdm.tqdm.write(text, file=sys.stdout)  # the bars are cleared, the text written, the bars redrawn
+            else:
+                print(text, file=sys.stdout, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
+def _root_shows_on_console() -> bool:
+    """Whether the root logger has a handler writing to stdout or stderr (``logging.basicConfig()``'s)."""
+    consoles = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    return any(getattr(handler, "stream", None) in consoles for handler in logging.getLogger().handlers)
+
+
+# As Lightning's logger: informational messages are shown at INFO by default, by a handler of their own, and
+# logging.getLogger("ember").setLevel(logging.WARNING) silences them. They also reach the root logger's
+# handlers (a log file, pytest's caplog), as any library's records do.
+_logger = logging.getLogger("ember")
+_logger.setLevel(logging.INFO)
+_logger.addHandler(_Console())
+
+
+@rank_zero_only
+def announce(message: str) -> None:
+    """Log an informational message of the Trainer (a model summary, where a run resumes) to the "ember" logger
+    at INFO, on the global-zero process."""
+    _logger.info(message)
+
+
 @rank_zero_only
 def rank_zero_debug(message: str, *args: Any) -> None:
     """Log a debugging message to the "ember" logger (``logging``), on the global-zero process."""
-    logging.getLogger("ember").debug(message, *args)
+    _logger.debug(message, *args)
 
 
 # The warnings rank_zero_warn_once has given in this process.

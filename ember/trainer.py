@@ -33,7 +33,7 @@ from ember.metrics import RunMetrics
 from ember.module import DataModule, Module
 from ember.optim import LRSchedulerConfig
 from ember.profilers import Profiler, select_profiler
-from ember.rank_zero import rank_zero_only, rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_only, rank_zero_warn_once
 from ember.run_directory import RunDirectory
 from ember.strategies import FaultTolerance, Strategy, select_strategy
 from ember.trainer_parts import (
@@ -143,8 +143,8 @@ class Trainer:
         self.loggers: list[Logger] = default_loggers(config)
         self.callbacks: list[Callback] = default_callbacks(config)
         if config.fast_dev_run:
-            self.print(f"fast_dev_run: running {int(config.fast_dev_run)} batch(es) of each loop; logging, "
-                       "checkpointing and early stopping are off")  # fmt: skip
+            announce(f"fast_dev_run: running {int(config.fast_dev_run)} batch(es) of each loop; logging, "
+                     "checkpointing and early stopping are off")  # fmt: skip
         self.profiler: Profiler = select_profiler(config.profiler)
         #: What the run has logged with ``self.log`` and what went to the loggers.
         self.run_metrics = RunMetrics(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -390,3 +391,30 @@ def test_an_object_that_logs_like_a_logger_is_taken_as_one(tmp_path: Any) -> Non
     del Duck.finalize  # an object the Trainer could not close is refused when the Trainer is made, not at the end
     with pytest.raises(ValueError, match="expected True, False, a Logger or a list of them"):
         ember.Trainer(logger=[Duck()])
+
+
+# ----------------------------------------------------------------- informational messages, through logging
+def test_informational_messages_are_logged_by_ember_and_shown_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("ember").addHandler(handler)
+    try:
+        trainer = quiet_trainer(max_epochs=1, logger=False, enable_model_summary=True, fast_dev_run=True)
+        trainer.fit(Regressor(), make_loader(16))
+    finally:
+        logging.getLogger("ember").removeHandler(handler)
+    shown = capsys.readouterr().out
+    assert "fast_dev_run: running 1 batch(es) of each loop" in shown and "Total params" in shown
+    assert [record.levelno for record in records] == [logging.INFO, logging.INFO]
+    assert records[0].getMessage().startswith("fast_dev_run") and "Total params" in records[1].getMessage()
+
+
+def test_the_ember_loggers_level_silences_informational_messages(capsys: pytest.CaptureFixture[str]) -> None:
+    logging.getLogger("ember").setLevel(logging.WARNING)
+    try:
+        trainer = quiet_trainer(max_epochs=1, logger=False, enable_model_summary=True, fast_dev_run=True)
+        trainer.fit(Regressor(), make_loader(16))
+    finally:
+        logging.getLogger("ember").setLevel(logging.INFO)
+    assert trainer.global_step == 1 and capsys.readouterr().out == ""

@@ -24,6 +24,7 @@ from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
 from ember.callbacks import ProgressBar
+from ember.rank_zero import rank_zero_only
 from ember.tuner import Tuner
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
@@ -367,6 +368,7 @@ def test_the_finders_are_quiet_off_rank_zero(
     trainer = quiet_trainer(callbacks=[ProgressBar(stream=stream, interactive=False, line_interval=0.0)],
                             enable_progress_bar=True)  # fmt: skip
     monkeypatch.setattr(ember.Trainer, "is_global_zero", property(lambda self: False))
+    monkeypatch.setattr(rank_zero_only, "rank", 1)  # their messages are logged on rank zero only
     Tuner(trainer).scale_batch_size(_Sized(limit=40), init_val=8, steps_per_trial=1)
     Tuner(trainer).lr_find(_Sized(), num_training=10)
     assert capsys.readouterr().out == "" and stream.getvalue() == ""

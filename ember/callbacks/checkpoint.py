@@ -16,6 +16,7 @@ from ember import checkpoint as checkpoint_io
 from ember.callbacks.callback import Callback, settings_key
 from ember.callbacks.on_exception import save_after_failure
 from ember.exceptions import MisconfigurationException
+from ember.rank_zero import announce
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -36,7 +37,7 @@ class ModelCheckpoint(Callback):
         filename: a format such as ``"{epoch}-{val_loss:.3f}"``; ``epoch``, ``step`` and logged metrics
             can be used, a metric not logged yet counts as 0 (default ``"epoch={epoch}-step={step}"``).
         monitor: metric that ranks checkpoints (``"epoch"`` and ``"step"`` too); without it the latest is kept.
-        verbose: print what is saved.
+        verbose: log what is saved (the "ember" logger, at INFO).
         save_last: also keep ``last.ckpt`` (named by ``CHECKPOINT_NAME_LAST``), the newest complete checkpoint,
             written each time the callback is due; a link to the top-k file saved at the same time, if any
             (``"link"`` means the same).
@@ -330,7 +331,7 @@ class ModelCheckpoint(Callback):
             current = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)
         if not self._ranks(current):
             if self.verbose:
-                trainer.print(f"ModelCheckpoint: {self.monitor}={current.item():.5g} is not in the top k")
+                announce(f"ModelCheckpoint: {self.monitor}={current.item():.5g} is not in the top k")
             return None
         evicted = self.kth_best_model_path if len(self.best_k_models) == self.save_top_k else ""
         self.best_k_models.pop(evicted, None)
@@ -353,7 +354,7 @@ class ModelCheckpoint(Callback):
     def _write(self, trainer: "Trainer", path: str) -> None:
         trainer.save_checkpoint(path, self.save_weights_only)
         if self.verbose:
-            trainer.print(f"ModelCheckpoint: saved {path}")
+            announce(f"ModelCheckpoint: saved {path}")
 
     def _remove(self, trainer: "Trainer", path: str, kept: str) -> None:
         """Remove ``path``, which ``kept`` replaces, unless it is not this callback's to remove: outside its

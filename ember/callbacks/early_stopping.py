@@ -10,6 +10,7 @@ import torch
 
 from ember.callbacks.callback import Callback, settings_key
 from ember.exceptions import MisconfigurationException
+from ember.rank_zero import announce
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -108,7 +109,7 @@ class EarlyStopping(Callback):
             self.stopping_reason_message = message or "another process decided to stop"
             trainer.should_stop = True
             if self.verbose:
-                trainer.print(f"EarlyStopping: {self.stopping_reason_message}")
+                announce(f"EarlyStopping: {self.stopping_reason_message}")
 
     def _stopping_reason(self, score: float) -> tuple[EarlyStoppingReason, str | None]:
         """Why ``score`` stops training, in words (None: it does not)."""

@@ -1,4 +1,4 @@
-"""``ModelSummary``: a table of the model's layers and parameter counts, printed when ``fit`` starts."""
+"""``ModelSummary``: a table of the model's layers and parameter counts, shown when ``fit`` starts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from torch import nn
 
 from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
+from ember.rank_zero import announce
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -16,11 +17,12 @@ if TYPE_CHECKING:
 
 
 class ModelSummary(Callback):
-    """Print each layer's name, type, parameter count and trainable count, then the totals and their size.
+    """Show each layer's name, type, parameter count and trainable count, then the totals and their size.
 
     ``max_depth`` is how deep to list layers: 1 (the default) lists the module's direct children, -1
-    every layer, 0 only the totals. Printed on the global-zero process; ``Trainer(enable_model_summary=
-    False)`` turns it off. Sharded parameters (DTensors, as FSDP2 makes them) count with their full size.
+    every layer, 0 only the totals. Logged to the "ember" logger at INFO on the global-zero process;
+    ``Trainer(enable_model_summary=False)`` turns it off. Sharded parameters (DTensors, as FSDP2 makes them)
+    count with their full size.
     """
 
     def __init__(self, max_depth: int = 1) -> None:
@@ -31,8 +33,7 @@ class ModelSummary(Callback):
         self.max_depth = max_depth
 
     def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None:
-        if trainer.is_global_zero:
-            print(summarize(pl_module, self.max_depth))
+        announce(summarize(pl_module, self.max_depth))
 
 
 def summarize(model: nn.Module, max_depth: int = 1) -> str:

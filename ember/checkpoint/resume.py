@@ -25,7 +25,7 @@ from ember.data import (
     why_not_resumable,
 )
 from ember.loops.progress import Progress
-from ember.rank_zero import rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_warn_once
 from ember.seed import random_state
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def _continue_with_new_layout(trainer: Trainer, position: Progress, layout: list
         # The rest is numbered as the epoch's last batches in the new layout: the resumed epoch ends (and
         # validates) where an epoch of the new layout ends, whatever batch the position falls in.
         position.renumber_epoch_batches((batches_from(loader, 0) or 0) - left)
-        trainer.print(
+        announce(
             f"resuming with {', '.join(layout)}: epoch {position.epoch} continues at sample "
             f"{position.epoch_samples} of its order"
         )

@@ -18,7 +18,7 @@ from ember._utils import local_shard
 from ember.checkpoint import resume, sharded
 from ember.checkpoint.io import CheckpointError, plain_values
 from ember.loggers.logger import VersionedLogger, run_versions
-from ember.rank_zero import rank_zero_warn
+from ember.rank_zero import announce, rank_zero_warn
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -106,9 +106,9 @@ def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:
                 f"ckpt_path='best': no best checkpoint is known ({why} under {trainer.config.root_dir!r})"
             )
         # Not a warning: "last" on a run's first start is the usual way to write a script that continues.
-        trainer.print('ckpt_path="last": no checkpoint of this run yet, so training starts afresh')
+        announce('ckpt_path="last": no checkpoint of this run yet, so training starts afresh')
     else:
-        trainer.print(f"resuming from {found}")
+        announce(f"resuming from {found}")
     return found
 
 

@@ -24,7 +24,7 @@ from ember.loops.step import ManualOptimizer, StepResult, StepRunner, Window
 from ember.loops.stopping import Stopping, reached_limit
 from ember.loops.training_data import TrainingData
 from ember.optim import parse_optimizers
-from ember.rank_zero import rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_warn_once
 from ember.seed import random_state, set_random_state
 from ember.trainer_parts import log_hyperparameters
 
@@ -92,8 +92,8 @@ class FitLoop:
         log_hyperparameters(trainer)
         hooks.call("on_fit_start")
         if (limit := reached_limit(config, progress)) is not None:  # a complete run, resumed: say so
-            trainer.print(f"nothing to train: the run has reached {limit} (epoch {progress.epoch}, step "
-                          f"{progress.global_step})")  # fmt: skip
+            announce(f"nothing to train: the run has reached {limit} (epoch {progress.epoch}, step "
+                     f"{progress.global_step})")  # fmt: skip
         elif self.data.validation.enabled and config.num_sanity_val_steps:
             self._sanity_check()
         self.data.load()

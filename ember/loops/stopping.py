@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ember.callbacks import Callback, Timer
+from ember.rank_zero import announce
 
 if TYPE_CHECKING:
     from ember.config import TrainerConfig
@@ -152,7 +153,7 @@ class Stopping:
             return True
         if not self._told_about_minimum:
             self._told_about_minimum = True
-            trainer.print(
+            announce(
                 f"stopping was requested, but min_epochs={config.min_epochs} or min_steps={config.min_steps} "
                 "is not reached yet: training goes on"
             )

@@ -25,7 +25,7 @@ from ember.loops import StepRunner
 from ember.loops.hooks import Hooks
 from ember.module import DataModule, Module
 from ember.optim import parse_optimizers
-from ember.rank_zero import rank_zero_warn
+from ember.rank_zero import announce, rank_zero_warn
 from ember.seed import random_state, set_random_state
 from ember.tuner.lr_finder import LRFinder
 
@@ -84,7 +84,7 @@ class Tuner:
         for trial in range(1, max_trials + 1):
             _set(owner, batch_arg_name, size)
             fit, outcome = fits()
-            self.trainer.print(f"scale_batch_size: trial {trial}, {batch_arg_name}={size}: {outcome}")
+            announce(f"scale_batch_size: trial {trial}, {batch_arg_name}={size}: {outcome}")
             if fit:
                 good = size
                 if size >= fits.dataset_size:
@@ -113,7 +113,7 @@ class Tuner:
             lr_owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
             name = next(name for name in _LR_ATTRIBUTES if _has(lr_owner, name))
             _set(lr_owner, name, _get(lr_owner, name) * factor)
-        self.trainer.print(f"scale_batch_size: {batch_arg_name}={good}")
+        announce(f"scale_batch_size: {batch_arg_name}={good}")
         return good
 
     # ------------------------------------------------------------------------ learning rate
@@ -200,7 +200,7 @@ def find_lr(
     suggestion = trainer.strategy.broadcast(finder.suggestion())
     finder.suggested_lr = suggestion
     steps = len(finder.results["lr"])
-    trainer.print(
+    announce(
         f"lr_find: suggested lr={suggestion:.3g} ({steps} steps)" if suggestion is not None
         else f"lr_find: no suggestion: {steps} steps are too few to find where the loss falls fastest"
     )  # fmt: skip
