@@ -265,7 +265,7 @@ def test_lambda_callback_takes_every_hook_and_has_work_in() -> None:
     off = LambdaCallback(has_work_in=lambda hook: hook != "on_train_end", on_train_end=functools.partial(record, "off"))
     quiet_trainer(max_epochs=1, limit_train_batches=1, callbacks=[off]).fit(Regressor(), make_loader())
     assert "off" not in called
-    for name in ("state_dict", "state_key", "reads_epoch_metrics", "on_epoch_end"):
+    for name in ("state_dict", "state_key", "reads_epoch_metrics", "on_epoch_end", "log"):
         with pytest.raises(MisconfigurationException, match="is not a hook of Callback"):
             LambdaCallback(**{name: print})
 

@@ -8,8 +8,9 @@ from typing import Any
 from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
 
-# What a checkpoint holds of a callback: not for a function that may return nothing.
-_STATE = ("state_dict", "load_state_dict")
+# What a checkpoint holds of a callback: not for a function that may return nothing; and what a callback
+# calls itself (self.log), no hook.
+_NOT_HOOKS = ("state_dict", "load_state_dict", "log", "log_dict")
 
 
 class LambdaCallback(Callback):
@@ -19,7 +20,7 @@ class LambdaCallback(Callback):
 
     def __init__(self, **hooks: Callable[..., Any]) -> None:
         for name, function in hooks.items():
-            if name.startswith("_") or name in _STATE or not callable(getattr(Callback, name, None)):
+            if name.startswith("_") or name in _NOT_HOOKS or not callable(getattr(Callback, name, None)):
                 raise MisconfigurationException(f"LambdaCallback({name}=...): {name!r} is not a hook of Callback")
             if not callable(function):
                 raise TypeError(f"LambdaCallback({name}={function!r}): expected a function")
