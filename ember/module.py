@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
-from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -15,9 +13,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ember import checkpoint as checkpoint_io
-from ember._utils import AttributeDict
 from ember.checkpoint.state import load_weights
 from ember.exceptions import MisconfigurationException
+from ember.hparams import HyperparametersMixin, init_arguments
 from ember.metrics import is_metric_object
 from ember.module_hooks import DataHooks, ModuleHooks
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
@@ -27,106 +25,7 @@ if TYPE_CHECKING:
     from ember.trainer import Trainer
 
 
-class _HyperparametersMixin:
-    """``save_hyperparameters()`` and ``hparams``, shared by ``Module`` and ``DataModule``."""
-
-    _hparams: AttributeDict
-    _log_hparams = True
-
-    def save_hyperparameters(
-        self,
-        *args: Any,
-        ignore: Sequence[str] | str | None = None,
-        frame: FrameType | None = None,
-        logger: bool = True,
-    ) -> None:
-        """Record the arguments of ``__init__`` (or the names or dict given) in ``self.hparams``.
-
-        They are written to the checkpoint, and to the logger unless ``logger=False``;
-        ``load_from_checkpoint`` rebuilds the object from them. Each call adds to what earlier calls
-        saved (a subclass may save more than its parent did), and ``ignore`` removes names.
-        """
-        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
-        if len(args) == 1 and isinstance(args[0], Mapping):
-            chosen = dict(args[0])
-        elif len(args) == 1 and hasattr(args[0], "__dict__") and not isinstance(args[0], str):
-            chosen = dict(vars(args[0]))  # an argparse.Namespace
-        else:
-            init_args = _init_arguments(frame or _caller_frame(), self)
-            missing = [name for name in args if name not in init_args]
-            if missing:
-                raise ValueError(
-                    f"save_hyperparameters{tuple(args)}: {missing} are not arguments of __init__ "
-                    f"(it has {sorted(init_args)})"
-                )
-            chosen = {name: init_args[name] for name in args} if args else init_args
-        self.hparams.update({k: v for k, v in chosen.items() if k not in ignored})
-        for name in ignored:
-            self.hparams.pop(name, None)
-        self._hparams_initial = AttributeDict(self.hparams)
-        self._log_hparams = logger
-
-    @property
-    def hparams(self) -> AttributeDict:
-        if not hasattr(self, "_hparams"):
-            self._hparams = AttributeDict()
-        return self._hparams
-
-    @property
-    def hparams_initial(self) -> AttributeDict:
-        """``hparams`` as ``save_hyperparameters`` left them (later changes to ``hparams`` are not seen here)."""
-        return AttributeDict(getattr(self, "_hparams_initial", {}))
-
-    @property
-    def hparams_for_logger(self) -> dict[str, Any]:
-        """The hyperparameters to send to the loggers (none after ``save_hyperparameters(logger=False)``)."""
-        return dict(self.hparams) if self._log_hparams else {}
-
-
-def _caller_frame() -> FrameType:
-    """The frame that called the function calling this one."""
-    frame = inspect.currentframe()
-    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
-    if caller is None:
-        raise RuntimeError("save_hyperparameters() needs the calling frame, which this Python does not give")
-    return caller
-
-
-def _init_arguments(frame: FrameType, obj: object) -> dict[str, Any]:
-    """The arguments of the ``__init__`` running in ``frame`` and of every ``__init__`` of ``obj`` that
-    called it (a subclass's ``__init__`` calling its parent's): where they share a name, the subclass's
-    value wins."""
-    chain: list[dict[str, Any]] = []
-    current: FrameType | None = frame
-    while current is not None and (not chain or _constructs(current, obj)):
-        chain.append(_frame_arguments(current, obj))
-        current = current.f_back
-    arguments: dict[str, Any] = {}
-    for level in chain:  # from the innermost __init__ out to the most derived class's
-        arguments.update(level)
-    return arguments
-
-
-def _constructs(frame: FrameType, obj: object) -> bool:
-    """Whether ``frame`` runs an ``__init__`` of ``obj``."""
-    code = frame.f_code
-    return code.co_name == "__init__" and code.co_argcount > 0 and frame.f_locals.get(code.co_varnames[0]) is obj
-
-
-def _frame_arguments(frame: FrameType, obj: object) -> dict[str, Any]:
-    """The arguments a method of ``obj`` received (``self`` and ``*args`` excluded, ``**kwargs`` flattened)."""
-    code = frame.f_code
-    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-    local = frame.f_locals
-    arguments = {name: local[name] for name in names if name in local and local[name] is not obj}
-    has_varargs = bool(code.co_flags & inspect.CO_VARARGS)
-    if code.co_flags & inspect.CO_VARKEYWORDS:
-        kwargs_name = code.co_varnames[len(names) + has_varargs]
-        arguments.update(frame.f_locals.get(kwargs_name, {}))
-    return arguments
-
-
-class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
+class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     """A ``torch.nn.Module`` that also says how to train, validate, test and predict with it.
 
     Define ``training_step(batch, batch_idx)`` (returning the loss, a dict with ``"loss"``, or None
@@ -453,12 +352,8 @@ class Module(_HyperparametersMixin, ModuleHooks, nn.Module):
     ) -> Module:
         """Build the module from the hyperparameters saved in a checkpoint and load its weights."""
         checkpoint = checkpoint_io.load(checkpoint_path, map_location, trust_pickles=not weights_only)
-        init_args = {**checkpoint.get("hyper_parameters", {}), **init_overrides}
-        parameters = inspect.signature(cls.__init__).parameters
-        if not any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters.values()):
-            # A parent's saved hyperparameters that this class's __init__ does not take are left out.
-            init_args = {name: value for name, value in init_args.items() if name in parameters}
-        module = cls(**init_args)
+        # Lightning's releases before 0.8 saved the hyperparameters under the older keys.
+        module = cls(**init_arguments(cls, checkpoint, init_overrides, "module_arguments", "hparams"))
         module.on_load_checkpoint(checkpoint)
         load_weights(lambda state: module.load_state_dict(state, strict=strict), module, checkpoint, checkpoint_path)
         return module
@@ -476,11 +371,14 @@ def _parameters_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     return (parameter for group in optimizer.param_groups for parameter in group["params"])
 
 
-class DataModule(_HyperparametersMixin, DataHooks):
+class DataModule(HyperparametersMixin, DataHooks):
     """The data side of a run: download once (``prepare_data``), build datasets (``setup``), hand out loaders.
 
     Define any of ``train_dataloader``, ``val_dataloader``, ``test_dataloader`` and ``predict_dataloader``.
     """
+
+    CHECKPOINT_HYPER_PARAMS_KEY = "datamodule_hyper_parameters"
+    CHECKPOINT_HYPER_PARAMS_NAME = "datamodule_hparams_name"
 
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
@@ -503,6 +401,18 @@ class DataModule(_HyperparametersMixin, DataHooks):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: str, map_location: Any = "cpu", weights_only: bool = True, **init_overrides: Any
+    ) -> DataModule:
+        """Build the data module from the hyperparameters saved in a checkpoint of a ``fit`` that used it, and
+        give it its saved ``state_dict``."""
+        checkpoint = checkpoint_io.load(checkpoint_path, map_location, trust_pickles=not weights_only)
+        datamodule = cls(**init_arguments(cls, checkpoint, init_overrides))
+        if "datamodule" in checkpoint:
+            datamodule.load_state_dict(checkpoint["datamodule"])
+        return datamodule
 
     @classmethod
     def from_datasets(

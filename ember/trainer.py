@@ -25,6 +25,7 @@ from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig
 from ember.data import prepare_loaders, release_workers
 from ember.doctor import Doctor, DoctorDone, active_doctor
+from ember.hparams import drop_unpicklable
 from ember.loggers import Logger
 from ember.loops.evaluate import EvaluationLoop, PredictionLoop
 from ember.loops.fit import FitLoop
@@ -508,6 +509,7 @@ class Trainer:
         self.run_metrics.reset(fitting=stage == "fit")
         self.lightning_module = module
         module.trainer = self
+        drop_unpicklable(module.hparams)
         self.datamodule = datamodule
         hooks = Hooks(self, module, self.callbacks, datamodule)
         if module is not self._callbacks_added_by:  # the module's own callbacks join once

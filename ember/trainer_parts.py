@@ -131,13 +131,20 @@ def estimated_stepping_batches(trainer: Trainer) -> float:
 
 
 def log_hyperparameters(trainer: Trainer) -> None:
-    """Hand the module's and the datamodule's hyperparameters to the loggers (on rank zero), unless
-    ``enable_autolog_hparams=False``."""
+    """Hand the module's and the datamodule's initial hyperparameters to the loggers (on rank zero), unless
+    ``enable_autolog_hparams=False``; a name both give different values is refused, as Lightning refuses it."""
     module, datamodule = trainer.lightning_module, trainer.datamodule
-    if module is None or not trainer.config.enable_autolog_hparams or not trainer.is_global_zero:
+    if module is None or not trainer.config.enable_autolog_hparams or not trainer.loggers:
         return
-    hyperparameters = {**module.hparams_for_logger, **(datamodule.hparams_for_logger if datamodule else {})}
-    if hyperparameters:
+    own, data = module.hparams_for_logger, datamodule.hparams_for_logger if datamodule else {}
+    differing = [name for name in own.keys() & data.keys() if not _same(own[name], data[name])]
+    if differing:
+        raise RuntimeError(
+            f"Error while merging hparams: {sorted(differing)} are hyperparameters of both the module and the "
+            "datamodule, with different values; rename one of them, or give them the same value"
+        )
+    hyperparameters = {**own, **data}
+    if hyperparameters and trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.log_hyperparams(hyperparameters)
 
@@ -179,3 +186,10 @@ def check_module(model: Any, stage: str) -> None:
     missing = [name for name in required if not defines(model, name)]
     if missing:
         raise NotImplementedError(f"Trainer.{stage}() needs {type(model).__name__} to define {', '.join(missing)}")
+
+
+def _same(first: Any, second: Any) -> bool:
+    """Whether two hyperparameters hold the same value (a tensor only as the same object)."""
+    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+        return first is second
+    return type(first) is type(second) and bool(first == second)

@@ -1,6 +1,8 @@
-"""Helpers for the code of a module or callback: rank-zero output, gradient norms, moving data."""
+"""Helpers for the code of a module or callback: rank-zero output, gradient norms, moving data, pickling."""
 
 from __future__ import annotations
+
+import pickle
 
 import torch
 from torch import nn
@@ -13,6 +15,7 @@ move_data_to_device = move_to_device  # Lightning's name
 __all__ = [
     "AttributeDict",
     "grad_norm",
+    "is_picklable",
     "move_data_to_device",
     "rank_zero_debug",
     "rank_zero_info",
@@ -37,3 +40,12 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     if norms:
         norms[f"grad_{p}_norm_total"] = torch.stack(list(norms.values())).norm(p)
     return norms
+
+
+def is_picklable(obj: object) -> bool:
+    """Whether ``pickle`` can write ``obj`` (what a checkpoint or a spawned process would need)."""
+    try:
+        pickle.dumps(obj)
+    except (pickle.PickleError, AttributeError, RuntimeError, TypeError):
+        return False
+    return True

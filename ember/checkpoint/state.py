@@ -16,7 +16,8 @@ import torch
 from ember import checkpoint as checkpoint_io
 from ember._utils import local_shard
 from ember.checkpoint import resume, sharded
-from ember.checkpoint.io import CheckpointError, plain_values
+from ember.checkpoint.io import CheckpointError
+from ember.hparams import checkpoint_entries
 from ember.loggers.logger import VersionedLogger, run_versions
 from ember.rank_zero import announce, rank_zero_warn
 from ember.version import __version__
@@ -40,7 +41,7 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "state_dict": strategy.module_state_dict(),
-        "hyper_parameters": plain_values(dict(module.hparams), "hyper_parameters"),
+        **checkpoint_entries(module),
     }
     if weights_only:
         return checkpoint
@@ -58,9 +59,7 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
     )
     if trainer.datamodule is not None:
         checkpoint["datamodule"] = trainer.datamodule.state_dict()
-        checkpoint["datamodule_hyper_parameters"] = plain_values(
-            dict(trainer.datamodule.hparams), "datamodule hyper_parameters"
-        )
+        checkpoint.update(checkpoint_entries(trainer.datamodule))
     trainer.hooks.call("on_save_checkpoint", checkpoint)
     return checkpoint
 

@@ -1,0 +1,189 @@
+"""``save_hyperparameters()`` and ``hparams`` (``HyperparametersMixin``, which ``Module`` and ``DataModule`` share), and
+the way a checkpoint keeps them and rebuilds an object from them."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from types import FrameType
+from typing import Any, ClassVar
+
+from torch import nn
+
+from ember._utils import AttributeDict
+from ember.checkpoint.io import plain_values
+from ember.rank_zero import rank_zero_warn
+from ember.utilities import is_picklable
+
+_PRIMITIVES = (bool, int, float, str)
+
+
+class HyperparametersMixin:
+    """``save_hyperparameters()`` and ``hparams`` for any class (Lightning's ``core.mixins.HyperparametersMixin``)."""
+
+    #: Where a checkpoint keeps the hyperparameters, and the ``__init__`` argument that took them as one config.
+    CHECKPOINT_HYPER_PARAMS_KEY: ClassVar[str] = "hyper_parameters"
+    CHECKPOINT_HYPER_PARAMS_NAME: ClassVar[str] = "hparams_name"
+
+    _hparams: AttributeDict
+    _log_hparams = True
+    _config_argument: str | None = None  # the __init__ argument given whole to save_hyperparameters, if any
+
+    def save_hyperparameters(
+        self,
+        *args: Any,
+        ignore: Sequence[str] | str | None = None,
+        frame: FrameType | None = None,
+        logger: bool = True,
+    ) -> None:
+        """Record the arguments of ``__init__`` (or the names given, or one dict or Namespace) in ``self.hparams``.
+
+        They are written to the checkpoint, and to the logger unless ``logger=False``; ``load_from_checkpoint``
+        rebuilds the object from them. The arguments of each ``__init__`` that called this one are recorded too (a
+        subclass's, or those of an object built by another's ``__init__``), the innermost's value losing where names
+        meet. Each call adds to what earlier calls saved, and ``ignore`` removes names.
+        """
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+        init_args = _init_arguments(frame or _caller_frame(), self)
+        configs = [arg for arg in args if not isinstance(arg, str)]
+        if configs:  # Lightning takes the first that is not a name, and ignores the names then
+            chosen = _config_values(configs[0])
+            self._config_argument = next((name for name, value in init_args.items() if value is configs[0]), None)
+        else:
+            missing = [name for name in args if name not in init_args]
+            if missing:
+                raise ValueError(
+                    f"save_hyperparameters{tuple(args)}: {missing} are not arguments of __init__ "
+                    f"(it has {sorted(init_args)})"
+                )
+            chosen = {name: init_args[name] for name in args} if args else init_args
+        self.hparams.update({k: v for k, v in chosen.items() if k not in ignored})
+        for name in ignored:
+            self.hparams.pop(name, None)
+        for name, value in self.hparams.items():
+            if isinstance(value, nn.Module):
+                rank_zero_warn(
+                    f"save_hyperparameters(): {name!r} is an instance of `nn.Module` and is already saved during "
+                    "checkpointing (its weights), while checkpoints leave it out of the hyperparameters: pass "
+                    f"save_hyperparameters(ignore=[{name!r}])",
+                    stacklevel=4,  # the __init__ that called save_hyperparameters
+                )
+        self._hparams_initial = AttributeDict(self.hparams)
+        self._log_hparams = logger
+
+    @property
+    def hparams(self) -> AttributeDict:
+        if not hasattr(self, "_hparams"):
+            self._hparams = AttributeDict()
+        return self._hparams
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """``hparams`` as ``save_hyperparameters`` left them (later changes to ``hparams`` are not seen here)."""
+        return AttributeDict(getattr(self, "_hparams_initial", {}))
+
+    @property
+    def hparams_for_logger(self) -> dict[str, Any]:
+        """The hyperparameters to send to the loggers: ``hparams_initial`` (none after
+        ``save_hyperparameters(logger=False)``)."""
+        return dict(self.hparams_initial) if self._log_hparams else {}
+
+
+def _config_values(config: Any) -> dict[str, Any]:
+    """What a config given whole to ``save_hyperparameters`` holds: a mapping's items, an object's attributes (an
+    ``argparse.Namespace``, ...)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, _PRIMITIVES) or not hasattr(config, "__dict__"):
+        raise ValueError(
+            f"save_hyperparameters({config!r}): Primitives {_PRIMITIVES} are not allowed as a config: pass the "
+            "names of __init__'s arguments (as strings), or one dict or Namespace"
+        )
+    return dict(vars(config))
+
+
+def _caller_frame() -> FrameType:
+    """The frame that called the function calling this one."""
+    frame = inspect.currentframe()
+    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    if caller is None:
+        raise RuntimeError("save_hyperparameters() needs the calling frame, which this Python does not give")
+    return caller
+
+
+def _init_arguments(frame: FrameType, obj: object) -> dict[str, Any]:
+    """The arguments of the function running in ``frame`` (an ``__init__`` of ``obj``) and of each ``__init__`` of
+    an object with hyperparameters that called it, out to the first frame that is none: a subclass's ``__init__``
+    calling its parent's, or one that builds ``obj`` (as Lightning collects them). Where they share a name, the outer
+    frame's value wins."""
+    levels = [_frame_arguments(frame, obj)]
+    current = frame.f_back
+    while current is not None and (constructed := _constructed(current)) is not None:
+        levels.append(_frame_arguments(current, constructed))
+        current = current.f_back
+    arguments: dict[str, Any] = {}
+    for level in levels:
+        arguments.update(level)
+    return arguments
+
+
+def _constructed(frame: FrameType) -> HyperparametersMixin | None:
+    """The object with hyperparameters whose ``__init__`` runs in ``frame`` (None: none does)."""
+    code = frame.f_code
+    if code.co_name != "__init__" or code.co_argcount == 0:
+        return None
+    self = frame.f_locals.get(code.co_varnames[0])
+    return self if isinstance(self, HyperparametersMixin) else None
+
+
+def _frame_arguments(frame: FrameType, owner: object) -> dict[str, Any]:
+    """The arguments a method of ``owner`` received (``self`` and ``*args`` excluded, ``**kwargs`` flattened)."""
+    code = frame.f_code
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    local = frame.f_locals
+    arguments = {name: local[name] for name in names if name in local and local[name] is not owner}
+    has_varargs = bool(code.co_flags & inspect.CO_VARARGS)
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        kwargs_name = code.co_varnames[len(names) + has_varargs]
+        arguments.update(frame.f_locals.get(kwargs_name, {}))
+    return arguments
+
+
+# ------------------------------------------------------------------------------- checkpoints
+def checkpoint_entries(owner: HyperparametersMixin) -> dict[str, Any]:
+    """What a checkpoint keeps of ``owner``'s hyperparameters (under its class's ``CHECKPOINT_HYPER_PARAMS_*`` keys)."""
+    key = owner.CHECKPOINT_HYPER_PARAMS_KEY
+    entries = {key: plain_values(dict(owner.hparams), key)}
+    if owner._config_argument is not None:
+        entries[owner.CHECKPOINT_HYPER_PARAMS_NAME] = owner._config_argument
+    return entries
+
+
+def init_arguments(
+    cls: type[HyperparametersMixin], checkpoint: Mapping[str, Any], overrides: Mapping[str, Any], *past_keys: str
+) -> dict[str, Any]:
+    """The arguments that rebuild a ``cls`` from the hyperparameters ``checkpoint`` saved (or, without them, from
+    those under ``past_keys``, where older releases saved them), with ``overrides`` taking precedence; an argument
+    that ``cls.__init__`` does not take is left out, unless it takes ``**kwargs``."""
+    found = next((key for key in (cls.CHECKPOINT_HYPER_PARAMS_KEY, *past_keys) if key in checkpoint), None)
+    saved = dict(checkpoint[found]) if found is not None else {}
+    parameters = inspect.signature(cls.__init__).parameters
+    config_argument = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_NAME)
+    if config_argument in parameters:  # they were given whole, as one config: give them back as one
+        saved = {config_argument: AttributeDict(saved)}
+    arguments = {**saved, **overrides}
+    if not any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters.values()):
+        # A parent's saved hyperparameters that this class's __init__ does not take are left out.
+        arguments = {name: value for name, value in arguments.items() if name in parameters}
+    return arguments
+
+
+def drop_unpicklable(hparams: dict[str, Any]) -> None:
+    """Remove, with a warning each, the hyperparameters that cannot be pickled (a lambda, ...): nothing could save
+    them."""
+    for name in [name for name, value in hparams.items() if not is_picklable(value)]:
+        rank_zero_warn(
+            f"Attribute {name!r} removed from hparams because it cannot be pickled; leave it out with "
+            f"save_hyperparameters(ignore=[{name!r}])"
+        )
+        del hparams[name]

@@ -1,0 +1,165 @@
+"""The module, its hooks and hyperparameters, and the Trainer's flags, with the meanings Lightning gives them."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from argparse import Namespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, quiet_trainer
+from torch.utils.data import DataLoader
+
+import ember
+from ember.demos import BoringModel
+from ember.hparams import HyperparametersMixin
+from ember.lightning_compat.hook import table_of
+from ember.loggers import CSVLogger
+
+
+def _served(fullname: str, name: str) -> Any:
+    """The object Ember serves as Lightning's ``fullname.name``."""
+    module, _, attribute = str(table_of(fullname)[name]).partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+# --------------------------------------------------------------------------- hyperparameters
+class _Configured(BoringModel):
+    """Takes its hyperparameters as one config object."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.save_hyperparameters(config)
+
+
+def test_a_config_given_whole_is_given_back_whole() -> None:
+    model = _Configured(Namespace(lr=0.07, note="x"))
+    assert model.hparams == {"lr": 0.07, "note": "x"}
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    trainer.fit(model)
+    path = trainer.checkpoint_callback.best_model_path
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint[ember.Module.CHECKPOINT_HYPER_PARAMS_KEY]["note"] == "x"
+    assert checkpoint[ember.Module.CHECKPOINT_HYPER_PARAMS_NAME] == "config"
+    loaded = _Configured.load_from_checkpoint(path)
+    assert loaded.hparams.note == "x" and loaded.hparams.lr == 0.07
+
+
+def test_older_lightning_checkpoints_give_their_hyperparameters() -> None:
+    torch.save({"state_dict": Regressor().state_dict(), "module_arguments": {"lr": 0.3}}, "old.ckpt")
+    assert Regressor.load_from_checkpoint("old.ckpt").hparams.lr == 0.3
+
+
+class _Data(ember.DataModule):
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.loaded: dict[str, Any] = {}
+
+    def train_dataloader(self) -> DataLoader:
+        return make_loader(16, batch_size=self.hparams.batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": 3}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+def test_a_datamodule_is_rebuilt_from_a_checkpoint() -> None:
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    trainer.fit(Regressor(), datamodule=_Data(batch_size=4))
+    path = trainer.checkpoint_callback.best_model_path
+    assert torch.load(path, weights_only=True)[ember.DataModule.CHECKPOINT_HYPER_PARAMS_KEY] == {"batch_size": 4}
+    datamodule = _Data.load_from_checkpoint(path)
+    assert isinstance(datamodule, _Data) and datamodule.hparams.batch_size == 4 and datamodule.loaded == {"seen": 3}
+
+
+def test_an_object_built_in_another_s_init_records_its_arguments_too() -> None:
+    class Head(ember.Module):
+        def __init__(self, width: int, dropout: float) -> None:
+            super().__init__()
+            self.save_hyperparameters(ignore="dropout")
+
+    class Net(ember.Module):
+        def __init__(self, lr: float, width: int = 3) -> None:
+            super().__init__()
+            self.head = Head(width=8, dropout=0.1)
+
+    class Plain:  # its arguments are not hyperparameters: it has none
+        def __init__(self, seed: int = 1) -> None:
+            self.net = Net(lr=0.1)
+
+    # As Lightning collects them: the outer __init__'s value wins where names meet.
+    assert Plain().net.head.hparams == {"width": 3, "lr": 0.1}
+    assert Head(width=2, dropout=0.0).hparams == {"width": 2}
+
+
+def test_hyperparameters_of_any_class() -> None:
+    assert _served("pytorch_lightning.core.mixins", "HyperparametersMixin") is HyperparametersMixin
+
+    class Settings(HyperparametersMixin):
+        def __init__(self, lr: float = 0.1, name: str = "a") -> None:
+            super().__init__()
+            self.save_hyperparameters(ignore=["name"])
+
+    assert Settings(lr=0.2).hparams == {"lr": 0.2}
+
+
+@pytest.mark.parametrize("value", [42, 3.5, True])
+def test_a_primitive_is_no_config(value: Any) -> None:
+    class Model(ember.Module):
+        def __init__(self, value: Any) -> None:
+            super().__init__()
+            self.save_hyperparameters(value)
+
+    with pytest.raises(ValueError, match=r"Primitives \(<class 'bool'>"):
+        Model(value)
+
+
+def test_a_module_among_the_hyperparameters_is_pointed_out() -> None:
+    class Model(ember.Module):
+        def __init__(self, encoder: torch.nn.Module, depth: int = 2) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    with pytest.warns(UserWarning, match=r"'encoder' is an instance of `nn.Module` and is already saved"):
+        model = Model(torch.nn.Linear(2, 2))
+    assert list(model.hparams) == ["encoder", "depth"]
+
+
+def test_the_loggers_get_the_initial_hyperparameters() -> None:
+    model = Regressor(lr=0.5)
+    model.hparams.lr = 0.1
+    trainer = quiet_trainer(max_steps=1, logger=CSVLogger("logs"))
+    trainer.fit(model, make_loader(16))
+    with open(os.path.join(trainer.log_dir, "hparams.yaml")) as file:
+        assert "lr: 0.5" in file.read()
+
+
+def test_the_module_and_datamodule_may_not_disagree_on_a_hyperparameter() -> None:
+    class Data(_Data):
+        def __init__(self, lr: float = 0.5) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    with pytest.raises(RuntimeError, match=r"Error while merging hparams: \['lr'\]"):
+        quiet_trainer(max_steps=1, logger=CSVLogger("logs")).fit(Regressor(lr=0.1), datamodule=Data())
+    quiet_trainer(max_steps=1, logger=CSVLogger("logs")).fit(Regressor(lr=0.5), datamodule=Data())
+
+
+def test_hyperparameters_that_cannot_be_pickled_are_dropped_when_a_stage_starts() -> None:
+    assert _served("pytorch_lightning.utilities", "is_picklable") is ember.utilities.is_picklable
+
+    class Model(Regressor):
+        def __init__(self, lr: float = 0.05, transform: Any = lambda x: x) -> None:
+            super().__init__(lr)
+            self.save_hyperparameters()
+
+    model = Model()
+    assert not ember.utilities.is_picklable(model.hparams.transform)
+    with pytest.warns(UserWarning, match="Attribute 'transform' removed from hparams because it cannot be pickled"):
+        quiet_trainer(max_steps=1, logger=False).fit(model, make_loader(16))
+    assert "transform" not in model.hparams
