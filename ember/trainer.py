@@ -528,7 +528,9 @@ class Trainer:
         # with "last" continues its predecessor's directory in place; any other run has one of its own.
         path = self.ckpt_path = checkpoint_state.resolve(self, ckpt_path)
         self._run_directory.settle(continuing=path if stage == "fit" and ckpt_path == "last" else None)
-        self._prepare_data(stage)
+        if self.local_rank == 0:  # once per machine
+            hooks.prepare_data()
+        self.strategy.barrier()
         hooks.setup(stage)
         hooks.configure_model()
         if stage == "fit":
@@ -536,15 +538,6 @@ class Trainer:
         self.strategy.setup_module(module, training=stage == "fit")
         self.profiler.setup(self, stage)
         return path
-
-    def _prepare_data(self, stage: str) -> None:
-        """``prepare_data`` once per machine (the module's and the datamodule's), then the datamodule's ``setup``."""
-        hooks = self.hooks
-        if self.local_rank == 0:
-            hooks.call_module("prepare_data")
-            hooks.call_datamodule("prepare_data")
-        self.strategy.barrier()
-        hooks.call_datamodule("setup", stage)
 
     def _end_stage(self, stage: str, status: str) -> None:
         try:

@@ -18,6 +18,9 @@ class TrainerFn(str, enum.Enum):
     TESTING = "test"
     PREDICTING = "predict"
 
+    def __str__(self) -> str:
+        return self.value  # "fit" in paths and messages, as the string it stands for
+
 
 class RunningStage(str, enum.Enum):
     """The loop running in it."""

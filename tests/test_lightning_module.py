@@ -13,6 +13,7 @@ from conftest import Regressor, make_loader, quiet_trainer
 from torch.utils.data import DataLoader
 
 import ember
+from ember.callbacks import Callback
 from ember.demos import BoringModel
 from ember.hparams import HyperparametersMixin
 from ember.lightning_compat.hook import table_of
@@ -163,3 +164,132 @@ def test_hyperparameters_that_cannot_be_pickled_are_dropped_when_a_stage_starts(
     with pytest.warns(UserWarning, match="Attribute 'transform' removed from hparams because it cannot be pickled"):
         quiet_trainer(max_steps=1, logger=False).fit(model, make_loader(16))
     assert "transform" not in model.hparams
+
+
+# ----------------------------------------------------------------------------- hook order
+class _Recorder(Callback):
+    def __init__(self, calls: list[str], name: str = "callback", reads_epoch_metrics: bool = False) -> None:
+        self.calls, self.name, self.reads_epoch_metrics = calls, name, reads_epoch_metrics
+
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        self.calls.append(f"{self.name}.setup")
+
+    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+        self.calls.append(f"{self.name}.teardown")
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        self.calls.append(f"{self.name}.on_fit_start")
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.calls.append(f"{self.name}.on_train_batch_start")
+
+    def on_before_backward(self, trainer: Any, module: Any, loss: torch.Tensor) -> None:
+        self.calls.append(f"{self.name}.on_before_backward")
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        self.calls.append(f"{self.name}.on_train_epoch_end")
+
+    def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
+        self.calls.append(f"{self.name}.on_save_checkpoint")
+
+    def on_load_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
+        self.calls.append(f"{self.name}.on_load_checkpoint")
+
+
+class _RecordingModel(Regressor):
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def prepare_data(self) -> None:
+        self.calls.append("module.prepare_data")
+
+    def setup(self, stage: str) -> None:
+        self.calls.append(f"module.setup({stage})")
+
+    def teardown(self, stage: str) -> None:
+        self.calls.append("module.teardown")
+
+    def on_fit_start(self) -> None:
+        self.calls.append("module.on_fit_start")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int:
+        self.calls.append("module.on_train_batch_start")
+        return -1 if self.current_epoch == 1 else 0  # the second epoch is skipped
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.calls.append("module.on_before_backward")
+
+    def on_train_epoch_end(self) -> None:
+        self.calls.append("module.on_train_epoch_end")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.calls.append("module.on_save_checkpoint")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.calls.append("module.on_load_checkpoint")
+
+
+class _RecordingData(ember.DataModule):
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def prepare_data(self) -> None:
+        self.calls.append("data.prepare_data")
+
+    def setup(self, stage: str) -> None:
+        self.calls.append("data.setup")
+
+    def teardown(self, stage: str) -> None:
+        self.calls.append("data.teardown")
+
+    def train_dataloader(self) -> DataLoader:
+        return make_loader(8, batch_size=4)
+
+
+def test_the_callbacks_hook_runs_before_the_module_s_as_in_lightning() -> None:
+    calls: list[str] = []
+    callbacks = [_Recorder(calls), _Recorder(calls, "checkpointing", reads_epoch_metrics=True)]
+    trainer = quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False, callbacks=callbacks)
+    trainer.fit(_RecordingModel(calls), datamodule=_RecordingData(calls))
+    trainer.save_checkpoint("saved.ckpt")
+    first_epoch = [
+        "callback.on_train_batch_start", "checkpointing.on_train_batch_start", "module.on_train_batch_start",
+        "callback.on_before_backward", "checkpointing.on_before_backward", "module.on_before_backward",
+    ] * 2  # fmt: skip
+    epoch_end = ["callback.on_train_epoch_end", "module.on_train_epoch_end", "checkpointing.on_train_epoch_end"]
+    assert calls == [
+        "data.prepare_data", "module.prepare_data", "data.setup", "callback.setup", "checkpointing.setup",
+        "module.setup(fit)", "callback.on_fit_start", "checkpointing.on_fit_start", "module.on_fit_start",
+        *first_epoch, *epoch_end,
+        # The callbacks see the batch whose module hook then skips the rest of the epoch.
+        "callback.on_train_batch_start", "checkpointing.on_train_batch_start", "module.on_train_batch_start",
+        *epoch_end,
+        "data.teardown", "callback.teardown", "checkpointing.teardown", "module.teardown",
+        "callback.on_save_checkpoint", "checkpointing.on_save_checkpoint", "module.on_save_checkpoint",
+    ]  # fmt: skip
+    calls.clear()
+    quiet_trainer(max_epochs=3, logger=False, enable_checkpointing=False, callbacks=callbacks).fit(
+        _RecordingModel(calls), make_loader(8, batch_size=4), ckpt_path="saved.ckpt"
+    )
+    loading = [call for call in calls if call.endswith("on_load_checkpoint")]
+    assert loading == ["module.on_load_checkpoint", "callback.on_load_checkpoint", "checkpointing.on_load_checkpoint"]
+
+
+def test_setup_and_teardown_take_the_stage_by_keyword() -> None:
+    stages: list[Any] = []
+
+    class Model(Regressor):
+        def setup(self, *, stage: str) -> None:
+            stages.append(stage)
+
+        def teardown(self, *, stage: str) -> None:
+            stages.append(stage)
+
+    model = Model()
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    trainer.fit(model, make_loader(8))
+    trainer.validate(model, make_loader(8), verbose=False)
+    assert stages == ["fit", "fit", "validate", "validate"]
+    assert [stage.value for stage in stages] == stages and f"{stages[0]}" == "fit"

@@ -297,7 +297,7 @@ def test_a_value_logged_in_the_hooks_that_start_an_evaluation_reaches_its_result
     "hook", ["setup", "on_fit_start", "on_train_end", "on_fit_end", "configure_optimizers", "on_save_checkpoint"]
 )
 def test_logging_where_nothing_may_be_logged_is_refused_by_name(hook: str) -> None:
-    def refused(self: Any, *args: Any) -> Any:
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:  # setup(stage=...) by keyword
         with pytest.raises(MisconfigurationException, match=rf"self.log\('x'\) in {hook}"):
             self.log("x", 1.0)
         self.refused.append(hook)

@@ -45,8 +45,7 @@ class _Fit:
     """What one fit looks up once and reads per batch (the hooks nobody overrides cost nothing per batch)."""
 
     to_device: Callable[[Any], Any] | None  # None: batches are used as the loader makes them
-    module_batch_start: Callable[..., Any] | None  # the module's on_train_batch_start (it may skip the epoch)
-    batch_start_hooks: list[Callable[..., Any]]  # the callbacks'
+    batch_start: Callable[[Any, int], bool] | None  # the on_train_batch_start hooks: True skips the rest of the epoch
     batch_end_hooks: list[Callable[..., Any]]
     manual: bool  # the module steps its optimizers itself
     max_steps: float  # math.inf: no limit
@@ -140,8 +139,7 @@ class FitLoop:
         config, hooks = trainer.config, trainer.hooks
         return _Fit(
             to_device=hooks.batch_transfer(trainer.strategy),
-            module_batch_start=hooks.module_hook("on_train_batch_start"),
-            batch_start_hooks=hooks.implementations("on_train_batch_start", include_module=False),
+            batch_start=hooks.train_batch_start(),
             batch_end_hooks=hooks.implementations("on_train_batch_end"),
             manual=not runner.module.automatic_optimization,
             max_steps=config.max_steps if config.max_steps != -1 else math.inf,
@@ -181,7 +179,7 @@ class FitLoop:
         store, to_device, ends = self.trainer.run_metrics.train, fit.to_device, fit.batch_end_hooks
         losses, positions = self.losses.losses, self.losses.positions
         window = self._first_window()
-        has_start_hooks = fit.module_batch_start is not None or bool(fit.batch_start_hooks)
+        batch_start = fit.batch_start
         validation = data.validation if data.validation.selects(progress.epoch) else None
         samples_per_batch = data.samples_per_batch
         for batch_idx, batch, is_last in batches:
@@ -189,7 +187,7 @@ class FitLoop:
             if to_device is not None:
                 batch = to_device(batch)
             store.batch = batch
-            if has_start_hooks and _skips_epoch(fit, batch, batch_idx):
+            if batch_start is not None and batch_start(batch, batch_idx):
                 return _Outcome.EPOCH_DONE  # the module skips the rest of this epoch
             if window is None:  # each batch a window of its own: the common case, in one call
                 result = runner.step(batch, batch_idx)
@@ -375,15 +373,6 @@ class FitLoop:
         if self.runner is None:
             raise RuntimeError("manual_backward() is available during fit only")
         self.runner.backward(loss)
-
-
-def _skips_epoch(fit: _Fit, batch: Any, batch_idx: int) -> bool:
-    """Call the batch-start hooks; True when the module's asks to skip the rest of the epoch (returns -1)."""
-    if fit.module_batch_start is not None and fit.module_batch_start(batch, batch_idx) == -1:
-        return True
-    for hook in fit.batch_start_hooks:
-        hook(batch, batch_idx)
-    return False
 
 
 def _with_detached_loss(output: Any, loss: torch.Tensor | None) -> Any:

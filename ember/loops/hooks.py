@@ -15,6 +15,7 @@ from ember.callbacks import Callback
 from ember.loops.step import StepHooks
 from ember.metrics import LogScope
 from ember.module import DataModule, Module
+from ember.trainer_state import TrainerFn
 
 if TYPE_CHECKING:
     from ember.profilers import Profiler
@@ -64,6 +65,9 @@ _PER_EPOCH = ("validation_step", "test_step", "on_validation_batch_start", "on_v
 _EPOCH_ONLY = ("on_train_start", "on_validation_start", "on_test_start", "on_train_epoch_start",
                "on_validation_epoch_start", "on_test_epoch_start", "on_train_epoch_end", "on_validation_epoch_end",
                "on_test_epoch_end")  # fmt: skip
+#: The hooks whose module implementation Lightning calls before the callbacks'; for every other hook the callbacks'
+#: come first (``on_train_epoch_end``: the callbacks that read epoch metrics run after the module's, see ``call``).
+MODULE_FIRST = frozenset({"on_load_checkpoint"})
 #: Where ``self.log`` may record, with its defaults, as Lightning allows it: per step (``on_step=True``) in a
 #: training step and the hooks around it, per epoch in evaluation steps and their batch hooks, epoch values only
 #: where a stage or an epoch starts or ends. Anywhere else (setup, teardown, ``on_fit_start``, the hooks of
@@ -124,20 +128,21 @@ class Hooks:
     def implementations(
         self, name: str, include_module: bool = True, epoch_readers: bool | None = None
     ) -> list[Callable[..., Any]]:
-        """What to call for hook ``name``: the module's (if ``include_module``), then each callback's (only those
-        that read epoch metrics, or only those that do not, when ``epoch_readers`` says so)."""
+        """What to call for hook ``name``, in Lightning's order (see ``MODULE_FIRST``): each callback's (only those
+        that read epoch metrics, or only those that do not, when ``epoch_readers`` says so) and the module's (if
+        ``include_module``)."""
         key = (name, include_module, epoch_readers)
         hooks = self._cache.get(key)
         if hooks is None:
             module = self._module
-            hooks = [self._timed(module, name)] if include_module and is_overridden(name, module, Module) else []
-            hooks += [
+            own = [self._timed(module, name)] if include_module and is_overridden(name, module, Module) else []
+            callbacks: list[Callable[..., Any]] = [
                 functools.partial(self._timed(callback, name), self._trainer, module)
                 for callback in self._callbacks
                 if is_overridden(name, callback, Callback) and callback.has_work_in(name)
                 and epoch_readers in (None, bool(callback.reads_epoch_metrics))
             ]  # fmt: skip
-            self._cache[key] = hooks
+            hooks = self._cache[key] = own + callbacks if name in MODULE_FIRST else callbacks + own
         return hooks
 
     def module_hook(self, name: str) -> Callable[..., Any] | None:
@@ -166,30 +171,35 @@ class Hooks:
         return timed
 
     # ----------------------------------------------------------------------------- calling
-    def call(self, name: str, *args: Any, include_module: bool = True, epoch_readers: bool | None = None) -> None:
-        """Call ``name`` on the module, then on every callback (see ``implementations``), in its logging scope."""
+    def call(
+        self, name: str, *args: Any, include_module: bool = True, epoch_readers: bool | None = None, **kwargs: Any
+    ) -> None:
+        """Call ``name`` on every callback and the module, in Lightning's order (see ``implementations``), in its
+        logging scope."""
         hooks = self.implementations(name, include_module, epoch_readers)
         if hooks:
             with self.scope(name):
                 for hook in hooks:
-                    hook(*args)
+                    hook(*args, **kwargs)
 
-    def call_callbacks(self, name: str, *args: Any) -> None:
-        self.call(name, *args, include_module=False)
+    def call_callbacks(self, name: str, *args: Any, **kwargs: Any) -> None:
+        self.call(name, *args, include_module=False, **kwargs)
 
-    def call_module(self, name: str, *args: Any) -> Any:
+    def call_module(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The module's ``name`` (what it returns), in its logging scope: its own, or the base class's."""
-        return self._call_owner(self._module, Module, name, args)
+        return self._call_owner(self._module, Module, name, args, kwargs)
 
-    def call_datamodule(self, name: str, *args: Any) -> Any:
+    def call_datamodule(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The datamodule's ``name``, as ``call_module`` (nothing without a datamodule)."""
-        return None if self._datamodule is None else self._call_owner(self._datamodule, DataModule, name, args)
+        if self._datamodule is None:
+            return None
+        return self._call_owner(self._datamodule, DataModule, name, args, kwargs)
 
     def data_loaders(self, kind: str) -> Any:
         """What ``<kind>_dataloader()`` ("train", "val", ...) of the datamodule returns, else the module's (None:
         neither defines it)."""
         found = self._loader_owner(kind)
-        return None if found is None else self._call_owner(*found, f"{kind}_dataloader", ())
+        return None if found is None else self._call_owner(*found, f"{kind}_dataloader", (), {})
 
     def has_loaders(self, kind: str) -> bool:
         """Whether the datamodule or the module defines ``<kind>_dataloader()``."""
@@ -201,10 +211,10 @@ class Hooks:
                 return owner, base
         return None
 
-    def _call_owner(self, owner: Any, base: type, name: str, args: tuple[Any, ...]) -> Any:
+    def _call_owner(self, owner: Any, base: type, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         hook = self._timed(owner, name) if is_overridden(name, owner, base) else getattr(owner, name)
         with self.scope(name):
-            return hook(*args)
+            return hook(*args, **kwargs)
 
     def configure_model(self) -> None:
         """The module's ``configure_model()``, Lightning's form (the strategy calls the one that takes a mesh)."""
@@ -212,16 +222,40 @@ class Hooks:
         if hook is not None and _callable_without_arguments(hook):
             self.call_module("configure_model")
 
+    def prepare_data(self) -> None:
+        """``prepare_data()`` of the datamodule, then of the module."""
+        self.call_datamodule("prepare_data")
+        self.call_module("prepare_data")
+
     def setup(self, stage: str) -> None:
-        """``setup(stage)`` of the module, then of each callback (the datamodule's runs with the data, before)."""
-        self.call_module("setup", stage)
-        self.call_callbacks("setup", stage)
+        """``setup(stage=...)`` of the datamodule, each callback and the module; ``stage`` is a ``TrainerFn`` ("fit",
+        ...: a ``str``, with Lightning's ``.value``)."""
+        fn = TrainerFn(stage)
+        self.call_datamodule("setup", stage=fn)
+        self.call_callbacks("setup", stage=fn)
+        self.call_module("setup", stage=fn)
 
     def teardown(self, stage: str) -> None:
-        """``teardown(stage)`` of each callback, the module and the datamodule."""
-        self.call_callbacks("teardown", stage)
-        self.call_module("teardown", stage)
-        self.call_datamodule("teardown", stage)
+        """``teardown(stage=...)`` of the datamodule, each callback and the module."""
+        fn = TrainerFn(stage)
+        self.call_datamodule("teardown", stage=fn)
+        self.call_callbacks("teardown", stage=fn)
+        self.call_module("teardown", stage=fn)
+
+    def train_batch_start(self) -> Callable[[Any, int], bool] | None:
+        """The ``on_train_batch_start`` hooks as one call, the callbacks' first, that says whether the module's asked
+        to skip the rest of the epoch (by returning -1); None when nobody overrides the hook."""
+        callbacks = self.implementations("on_train_batch_start", include_module=False)
+        module = self.module_hook("on_train_batch_start")
+        if module is None and not callbacks:
+            return None
+
+        def start(batch: Any, batch_idx: int) -> bool:
+            for hook in callbacks:
+                hook(batch, batch_idx)
+            return module is not None and module(batch, batch_idx) == -1
+
+        return start
 
     @contextlib.contextmanager
     def scope(self, hook: str, dataloader_idx: int | None = None) -> Iterator[None]:
