@@ -142,8 +142,8 @@ class TrainerConfig:
     gradient_clip_val: int | float | None = None
     """Clip gradients to this norm (or value, see ``gradient_clip_algorithm``); None: no clipping."""
 
-    gradient_clip_algorithm: Literal["norm", "value"] = "norm"
-    """"norm" scales all gradients to a total 2-norm of at most ``gradient_clip_val``; "value"
+    gradient_clip_algorithm: Literal["norm", "value"] | None = None
+    """"norm" (also when None) scales all gradients to a total 2-norm of at most ``gradient_clip_val``; "value"
     clamps each element."""
 
     # --------------------------------------------------------------------------- watching
@@ -313,7 +313,8 @@ class TrainerConfig:
         clip = self.gradient_clip_val
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
             raise FlagError(f"gradient_clip_val={clip!r}: expected a number >= 0 or None")
-        _check_choice("gradient_clip_algorithm", self.gradient_clip_algorithm, ("norm", "value"))
+        if self.gradient_clip_algorithm is not None:  # None, as Lightning's, says the module may choose
+            _check_choice("gradient_clip_algorithm", self.gradient_clip_algorithm, ("norm", "value"))
 
     def _check_watching(self) -> None:
         _check_int("log_every_n_steps", self.log_every_n_steps, minimum=1)
@@ -444,7 +445,7 @@ class TrainerConfig:
 #: default.
 _NONE_IS_DEFAULT = (
     "precision", "logger", "val_check_interval", "num_sanity_val_steps", "log_every_n_steps", "enable_checkpointing",
-    "enable_progress_bar", "enable_model_summary", "gradient_clip_algorithm", "deterministic",
+    "enable_progress_bar", "enable_model_summary", "deterministic",
 )  # fmt: skip
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
 

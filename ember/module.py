@@ -6,7 +6,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import torch
 from torch import nn
@@ -40,6 +40,11 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
 
     #: The device batches are moved to when the layers were placed by hand (None: the first parameter's).
     input_device: torch.device | str | None = None
+    #: What ``torch.jit.script(module)`` leaves out: properties that read the Trainer, which TorchScript cannot compile.
+    __jit_unused_properties__: ClassVar[list[str]] = [
+        "trainer", "device", "current_epoch", "global_step", "global_rank", "local_rank", "dtype", "logger", "loggers",
+        "hparams", "hparams_initial", "hparams_for_logger",
+    ]  # fmt: skip
 
     if TYPE_CHECKING:
         # What a module may define (the loops look for them; Module itself does not, so that a missing
@@ -60,11 +65,15 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     @property
     def trainer(self) -> Trainer:
         if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
+            raise RuntimeError(f"{type(self).__name__} is not attached to a `Trainer`")
         return self._trainer
 
     @trainer.setter
     def trainer(self, trainer: Trainer | None) -> None:
+        """Attach the module, and the modules it holds (an ensemble's members), to ``trainer``."""
+        for child in self.children():
+            if isinstance(child, Module):
+                child.trainer = trainer
         self._trainer = trainer
 
     @property
@@ -277,14 +286,20 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         gradient_clip_val: int | float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] | None = None,
     ) -> None:
-        """Clip the gradients of ``optimizer``'s parameters (unscaled first under 16-bit mixed precision);
-        nothing to do without ``gradient_clip_val``."""
-        if not gradient_clip_val:
+        """Clip the gradients of ``optimizer``'s parameters (unscaled first under 16-bit mixed precision) to
+        ``gradient_clip_val``, by ``gradient_clip_algorithm`` ("norm" by default): each is the Trainer's flag when
+        not given, and an error when it differs from a flag that was given. Nothing to do without a value."""
+        config = self.trainer.config
+        clip_val = _one_of("gradient_clip_val", config.gradient_clip_val, gradient_clip_val)
+        algorithm = _one_of("gradient_clip_algorithm", config.gradient_clip_algorithm, gradient_clip_algorithm)
+        if algorithm not in (None, "norm", "value"):
+            raise MisconfigurationException(f"clip_gradients(gradient_clip_algorithm={algorithm!r}): 'norm' or 'value'")
+        if not clip_val:
             return
         strategy = self.trainer.strategy
         optimizer = getattr(optimizer, "optimizer", optimizer)
         strategy.unscale_gradients(optimizer)
-        strategy.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+        strategy.clip_gradients(optimizer, clip_val, algorithm or "norm")
 
     # ---------------------------------------------------------------------------- the steps
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
@@ -365,6 +380,18 @@ def _unsupported_log_option(name: str, enable_graph: bool, sync_dist_group: Any)
     if sync_dist_group is not None:
         return f"self.log({name!r}, sync_dist_group=...): sync_dist reduces over all processes; leave the group out"
     return f"self.log({name!r}, rank_zero_only=True, sync_dist=True): a value logged on one process cannot be synced"
+
+
+def _one_of(flag: str, trainer_value: Any, given: Any) -> Any:
+    """A ``clip_gradients`` argument: ``given``, else the Trainer's flag; both, when they differ, is an error."""
+    if given is None:
+        return trainer_value
+    if trainer_value is not None and given != trainer_value:
+        raise MisconfigurationException(
+            f"You have set `Trainer({flag}={trainer_value!r})` and have passed `clip_gradients({flag}={given!r})`: "
+            "use only one of them"
+        )
+    return given
 
 
 def _parameters_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -91,7 +91,7 @@ class Trainer:
         num_sanity_val_steps: int | None = 2,
         accumulate_grad_batches: int | Literal["auto"] = 1,
         gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: Literal["norm", "value"] | None = "norm",
+        gradient_clip_algorithm: Literal["norm", "value"] | None = None,
         log_every_n_steps: int | None = 50,
         callbacks: Callback | Sequence[Callback] | None = None,
         logger: bool | Logger | Sequence[Logger] | None = True,
@@ -198,7 +198,7 @@ class Trainer:
     val_check_interval: Reads[int | float | str | timedelta | Mapping[str, int]] = Reads("config.val_check_interval")
     num_sanity_val_steps: Reads[int] = Reads("config.num_sanity_val_steps")
     gradient_clip_val: Reads[int | float | None] = Reads("config.gradient_clip_val")
-    gradient_clip_algorithm: Reads[str] = Reads("config.gradient_clip_algorithm")
+    gradient_clip_algorithm: Reads[str | None] = Reads("config.gradient_clip_algorithm")
     fast_dev_run: Reads[bool | int] = Reads("config.fast_dev_run")
     limit_train_batches: Reads[_Limit] = Reads("config.limit_train_batches")
     limit_val_batches: Reads[_Limit] = Reads("config.limit_val_batches")

@@ -47,7 +47,7 @@ def test_module_outside_a_trainer() -> None:
     model = Regressor()
     model.log("ignored", 1.0)  # no trainer: logging is a no-op, so steps can be unit-tested
     assert model.current_epoch == 0 and model.global_step == 0 and model.device.type == "cpu"
-    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
         _ = model.trainer
 
 

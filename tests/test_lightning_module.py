@@ -293,3 +293,54 @@ def test_setup_and_teardown_take_the_stage_by_keyword() -> None:
     trainer.validate(model, make_loader(8), verbose=False)
     assert stages == ["fit", "fit", "validate", "validate"]
     assert [stage.value for stage in stages] == stages and f"{stages[0]}" == "fit"
+
+
+# -------------------------------------------------------------------------------- the module
+def test_a_module_not_attached_to_a_trainer_says_so() -> None:
+    ensemble, member = ember.Module(), ember.Module()
+    ensemble.member = member
+    with pytest.raises(RuntimeError, match="Module is not attached to a `Trainer`"):
+        _ = ensemble.trainer
+    trainer = quiet_trainer(logger=False)
+    ensemble.trainer = trainer
+    assert member.trainer is trainer  # the modules it holds are attached with it
+
+
+def test_a_module_attached_to_a_trainer_can_be_scripted() -> None:
+    model = BoringModel()
+    model.trainer = quiet_trainer(logger=False)
+    scripted = torch.jit.script(model)
+    assert scripted(torch.ones(1, 32)).shape == (1, 2)
+
+
+class _Clipping(BoringModel):
+    def __init__(self, **clip: Any) -> None:
+        super().__init__()
+        self.clip = clip
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any, gradient_clip_algorithm: Any) -> None:
+        self.clip_gradients(optimizer, **self.clip)
+
+
+@pytest.mark.parametrize(
+    ("flags", "clip", "refused"),
+    [
+        ({"gradient_clip_val": 1e-4}, {"gradient_clip_val": 0.01}, r"`Trainer\(gradient_clip_val=0.0001\)` and have "
+         r"passed `clip_gradients\(gradient_clip_val=0.01\)`"),
+        ({"gradient_clip_algorithm": "norm"}, {"gradient_clip_algorithm": "value"}, r"gradient_clip_algorithm='norm'"),
+        ({}, {"gradient_clip_algorithm": "l1"}, r"'norm' or 'value'"),
+    ],
+)  # fmt: skip
+def test_clipping_both_in_the_trainer_and_the_module_is_refused(flags: dict, clip: dict, refused: str) -> None:
+    trainer = quiet_trainer(max_steps=1, logger=False, **flags)
+    with pytest.raises(ember.exceptions.MisconfigurationException, match=refused):
+        trainer.fit(_Clipping(**clip))
+
+
+def test_the_module_clips_as_it_chooses_when_the_trainer_does_not() -> None:
+    model = _Clipping(gradient_clip_val=1e-6, gradient_clip_algorithm="value")
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False).fit(model)
+    # SGD at lr 0.1 moves each weight by 0.1 times its gradient, clamped to 1e-6 (unclamped, about 0.1).
+    moved = max(float((after - old).abs().max()) for after, old in zip(model.parameters(), before))
+    assert 0 < moved < 1e-6
