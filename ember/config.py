@@ -11,18 +11,20 @@ documentation: the docs site's flag reference is generated from this file.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import inspect
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
 from ember._utils import parse_max_time
 from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
-from ember.exceptions import MisconfigurationException
+from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.loggers import Logger
 from ember.loggers.logger import is_logger
 from ember.precision import canonical_precision
@@ -31,6 +33,7 @@ from ember.rank_zero import rank_zero_warn_once
 from ember.strategies import FaultTolerance, Strategy
 
 Limit = int | float | None
+_Init = TypeVar("_Init", bound=Callable[..., None])
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 _FLOAT32_MATMUL = ("highest", "high", "medium")
@@ -81,7 +84,7 @@ class TrainerConfig:
     # ------------------------------------------------------------------------------- length
     max_epochs: int | None = None
     """Epochs to train (-1: no limit). When neither it nor ``max_steps`` nor ``max_time`` is
-    given, 1000."""
+    given, 1000 (``trainer.max_epochs`` says so once ``fit`` starts)."""
 
     max_steps: int = -1
     """Optimizer steps to train (-1: no limit)."""
@@ -373,10 +376,32 @@ class TrainerConfig:
                  "callbacks": any(isinstance(callback, _COSTLY_CALLBACKS) for callback in _as_list(self.callbacks))}
         for flag, conflicts in asked.items():  # fmt: skip
             if conflicts:
-                raise FlagError(
-                    f"barebones=True turns off everything that costs time besides the steps, but {flag}="
-                    f"{getattr(self, flag)!r} asks for some of it; drop one of the two"
-                )
+                raise _barebones_conflict(flag, getattr(self, flag))
+
+    @classmethod
+    def of_trainer(cls, **flags: Any) -> TrainerConfig:
+        """The record of ``Trainer(**flags)``, where None is a flag not given: with ``barebones=True``, a feature it
+        turns off that is asked for (``logger=True``, ``enable_checkpointing=True``, ...) is refused, as Lightning
+        refuses it."""
+        if flags.get("barebones"):
+            for flag, off in _BAREBONES_OFF.items():
+                if flags.get(flag) not in (None, off):
+                    raise _barebones_conflict(flag, flags[flag])
+        return cls(**flags)
+
+    def for_fit(self) -> TrainerConfig:
+        """The flags as ``fit`` applies them, as Lightning resolves them when ``fit`` starts: ``max_epochs`` is the
+        limit it comes to (1000, with a warning, when no limit is given at all; -1 when another one is)."""
+        if self.max_epochs is not None:
+            return self
+        if self.epoch_limit != -1:
+            rank_zero_warn_once(
+                "`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set "
+                "`max_epochs=-1`.",
+                PossibleUserWarning,
+                stacklevel=3,
+            )
+        return dataclasses.replace(self, max_epochs=self.epoch_limit)
 
     def resolved(self) -> TrainerConfig:
         """The flags as the loops apply them: ``fast_dev_run``, ``overfit_batches`` and ``barebones`` set the
@@ -441,6 +466,33 @@ class TrainerConfig:
         return os.fspath(self.default_root_dir) if self.default_root_dir is not None else os.getcwd()
 
 
+#: What names a Trainer flag's default in the environment: ``PL_TRAINER_MAX_STEPS=7``, as in Lightning.
+ENVIRONMENT_PREFIX = "PL_TRAINER_"
+
+
+def environment_defaults(init: _Init) -> _Init:
+    """``Trainer.__init__`` with the flags set in the environment (``PL_TRAINER_<FLAG>``) as defaults: a flag given to
+    the Trainer wins. A value is read as a Python literal (``7``, ``False``, ``[0, 1]``), else as a string."""
+
+    @functools.wraps(init)
+    def with_environment_defaults(self: Any, **flags: Any) -> None:
+        init(self, **{**_environment_flags(), **flags})
+
+    return cast(_Init, with_environment_defaults)
+
+
+def _environment_flags() -> dict[str, Any]:
+    flags = {}
+    for flag in _DEFAULTS:
+        value = os.environ.get(ENVIRONMENT_PREFIX + flag.upper())
+        if value:
+            try:
+                flags[flag] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                flags[flag] = value
+    return flags
+
+
 #: Flags for which None, as Lightning's signature allows and the config files its CLI writes spell it, means the
 #: default.
 _NONE_IS_DEFAULT = (
@@ -450,7 +502,20 @@ _NONE_IS_DEFAULT = (
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
 
 
+#: The features ``barebones=True`` turns off that the Trainer's flags ask for, each with the value that asks for none
+#: (None: only leaving the flag out does).
+_BAREBONES_OFF = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                  "enable_model_summary": False, "num_sanity_val_steps": 0, "log_every_n_steps": None}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------ checks
+def _barebones_conflict(flag: str, value: Any) -> FlagError:
+    return FlagError(
+        f"`Trainer(barebones=True, {flag}={value!r})` was passed, but barebones=True turns off everything that costs "
+        "time besides the steps; drop one of the two"
+    )
+
+
 def _as_list(callbacks: Callback | Sequence[Callback] | None) -> list[Callback]:
     return [] if callbacks is None else [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
 

@@ -22,7 +22,7 @@ from ember import hints
 from ember._utils import Reads, defines
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
 from ember.checkpoint import state as checkpoint_state
-from ember.config import TrainerConfig
+from ember.config import TrainerConfig, environment_defaults
 from ember.data import prepare_loaders, release_workers
 from ember.doctor import Doctor, DoctorDone, active_doctor
 from ember.hparams import drop_unpicklable
@@ -64,6 +64,7 @@ class Trainer:
     """
 
     @known_flags_only
+    @environment_defaults
     def __init__(
         self,
         *,
@@ -88,16 +89,16 @@ class Trainer:
         reload_dataloaders_every_n_epochs: int = 0,
         val_check_interval: int | float | str | timedelta | Mapping[str, int] | None = 1.0,
         check_val_every_n_epoch: int | None = 1,
-        num_sanity_val_steps: int | None = 2,
+        num_sanity_val_steps: int | None = None,
         accumulate_grad_batches: int | Literal["auto"] = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] | None = None,
-        log_every_n_steps: int | None = 50,
+        log_every_n_steps: int | None = None,
         callbacks: Callback | Sequence[Callback] | None = None,
-        logger: bool | Logger | Sequence[Logger] | None = True,
-        enable_progress_bar: bool | None = True,
-        enable_checkpointing: bool | None = True,
-        enable_model_summary: bool | None = True,
+        logger: bool | Logger | Sequence[Logger] | None = None,
+        enable_progress_bar: bool | None = None,
+        enable_checkpointing: bool | None = None,
+        enable_model_summary: bool | None = None,
         profiler: str | Profiler | None = None,
         enable_autolog_hparams: bool = True,
         barebones: bool = False,
@@ -119,7 +120,7 @@ class Trainer:
         model_registry: str | None = None,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name != "self"}
-        given = TrainerConfig(**flags)
+        given = TrainerConfig.of_trainer(**flags)
         given.warn_deprecated()
         #: The flags, checked, as the loops apply them (see ``TrainerConfig.resolved``).
         self.config = config = given.resolved()
@@ -185,9 +186,9 @@ class Trainer:
     #: What the steps run through: the module, or the strategy's wrapper around it.
     model: Reads[torch.nn.Module | None] = Reads("strategy.model")
     module: Reads[Module | None] = Reads("lightning_module")
-    # Lightning's names of the flags (inside, the config's: ``max_epochs`` is ``config.epoch_limit``, the limit it
-    # resolves to, and ``default_root_dir`` is ``config.root_dir``).
-    max_epochs: Reads[int] = Reads("config.epoch_limit")
+    # Lightning's names of the flags (``default_root_dir`` is ``config.root_dir``; ``max_epochs`` the flag as given
+    # until ``fit`` resolves it, while the loops read ``config.epoch_limit``).
+    max_epochs: Reads[int | None] = Reads("config.max_epochs")
     default_root_dir: Reads[str] = Reads("config.root_dir")
     max_steps: Reads[int] = Reads("config.max_steps")
     min_epochs: Reads[int | None] = Reads("config.min_epochs")
@@ -200,6 +201,7 @@ class Trainer:
     gradient_clip_val: Reads[int | float | None] = Reads("config.gradient_clip_val")
     gradient_clip_algorithm: Reads[str | None] = Reads("config.gradient_clip_algorithm")
     fast_dev_run: Reads[bool | int] = Reads("config.fast_dev_run")
+    barebones: Reads[bool] = Reads("config.barebones")
     limit_train_batches: Reads[_Limit] = Reads("config.limit_train_batches")
     limit_val_batches: Reads[_Limit] = Reads("config.limit_val_batches")
     limit_test_batches: Reads[_Limit] = Reads("config.limit_test_batches")
@@ -353,6 +355,7 @@ class Trainer:
         if isinstance(train_dataloaders, DataModule):
             datamodule, train_dataloaders = train_dataloaders, None
         check_module(model, "fit")
+        self.config = self.config.for_fit()
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if ckpt_path is None and restarted and not self.strategy.heals_from_peers:
             ckpt_path = "last"  # restarted by the elastic agent after a failure: continue the run

@@ -418,7 +418,7 @@ def test_every_hook_of_a_step_runs_in_lightnings_order() -> None:
     assert model.calls == [
         "training_step0", "on_before_zero_grad", "optimizer_zero_grad", *backward,
         "optimizer_step1", "training_step1", *backward, "on_before_optimizer_step",
-        "configure_gradient_clipping(1.0, norm)", "lr_scheduler_step",
+        "configure_gradient_clipping(1.0, None)", "lr_scheduler_step",
     ]  # fmt: skip
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
 

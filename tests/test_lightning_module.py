@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 import ember
 from ember.callbacks import Callback
 from ember.demos import BoringModel
+from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.hparams import HyperparametersMixin
 from ember.lightning_compat.hook import table_of
 from ember.loggers import CSVLogger
@@ -319,6 +320,7 @@ class _Clipping(BoringModel):
         self.clip = clip
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any, gradient_clip_algorithm: Any) -> None:
+        self.received = (gradient_clip_val, gradient_clip_algorithm)  # the Trainer's flags
         self.clip_gradients(optimizer, **self.clip)
 
 
@@ -342,5 +344,78 @@ def test_the_module_clips_as_it_chooses_when_the_trainer_does_not() -> None:
     before = [parameter.detach().clone() for parameter in model.parameters()]
     quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False).fit(model)
     # SGD at lr 0.1 moves each weight by 0.1 times its gradient, clamped to 1e-6 (unclamped, about 0.1).
-    moved = max(float((after - old).abs().max()) for after, old in zip(model.parameters(), before))
-    assert 0 < moved < 1e-6
+    moved = max(float((after.detach() - old).abs().max()) for after, old in zip(model.parameters(), before))
+    assert 0 < moved < 1e-6 and model.received == (None, None)
+
+
+# ------------------------------------------------------------------------------ the flags
+def test_flags_default_to_the_environment_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PL_TRAINER_LOGGER", "False")
+    monkeypatch.setenv("PL_TRAINER_MAX_STEPS", "7")
+    monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")  # not a Python literal: the string
+    trainer = ember.Trainer()
+    assert trainer.logger is None and trainer.max_steps == 7 and trainer.config.accelerator == "cpu"
+    trainer = ember.Trainer(logger=CSVLogger("logs"), max_steps=42)  # a flag given wins
+    assert isinstance(trainer.logger, CSVLogger) and trainer.max_steps == 42
+
+
+def test_max_epochs_is_resolved_when_fit_starts() -> None:
+    assert _served("lightning_fabric.utilities.warnings", "PossibleUserWarning") is PossibleUserWarning
+    assert _served("pytorch_lightning.utilities.warnings", "PossibleUserWarning") is PossibleUserWarning
+    trainer = quiet_trainer(logger=False, enable_checkpointing=False, limit_train_batches=1)
+    assert trainer.max_epochs is None
+
+    class StopsAtOnce(Regressor):
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.trainer.should_stop = True
+
+    with pytest.warns(PossibleUserWarning, match="`max_epochs` was not set. Setting it to 1000 epochs"):
+        trainer.fit(StopsAtOnce(), make_loader(8))
+    assert trainer.max_epochs == 1000
+    trainer = quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False)
+    trainer.fit(Regressor(), make_loader(8))
+    assert trainer.max_epochs == -1  # another limit was given
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"logger": True}, {"enable_checkpointing": True}, {"enable_progress_bar": True}, {"enable_model_summary": True},
+     {"log_every_n_steps": 1}, {"num_sanity_val_steps": 1}, {"fast_dev_run": 1}, {"profiler": "simple"}],
+)  # fmt: skip
+def test_barebones_refuses_a_feature_asked_for(flags: dict[str, Any]) -> None:
+    (flag, value), = flags.items()
+    with pytest.raises(MisconfigurationException, match=rf"`Trainer\(barebones=True, {flag}={value!r}\)` was passed"):
+        ember.Trainer(barebones=True, **flags)
+
+
+def test_barebones_takes_a_feature_turned_off() -> None:
+    trainer = ember.Trainer(barebones=True, logger=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    assert trainer.barebones and trainer.loggers == [] and trainer.checkpoint_callback is None
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_evaluation_hooks_run_without_gradients_from_the_start(stage: str, inference_mode: bool) -> None:
+    seen: list[tuple[bool, bool]] = []
+
+    class Model(BoringModel):
+        def on_validation_start(self) -> None:
+            seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+
+        on_test_start = on_predict_start = on_validation_end = on_test_end = on_predict_end = on_validation_start
+
+    inputs = DataLoader(torch.randn(4, 32), batch_size=2)
+    getattr(quiet_trainer(logger=False, inference_mode=inference_mode), stage)(Model(), inputs)
+    assert seen == [(False, inference_mode)] * 2  # the start and the end of the stage
+
+
+def test_the_tuner_finds_nothing_in_a_fast_dev_run() -> None:
+    from ember.tuner import Tuner
+
+    model = BoringModel()
+    model.lr, model.batch_size = 0.1, 8
+    tuner = Tuner(ember.Trainer(fast_dev_run=True, logger=False))
+    with pytest.warns(UserWarning, match="Skipping learning rate finder since `fast_dev_run` is enabled"):
+        assert tuner.lr_find(model) is None
+    with pytest.warns(UserWarning, match="Skipping batch size scaler since `fast_dev_run` is enabled"):
+        assert tuner.scale_batch_size(model) is None

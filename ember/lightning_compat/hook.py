@@ -15,7 +15,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from ember.lightning_compat.names import LIGHTNING, MISSING_MODULES, PYTORCH, Missing, Names
+from ember.lightning_compat.names import FABRIC, LIGHTNING, MISSING_MODULES, PYTORCH, Missing, Names
 
 #: The packages served; Lightning's own, when installed, stays hidden while the hook is installed.
 ROOTS = ("lightning", "pytorch_lightning", "lightning_fabric")
@@ -32,6 +32,9 @@ def table_of(fullname: str) -> Names:
     root, _, rest = fullname.partition(".")
     if root == "lightning" and not rest:
         return LIGHTNING
+    fabric_key = rest if root == "lightning_fabric" else _fabric_key(root, rest)
+    if fabric_key in FABRIC:
+        return FABRIC[fabric_key]
     key = rest.removeprefix("pytorch").removeprefix(".") if root == "lightning" else rest
     covered = root == "pytorch_lightning" or (root == "lightning" and rest.split(".")[0] == "pytorch")
     if covered and key in PYTORCH:
@@ -43,6 +46,13 @@ def table_of(fullname: str) -> Names:
         + (hint or f"Ember covers lightning.pytorch's {covered_parts}"),
         name=fullname,
     )
+
+
+def _fabric_key(root: str, rest: str) -> str | None:
+    """The part of ``lightning.fabric`` that ``lightning.<rest>`` names (None: another part of ``lightning``)."""
+    if root != "lightning" or rest.partition(".")[0] != "fabric":
+        return None
+    return rest.removeprefix("fabric").removeprefix(".")
 
 
 class _ServedModule(types.ModuleType):

@@ -238,6 +238,7 @@ PYTORCH: dict[str, Names] = {
     "utilities.types": {**_TYPES, **_OPTIMIZER_TYPES},
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
     "utilities.combined_loader": {"CombinedLoader": "ember.combined_loader:CombinedLoader"},
+    "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
     "cli": _CLI,
     "demos": _DEMOS,
     "demos.boring_classes": {name: value for name, value in _DEMOS.items() if "Transformer" not in name},
@@ -246,10 +247,19 @@ PYTORCH: dict[str, Names] = {
     "accelerators": {},
 }
 
+_FABRIC = "use ember.Trainer with an ember.Module: Ember has no Fabric"
+#: The parts of Lightning Fabric (``lightning_fabric``, the same as ``lightning.fabric``) that Lightning programs import
+#: beside ``lightning.pytorch``; Fabric itself is not covered.
+FABRIC: dict[str, Names] = {
+    "": {"Fabric": Missing(_FABRIC), "seed_everything": "ember.seed:seed_everything"},
+    "utilities": {},
+    "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
+}
+
 #: The top-level ``lightning`` package; ``lightning.pytorch`` is served from ``PYTORCH``.
 LIGHTNING: Names = {
     **PYTORCH[""],
-    "Fabric": Missing("use ember.Trainer with an ember.Module: Ember has no Fabric"),
+    "Fabric": Missing(_FABRIC),
 }
 
 #: Parts of Lightning Ember leaves out, by module prefix (under lightning.pytorch, or a top-level package), with
@@ -274,6 +284,6 @@ MISSING_MODULES = {
     "utilities.model_summary": "use the ember.callbacks.ModelSummary callback (Trainer(enable_model_summary=True))",
     "trainer.states": "read trainer.stage ('fit', 'validate', 'test', 'predict' or None) and trainer.sanity_checking",
     "loops": "Ember's loops are not replaceable: override the module's hooks, or write a callback",
-    "fabric": "use ember.Trainer with an ember.Module: Ember has no Fabric",
+    "fabric": _FABRIC,
     "lightning_fabric": "use ember.Trainer with an ember.Module: Ember has no Fabric (ember.seed_everything seeds)",
 }

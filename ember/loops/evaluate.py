@@ -1,8 +1,8 @@
 """The evaluation loops: validation (alone, or inside ``fit``), test, and prediction, on one skeleton.
 
-``EvaluationLoop.run`` is the skeleton: the module in evaluation mode, the stage's start hooks, then without
-gradients each loader's batches through the step and the batch hooks, the epoch's hooks around them, and what
-the stage makes of it: metrics for validation and test, the outputs for prediction (``PredictionLoop``).
+``EvaluationLoop.run`` is the skeleton, without gradients throughout: the module in evaluation mode, the stage's
+start hooks, then each loader's batches through the step and the batch hooks, the epoch's hooks around them, and
+what the stage makes of it: metrics for validation and test, the outputs for prediction (``PredictionLoop``).
 """
 
 from __future__ import annotations
@@ -69,21 +69,23 @@ class EvaluationLoop:
         assert module is not None
         self.num_batches = counts
         self.running = True
+        # As in Lightning, the stage's hooks run without gradients too, from the evaluation mode's to the end's.
+        no_grad = _no_grad(trainer.config.inference_mode and trainer.strategy.allows_inference_mode)
         try:
-            self._begin(len(loaders))
-            modes = _eval_mode(hooks, module, hook)
-            hooks.call(f"on_{hook}_start")
-            arguments = _StepArguments(getattr(module, f"{hook}_step"), several=len(loaders) > 1)
-            with _no_grad(trainer.config.inference_mode and trainer.strategy.allows_inference_mode):
+            with no_grad:
+                self._begin(len(loaders))
+                modes = _eval_mode(hooks, module, hook)
+                hooks.call(f"on_{hook}_start")
+                arguments = _StepArguments(getattr(module, f"{hook}_step"), several=len(loaders) > 1)
                 hooks.call(f"on_{hook}_epoch_start")
                 for dataloader_idx, (loader, count) in enumerate(zip(loaders, counts)):
                     with hooks.scope(f"{hook}_step", dataloader_idx if len(loaders) > 1 else None):
                         self._run_loader(loader, count, dataloader_idx, arguments)
                 self._end_epoch(len(loaders))
                 hooks.call(f"on_{hook}_epoch_end")
-            results = self._results(len(loaders), sanity_check)
-            hooks.call(f"on_{hook}_end")
-            _restore_mode(hooks, module, hook, modes)
+                results = self._results(len(loaders), sanity_check)
+                hooks.call(f"on_{hook}_end")
+                _restore_mode(hooks, module, hook, modes)
             return results
         finally:
             self.running = False

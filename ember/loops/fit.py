@@ -129,7 +129,7 @@ class FitLoop:
             optimizer.zero_grad(set_to_none=True)
         return StepRunner(
             strategy, module, optimizers, scheduler_configs, self.progress, accumulate=config.accumulate_grad_batches,
-            clip_val=config.gradient_clip_val, clip_algorithm=config.gradient_clip_algorithm or "norm",
+            clip_val=config.gradient_clip_val, clip_algorithm=config.gradient_clip_algorithm,
             before_step_hooks=hooks.implementations("on_before_optimizer_step"),
             metrics=lambda: trainer.callback_metrics, hooks=hooks.step_hooks(),
         )  # fmt: skip

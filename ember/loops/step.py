@@ -123,7 +123,7 @@ class StepRunner:
         progress: where the fit is, read for the hooks' arguments and the schedulers' counts (never written).
         accumulate: ``accumulate_grad_batches``: micro-batches per optimizer step, or "auto" (each batch is
             split into as many pieces as it takes to fit in memory).
-        clip_val, clip_algorithm: the Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm``.
+        clip_val, clip_algorithm: the Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm`` (None: "norm").
         before_step_hooks: called with the optimizer once its gradients are complete and unscaled.
         metrics: the callback metrics, read by schedulers that watch one (``ReduceLROnPlateau``).
         hooks: the other hooks of a step that the module or callbacks override (see ``StepHooks``).
@@ -139,7 +139,7 @@ class StepRunner:
         *,
         accumulate: int | Literal["auto"] = 1,
         clip_val: float | None = None,
-        clip_algorithm: Literal["norm", "value"] = "norm",
+        clip_algorithm: Literal["norm", "value"] | None = None,
         before_step_hooks: Sequence[Callable[..., Any]] = (),
         metrics: Metrics = dict,
         hooks: StepHooks | None = None,
@@ -293,7 +293,7 @@ class StepRunner:
             if self.hooks.configure_gradient_clipping is not None:
                 self.hooks.configure_gradient_clipping(optimizer, self.clip_val, self.clip_algorithm)
             else:
-                self.strategy.clip_gradients(optimizer, self.clip_val or 0.0, self.clip_algorithm)
+                self.strategy.clip_gradients(optimizer, self.clip_val or 0.0, self.clip_algorithm or "norm")
         calls.optimizer_step(optimizer)
 
     def manual_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

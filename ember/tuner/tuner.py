@@ -55,7 +55,7 @@ class Tuner:
         batch_arg_name: str = "batch_size",
         max_memory: int | None = None,
         lr_scaling: Literal["linear", "sqrt"] | None = None,
-    ) -> int:
+    ) -> int | None:
         """The largest batch size that trains without running out of memory; set on the module/datamodule.
 
         ``mode="power"`` doubles the size until a trial fails; ``"binsearch"`` then bisects between the
@@ -63,17 +63,14 @@ class Tuner:
         ``max_memory`` (bytes) also counts a trial whose peak tensor memory exceeds it as failed: on a
         CPU, where running out of memory is not an error but swapping, it is the budget to give.
         ``lr_scaling`` scales the learning rate with the batch size ("linear": twice the batch, twice
-        the LR; "sqrt": by the square root), from the size the module had before.
+        the LR; "sqrt": by the square root), from the size the module had before. Under ``fast_dev_run`` it
+        does nothing: a warning, and None (as Lightning's).
         """
-        if mode not in ("power", "binsearch"):
-            raise MisconfigurationException(f"scale_batch_size(mode={mode!r}): choose 'power' or 'binsearch'")
-        if lr_scaling not in (None, "linear", "sqrt"):
-            raise MisconfigurationException(
-                f"scale_batch_size(lr_scaling={lr_scaling!r}): choose None, 'linear' or 'sqrt'"
-            )
-        for name, value in (("init_val", init_val), ("max_trials", max_trials), ("steps_per_trial", steps_per_trial)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MisconfigurationException(f"scale_batch_size({name}={value!r}) must be a positive int")
+        _check_scale_batch_size(mode, lr_scaling, init_val=init_val, max_trials=max_trials,
+                                steps_per_trial=steps_per_trial)  # fmt: skip
+        if self.trainer.fast_dev_run:  # a batch or two: nothing to find
+            rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
+            return None
         owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
         original = _get(owner, batch_arg_name)
         _join_processes(self.trainer)
@@ -161,7 +158,7 @@ def find_lr(
     fit's training loader."""
     check_lr_find(mode, min_lr, max_lr, num_training)
     if trainer.fast_dev_run:
-        rank_zero_warn("Skipping learning rate finder: fast_dev_run runs a few batches only, too few for a sweep")
+        rank_zero_warn("Skipping learning rate finder since `fast_dev_run` is enabled.")  # Lightning's words
         return None
     attribute = _lr_attribute(module, attr_name) if update_attr else None  # missing: fail before any step
     if loader is None:
@@ -207,6 +204,16 @@ def find_lr(
     if attribute is not None and suggestion is not None:
         _set(module, attribute, suggestion)
     return finder
+
+
+def _check_scale_batch_size(mode: str, lr_scaling: str | None, **counts: int) -> None:
+    if mode not in ("power", "binsearch"):
+        raise MisconfigurationException(f"scale_batch_size(mode={mode!r}): choose 'power' or 'binsearch'")
+    if lr_scaling not in (None, "linear", "sqrt"):
+        raise MisconfigurationException(f"scale_batch_size(lr_scaling={lr_scaling!r}): choose None, 'linear' or 'sqrt'")
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise MisconfigurationException(f"scale_batch_size({name}={value!r}) must be a positive int")
 
 
 def _join_processes(trainer: Trainer) -> None:
