@@ -171,7 +171,6 @@ class Trainer:
         self._latest_loaders: dict[str, Any] = {}  # by kind ("val", ...): the latest stage's, as given
         self._run_directory = RunDirectory(self)
         self._doctor: Doctor | None = None
-        self._callbacks_added_by: Module | None = None  # the module whose configure_callbacks() joined
 
     # ------------------------------------------------------- what the Trainer reads of its parts
     global_rank: Reads[int] = Reads("strategy.global_rank")
@@ -514,12 +513,11 @@ class Trainer:
         module.trainer = self
         drop_unpicklable(module.hparams)
         self.datamodule = datamodule
-        hooks = Hooks(self, module, self.callbacks, datamodule)
-        if module is not self._callbacks_added_by:  # the module's own callbacks join once
-            self.callbacks = with_module_callbacks(self.callbacks, hooks.call_module("configure_callbacks"))
-            self._callbacks_added_by = module
-            hooks = Hooks(self, module, self.callbacks, datamodule)
-        self._hooks = hooks
+        # At each stage, as Lightning does. "last" is looked up after, in the dirpath of a ModelCheckpoint the
+        # module returns; a fresh one's "best" is read from the checkpoints of the fit before.
+        returned = Hooks(self, module, self.callbacks, datamodule).call_module("configure_callbacks")
+        self.callbacks = with_module_callbacks(self.callbacks, returned)
+        hooks = self._hooks = Hooks(self, module, self.callbacks, datamodule)
         hooks.check()
         if datamodule is not None:
             datamodule.trainer = self
@@ -527,9 +525,9 @@ class Trainer:
             self.strategy.setup_environment()
             self.strategy.describe_position(self._position)
             self._environment_ready = True
+        path = self.ckpt_path = checkpoint_state.resolve(self, ckpt_path)
         # The run's directory is settled before any hook (setup, a profiler) can ask for it. A fit resumed
         # with "last" continues its predecessor's directory in place; any other run has one of its own.
-        path = self.ckpt_path = checkpoint_state.resolve(self, ckpt_path)
         self._run_directory.settle(continuing=path if stage == "fit" and ckpt_path == "last" else None)
         if self.local_rank == 0:  # once per machine
             hooks.prepare_data()

@@ -296,6 +296,24 @@ def test_setup_and_teardown_take_the_stage_by_keyword() -> None:
     assert [stage.value for stage in stages] == stages and f"{stages[0]}" == "fit"
 
 
+def test_the_module_s_callbacks_are_asked_for_at_each_stage() -> None:
+    asked: list[str] = []
+
+    class Model(Regressor):
+        def configure_callbacks(self) -> list[Callback]:
+            asked.append(self.trainer.state.fn)
+            return [ember.callbacks.ModelCheckpoint(monitor="val_loss"), Callback()]
+
+    model = Model()
+    trainer = quiet_trainer(max_epochs=2, logger=False)
+    trainer.fit(model, make_loader(16), make_loader(8))
+    best = trainer.checkpoint_callback.best_model_path  # type: ignore[union-attr]
+    trainer.test(dataloaders=make_loader(8), ckpt_path="best", verbose=False)  # a fresh ModelCheckpoint knows it
+    assert asked == ["fit", "test"] and trainer.ckpt_path == best
+    # each stage's replace the earlier ones of their type
+    assert sorted(type(callback).__name__ for callback in trainer.callbacks) == ["Callback", "ModelCheckpoint"]
+
+
 # -------------------------------------------------------------------------------- the module
 def test_a_module_not_attached_to_a_trainer_says_so() -> None:
     ensemble, member = ember.Module(), ember.Module()
