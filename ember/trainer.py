@@ -477,7 +477,7 @@ class Trainer:
     ) -> Iterator[str | None]:
         """Attach the module and data, set everything up for ``stage``, and tear it down afterwards
         (on success and on error); gives the checkpoint ``ckpt_path`` names ("last" and "best" looked up)."""
-        status = "failed"
+        status, raised = "failed", False
         try:
             path = self._begin_stage(stage, module, datamodule, ckpt_path)
             with torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
@@ -488,6 +488,7 @@ class Trainer:
             status = "interrupted"  # `ember doctor` has seen enough steps
             raise
         except BaseException as exception:
+            raised = True
             if isinstance(exception, KeyboardInterrupt):  # Ctrl-C outside training, or a second one in it
                 status = "interrupted"
             hints.explain(exception)  # a note on what a common mistake (a batch's structure, ...) looks like
@@ -500,7 +501,7 @@ class Trainer:
                 raise SystemExit(1) from None
             raise
         finally:
-            self._end_stage(stage, status)
+            self._end_stage(stage, status, teardown_hooks=not raised)
 
     def _begin_stage(
         self, stage: str, module: Module, datamodule: DataModule | None, ckpt_path: str | None
@@ -540,7 +541,7 @@ class Trainer:
         self.profiler.setup(self, stage)
         return path
 
-    def _end_stage(self, stage: str, status: str) -> None:
+    def _end_stage(self, stage: str, status: str, teardown_hooks: bool) -> None:
         try:
             if status != "success":  # the write in flight still completes (its error, if any, is secondary)
                 with contextlib.suppress(Exception):
@@ -549,7 +550,7 @@ class Trainer:
             if self._doctor is not None and status != "interrupted":
                 self._doctor.finish()  # fit ended before the doctor saw all its steps: report what it saw
             self._doctor = None
-            if self._hooks is not None:
+            if self._hooks is not None and teardown_hooks:  # as Lightning: a stage that raised skips teardown()
                 self._hooks.teardown(stage)
             if self.is_global_zero:
                 for logger in self.loggers:

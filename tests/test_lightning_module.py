@@ -296,6 +296,32 @@ def test_setup_and_teardown_take_the_stage_by_keyword() -> None:
     assert [stage.value for stage in stages] == stages and f"{stages[0]}" == "fit"
 
 
+def test_a_stage_that_raises_skips_teardown_as_in_lightning() -> None:
+    calls: list[str] = []
+
+    class Failing(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+        def on_exception(self, exception: BaseException) -> None:
+            calls.append("module.on_exception")
+
+        def teardown(self, stage: str) -> None:
+            calls.append("module.teardown")
+
+    class Watching(Callback):
+        def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+            calls.append("callback.on_exception")
+
+        def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+            calls.append("callback.teardown")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        quiet_trainer(max_steps=1, logger=False, callbacks=[Watching()]).fit(Failing(), make_loader(8))
+    assert "module.teardown" not in calls and "callback.teardown" not in calls
+    assert "callback.on_exception" in calls
+
+
 def test_the_module_s_callbacks_are_asked_for_at_each_stage() -> None:
     asked: list[str] = []
 
