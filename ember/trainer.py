@@ -449,7 +449,12 @@ class Trainer:
             return model, ckpt_path
         if self.lightning_module is None:
             raise ValueError(f"Trainer.{stage}() needs a module: pass one, or call fit() first to use the fitted one")
-        if ckpt_path is None and self.checkpoint_callback is not None and not self.config.fast_dev_run:
+        if ckpt_path is None:
+            # As Lightning: the fitted module is evaluated with its best weights, never silently with the last ones.
+            if self.checkpoint_callback is None or self.config.fast_dev_run:
+                why = "fast_dev_run saved none" if self.config.fast_dev_run else "ModelCheckpoint is not configured"
+                raise ValueError(f'`.{stage}(ckpt_path="best")` is implied without a model, but {why}: pass the '
+                                 "module to evaluate its current weights, or ckpt_path='last' or a path")  # fmt: skip
             ckpt_path = "best"
             rank_zero_warn_once(
                 f".{stage}(ckpt_path=None) without a model: the best checkpoint of the last fit is loaded; pass "

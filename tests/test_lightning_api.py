@@ -128,6 +128,10 @@ def test_evaluating_without_a_module_before_fit_is_a_clear_error() -> None:
     fitted.fit(Regressor(), make_loader())
     with pytest.raises(FileNotFoundError, match=r"ckpt_path='best'.*no ModelCheckpoint"):
         fitted.test(dataloaders=make_loader(), ckpt_path="best")
+    # as Lightning: without a module, the best weights are meant, and there are none
+    with pytest.raises(ValueError, match=r"implied without a model, but ModelCheckpoint is not configured"):
+        fitted.test(dataloaders=make_loader())
+    fitted.test(fitted.lightning_module, dataloaders=make_loader(), verbose=False)  # the current weights
 
 
 def test_what_the_trainer_is_doing() -> None:
