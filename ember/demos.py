@@ -105,6 +105,22 @@ class BoringModel(Module):
         return DataLoader(RandomDataset(32, 64))
 
 
+class ManualOptimBoringModel(BoringModel):
+    """``BoringModel`` stepping its optimizer itself (``automatic_optimization = False``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, torch.Tensor]:
+        optimizer = self.optimizers()
+        loss = self.step(batch)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return {"loss": loss}
+
+
 class BoringDataModule(DataModule):
     """256 random vectors of 32, split into four parts of 64 for training, validation, test and prediction."""
 

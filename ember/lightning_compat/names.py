@@ -141,6 +141,7 @@ _DEMOS: Names = {
         name: f"ember.demos:{name}"
         for name in (
             "BoringModel",
+            "ManualOptimBoringModel",
             "BoringDataModule",
             "RandomDataset",
             "RandomDictDataset",
