@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 _LOCAL_RANK_FLAG = re.compile(r"^--local[-_]rank(?:=(\d+))?$")
 
@@ -378,24 +379,28 @@ def _register_loopback_rendezvous() -> None:
     rendezvous_handler_registry.register(_LOOPBACK_BACKEND, create)
 
 
-def relaunch(nproc_per_node: int) -> None:
-    """Replace this process with ``ember run --nproc-per-node N`` running the same script and arguments.
+def script_target() -> list[str] | None:
+    """How ``python`` re-runs this process's program from the top: ``["-m", "package.module"]`` or the script's
+    path. None where re-running it would not run the training again: an interactive session or notebook,
+    ``python -c``, or a test session (pytest would run every test again)."""
+    import __main__
+
+    if "_pytest" in sys.modules:
+        return None
+    spec = getattr(__main__, "__spec__", None)
+    if spec is not None and spec.name != "__main__":
+        return ["-m", spec.name]  # started as python -m package.module
+    if getattr(__main__, "__file__", None) and sys.argv[0] not in ("", "-c"):
+        return [os.path.abspath(sys.argv[0])]
+    return None
+
+
+def relaunch(nproc_per_node: int, target: list[str]) -> NoReturn:
+    """Replace this process with ``ember run --nproc-per-node N`` running ``target`` (``script_target()``) with
+    this process's arguments.
 
     The workers re-run the script with the rank environment, exactly as if ``ember run`` had started it.
     """
-    import __main__
-
-    spec = getattr(__main__, "__spec__", None)
-    if spec is not None and spec.name != "__main__":
-        target = ["-m", spec.name]  # started as python -m package.module
-    elif getattr(__main__, "__file__", None) and sys.argv[0] not in ("", "-c"):
-        target = [os.path.abspath(sys.argv[0])]
-    else:
-        raise RuntimeError(
-            f"devices={nproc_per_node} starts one process per device by re-running the script, but this "
-            "process has no script to re-run (an interactive session or python -c); put the code in a "
-            "file, or start it with: ember run --nproc-per-node N script.py"
-        )
     from ember.lightning_compat import is_installed
 
     if is_installed():  # a Lightning script: its workers need the import hook too

@@ -337,13 +337,14 @@ class RunMetrics:
     """
 
     def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor], loggers: Sequence[Logger],
-                 is_global_zero: bool, copy_values: bool = False) -> None:  # fmt: skip
+                 is_global_zero: Callable[[], bool], copy_values: bool = False) -> None:  # fmt: skip
         self.train = MetricStore(reduce)
         self.eval = MetricStore(reduce)
         self.train.copy_values = self.eval.copy_values = copy_values
         #: Where ``self.log`` records values now, and with which defaults.
         self.scope = LogScope()
         self._loggers = list(loggers)
+        # Asked at each write: a process that a strategy starts from inside the caller learns its rank after this.
         self._is_global_zero = is_global_zero
         self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
         self._prog_bar_epoch_values: dict[str, Number] = {}
@@ -451,6 +452,11 @@ class RunMetrics:
         self._epoch_values.update(values)
         self.write(values, step, epoch)
 
+    def adopt(self, callback_metrics: Mapping[str, Number]) -> None:
+        """Hold ``callback_metrics`` as the latest values: a stage's that ran in other processes (rank zero's)."""
+        self.reset()
+        self._epoch_values.update(callback_metrics)
+
     def reset(self, fitting: bool = False) -> None:
         """Forget everything logged: each stage (fit, validate, test, predict) starts with no metrics."""
         self.train.clear()
@@ -493,7 +499,7 @@ class RunMetrics:
 
     def _hand_over(self, floats: dict[str, float], step: int, epoch: int | None) -> None:
         self._logged.update(floats)
-        if not self._is_global_zero:
+        if not self._is_global_zero():
             return
         metrics: dict[str, float] = dict(floats)
         if epoch is not None:

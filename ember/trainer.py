@@ -47,6 +47,7 @@ from ember.trainer_parts import (
     set_determinism,
     with_module_callbacks,
 )
+from ember.trainer_results import StageResults
 from ember.trainer_state import TrainerState
 
 _Loaders = Iterable | Sequence[Iterable] | None
@@ -149,8 +150,9 @@ class Trainer:
                      "checkpointing and early stopping are off")  # fmt: skip
         self.profiler: Profiler = select_profiler(config.profiler)
         #: What the run has logged with ``self.log`` and what went to the loggers.
+        is_global_zero = functools.partial(getattr, self.strategy, "is_global_zero")  # read at each write
         self.run_metrics = RunMetrics(
-            self.strategy.reduce, self.loggers, self.strategy.is_global_zero, copy_values=self.strategy.reuses_outputs
+            self.strategy.reduce, self.loggers, is_global_zero, copy_values=self.strategy.reuses_outputs
         )
         self.fit_loop = FitLoop(self)
         self.validate_loop = EvaluationLoop(self, "validate")
@@ -359,7 +361,11 @@ class Trainer:
         if ckpt_path is None and restarted and not self.strategy.heals_from_peers:
             ckpt_path = "last"  # restarted by the elastic agent after a failure: continue the run
         ckpt_path = checked_path(ckpt_path)
-        self.strategy.launch()
+        args = (model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+        self.strategy.launch(self._fit, *args, results=StageResults(self, model))
+
+    def _fit(self, model: Module, train_dataloaders: _Loaders, val_dataloaders: _Loaders, datamodule: DataModule | None,
+             ckpt_path: str | None, weights_only: bool | None) -> None:  # fmt: skip
         with self._stage("fit", model, datamodule, ckpt_path) as path:
             validates = defines(model, "validation_step") and (val_dataloaders is not None
                                                                or self.hooks.has_loaders("val"))  # fmt: skip
@@ -433,8 +439,11 @@ class Trainer:
             datamodule, dataloaders = dataloaders, None
         model, ckpt_path = self._evaluated_module(model, loop.stage, ckpt_path)
         check_module(model, loop.stage)
-        self.strategy.launch()
-        ckpt_path = checked_path(ckpt_path)
+        args = (loop, model, dataloaders, checked_path(ckpt_path), datamodule, option, weights_only)
+        return self.strategy.launch(self._run_evaluation, *args, results=StageResults(self, model))
+
+    def _run_evaluation(self, loop: EvaluationLoop, model: Module, dataloaders: _Loaders, ckpt_path: str | None,
+                        datamodule: DataModule | None, option: bool, weights_only: bool | None) -> Any:  # fmt: skip
         with self._stage(loop.stage, model, datamodule, ckpt_path) as path:
             loaders = self._loaders(loop.kind, dataloaders, required=True)
             checkpoint_state.load_weights_into(self, path, weights_only)

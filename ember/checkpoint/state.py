@@ -264,9 +264,9 @@ def _newest_complete(candidates: list[str]) -> str | None:
         problem = _problem(path)
         if problem is None:
             return path
-        # Pointing at the user's fit (or validate, ...) call: through _last, find_checkpoint, the Trainer's
-        # _resolve_checkpoint, _begin_stage, _stage and contextlib, and rank_zero_warn with its wrapper.
-        rank_zero_warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=11)
+        # Pointing at the user's fit call: through _last, find_checkpoint, the Trainer's _resolve_checkpoint,
+        # _begin_stage, _stage, contextlib, _fit and the strategy's launch, and rank_zero_warn with its wrapper.
+        rank_zero_warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=13)
     return None
 
 

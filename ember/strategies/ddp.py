@@ -20,8 +20,10 @@ from ember.launch import (
     listening_socket,
     loopback_interface,
     relaunch,
+    script_target,
 )
-from ember.strategies.strategy import _NO_CONTEXT, ReduceOp, Strategy
+from ember.strategies.launchers import start_workers
+from ember.strategies.strategy import _NO_CONTEXT, ReduceOp, Strategy, T, WorkerResults
 from ember.strategies.watchdog import Watchdog
 
 #: How long a rank waits for the others in a collective when no timeout is given.
@@ -57,6 +59,10 @@ class ParallelStrategy(Strategy):
         timeout: how long a rank may wait for the others in a collective (default 10 minutes, or the
             Trainer's ``timeout``); then the run ends, naming the rank that did not arrive.
     """
+
+    #: How the workers start without a launcher: "popen" re-runs the script in them (in ``ember run``), "spawn",
+    #: "fork" and "forkserver" start them from inside this process (see ``launch``).
+    start_method = "popen"
 
     def __init__(self, *, process_group_backend: str | None = None, timeout: timedelta | None = None) -> None:
         super().__init__()
@@ -98,15 +104,23 @@ class ParallelStrategy(Strategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     # -------------------------------------------------------------------------- lifecycle
-    def launch(self) -> None:
+    def launch(self, function: Callable[..., T], *args: Any, results: WorkerResults | None = None) -> T:
+        """Run ``function(*args)`` here if a launcher started this process. Otherwise start the job's processes: a
+        script run with ``start_method="popen"`` (``strategy="ddp"``) is re-run in them under ``ember run``, this
+        process replaced; any other start (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``, or a process that no
+        script could re-run: a notebook, ``python -c``, a test session) starts them from inside this process,
+        which waits for them and returns rank zero's value, with ``results`` brought back."""
         if self.environment is not None or self.world_size == 1:
-            return
+            return function(*args)
         if self.num_nodes > 1:
             raise RuntimeError(
                 f"num_nodes={self.num_nodes}: start a multi-node job with a launcher on every node "
                 "(ember run --nnodes N --node-rank R --rdzv-endpoint HOST:PORT script.py, or srun)"
             )
-        relaunch(len(self.parallel_devices))
+        target = script_target()
+        if self.start_method == "popen" and target is not None:
+            relaunch(len(self.parallel_devices), target)
+        return start_workers(self, self.start_method, function, args, results)
 
     def setup_environment(self) -> None:
         import torch.distributed as dist
@@ -214,8 +228,9 @@ class DDPStrategy(ParallelStrategy):
         bucket_cap_mb: size of the gradient buckets that are all-reduced together.
         process_group_backend: "nccl", "gloo", ... (default: NCCL on CUDA, Gloo on CPU).
         timeout: how long a rank may wait for the others (see ``ParallelStrategy``).
-        start_method: how Lightning starts the workers ("popen", "spawn", "fork" or "forkserver"); taken for
-            Lightning's sake, but Ember starts them one way whatever it says: each worker runs the script.
+        start_method: how the workers start without a launcher: "popen" (``strategy="ddp"``) re-runs the script in
+            them; "spawn" (``"ddp_spawn"``), "fork" (``"ddp_fork"``, ``"ddp_notebook"``) and "forkserver" start
+            them from inside the caller, which gets rank zero's results back (see ``ParallelStrategy.launch``).
     """
 
     name = "ddp"

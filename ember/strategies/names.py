@@ -1,9 +1,8 @@
 """The strategy names Lightning registers, as the Ember strategies that do the same work.
 
 Lightning's ``ddp_spawn``, ``ddp_fork`` and ``ddp_notebook`` differ from ``ddp`` only in how the worker
-processes are started; Ember starts them one way (each worker runs the script, as ``torchrun`` does), so
-they all name ``DDPStrategy``. Names of integrations Ember does not have are refused with the closest
-strategy it has.
+processes are started, so they all name ``DDPStrategy`` with a ``start_method``. Names of integrations Ember
+does not have are refused with the closest strategy it has.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ember.trainer import Trainer
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
+T = TypeVar("T")
 _NO_CONTEXT = contextlib.nullcontext()  # reusable, so entering it per step allocates nothing
 
 
@@ -44,6 +45,18 @@ class StepCalls:
     commit: Callable[[], bool] | None = None
     """Whether the step under way may apply its gradients, asked once its backward passes are done: fault
     tolerance's vote across replica groups (None: always)."""
+
+
+class WorkerResults(Protocol):
+    """What comes back to the caller's objects from processes that a strategy started from inside the caller
+    (``ddp_spawn``, ...), besides the value of the function they ran: the caller's copies never ran it."""
+
+    def collect(self) -> Any:
+        """Called in every worker once the function has returned (a sharded state may need every rank); rank
+        zero's value is brought back."""
+
+    def adopt(self, collected: Any) -> None:
+        """Called in the caller with rank zero's ``collect()``."""
 
 
 class Strategy:
@@ -159,8 +172,14 @@ class Strategy:
         return self.distributed_sampler_kwargs
 
     # ------------------------------------------------------------------------------- lifecycle
-    def launch(self) -> None:
-        """Start the other processes of the job if this one was not started by a launcher."""
+    def launch(self, function: Callable[..., T], *args: Any, results: WorkerResults | None = None) -> T:
+        """Run ``function(*args)`` in every process of the job, and return its value here.
+
+        One process runs it itself. A parallel strategy that no launcher started first starts the job's processes:
+        it re-runs the script in them, this process replaced, or it starts them from inside this one, waits
+        for them, and returns rank zero's value, with ``results`` brought back.
+        """
+        return function(*args)
 
     def setup_environment(self) -> None:
         """Select this process's device (and, for parallel strategies, join the process group)."""

@@ -73,7 +73,25 @@ class Tuner:
             return None
         owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
         original = _get(owner, batch_arg_name)
-        _join_processes(self.trainer)
+        args = (model, datamodule, mode, init_val, max_trials, steps_per_trial, batch_arg_name, max_memory)
+        good = self.trainer.strategy.launch(self._search_batch_size, *args)
+        _set(owner, batch_arg_name, good)  # here: the search may have run in processes started for it
+        if lr_scaling is not None and original:
+            factor = good / original if lr_scaling == "linear" else math.sqrt(good / original)
+            lr_owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
+            name = next(name for name in _LR_ATTRIBUTES if _has(lr_owner, name))
+            _set(lr_owner, name, _get(lr_owner, name) * factor)
+        announce(f"scale_batch_size: {batch_arg_name}={good}")
+        return good
+
+    def _search_batch_size(
+        self, model: Module, datamodule: DataModule | None, mode: str, init_val: int, max_trials: int,
+        steps_per_trial: int, batch_arg_name: str, max_memory: int | None,
+    ) -> int:  # fmt: skip
+        """The largest batch size that fits on every rank (an error if none does)."""
+        owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
+        original = _get(owner, batch_arg_name)
+        self.trainer.strategy.setup_environment()
         fits = _Trials(self.trainer, model, datamodule, steps_per_trial, max_memory)
 
         good, bad = 0, 0  # the largest size that fit, the smallest that did not (0: none yet)
@@ -103,15 +121,7 @@ class Tuner:
                 f"scale_batch_size: even {batch_arg_name}={max(size, 1)} does not fit" if good == 0
                 else f"scale_batch_size: another process found no {batch_arg_name} that fits"
             )  # fmt: skip
-        good = agreed
-        _set(owner, batch_arg_name, good)
-        if lr_scaling is not None and original:
-            factor = good / original if lr_scaling == "linear" else math.sqrt(good / original)
-            lr_owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
-            name = next(name for name in _LR_ATTRIBUTES if _has(lr_owner, name))
-            _set(lr_owner, name, _get(lr_owner, name) * factor)
-        announce(f"scale_batch_size: {batch_arg_name}={good}")
-        return good
+        return agreed
 
     # ------------------------------------------------------------------------ learning rate
     def lr_find(
@@ -161,8 +171,25 @@ def find_lr(
         rank_zero_warn("Skipping learning rate finder since `fast_dev_run` is enabled.")  # Lightning's words
         return None
     attribute = _lr_attribute(module, attr_name) if update_attr else None  # missing: fail before any step
-    if loader is None:
-        _join_processes(trainer)
+    args = (trainer, module, datamodule, loader, min_lr, max_lr, num_training, mode, early_stop_threshold)
+    # Outside fit the sweep joins the job's processes, as fit would, started for it if no launcher did (it may
+    # run in workers started from inside this process); inside fit it runs on fit's ranks.
+    finder = _sweep(*args) if loader is not None else trainer.strategy.launch(_joined_sweep, *args)
+    if attribute is not None and finder.suggested_lr is not None:
+        _set(module, attribute, finder.suggested_lr)  # here, where the caller's module is
+    return finder
+
+
+def _joined_sweep(trainer: Trainer, *args: Any) -> LRFinder:
+    trainer.strategy.setup_environment()
+    return _sweep(trainer, *args)
+
+
+def _sweep(
+    trainer: Trainer, module: Module, datamodule: DataModule | None, loader: Iterable | None, min_lr: float,
+    max_lr: float, num_training: int, mode: str, early_stop_threshold: float | None,
+) -> LRFinder:  # fmt: skip
+    """The sweep on this rank (the ranks agree on the suggestion)."""
 
     def lr_at(step: int) -> float:
         fraction = step / max(num_training - 1, 1)
@@ -201,8 +228,6 @@ def find_lr(
         f"lr_find: suggested lr={suggestion:.3g} ({steps} steps)" if suggestion is not None
         else f"lr_find: no suggestion: {steps} steps are too few to find where the loss falls fastest"
     )  # fmt: skip
-    if attribute is not None and suggestion is not None:
-        _set(module, attribute, suggestion)
     return finder
 
 
@@ -214,13 +239,6 @@ def _check_scale_batch_size(mode: str, lr_scaling: str | None, **counts: int) ->
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise MisconfigurationException(f"scale_batch_size({name}={value!r}) must be a positive int")
-
-
-def _join_processes(trainer: Trainer) -> None:
-    """Start the job's other processes and join their process group, as fit would: the finders may run
-    before it, and their ranks agree on the result."""
-    trainer.strategy.launch()
-    trainer.strategy.setup_environment()
 
 
 class _Trials:

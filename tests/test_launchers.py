@@ -1,0 +1,230 @@
+"""Workers started from inside the caller: ``ddp_spawn``, ``ddp_fork`` and ``ddp_notebook`` (and ``ddp`` where no
+script could be re-run: here, under pytest, where re-running the process would run the tests again) train in new
+processes and return to the caller with rank zero's results, as Lightning's do.
+
+CPU processes with Gloo on 127.0.0.1; every test that starts processes has a timeout, so that a hang fails fast.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import subprocess
+import sys
+import time
+import types
+from typing import Any
+
+import pytest
+import torch
+from conftest import Regressor, make_loader, parameters_of, quiet_trainer
+from torch.utils.data import DataLoader
+
+import ember
+from ember.callbacks import LambdaCallback, ModelCheckpoint
+from ember.exceptions import MisconfigurationException
+from ember.launch import script_target
+from ember.strategies.launchers import GRACE_SECONDS, WorkerTraceback
+from ember.tuner import Tuner
+
+
+def _fit(
+    strategy: str, model: Regressor | None = None, ckpt_path: str | None = None, **flags: Any
+) -> tuple[ember.Trainer, Regressor]:
+    """``model`` (a new Regressor) fitted on 2 CPU processes: 32 samples in batches of 4 per process."""
+    model = model or Regressor()
+    trainer = quiet_trainer(devices=2, strategy=strategy, **{"max_epochs": 2, **flags})
+    trainer.fit(model, make_loader(32, batch_size=4), make_loader(16, batch_size=4), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def _fitted_in_one_process(batch_size: int = 8, max_epochs: int = 2) -> list[torch.Tensor]:
+    model = Regressor()
+    quiet_trainer(max_epochs=max_epochs, logger=False, enable_checkpointing=False).fit(
+        model, make_loader(32, batch_size=batch_size)
+    )
+    return parameters_of(model)
+
+
+def _assert_close(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    for a, b in zip(got, expected, strict=True):
+        assert (a - b).abs().max() < 1e-5
+
+
+class _Failing(Regressor):
+    """Fails on rank 1 at its third step: raises ``ValueError``, or exits at once (``exit_status``)."""
+
+    def __init__(self, exit_status: int | None = None) -> None:
+        super().__init__()
+        self.exit_status = exit_status
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and self.global_step == 2:
+            if self.exit_status is not None:
+                os._exit(self.exit_status)  # a worker that dies without a word
+            raise ValueError("no value fits on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+class _WithData(Regressor):
+    def train_dataloader(self) -> Any:
+        return make_loader(32, batch_size=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ddp_spawn_returns_to_the_caller_with_rank_zero_s_weights_metrics_and_checkpoints() -> None:
+    checkpoint = ModelCheckpoint(monitor="val_loss", save_last=True)
+    trainer, model = _fit("ddp_spawn", callbacks=[checkpoint])
+    # Two processes with batches of 4 step as one with batches of 8.
+    _assert_close(parameters_of(model), _fitted_in_one_process(batch_size=8))
+    assert (trainer.global_step, trainer.current_epoch) == (8, 2)
+    assert trainer.state.finished and trainer.lightning_module is model
+    assert {"train_loss", "val_loss"} <= set(trainer.callback_metrics)
+    # Rank zero wrote the checkpoints, in the run directory the caller's Trainer and loggers now name.
+    assert checkpoint.best_model_path.startswith(os.path.join(trainer.log_dir, "checkpoints"))
+    assert os.path.isfile(checkpoint.best_model_path) and os.path.isfile(checkpoint.last_model_path)
+    assert checkpoint.best_model_score is not None
+    assert os.listdir(trainer.runs_dir) == ["version_0"]
+    # Without a module, test runs the fitted one with the best checkpoint's weights, in new workers.
+    (results,) = trainer.test(dataloaders=make_loader(16, batch_size=4), ckpt_path="best")
+    assert set(results) == {"test_loss"} and trainer.state.fn == "test"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_notebook"])
+def test_forked_workers_return_fit_validate_and_predict_results_to_the_caller(strategy: str) -> None:
+    trainer, model = _fit(strategy, max_epochs=1, logger=False)
+    _assert_close(parameters_of(model), _fitted_in_one_process(batch_size=8, max_epochs=1))
+    assert trainer.global_step == 4 and trainer.current_epoch == 1 and trainer.state.finished
+    (results,) = trainer.validate(model, make_loader(16, batch_size=4))
+    assert set(results) == {"val_loss"} and trainer.callback_metrics["val_loss"] == results["val_loss"]
+    predictions = trainer.predict(model, DataLoader(torch.randn(16, 4), batch_size=4))
+    assert predictions is not None and sum(len(batch) for batch in predictions) == 8  # rank zero's half
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_resumed_in_spawned_workers_equals_an_uninterrupted_one(tmp_path: Any) -> None:
+    uninterrupted, _ = _fit("ddp_fork", max_epochs=2, default_root_dir=tmp_path / "a")
+    first, _ = _fit("ddp_fork", max_epochs=1, default_root_dir=tmp_path / "b")
+    assert first.checkpoint_callback is not None and os.path.isfile(first.checkpoint_callback.best_model_path)
+    # strategy="ddp" under pytest, which no worker could re-run: spawned workers, as ddp_spawn's.
+    resumed, model = _fit("ddp", max_epochs=2, default_root_dir=tmp_path / "b", ckpt_path="last")
+    assert resumed.global_step == uninterrupted.global_step == 8
+    assert uninterrupted.lightning_module is not None
+    for got, expected in zip(parameters_of(model), parameters_of(uninterrupted.lightning_module), strict=True):
+        assert torch.equal(got, expected)
+    assert resumed.log_dir == first.log_dir  # continued in place, where rank zero wrote its checkpoints
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_worker_s_exception_is_raised_in_the_caller_with_its_rank_and_traceback() -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="no value fits on rank 1") as raised:
+        _fit("ddp_fork", model=_Failing(), logger=False)
+    assert time.monotonic() - started < 30
+    cause = raised.value.__cause__
+    assert isinstance(cause, WorkerTraceback)
+    assert str(cause).startswith("on rank 1:") and "in training_step" in str(cause)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_without_a_word_ends_the_job_naming_its_rank() -> None:
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="the worker of rank 1 exited with status 3 without a result"):
+        _fit("ddp_fork", model=_Failing(exit_status=3), logger=False)
+    # Rank zero, left waiting in a collective, is killed once the grace period is over.
+    assert time.monotonic() - started < GRACE_SECONDS + 30
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_learning_rate_finder_runs_in_the_workers_and_sets_the_caller_s_module() -> None:
+    model = _WithData(lr=0.05)
+    trainer = quiet_trainer(devices=2, strategy="ddp_fork", logger=False)
+    finder = Tuner(trainer).lr_find(model, num_training=20)
+    assert finder.suggested_lr is not None and len(finder.results["lr"]) > 1
+    assert model.hparams.lr == finder.suggested_lr != 0.05
+
+
+def test_spawn_needs_a_main_module_it_can_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a notebook's
+    with pytest.raises(MisconfigurationException, match="use strategy='ddp_notebook'"):
+        _fit("ddp_spawn")
+
+
+def test_spawn_refuses_what_cannot_be_pickled_before_starting_anything() -> None:
+    callback = LambdaCallback(on_fit_start=lambda trainer, module: None)
+    with pytest.raises(MisconfigurationException, match=r"start_method='spawn' get the Trainer.*strategy='ddp_fork'"):
+        _fit("ddp_spawn", callbacks=[callback])
+
+
+def test_fork_refuses_a_process_that_uses_cuda_already(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(MisconfigurationException, match="forked workers cannot use it: use strategy='ddp_spawn'"):
+        _fit("ddp_fork")
+
+
+def test_only_a_script_or_module_run_is_re_run_in_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert script_target() is None  # a test session: re-running it would run every test again
+    monkeypatch.delitem(sys.modules, "_pytest")
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    assert script_target() is None  # python -c, or a notebook: no file to re-run
+    main.__file__ = "train.py"
+    monkeypatch.setattr(sys, "argv", ["train.py", "--lr", "0.1"])
+    assert script_target() == [os.path.abspath("train.py")]
+    main.__spec__ = importlib.machinery.ModuleSpec("package.train", None)
+    assert script_target() == ["-m", "package.train"]
+
+
+LIGHTNING_MODULE = """
+import torch
+from lightning.pytorch import LightningModule
+
+class Net(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+LIGHTNING_SCRIPT = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+if __name__ == "__main__":
+    import ember.lightning  # here only: the workers, which import this script again, need it from their launcher
+    from lightning.pytorch import Trainer
+    from net import Net
+
+    x = torch.randn(32, 4)
+    model = Net()
+    before = model.layer.weight.clone()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
+    print("after fit:", trainer.global_step, not torch.equal(before, model.layer.weight))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_lightning_script_s_code_after_fit_runs_once_with_the_workers_results(tmp_path: Any) -> None:
+    (tmp_path / "net.py").write_text(LIGHTNING_MODULE)
+    (tmp_path / "train.py").write_text(LIGHTNING_SCRIPT)
+    command = [sys.executable, str(tmp_path / "train.py")]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("after fit:") == 1 and "after fit: 4 True" in result.stdout
