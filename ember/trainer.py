@@ -424,16 +424,9 @@ class Trainer:
         return self._evaluate(self.predict_loop, model, dataloaders, ckpt_path, datamodule, return_predictions,
                               weights_only)  # fmt: skip
 
-    def _evaluate(
-        self,
-        loop: EvaluationLoop,
-        model: Module | None,
-        dataloaders: _Loaders | DataModule,
-        ckpt_path: str | os.PathLike | None,
-        datamodule: DataModule | None,
-        option: bool,
-        weights_only: bool | None,
-    ) -> Any:
+    def _evaluate(self, loop: EvaluationLoop, model: Module | None, dataloaders: _Loaders | DataModule,
+                  ckpt_path: str | os.PathLike | None, datamodule: DataModule | None, option: bool,
+                  weights_only: bool | None) -> Any:  # fmt: skip
         """``validate``, ``test`` and ``predict``: ``option`` is their ``verbose`` or ``return_predictions``."""
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
