@@ -24,7 +24,7 @@ import ember
 from ember.callbacks import LambdaCallback, ModelCheckpoint
 from ember.exceptions import MisconfigurationException
 from ember.launch import script_target
-from ember.strategies.launchers import GRACE_SECONDS, WorkerTraceback
+from ember.strategies.launchers import GRACE_SECONDS, WorkerTraceback, _checked
 from ember.tuner import Tuner
 
 
@@ -72,10 +72,10 @@ class _WithData(Regressor):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_ddp_spawn_returns_to_the_caller_with_rank_zero_s_weights_metrics_and_checkpoints() -> None:
+@pytest.mark.timeout(120)
+def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_caller() -> None:
     checkpoint = ModelCheckpoint(monitor="val_loss", save_last=True)
-    trainer, model = _fit("ddp_spawn", callbacks=[checkpoint])
+    trainer, model = _fit("ddp_notebook", callbacks=[checkpoint])  # ddp_fork's workers start as these do
     # Two processes with batches of 4 step as one with batches of 8.
     _assert_close(parameters_of(model), _fitted_in_one_process(batch_size=8))
     assert (trainer.global_step, trainer.current_epoch) == (8, 2)
@@ -84,33 +84,27 @@ def test_ddp_spawn_returns_to_the_caller_with_rank_zero_s_weights_metrics_and_ch
     # Rank zero wrote the checkpoints, in the run directory the caller's Trainer and loggers now name.
     assert checkpoint.best_model_path.startswith(os.path.join(trainer.log_dir, "checkpoints"))
     assert os.path.isfile(checkpoint.best_model_path) and os.path.isfile(checkpoint.last_model_path)
-    assert checkpoint.best_model_score is not None
-    assert os.listdir(trainer.runs_dir) == ["version_0"]
+    assert checkpoint.best_model_score is not None and os.listdir(trainer.runs_dir) == ["version_0"]
+    (results,) = trainer.validate(model, make_loader(16, batch_size=4))
+    assert set(results) == {"val_loss"} and trainer.callback_metrics["val_loss"] == results["val_loss"]
     # Without a module, test runs the fitted one with the best checkpoint's weights, in new workers.
     (results,) = trainer.test(dataloaders=make_loader(16, batch_size=4), ckpt_path="best")
     assert set(results) == {"test_loss"} and trainer.state.fn == "test"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_notebook"])
-def test_forked_workers_return_fit_validate_and_predict_results_to_the_caller(strategy: str) -> None:
-    trainer, model = _fit(strategy, max_epochs=1, logger=False)
-    _assert_close(parameters_of(model), _fitted_in_one_process(batch_size=8, max_epochs=1))
-    assert trainer.global_step == 4 and trainer.current_epoch == 1 and trainer.state.finished
-    (results,) = trainer.validate(model, make_loader(16, batch_size=4))
-    assert set(results) == {"val_loss"} and trainer.callback_metrics["val_loss"] == results["val_loss"]
     predictions = trainer.predict(model, DataLoader(torch.randn(16, 4), batch_size=4))
     assert predictions is not None and sum(len(batch) for batch in predictions) == 8  # rank zero's half
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_run_resumed_in_spawned_workers_equals_an_uninterrupted_one(tmp_path: Any) -> None:
+@pytest.mark.timeout(120)
+def test_ddp_where_no_script_can_be_re_run_starts_workers_and_resumes_as_an_uninterrupted_run(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     uninterrupted, _ = _fit("ddp_fork", max_epochs=2, default_root_dir=tmp_path / "a")
     first, _ = _fit("ddp_fork", max_epochs=1, default_root_dir=tmp_path / "b")
     assert first.checkpoint_callback is not None and os.path.isfile(first.checkpoint_callback.best_model_path)
-    # strategy="ddp" under pytest, which no worker could re-run: spawned workers, as ddp_spawn's.
+    # strategy="ddp" in a notebook's session, whose main module no worker could import: forked workers. (Under
+    # pytest, whose main module can be imported, they would be spawned: see _checked's test.)
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     resumed, model = _fit("ddp", max_epochs=2, default_root_dir=tmp_path / "b", ckpt_path="last")
     assert resumed.global_step == uninterrupted.global_step == 8
     assert uninterrupted.lightning_module is not None
@@ -149,6 +143,14 @@ def test_the_learning_rate_finder_runs_in_the_workers_and_sets_the_caller_s_modu
     finder = Tuner(trainer).lr_find(model, num_training=20)
     assert finder.suggested_lr is not None and len(finder.results["lr"]) > 1
     assert model.hparams.lr == finder.suggested_lr != 0.05
+
+
+def test_ddp_without_a_script_spawns_where_the_main_module_can_be_imported_else_forks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _checked("popen") == "spawn"  # pytest's main module
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a notebook's
+    assert _checked("popen") == "fork"
 
 
 def test_spawn_needs_a_main_module_it_can_import(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,13 +196,17 @@ class Net(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 """
 
 LIGHTNING_SCRIPT = """
+import os
+
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -212,10 +218,12 @@ if __name__ == "__main__":
     x = torch.randn(32, 4)
     model = Net()
     before = model.layer.weight.clone()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, enable_progress_bar=False,
+                      enable_model_summary=False)  # the default logger and checkpoints: pickled for the workers
     trainer.fit(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
-    print("after fit:", trainer.global_step, not torch.equal(before, model.layer.weight))
+    best = trainer.checkpoint_callback.best_model_path
+    print("after fit:", trainer.global_step, not torch.equal(before, model.layer.weight), trainer.state.finished,
+          list(trainer.callback_metrics), best.startswith(trainer.log_dir) and os.path.isfile(best))
 """
 
 
@@ -227,4 +235,4 @@ def test_a_lightning_script_s_code_after_fit_runs_once_with_the_workers_results(
     command = [sys.executable, str(tmp_path / "train.py")]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=110)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("after fit:") == 1 and "after fit: 4 True" in result.stdout
+    assert result.stdout.count("after fit:") == 1 and "after fit: 4 True True ['train_loss'] True" in result.stdout

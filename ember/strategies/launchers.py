@@ -57,6 +57,10 @@ def start_workers(
     # tensors are copies: torch's pickler would share them with this process), the Lightning import hook first
     # if this process has it, so that its names unpickle as Ember's.
     sent = job if start_method == "fork" else _pickled(job, start_method)
+    if start_method == "fork":
+        # DistributedDataParallel's constructor imports torch._dynamo, seconds of work: done once here, every
+        # forked worker of this call and of the later ones has it already.
+        import torch._dynamo  # noqa: F401
     context = mp.get_context(start_method)
     size = len(strategy.parallel_devices)
     server = listening_socket()
