@@ -107,8 +107,8 @@ def test_submodules_and_names_programs_import(statement: str, name: str) -> None
     [
         ("from lightning.pytorch.callbacks import StochasticWeightAveraging",
          r"lightning.pytorch.callbacks.StochasticWeightAveraging is not covered by Ember: average weights with"),
-        ("from pytorch_lightning.loggers import WandbLogger",
-         r"WandbLogger is not covered.*subclass ember.loggers.Logger"),
+        ("from pytorch_lightning.loggers import CometLogger",
+         r"CometLogger is not covered.*subclass ember.loggers.Logger"),
         ("from lightning.pytorch.plugins.environments import SLURMEnvironment",
          r"lightning.pytorch.plugins.environments is a part of Lightning that Ember does not cover: Ember has no "
          r"plugins"),

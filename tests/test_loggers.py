@@ -1,5 +1,5 @@
-"""TensorBoard and MLflow loggers read back with their own readers, several loggers at once, torchmetrics
-objects (also across two gloo ranks), and rank-zero-only output."""
+"""TensorBoard, MLflow and W&B (offline) loggers read back with their own readers, several loggers at once,
+torchmetrics objects (also across two gloo ranks), and rank-zero-only output."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import yaml
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
-from ember.loggers import CSVLogger, MLflowLogger, TensorBoardLogger
+from ember.loggers import CSVLogger, MLflowLogger, TensorBoardLogger, WandbLogger
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 
@@ -93,6 +93,29 @@ def test_mlflow_marks_a_failed_run_and_cleans_metric_names(tmp_path: Any) -> Non
         quiet_trainer(max_epochs=1, logger=logger, log_every_n_steps=1).fit(Failing(), make_loader(64))
     run = MlflowClient(tracking_uri="file:" + store).get_run(logger.version)
     assert run.info.status == "FAILED" and "top_1 acc" in run.data.metrics
+
+
+def test_wandb_offline_run_holds_the_metrics_and_hyperparameters(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # nothing leaves the machine
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="regression", save_dir=tmp_path)
+    trainer = quiet_trainer(max_epochs=2, logger=logger, log_every_n_steps=2)
+    trainer.fit(Regressor(lr=0.03), make_loader(32), make_loader(16))
+    run = logger.experiment
+    assert logger.version == run.id and logger.name == "regression"
+    assert run.config["lr"] == 0.03 and run.config["features"] == 4
+    assert {"train_loss", "val_loss", "trainer/global_step"} <= set(run.summary.keys())
+    assert run.summary["trainer/global_step"] == 8
+    assert trainer.checkpoint_callback is not None
+    assert trainer.checkpoint_callback.dirpath == os.path.join(str(tmp_path), "regression", run.id, "checkpoints")
+    run.finish()
+    (offline,) = [name for name in os.listdir(tmp_path / "wandb") if name.startswith("offline-run-")]
+    assert offline.endswith(run.id) and os.path.isfile(tmp_path / "wandb" / offline / f"run-{run.id}.wandb")
+    with pytest.raises(ValueError, match="does not upload checkpoints"):
+        WandbLogger(log_model=True)
 
 
 def test_several_loggers_share_one_versioned_run_directory(tmp_path: Any) -> None:

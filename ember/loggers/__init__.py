@@ -1,6 +1,6 @@
 """Loggers: where metrics and hyperparameters are written. ``CSVLogger`` is the default.
 
-``TensorBoardLogger`` and ``MLflowLogger`` import their packages only when constructed.
+``TensorBoardLogger``, ``MLflowLogger`` and ``WandbLogger`` import their packages only when constructed.
 """
 
 from ember.loggers.csv_logger import CSVLogger
@@ -8,7 +8,8 @@ from ember.loggers.dummy import DummyLogger
 from ember.loggers.logger import Logger
 from ember.loggers.mlflow import MLflowLogger
 from ember.loggers.tensorboard import TensorBoardLogger
+from ember.loggers.wandb import WandbLogger
 
 MLFlowLogger = MLflowLogger  # Lightning's spelling
 
-__all__ = ["CSVLogger", "DummyLogger", "Logger", "MLFlowLogger", "MLflowLogger", "TensorBoardLogger"]
+__all__ = ["CSVLogger", "DummyLogger", "Logger", "MLFlowLogger", "MLflowLogger", "TensorBoardLogger", "WandbLogger"]
