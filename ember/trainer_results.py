@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from ember.trainer import Trainer
 
 #: What a ModelCheckpoint knows of the files it wrote (``best_model_path`` is what ``ckpt_path="best"`` loads).
-_CHECKPOINT_FACTS = ("dirpath", "best_model_path", "best_model_score", "best_k_models", "last_model_path")
+_CHECKPOINT_FACTS = ("dirpath", "best_model_path", "best_model_score", "best_k_models", "kth_best_model_path",
+                     "kth_value", "current_score", "last_model_path")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +72,13 @@ class StageResults:
 
 
 def _facts(callback: ModelCheckpoint) -> dict[str, Any]:
-    return {name: getattr(callback, name) for name in _CHECKPOINT_FACTS}
+    # On the CPU, as the rest: a CUDA tensor unpickled in the caller would start CUDA there.
+    return apply_to_tensors({name: getattr(callback, name) for name in _CHECKPOINT_FACTS}, _cpu)
 
 
 def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return apply_to_tensors(tensors, lambda tensor: tensor.detach().cpu())
+    return apply_to_tensors(tensors, _cpu)
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu()
