@@ -34,7 +34,7 @@ from ember.metrics import RunMetrics
 from ember.module import DataModule, Module
 from ember.optim import LRSchedulerConfig
 from ember.profilers import Profiler, select_profiler
-from ember.rank_zero import announce, rank_zero_only, rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_only
 from ember.run_directory import RunDirectory
 from ember.strategies import FaultTolerance, Strategy, select_strategy
 from ember.trainer_parts import (
@@ -43,6 +43,7 @@ from ember.trainer_parts import (
     default_callbacks,
     default_loggers,
     estimated_stepping_batches,
+    evaluated_module,
     known_flags_only,
     set_determinism,
     with_module_callbacks,
@@ -430,7 +431,7 @@ class Trainer:
         """``validate``, ``test`` and ``predict``: ``option`` is their ``verbose`` or ``return_predictions``."""
         if isinstance(dataloaders, DataModule):
             datamodule, dataloaders = dataloaders, None
-        model, ckpt_path = self._evaluated_module(model, loop.stage, ckpt_path)
+        model, ckpt_path = evaluated_module(self, model, loop.stage, ckpt_path)
         check_module(model, loop.stage)
         args = (loop, model, dataloaders, checked_path(ckpt_path), datamodule, option, weights_only)
         return self.strategy.launch(self._run_evaluation, *args, results=StageResults(self, model))
@@ -441,29 +442,6 @@ class Trainer:
             loaders = self._loaders(loop.kind, dataloaders, required=True)
             checkpoint_state.load_weights_into(self, path, weights_only)
             return loop.evaluate(loaders, option)
-
-    def _evaluated_module(
-        self, model: Module | None, stage: str, ckpt_path: str | os.PathLike | None
-    ) -> tuple[Module, str | os.PathLike | None]:
-        """The module to evaluate and the checkpoint to load into it: without a module, the fitted one, with
-        its best checkpoint unless ``ckpt_path`` names another."""
-        if model is not None:
-            return model, ckpt_path
-        if self.lightning_module is None:
-            raise ValueError(f"Trainer.{stage}() needs a module: pass one, or call fit() first to use the fitted one")
-        if ckpt_path is None:
-            # As Lightning: the fitted module is evaluated with its best weights, never silently with the last ones.
-            if self.checkpoint_callback is None or self.config.fast_dev_run:
-                why = "fast_dev_run saved none" if self.config.fast_dev_run else "ModelCheckpoint is not configured"
-                raise ValueError(f'`.{stage}(ckpt_path="best")` is implied without a model, but {why}: pass the '
-                                 "module to evaluate its current weights, or ckpt_path='last' or a path")  # fmt: skip
-            ckpt_path = "best"
-            rank_zero_warn_once(
-                f".{stage}(ckpt_path=None) without a model: the best checkpoint of the last fit is loaded; pass "
-                f"ckpt_path='best', 'last' or a path to choose (and silence this warning)",
-                stacklevel=3,
-            )
-        return self.lightning_module, ckpt_path
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:

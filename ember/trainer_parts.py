@@ -193,3 +193,27 @@ def _same(first: Any, second: Any) -> bool:
     if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
         return first is second
     return type(first) is type(second) and bool(first == second)
+
+
+def evaluated_module(
+    trainer: Trainer, model: Module | None, stage: str, ckpt_path: str | os.PathLike | None
+) -> tuple[Module, str | os.PathLike | None]:
+    """The module to evaluate and the checkpoint to load into it: without a module, the fitted one, with
+    its best checkpoint unless ``ckpt_path`` names another."""
+    if model is not None:
+        return model, ckpt_path
+    if trainer.lightning_module is None:
+        raise ValueError(f"Trainer.{stage}() needs a module: pass one, or call fit() first to use the fitted one")
+    if ckpt_path is None:
+        # As Lightning: the fitted module is evaluated with its best weights, never silently with the last ones.
+        if trainer.checkpoint_callback is None or trainer.config.fast_dev_run:
+            why = "fast_dev_run saved none" if trainer.config.fast_dev_run else "ModelCheckpoint is not configured"
+            raise ValueError(f'`.{stage}(ckpt_path="best")` is implied without a model, but {why}: pass the '
+                             "module to evaluate its current weights, or ckpt_path='last' or a path")  # fmt: skip
+        ckpt_path = "best"
+        rank_zero_warn_once(
+            f".{stage}(ckpt_path=None) without a model: the best checkpoint of the last fit is loaded; pass "
+            f"ckpt_path='best', 'last' or a path to choose (and silence this warning)",
+            stacklevel=3,
+        )
+    return trainer.lightning_module, ckpt_path

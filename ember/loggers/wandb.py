@@ -98,9 +98,9 @@ class WandbLogger(Logger):
     def log_dir(self) -> str:
         return os.path.join(self._save_dir, self.name, self.version)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         values = {f"{self._prefix}-{key}" if self._prefix else key: value for key, value in metrics.items()}
-        self.experiment.log({**values, "trainer/global_step": step})
+        self.experiment.log(values if step is None else {**values, "trainer/global_step": step})
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         self.experiment.config.update(flatten(params), allow_val_change=True)
