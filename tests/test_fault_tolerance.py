@@ -167,7 +167,7 @@ def test_a_dead_lighthouse_ends_the_job_with_a_checkpoint_that_a_new_job_resumes
     _needs_torchft()
     launcher = _launch(tmp_path, "--max-restarts", "1", "--steps", "5000", "--sleep", "0.02", "--checkpoint")
     deadline = time.monotonic() + 150
-    while not list(tmp_path.glob("ember_logs/version_0/checkpoints/*step=*.ckpt")):  # training is under way
+    while not list(tmp_path.glob("checkpoints/*step=*.ckpt")):  # training is under way
         assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()[1][-3000:]
         time.sleep(0.5)
     lighthouse = next(pid for pid in descendants(launcher.pid) if "lighthouse.py" in _command_line(pid))
@@ -175,7 +175,7 @@ def test_a_dead_lighthouse_ends_the_job_with_a_checkpoint_that_a_new_job_resumes
     _, stderr = launcher.communicate(timeout=60)
     assert launcher.returncode == 1
     assert stderr.strip().splitlines()[-1].startswith("ember run: the lighthouse at http://127.0.0.1:")
-    last = tmp_path / "ember_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    last = tmp_path / "checkpoints" / "last.ckpt"  # logger=False: under default_root_dir, as in Lightning
     saved = checkpoint.load(str(last))["global_step"]
     # A full stop resumes from the last checkpoint, as without fault tolerance: group 0 reads it, group 1 heals.
     resumed = _launch(tmp_path, "--max-restarts", "0", "--steps", str(saved + 5), "--checkpoint")

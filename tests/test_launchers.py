@@ -145,10 +145,18 @@ def test_the_learning_rate_finder_runs_in_the_workers_and_sets_the_caller_s_modu
     assert model.hparams.lr == finder.suggested_lr != 0.05
 
 
+def _script_main() -> types.ModuleType:
+    """A main module that spawned workers can import: a script's (pytest's own depends on how it was started)."""
+    main = types.ModuleType("__main__")
+    main.__file__ = __file__
+    return main
+
+
 def test_ddp_without_a_script_spawns_where_the_main_module_can_be_imported_else_forks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert _checked("popen") == "spawn"  # pytest's main module
+    monkeypatch.setitem(sys.modules, "__main__", _script_main())
+    assert _checked("popen") == "spawn"
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a notebook's
     assert _checked("popen") == "fork"
 
@@ -159,7 +167,8 @@ def test_spawn_needs_a_main_module_it_can_import(monkeypatch: pytest.MonkeyPatch
         _fit("ddp_spawn")
 
 
-def test_spawn_refuses_what_cannot_be_pickled_before_starting_anything() -> None:
+def test_spawn_refuses_what_cannot_be_pickled_before_starting_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "__main__", _script_main())  # however pytest itself was started
     callback = LambdaCallback(on_fit_start=lambda trainer, module: None)
     with pytest.raises(MisconfigurationException, match=r"start_method='spawn' get the Trainer.*strategy='ddp_fork'"):
         _fit("ddp_spawn", callbacks=[callback])

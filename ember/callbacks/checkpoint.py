@@ -279,9 +279,9 @@ class ModelCheckpoint(Callback):
         return metrics
 
     def _free_path(self, trainer: "Trainer", metrics: dict[str, Any], filename: str | None, replacing: str) -> str:
-        """``_versioned`` as rank zero sees the files, for every rank."""
-        path = self._versioned(metrics, filename, replacing) if trainer.is_global_zero else None
-        return trainer.strategy.broadcast(path)
+        """``_versioned`` as rank zero sees the files, for every rank. Each rank computes its own first: a strategy
+        whose broadcast does not reach global rank zero (a replica group of fault tolerance) keeps its own."""
+        return trainer.strategy.broadcast(self._versioned(metrics, filename, replacing))
 
     def _versioned(self, metrics: dict[str, Any], filename: str | None, replacing: str) -> str:
         """The path for a new checkpoint: its name, with a version appended while the name is another file's
