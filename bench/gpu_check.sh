@@ -6,8 +6,10 @@
 # 1. the tests marked cuda (pytest -m cuda);
 # 2. bench/gpt.py: GPT-2 small in fp32, bf16-mixed and bf16-mixed + compile, tokens/s and MFU of Ember
 #    against the hand-written loop (GPT_ARGS="--batch-size 8" passes options, for a GPU with less memory);
-# 3. with two or more GPUs: bench/memory.py (DDP against FSDP, memory per rank, two processes), and smoke
-#    runs of DDP, FSDP, dp and manual optimization on two GPUs (bench/gpu_smoke.py).
+# 3. smoke runs of DDP, FSDP, manual optimization and, where torchft is installed (ember[ft]), fault
+#    tolerance, in two processes (bench/gpu_smoke.py): with two or more GPUs a GPU each, and also dp and
+#    bench/memory.py (DDP against FSDP, memory per rank); with one GPU both processes share it, started by
+#    `ember run` and joined over Gloo (NCCL refuses two ranks on one device).
 #
 # It ends with one table: each item, pass/fail, and its key figure; the logs of failed items are shown
 # above it. The exit status is 1 if any item failed. On a machine without a GPU it says so and exits 0.
@@ -94,20 +96,30 @@ if [ "$STATUS" -ne 0 ] || [ -z "$MODES" ]; then
     row gpt "$(printf '%s of 3 modes measured' "$(printf '%s' "$MODES" | grep -c .)")"
 fi
 
-# ------------------------------------------------------------------------------------ two GPUs
+# ------------------------------------------------------------------------------------ two processes
 if [ "$GPUS" -ge 2 ]; then
     run memory 1200 "$PYTHON" bench/memory.py --accelerator cuda
     # The table's rows: | strategy | parameters + optimizer state | peak allocated |, per rank.
     row memory "$(awk -F'|' '$2 ~ /DDP|FSDP/ { gsub(/^ +| +$/, "", $2); gsub(/^ +| +$/, "", $3);
         gsub(/^ +| +$/, "", $4); printf "%s%s: %s held, %s peak", sep, $2, $3, $4; sep = "; " }' "$LOGS/memory.log")"
-    for smoke in ddp fsdp dp manual; do
-        run "smoke-$smoke" 600 "$PYTHON" bench/gpu_smoke.py "$smoke"
-        row "smoke-$smoke" "$(grep -E '^smoke: ' "$LOGS/smoke-$smoke.log" | tail -n 1 | cut -d: -f3- | trim)"
-    done
+    SMOKE=("$PYTHON" bench/gpu_smoke.py)  # it starts a process per GPU itself
+    SMOKES="ddp fsdp dp manual"
 else
     ROWS+=("memory|skipped|needs two GPUs (two processes)")
-    ROWS+=("2-GPU smoke runs|skipped|needs two GPUs")
+    ROWS+=("smoke-dp|skipped|needs two GPUs (one process drives both)")
+    # Both processes on GPU 0: a launcher starts them, as the script cannot ask for more devices than it sees.
+    SMOKE=("$PYTHON" -m ember run --nproc-per-node 2 bench/gpu_smoke.py --backend gloo)
+    SMOKES="ddp fsdp manual"
 fi
+if "$PYTHON" -c 'import torchft' >/dev/null 2>&1; then
+    SMOKES="$SMOKES ft"
+else
+    ROWS+=("smoke-ft|skipped|torchft is not installed (pip install -e '.[ft]')")
+fi
+for smoke in $SMOKES; do
+    run "smoke-$smoke" 600 "${SMOKE[@]}" "$smoke"
+    row "smoke-$smoke" "$(grep -E '^smoke: ' "$LOGS/smoke-$smoke.log" | tail -n 1 | cut -d: -f3- | trim)"
+done
 
 # ------------------------------------------------------------------------------------ the table
 echo

@@ -1,12 +1,16 @@
 """A smoke run on two GPUs, for ``bench/gpu_check.sh``: a small MLP trained for a few dozen steps.
 
-    python bench/gpu_smoke.py ddp|fsdp|dp|manual [--accelerator cuda|cpu]
+    python bench/gpu_smoke.py ddp|fsdp|dp|manual [--accelerator cuda|cpu] [--backend gloo]
+    python -m ember run --nproc-per-node 2 bench/gpu_smoke.py ddp|fsdp|manual --backend gloo   # on one GPU
 
 ddp, fsdp and dp are the strategies of those names; manual is manual optimization (``self.optimizers()``,
 ``self.manual_backward``) under DDP. ddp, fsdp and manual run in two processes (the script starts them), dp
 in one that drives both GPUs. The run passes when the loss falls and stays finite and, with two processes,
 the ranks end with the same parameters. Rank zero prints one line, ``smoke: <run> ok|FAILED: ...``, and the
 exit status is 1 when it failed. ``--accelerator cpu`` runs the same (but dp) on two CPU processes.
+
+Started by a launcher on a machine with one GPU, the two processes share it; NCCL refuses two ranks on one
+device, so ``--backend gloo`` joins them over Gloo instead.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
+from ember.strategies import DDPStrategy, FSDPStrategy, Strategy
 
 RUNS = ("ddp", "fsdp", "dp", "manual")
 STEPS, BATCH = 60, 64
@@ -69,17 +75,25 @@ def checksum(module: nn.Module) -> torch.Tensor:
     return torch.stack([p.detach().double().sum() for p in whole]).sum()
 
 
+def strategy(run: str, backend: str | None) -> str | Strategy:
+    if run == "dp":
+        return run
+    layout = FSDPStrategy if run == "fsdp" else DDPStrategy  # manual optimization runs under DDP
+    return layout(process_group_backend=backend)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", choices=RUNS)
     parser.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--backend", help="the process group's backend (default: NCCL on GPUs, Gloo on CPUs)")
     args = parser.parse_args()
-    if args.run == "dp" and args.accelerator != "cuda":
-        parser.error("dp drives several GPUs from one process; it needs --accelerator cuda")
+    if args.run == "dp" and (args.accelerator != "cuda" or args.backend):
+        parser.error("dp drives several GPUs from one process; it needs --accelerator cuda, and no --backend")
     cuda = args.accelerator == "cuda"
     precision = "bf16-mixed" if cuda and torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
     trainer = ember.Trainer(
-        accelerator=args.accelerator, devices=2, strategy="ddp" if args.run == "manual" else args.run,
+        accelerator=args.accelerator, devices=2, strategy=strategy(args.run, args.backend),
         precision=precision if cuda else "32-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
@@ -94,9 +108,11 @@ def main() -> None:
     sums = trainer.strategy.all_gather(checksum(model).to(trainer.strategy.root_device)).cpu()
     ok = bool(losses.isfinite().all()) and last < 0.8 * first and bool((sums == sums[0]).all())
     samples_per_second = trainer.global_step * BATCH * trainer.world_size / seconds
+    group = f" over {dist.get_backend()}" if dist.is_initialized() else ""  # dp runs in one process
     trainer.print(
         f"smoke: {args.run} {'ok' if ok else 'FAILED'}: loss {first:.3f} -> {last:.3f}, "
-        f"{samples_per_second:.0f} samples/s, {trainer.global_step} steps, {trainer.world_size} process(es), "
+        f"{samples_per_second:.0f} samples/s, {trainer.global_step} steps, "
+        f"{trainer.world_size} process(es) on {trainer.strategy.root_device}{group}, "
         f"{precision if cuda else '32-true'}, ranks {'agree' if bool((sums == sums[0]).all()) else 'DISAGREE'}"
     )
     sys.exit(0 if ok else 1)
