@@ -218,7 +218,8 @@ class TrainerConfig:
 
     async_checkpoint: bool = False
     """Write checkpoints in the background: a save blocks training only while the state is copied to host
-    memory; the end of ``fit``, a preemption signal and an error wait for the write in flight."""
+    memory; the end of ``fit``, a preemption signal and an error wait for the write in flight. On CPU, a
+    save while every core is busy (training waited for one) is written at once instead."""
 
     timeout: int | float | timedelta | None = None
     """How long (seconds, or a ``timedelta``) the processes of a multi-process run wait for each other in

@@ -34,7 +34,7 @@ from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from ember.checkpoint import io as file_io
 from ember.checkpoint import state as checkpoint_state
-from ember.checkpoint.writer import AsyncWriter
+from ember.checkpoint.writer import AsyncWriter, CoreWaits
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "resume_job.py")
 
@@ -146,7 +146,6 @@ def test_a_failed_background_write_is_raised_and_nothing_is_linked_or_removed(
     assert checkpoint_io.load(os.path.join(trainer.checkpoint_dir, "last.ckpt"))["global_step"] == 2
 
 
-
 def test_what_follows_a_failed_background_write_never_runs_even_when_queued_after_the_failure(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -154,7 +153,7 @@ def test_what_follows_a_failed_background_write_never_runs_even_when_queued_afte
         raise checkpoint_io.CheckpointError(f"could not save {path!r}: No space left on device")
 
     monkeypatch.setattr(file_io, "save", failing)
-    writer = AsyncWriter()
+    writer = AsyncWriter(at_once_when_busy=False)  # in the background, however busy the machine running the tests
     writer.write({"step": torch.zeros(1)}, str(tmp_path / "step=4.ckpt"))
     time.sleep(0.5)  # on a busy machine the write may fail before the loop queues what depends on it
     ran: list[str] = []
@@ -182,12 +181,72 @@ def test_the_background_write_and_the_threads_it_starts_run_only_on_idle_cores(
         original(checkpoint, path)
 
     monkeypatch.setattr(file_io, "save", watched)
-    writer = AsyncWriter()
+    writer = AsyncWriter(at_once_when_busy=False)
     writer.write({"step": torch.zeros(1)}, str(tmp_path / "a.ckpt"))
     writer.wait()
     assert policies == [os.SCHED_IDLE, os.SCHED_IDLE]
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # training's own thread is left as it was
     assert checkpoint_io.verify(tmp_path / "a.ckpt")
+
+
+def test_a_state_in_host_memory_is_written_at_once_while_training_waits_for_a_core(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shares = iter([0.4, None, 0.02])  # busy cores; not known (not Linux); an idle core
+    monkeypatch.setattr(CoreWaits, "share", lambda self: next(shares))
+    writers: list[str] = []
+    original = file_io.save
+    monkeypatch.setattr(
+        file_io, "save", lambda *args: (writers.append(threading.current_thread().name), original(*args))
+    )
+    writer = AsyncWriter()
+    ran: list[str] = []
+    for name in ("a", "b", "c"):
+        writer.write({"step": torch.zeros(1)}, str(tmp_path / f"{name}.ckpt"))
+        writer.then(lambda: ran.append(threading.current_thread().name))
+        writer.wait()
+    background = "ember-checkpoint-writer"
+    assert writers == ran == [threading.current_thread().name, background, background]
+    assert all(checkpoint_io.verify(tmp_path / f"{name}.ckpt") for name in "abc")
+
+    # Trainer(async_checkpoint=True) on CPU writes so; an AsyncWriter told otherwise writes in the background.
+    assert quiet_trainer(async_checkpoint=True).strategy.checkpoint_writer.at_once_when_busy  # type: ignore[attr-defined]
+    monkeypatch.setattr(CoreWaits, "share", lambda self: 1.0)
+    always = AsyncWriter(at_once_when_busy=False)
+    always.write({"step": torch.zeros(1)}, str(tmp_path / "d.ckpt"))
+    always.wait()
+    assert writers[-1] == background
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux's scheduler statistics")
+def test_the_time_a_thread_waits_for_a_core_is_measured_and_sleeping_is_not_waiting() -> None:
+    # This thread and a process spinning on the same core: each waits for it about half of the time.
+    cores = os.sched_getaffinity(0)  # this thread's (Linux sets a thread's affinity for pid 0)
+    core = min(cores)
+    waits = CoreWaits()
+    time.sleep(0.1)
+    asleep = waits.share()
+    spin = f"import os; os.sched_setaffinity(0, {{{core}}}); print(flush=True)\nwhile True: pass"
+    spinner = subprocess.Popen([sys.executable, "-S", "-c", spin], stdout=subprocess.PIPE)
+    try:
+        os.sched_setaffinity(0, {core})
+        assert spinner.stdout is not None and spinner.stdout.readline() == b"\n"  # it spins on the core
+        waits.share()
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+        spinning = waits.share()
+    finally:
+        os.sched_setaffinity(0, cores)
+        spinner.kill()
+        spinner.wait()
+    assert asleep is not None and spinning is not None
+    assert asleep < 0.2 < spinning < 1
+    ran: list[float | None] = []
+    other = threading.Thread(target=lambda: ran.append(waits.share()))
+    other.start()
+    other.join()
+    assert ran == [None]  # another thread's time is not this thread's
 
 
 @pytest.mark.slow

@@ -118,7 +118,9 @@ class Strategy:
         self.environment = environment
         self.precision = build_precision(precision, self.root_device)
         self.compile_options = dict(compile_options) if compile_options is not None else None
-        self.checkpoint_writer = AsyncWriter() if async_checkpoint else Writer()
+        # A save at once from a GPU copies the state to host memory too: there a background save costs no more.
+        at_once_when_busy = device_type == "cpu"
+        self.checkpoint_writer = AsyncWriter(at_once_when_busy=at_once_when_busy) if async_checkpoint else Writer()
 
     @property
     def root_device(self) -> torch.device:
