@@ -115,11 +115,12 @@ def test_a_kill_during_a_background_write_keeps_the_previous_last_and_resumes_ex
 
 def test_the_end_of_fit_waits_for_the_write_in_flight(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     original = file_io.save
-    monkeypatch.setattr(file_io, "save", lambda checkpoint, path: (time.sleep(0.3), original(checkpoint, path)))
+    monkeypatch.setattr(file_io, "save", lambda checkpoint, path: (time.sleep(0.1), original(checkpoint, path)))
     every_two_steps = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1, save_last=True)
     trainer = quiet_trainer(
         max_epochs=2, async_checkpoint=True, default_root_dir=str(tmp_path), callbacks=[every_two_steps]
     )
+    trainer.strategy.checkpoint_writer.at_once_when_busy = False  # type: ignore[attr-defined]  # in the background
     trainer.fit(Regressor(), make_loader(32))
     last = os.path.join(trainer.checkpoint_dir, "last.ckpt")
     assert checkpoint_io.verify(last) and checkpoint_io.load(last)["global_step"] == 8
@@ -139,6 +140,7 @@ def test_a_failed_background_write_is_raised_and_nothing_is_linked_or_removed(
     monkeypatch.setattr(file_io, "save", failing)
     best_two = ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)
     trainer = quiet_trainer(max_epochs=2, async_checkpoint=True, default_root_dir=str(tmp_path), callbacks=[best_two])
+    trainer.strategy.checkpoint_writer.at_once_when_busy = False  # type: ignore[attr-defined]  # in the background
     with pytest.raises(checkpoint_io.CheckpointError, match="No space left"):
         trainer.fit(Regressor(), make_loader(32))
     names = sorted(os.listdir(trainer.checkpoint_dir))
@@ -155,7 +157,8 @@ def test_what_follows_a_failed_background_write_never_runs_even_when_queued_afte
     monkeypatch.setattr(file_io, "save", failing)
     writer = AsyncWriter(at_once_when_busy=False)  # in the background, however busy the machine running the tests
     writer.write({"step": torch.zeros(1)}, str(tmp_path / "step=4.ckpt"))
-    time.sleep(0.5)  # on a busy machine the write may fail before the loop queues what depends on it
+    with writer._condition:  # the write has failed before the loop queues what depends on it
+        writer._condition.wait_for(lambda: not writer._tasks, timeout=60)
     ran: list[str] = []
     writer.then(lambda: ran.append("link last to step=4.ckpt"))
     with pytest.raises(checkpoint_io.CheckpointError, match="No space left"):

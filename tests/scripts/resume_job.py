@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -41,17 +42,19 @@ class Net(ember.Module):
 
 
 class KillDuringWrite(Callback):
-    """SIGKILL this process while the checkpoint of ``step`` is being written: that write is made slow (as
-    a large one on a slow disk is), and the kill comes at the next batch."""
+    """SIGKILL this process while the checkpoint of ``step`` is being written: that write never ends (as a
+    large one on a slow disk has not yet), and the kill comes at the next batch, once the write has begun."""
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.slow = False
+        self.writing = threading.Event()
         original = checkpoint_io.save
 
         def save(checkpoint: Any, path: Any) -> None:
             if self.slow:
-                time.sleep(5)
+                self.writing.set()
+                threading.Event().wait()  # until the kill
             original(checkpoint, path)
 
         checkpoint_io.save = save  # type: ignore[assignment]
@@ -65,7 +68,7 @@ class KillDuringWrite(Callback):
 
     def on_train_batch_start(self, trainer: ember.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         if self.slow and trainer.global_rank == 0:
-            time.sleep(0.5)  # well inside the write
+            self.writing.wait(timeout=60)  # the write is in flight
             os.kill(os.getpid(), signal.SIGKILL)
 
 
