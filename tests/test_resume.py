@@ -116,6 +116,9 @@ def test_a_kill_during_a_background_write_keeps_the_previous_last_and_resumes_ex
 def test_the_end_of_fit_waits_for_the_write_in_flight(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     original = file_io.save
     monkeypatch.setattr(file_io, "save", lambda checkpoint, path: (time.sleep(0.1), original(checkpoint, path)))
+    # The writer at its usual priority: on a busy machine one that runs only on idle cores waits seconds for
+    # each save (that it runs so has a test of its own).
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *args: None)
     every_two_steps = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1, save_last=True)
     trainer = quiet_trainer(
         max_epochs=2, async_checkpoint=True, default_root_dir=str(tmp_path), callbacks=[every_two_steps]
