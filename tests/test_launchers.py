@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import Regressor, make_loader, parameters_of, quiet_trainer
 from torch.utils.data import DataLoader
 
@@ -75,6 +76,9 @@ class _WithData(Regressor):
 @pytest.mark.timeout(120)
 def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_caller() -> None:
     checkpoint = ModelCheckpoint(monitor="val_loss", save_last=True)
+    # A group of this process alone, as an earlier stage of a sharded strategy leaves it: the forked workers must
+    # not inherit it (they would wait on it forever).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     trainer, model = _fit("ddp_notebook", callbacks=[checkpoint])  # ddp_fork's workers start as these do
     # Two processes with batches of 4 step as one with batches of 8.
     _assert_close(parameters_of(model), _fitted_in_one_process(batch_size=8))

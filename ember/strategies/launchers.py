@@ -61,6 +61,9 @@ def start_workers(
         # DistributedDataParallel's constructor imports torch._dynamo, seconds of work: done once here, every
         # forked worker of this call and of the later ones has it already.
         import torch._dynamo  # noqa: F401
+    # A group of this process alone, left open by an earlier stage (a sharded strategy keeps its own): forked
+    # workers would inherit it and wait on it forever; the stages after these workers open a new one.
+    close_process_group()
     context = mp.get_context(start_method)
     size = len(strategy.parallel_devices)
     server = listening_socket()
