@@ -60,8 +60,10 @@ class KillDuringWrite(Callback):
         checkpoint_io.save = save  # type: ignore[assignment]
 
     def on_fit_start(self, trainer: ember.Trainer, module: Any) -> None:
-        # A write in the background, however busy the machine running the tests keeps its cores.
+        # A write in the background, however busy the machine running the tests keeps its cores, by a writer at
+        # the usual priority: one that runs only on idle cores may wait minutes there before it begins.
         trainer.strategy.checkpoint_writer.at_once_when_busy = False  # type: ignore[attr-defined]
+        os.sched_setscheduler = lambda *args: None
 
     def on_train_batch_end(self, trainer: ember.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.slow = trainer.global_step == self.step and trainer.fit_loop.stepped  # before ModelCheckpoint saves
