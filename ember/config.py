@@ -304,8 +304,9 @@ class TrainerConfig:
             parse_max_time(value, flag="val_check_interval")
         elif not ((is_int and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0)):
             raise FlagError(
-                f"val_check_interval={value!r}: expected a fraction of the epoch (a float in (0, 1]), a "
-                "number of batches (an int >= 1) or a duration ('DD:HH:MM:SS', a datetime.timedelta or a dict)"
+                f"val_check_interval={value!r}: passed invalid value; expected a fraction of the epoch (a float in "
+                "(0, 1]), a number of batches (an int >= 1) or a duration ('DD:HH:MM:SS', a datetime.timedelta or a "
+                "dict)"
             )
         if self.check_val_every_n_epoch is not None:
             _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None")
@@ -530,7 +531,7 @@ def _check_bool(flag: str, value: Any, also: str = "") -> None:
 def _check_int(flag: str, value: Any, minimum: int, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         allowed = "-1 (no limit) or a non-negative int" if minimum == -1 else f"an int >= {minimum}"
-        raise FlagError(f"{flag}={value!r}: expected {allowed}" + (f" or {also}" if also else ""))
+        raise FlagError(f"{flag}={value!r}: should be {allowed}" + (f" or {also}" if also else ""))
 
 
 def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:
@@ -545,7 +546,8 @@ def _check_limit(flag: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FlagError(f"{flag}={value!r}: expected None, a number of batches (int) or a fraction (float)")
     if (isinstance(value, int) and value < 0) or (isinstance(value, float) and not 0.0 <= value <= 1.0):
-        raise FlagError(f"{flag}={value!r}: an int counts batches (>= 0), a float is a fraction in [0, 1]")
+        raise FlagError(f"{flag}={value!r}: passed invalid value; an int counts batches (>= 0), a float is a fraction "
+                        "in [0, 1]")  # fmt: skip
 
 
 def _check_devices(flag: str, value: Any) -> None:
