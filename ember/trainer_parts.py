@@ -24,7 +24,7 @@ from ember.hints import closest
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
 from ember.module import Module
-from ember.rank_zero import rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -54,8 +54,34 @@ def known_flags_only(init: Callable[P, None]) -> Callable[P, None]:
             if name not in flags:
                 raise FlagError(f"Trainer({name}=...) is not a flag; {closest(name, flags, _EVERY_FLAG)}")
         init(*args, **given)
+        announce_whole_limits(given)
 
     return checked
+
+
+#: What a limit of one batch, or of the whole, given explicitly means (Lightning says so at INFO too).
+_WHOLE_LIMITS = {
+    "limit_train_batches": ("1 batch per epoch will be used", "100% of the batches per epoch will be used"),
+    "val_check_interval": (
+        "validation will run after every batch", "validation will run at the end of the training epoch"
+    ),
+    **{
+        name: ("1 batch will be used", "100% of the batches will be used")
+        for name in ("limit_val_batches", "limit_test_batches", "limit_predict_batches", "overfit_batches")
+    },
+}
+
+
+def announce_whole_limits(given: dict[str, Any]) -> None:
+    """Say what a batch limit of exactly 1 or 1.0 given to the Trainer means (one batch, or all of them), which
+    is easy to mix up; and that barebones mode is on."""
+    for name, (one, whole) in _WHOLE_LIMITS.items():
+        value = given.get(name)
+        if type(value) in (int, float) and value == 1:
+            announce(f"`Trainer({name}={value!r})` was configured so {one if isinstance(value, int) else whole}.")
+    if given.get("barebones") is True:
+        announce("running in `Trainer(barebones=True)` mode: logging, checkpointing, the progress bar, the model "
+                 "summary and the other features that cost time besides the steps are off")  # fmt: skip
 
 
 _EVERY_FLAG = "docs/trainer-flags.md lists every flag"

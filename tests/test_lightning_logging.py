@@ -418,3 +418,17 @@ def test_the_ember_loggers_level_silences_informational_messages(capsys: pytest.
     finally:
         logging.getLogger("ember").setLevel(logging.INFO)
     assert trainer.global_step == 1 and capsys.readouterr().out == ""
+
+
+def test_a_limit_of_one_batch_or_of_all_given_explicitly_is_said_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="ember"):
+        quiet_trainer(limit_train_batches=1, limit_val_batches=1.0, val_check_interval=1, overfit_batches=0.5)
+    assert caplog.messages == [
+        "`Trainer(limit_train_batches=1)` was configured so 1 batch per epoch will be used.",
+        "`Trainer(val_check_interval=1)` was configured so validation will run after every batch.",
+        "`Trainer(limit_val_batches=1.0)` was configured so 100% of the batches will be used.",
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ember"):
+        quiet_trainer(barebones=True)  # and nothing for the default limits
+    assert [message.split(":")[0] for message in caplog.messages] == ["running in `Trainer(barebones=True)` mode"]
