@@ -429,6 +429,26 @@ class DataModule(HyperparametersMixin, DataHooks):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def __str__(self) -> str:
+        """What each loader hook gives, one line each, in Lightning's form: ``{Train dataloader: size=64}`` (its
+        dataset's length, ``NA`` without one; ``1. size=16 ; 2. size=NA`` for several loaders), ``None`` where the
+        hook is missing or fails (before ``setup``, say)."""
+        lines = []
+        for title, hook in _LOADER_TITLES:
+            try:
+                loaders = getattr(self, hook)()
+            except Exception:  # no such hook, or one that cannot run yet
+                lines.append(f"{{{title}: None}}")
+                continue
+            if isinstance(loaders, Mapping):
+                loaders = list(loaders.values())
+            if isinstance(loaders, Sequence):
+                sizes = " ; ".join(f"{index}. size={_dataset_size(each)}" for index, each in enumerate(loaders, 1))
+            else:
+                sizes = f"size={_dataset_size(loaders)}"
+            lines.append(f"{{{title}: {sizes}}}")
+        return "\n".join(lines)
+
     @classmethod
     def load_from_checkpoint(
         cls, checkpoint_path: str, map_location: Any = "cpu", weights_only: bool = True, **init_overrides: Any
@@ -475,3 +495,14 @@ class DataModule(HyperparametersMixin, DataHooks):
                 # Bound per instance: only the loaders of the datasets given exist.
                 setattr(datamodule, f"{kind}_dataloader", functools.partial(loaders, datasets, shuffle))
         return datamodule
+
+
+_LOADER_TITLES = (("Train dataloader", "train_dataloader"), ("Validation dataloader", "val_dataloader"),
+                  ("Test dataloader", "test_dataloader"), ("Predict dataloader", "predict_dataloader"))  # fmt: skip
+
+
+def _dataset_size(loader: Any) -> str:
+    try:
+        return str(len(loader.dataset))
+    except (AttributeError, TypeError, NotImplementedError):
+        return "NA"

@@ -463,3 +463,31 @@ def test_the_tuner_finds_nothing_in_a_fast_dev_run() -> None:
         assert tuner.lr_find(model) is None
     with pytest.warns(UserWarning, match="Skipping batch size scaler since `fast_dev_run` is enabled"):
         assert tuner.scale_batch_size(model) is None
+
+
+def test_a_datamodule_prints_what_each_loader_hook_gives() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Any:
+            yield torch.zeros(4)
+
+    class Data(ember.DataModule):
+        def setup(self, stage: str) -> None:
+            self.ready = True
+
+        def train_dataloader(self) -> Any:
+            return [make_loader(16), DataLoader(Stream())]  # several loaders, one without a length
+
+        def val_dataloader(self) -> Any:
+            return make_loader(8)
+
+        def test_dataloader(self) -> Any:
+            assert self.ready  # fails before setup
+            return make_loader(8)
+
+    data = Data()
+    assert str(data) == (
+        "{Train dataloader: 1. size=16 ; 2. size=NA}\n{Validation dataloader: size=8}\n{Test dataloader: None}\n"
+        "{Predict dataloader: None}"
+    )
+    data.setup("test")
+    assert str(data).splitlines()[2] == "{Test dataloader: size=8}"
