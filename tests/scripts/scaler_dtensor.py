@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from ember.launch import close_process_group
+
 
 def fsdp(mesh: DeviceMesh) -> list[nn.Parameter]:
     from torch.distributed.fsdp import fully_shard
@@ -92,7 +94,7 @@ def main() -> None:
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as file:
         json.dump(results, file)
     dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()  # lets gloo's threads let go of the tensors first: an abort at exit otherwise
 
 
 if __name__ == "__main__":
