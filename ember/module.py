@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ember import checkpoint as checkpoint_io
+from ember._utils import sized_len
 from ember.checkpoint.state import load_weights
 from ember.exceptions import MisconfigurationException
 from ember.hparams import HyperparametersMixin, init_arguments
@@ -502,7 +503,5 @@ _LOADER_TITLES = (("Train dataloader", "train_dataloader"), ("Validation dataloa
 
 
 def _dataset_size(loader: Any) -> str:
-    try:
-        return str(len(loader.dataset))
-    except (AttributeError, TypeError, NotImplementedError):
-        return "NA"
+    size = sized_len(getattr(loader, "dataset", None))
+    return "NA" if size is None else str(size)

@@ -45,7 +45,8 @@ def set_determinism(config: TrainerConfig) -> None:
 
 def known_flags_only(init: Callable[P, None]) -> Callable[P, None]:
     """``Trainer.__init__``, refusing a flag it does not take with one line that names the closest ones (Python's
-    own TypeError names none)."""
+    own TypeError names none); once made, the Trainer says what the limits given as 1 or 1.0 mean (only the flags
+    as given tell an explicit 1.0 from the default)."""
     flags = [name for name in inspect.signature(init).parameters if name != "self"]
 
     @functools.wraps(init)
