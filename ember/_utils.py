@@ -161,6 +161,26 @@ def is_overridden(name: str, instance: object, base: type) -> bool:
     return own is not None and getattr(own, "__func__", own) is not getattr(base, name, None)
 
 
+def replaces(name: str, instance: object, base: type) -> bool:
+    """Whether ``instance``'s ``name`` does other than ``base``'s, looking through wrappers of the base's own
+    method (``functools.partial``, ``functools.wraps``), which still run what the base does.
+
+    Where a hook's owner is chosen by whether it overrides the hook (a datamodule's transfer hooks over the
+    module's), a recording or timing wrapper must not make it the owner; ``is_overridden``, which only spares
+    calling what does nothing, counts the wrapper as work."""
+    own = getattr(instance, name, None)
+    while own is not None:
+        # ``__wrapped__`` first: a partial of a recording function, made to look like the method it wraps
+        # (``update_wrapper``), stands for that method.
+        if (inner := getattr(own, "__wrapped__", None)) is not None:
+            own = inner
+        elif isinstance(own, functools.partial):
+            own = own.func
+        else:
+            break
+    return own is not None and getattr(own, "__func__", own) is not getattr(base, name, None)
+
+
 _TIME_PATTERN = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import os
 from typing import Any
 
@@ -501,6 +502,37 @@ def test_batch_transfer_hooks_of_module_and_datamodule() -> None:
     quiet_trainer(max_epochs=1, logger=False).fit(Moving(), datamodule=Data())
     steps = [("datamodule", "before"), ("module", "transfer"), ("module", "after")]
     assert calls == [(*s, 0) for s in steps] + [(*s, 0) for s in steps] + [(*s, 1) for s in steps]
+
+
+def test_a_wrapper_of_the_datamodules_own_transfer_hook_leaves_the_modules_in_charge() -> None:
+    """A recording wrapper around the datamodule's inherited hook (``update_wrapper`` of a partial) does not
+    override it: the module's hook moves the batches, and the wrapper is never called."""
+    recorded: list[str] = []
+    moved: list[int] = []
+
+    class Moving(Regressor):
+        def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            moved.append(dataloader_idx)
+            return batch
+
+    class Data(ember.DataModule):
+        def __init__(self) -> None:
+            super().__init__()
+
+            def record(name: str, method: Any, *args: Any) -> Any:
+                recorded.append(name)
+                return method(*args)
+
+            inherited = self.on_before_batch_transfer
+            self.on_before_batch_transfer = functools.update_wrapper(  # type: ignore[method-assign]
+                functools.partial(record, "on_before_batch_transfer", inherited), inherited
+            )
+
+        def train_dataloader(self) -> DataLoader:
+            return make_loader(8)
+
+    quiet_trainer(max_steps=2, logger=False).fit(Moving(), datamodule=Data())
+    assert recorded == [] and moved == [0, 0]
 
 
 def test_eval_batch_hooks_get_the_loader_index_only_with_several_loaders() -> None:

@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ember._utils import defines, is_overridden
+from ember._utils import defines, is_overridden, replaces
 from ember.callbacks import Callback
 from ember.loops.step import StepHooks
 from ember.metrics import LogScope
@@ -151,7 +151,7 @@ class Hooks:
 
     def _datamodule_hook(self, name: str) -> Callable[..., Any] | None:
         datamodule = self._datamodule
-        if datamodule is not None and is_overridden(name, datamodule, DataModule):
+        if datamodule is not None and replaces(name, datamodule, DataModule):
             return self._timed(datamodule, name)
         return None
 
