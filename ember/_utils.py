@@ -145,12 +145,6 @@ def sized_len(iterable: object) -> int | None:
         return None
 
 
-def defines(owner: object, name: str) -> bool:
-    """Whether ``owner`` has ``name`` and it is not None: as in Lightning, ``model.validation_step = None`` (or
-    ``val_dataloader = None``) switches a step or a loader off."""
-    return getattr(owner, name, None) is not None
-
-
 def is_overridden(name: str, instance: object, base: type) -> bool:
     """Whether ``instance`` (its class, or the instance itself) defines ``name`` differently from ``base``."""
     if name in getattr(instance, "__dict__", {}):
@@ -165,9 +159,10 @@ def replaces(name: str, instance: object, base: type) -> bool:
     """Whether ``instance``'s ``name`` does other than ``base``'s, looking through wrappers of the base's own
     method (``functools.partial``, ``functools.wraps``), which still run what the base does.
 
-    Where a hook's owner is chosen by whether it overrides the hook (a datamodule's transfer hooks over the
-    module's), a recording or timing wrapper must not make it the owner; ``is_overridden``, which only spares
-    calling what does nothing, counts the wrapper as work."""
+    Whether a stage runs a step or reads a loader, and which owner's transfer hooks move the batches (the
+    datamodule's over the module's), is decided by this, as Lightning does: a recording or timing wrapper does
+    not make its owner the one in charge, and None (``model.validation_step = None``) switches the hook off.
+    ``is_overridden``, which only spares calling what does nothing, counts a wrapper as work."""
     own = getattr(instance, name, None)
     while own is not None:
         # ``__wrapped__`` first: a partial of a recording function, made to look like the method it wraps

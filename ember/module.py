@@ -48,11 +48,8 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     ]  # fmt: skip
 
     if TYPE_CHECKING:
-        # What a module may define (the loops look for them; Module itself does not, so that a missing
-        # one is found by name). Declared here for the type checker only.
-        def training_step(self, batch: Any, batch_idx: int) -> Any: ...
-        def validation_step(self, batch: Any, batch_idx: int) -> Any: ...
-        def test_step(self, batch: Any, batch_idx: int) -> Any: ...
+        # Module does not define it, so that fit refuses a module without one by name (Lightning's default
+        # returns None). Declared here for the type checker only.
         def configure_optimizers(self) -> Any: ...
         def pipeline_loss(self, output: Any, target: Any) -> torch.Tensor: ...
 
@@ -303,6 +300,18 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         strategy.clip_gradients(optimizer, clip_val, algorithm or "norm")
 
     # ---------------------------------------------------------------------------- the steps
+    # A stage runs the steps a module overrides: fit refuses a module without ``training_step``, and validation
+    # runs only where ``validation_step`` is overridden. The defaults are Lightning's, for code that calls them.
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The loss of a batch (a tensor, a dict with ``"loss"``, or None to skip the batch)."""
+        rank_zero_warn("`training_step` must be implemented to be used with the Trainer")
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluate a validation batch (``self.log`` what it measures)."""
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluate a test batch, as ``validation_step``."""
+
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """By default, the forward pass on the batch."""
         return self(batch)

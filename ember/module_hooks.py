@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ember._utils import move_to_device
+from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.callbacks import Callback
@@ -22,6 +23,25 @@ class DataHooks:
 
     def prepare_data(self) -> None:
         """Called once per machine (on local rank zero) when a stage starts: download, tokenize to disk."""
+
+    # The loaders of each stage: a stage uses the datamodule's where it overrides one, else the module's. These
+    # defaults are never called by the Trainer (a stage without its loader is refused when it starts); they say
+    # what is missing to code that calls them.
+    def train_dataloader(self) -> Any:
+        """The training loader(s): a DataLoader, or a list or dict of them."""
+        raise _not_implemented("train_dataloader")
+
+    def val_dataloader(self) -> Any:
+        """The validation loader(s): a DataLoader or a list of them (``dataloader_idx`` in the steps)."""
+        raise _not_implemented("val_dataloader")
+
+    def test_dataloader(self) -> Any:
+        """The test loader(s), as ``val_dataloader``."""
+        raise _not_implemented("test_dataloader")
+
+    def predict_dataloader(self) -> Any:
+        """The prediction loader(s), as ``val_dataloader``."""
+        raise _not_implemented("predict_dataloader")
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Change a batch before it goes to the device; returns the batch."""
@@ -121,3 +141,7 @@ class ModuleHooks(DataHooks):
 
     def on_predict_model_eval(self) -> None:
         self.eval()  # type: ignore[attr-defined]
+
+
+def _not_implemented(hook: str) -> MisconfigurationException:
+    return MisconfigurationException(f"`{hook}` must be implemented to be used with the Trainer")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from ember import hints
-from ember._utils import Reads, defines
+from ember._utils import Reads, replaces
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
 from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig, environment_defaults
@@ -368,7 +368,7 @@ class Trainer:
     def _fit(self, model: Module, train_dataloaders: _Loaders, val_dataloaders: _Loaders, datamodule: DataModule | None,
              ckpt_path: str | None, weights_only: bool | None) -> None:  # fmt: skip
         with self._stage("fit", model, datamodule, ckpt_path) as path:
-            validates = defines(model, "validation_step") and (val_dataloaders is not None
+            validates = replaces("validation_step", model, Module) and (val_dataloaders is not None
                                                                or self.hooks.has_loaders("val"))  # fmt: skip
             restore = functools.partial(checkpoint_state.resume_from, self, path, weights_only) if path else None
             self.fit_loop.run(

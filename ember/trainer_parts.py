@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec
 import torch
 
 from ember import checkpoint as checkpoint_io
-from ember._utils import defines
+from ember._utils import replaces
 from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer
 from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
@@ -210,7 +210,7 @@ def check_module(model: Any, stage: str) -> None:
         raise TypeError(f"Trainer.{stage}() needs an ember.Module; got {type(model).__name__}")
     required = {"fit": ("training_step", "configure_optimizers"), "validate": ("validation_step",),
                 "test": ("test_step",), "predict": ()}[stage]  # fmt: skip
-    missing = [name for name in required if not defines(model, name)]
+    missing = [name for name in required if not replaces(name, model, Module)]
     if missing:
         raise NotImplementedError(f"Trainer.{stage}() needs {type(model).__name__} to define {', '.join(missing)}")
 
@@ -244,3 +244,4 @@ def evaluated_module(
             stacklevel=3,
         )
     return trainer.lightning_module, ckpt_path
+

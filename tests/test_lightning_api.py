@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from ember.exceptions import MisconfigurationException
 from ember.loggers import CSVLogger
 
 
@@ -332,7 +333,9 @@ def test_datamodule_from_datasets() -> None:
     trainer = quiet_trainer(max_epochs=1)
     trainer.fit(Regressor(), datamodule=data)
     assert trainer.num_training_batches == 4 and trainer.num_val_batches == [2, 1]
-    assert not hasattr(data, "test_dataloader") and not hasattr(data, "predict_dataloader")
+    for missing in ("test_dataloader", "predict_dataloader"):  # no dataset given: the default, which says so
+        with pytest.raises(MisconfigurationException, match=f"`{missing}` must be implemented"):
+            getattr(data, missing)()
     train = data.train_dataloader()
     assert isinstance(train, DataLoader) and train.batch_size == 8
     assert isinstance(train.sampler, torch.utils.data.RandomSampler)
@@ -533,6 +536,49 @@ def test_a_wrapper_of_the_datamodules_own_transfer_hook_leaves_the_modules_in_ch
 
     quiet_trainer(max_steps=2, logger=False).fit(Moving(), datamodule=Data())
     assert recorded == [] and moved == [0, 0]
+
+
+def test_the_steps_and_loaders_have_lightnings_defaults_and_a_stage_runs_only_what_is_overridden() -> None:
+    assert ember.Module.validation_step(Regressor(), None, 0) is None
+    for kind in ("train", "val", "test", "predict"):
+        with pytest.raises(MisconfigurationException, match=f"`{kind}_dataloader` must be implemented"):
+            getattr(ember.DataModule(), f"{kind}_dataloader")()
+
+    class NoValidation(Regressor):
+        validation_step = ember.Module.validation_step  # the default: nothing to validate with
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(NoValidation(), make_loader(8), make_loader(8))
+    assert trainer.num_val_batches == [] and trainer.global_step > 0
+
+    class Untrainable(ember.Module):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+
+    with pytest.raises(NotImplementedError, match="to define training_step"):
+        quiet_trainer(max_epochs=1, logger=False).fit(Untrainable(), make_loader(8))
+
+
+def test_loader_hooks_wrapped_to_record_them_are_read_once_each_in_lightnings_order() -> None:
+    called: list[str] = []
+
+    class Data(ember.DataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            for name in ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader"):
+                method = getattr(self, name)
+                recorder = functools.partial(lambda name, method: (called.append(name), method())[1], name, method)
+                setattr(self, name, functools.update_wrapper(recorder, method))
+
+        def train_dataloader(self) -> DataLoader:
+            return make_loader(8)
+
+        def val_dataloader(self) -> DataLoader:
+            return make_loader(8)
+
+    # With a sanity check the validation loader is read first, for it; then the training loader.
+    quiet_trainer(max_epochs=1, logger=False, num_sanity_val_steps=2).fit(Regressor(), datamodule=Data())
+    assert called == ["val_dataloader", "train_dataloader"]
 
 
 def test_eval_batch_hooks_get_the_loader_index_only_with_several_loaders() -> None:

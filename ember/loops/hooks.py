@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ember._utils import defines, is_overridden, replaces
+from ember._utils import is_overridden, replaces
 from ember.callbacks import Callback
 from ember.loops.step import StepHooks
 from ember.metrics import LogScope
@@ -207,7 +207,7 @@ class Hooks:
 
     def _loader_owner(self, kind: str) -> tuple[Any, type] | None:
         for owner, base in ((self._datamodule, DataModule), (self._module, Module)):
-            if owner is not None and defines(owner, f"{kind}_dataloader"):
+            if owner is not None and replaces(f"{kind}_dataloader", owner, base):
                 return owner, base
         return None
 
