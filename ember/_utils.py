@@ -34,11 +34,13 @@ T = TypeVar("T")
 
 class Reads(Generic[T]):
     """A read-only attribute that reads ``path`` (dotted attributes) of its instance: a class that forwards what its
-    parts own writes ``world_size: Reads[int] = Reads("strategy.world_size")`` instead of a property each."""
+    parts own writes ``world_size: Reads[int] = Reads("strategy.world_size")`` instead of a property each.
+    ``shown`` turns the value read into the one the attribute gives (the same value in another convention)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, shown: Callable[[Any], T] | None = None) -> None:
         self.path = path
-        self._read = operator.attrgetter(path)
+        read = operator.attrgetter(path)
+        self._read = read if shown is None else lambda instance: shown(read(instance))
         self._name = path
         self.__doc__ = f"``{path}``"
 

@@ -102,16 +102,20 @@ class TrainerConfig:
     first step boundary past it."""
 
     limit_train_batches: Limit = None
-    """Training batches per epoch: an int counts batches, a float in [0, 1] is a fraction."""
+    """Training batches per epoch: an int counts batches (so does a whole float above 1, such as ``1e6``), a float in
+    [0, 1] is a fraction."""
 
     limit_val_batches: Limit = None
-    """Validation batches per run: an int counts batches, a float in [0, 1] is a fraction."""
+    """Validation batches per run: an int counts batches (so does a whole float above 1, such as ``1e6``), a float in
+    [0, 1] is a fraction."""
 
     limit_test_batches: Limit = None
-    """Test batches: an int counts batches, a float in [0, 1] is a fraction."""
+    """Test batches: an int counts batches (so does a whole float above 1, such as ``1e6``), a float in
+    [0, 1] is a fraction."""
 
     limit_predict_batches: Limit = None
-    """Prediction batches: an int counts batches, a float in [0, 1] is a fraction."""
+    """Prediction batches: an int counts batches (so does a whole float above 1, such as ``1e6``), a float in
+    [0, 1] is a fraction."""
 
     overfit_batches: int | float = 0.0
     """Train and validate on the same few batches (an int counts them, a float in [0, 1] is a fraction of
@@ -292,9 +296,10 @@ class TrainerConfig:
         parse_max_time(self.max_time)
         for flag in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
                      "overfit_batches"):  # fmt: skip
-            _check_limit(flag, getattr(self, flag))
-        if not isinstance(self.fast_dev_run, bool):
-            _check_int("fast_dev_run", self.fast_dev_run, minimum=0, also="True or False")
+            object.__setattr__(self, flag, _checked_limit(flag, getattr(self, flag)))
+        runs = self.fast_dev_run
+        if not isinstance(runs, bool) and (not isinstance(runs, int) or runs < 0):
+            raise FlagError(f"fast_dev_run={runs!r}: should be >= 0 (a number of batches), or True or False")
         _check_int("reload_dataloaders_every_n_epochs", self.reload_dataloaders_every_n_epochs, minimum=0)
 
     def _check_validation(self) -> None:
@@ -302,11 +307,13 @@ class TrainerConfig:
         is_int = isinstance(value, int) and not isinstance(value, bool)
         if isinstance(value, (str, timedelta, Mapping)):
             parse_max_time(value, flag="val_check_interval")
-        elif not ((is_int and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0)):
+        elif (count := _whole_count(value)) is not None:
+            object.__setattr__(self, "val_check_interval", count)
+        elif not (is_int and value >= 1) and not (isinstance(value, float) and 0.0 < value <= 1.0):
             raise FlagError(
                 f"val_check_interval={value!r}: passed invalid value; expected a fraction of the epoch (a float in "
-                "(0, 1]), a number of batches (an int >= 1) or a duration ('DD:HH:MM:SS', a datetime.timedelta or a "
-                "dict)"
+                "(0, 1]), a number of batches (an int >= 1, or a whole float such as 2.0) or a duration "
+                "('DD:HH:MM:SS', a datetime.timedelta or a dict)"
             )
         if self.check_val_every_n_epoch is not None:
             _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None")
@@ -540,14 +547,27 @@ def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:
         raise FlagError(f"{flag}={value!r}: choose {', '.join(quoted[:-1])} or {quoted[-1]}")
 
 
-def _check_limit(flag: str, value: Any) -> None:
+def _checked_limit(flag: str, value: Any) -> Limit:
+    """A batch limit as the loops apply it: a whole float above 1 (``1e6``, as a config file may spell a count) is
+    that number of batches, as Lightning takes it."""
     if value is None:
-        return
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FlagError(f"{flag}={value!r}: expected None, a number of batches (int) or a fraction (float)")
+    count = _whole_count(value)
+    if count is not None:
+        return count
     if (isinstance(value, int) and value < 0) or (isinstance(value, float) and not 0.0 <= value <= 1.0):
         raise FlagError(f"{flag}={value!r}: passed invalid value; an int counts batches (>= 0), a float is a fraction "
-                        "in [0, 1]")  # fmt: skip
+                        "in [0, 1] or a whole number of batches (2.0)")  # fmt: skip
+    return value
+
+
+def _whole_count(value: Any) -> int | None:
+    """``value`` as a number of batches when it is a float above 1 with nothing after the point (else None)."""
+    if isinstance(value, float) and value > 1.0 and value.is_integer():
+        return int(value)
+    return None
 
 
 def _check_devices(flag: str, value: Any) -> None:

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -319,11 +320,14 @@ def _seed_worker(worker_id: int) -> None:
     numpy.random.seed(seed)
 
 
-def count_batches(loader: Iterable, limit: int | float | None, flag: str) -> float:
-    """How many batches of ``loader`` a run uses (``math.inf`` for loaders without a length)."""
-    length = sized_len(loader)
-    available = math.inf if length is None else length
-    if limit is None:
+def count_batches(loader: Iterable, limit: int | float | None, flag: str, strategy: Strategy | None = None) -> float:
+    """How many batches of ``loader`` a run uses (``math.inf`` for loaders without a length). With the ``strategy``
+    of the stage, its length is checked on every rank first (``has_len_all_ranks``, with its warnings)."""
+    if limit == 0:
+        return 0
+    sized = has_len_all_ranks(loader, strategy) if strategy is not None else sized_len(loader) is not None
+    available = len(loader) if sized else math.inf  # type: ignore[arg-type]
+    if limit is None or available == 0:
         return available
     if isinstance(limit, int):
         return min(available, limit)
@@ -334,6 +338,46 @@ def count_batches(loader: Iterable, limit: int | float | None, flag: str) -> flo
             f"{flag}={limit} is a fraction, but the dataloader has no length; pass a number of batches instead"
         )
     return max(1, int(available * limit)) if limit > 0 else 0
+
+
+def has_iterable_dataset(dataloader: object) -> bool:
+    """Whether ``dataloader`` reads an ``IterableDataset`` (Lightning's ``utilities.data.has_iterable_dataset``)."""
+    return isinstance(getattr(dataloader, "dataset", None), IterableDataset)
+
+
+def has_len_all_ranks(
+    dataloader: object, strategy: Strategy, allow_zero_length_dataloader_with_multiple_devices: bool = False
+) -> bool:
+    """Whether ``dataloader`` has a length (Lightning's ``utilities.data.has_len_all_ranks``); the lengths of all
+    ranks are summed, so that a loader empty on every rank is warned about, and one empty on this rank only (where
+    the others would wait for it at their first collective) is refused unless it is allowed. A length that an
+    ``IterableDataset`` announces is warned about: it is only right if the dataset shards itself between
+    workers. Call it on every rank alike (it is a collective once the processes are connected)."""
+    local = sized_len(dataloader)
+    if local is None:
+        return False
+    name = type(dataloader).__name__
+    total = local
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        total = int(strategy.reduce(torch.tensor(local, device=strategy.root_device), "sum").item())
+    if total == 0:
+        rank_zero_warn(f"Total length of `{name}` across ranks is zero: it has no batches to run.")
+    elif local == 0:
+        if not allow_zero_length_dataloader_with_multiple_devices:
+            raise RuntimeError(
+                f"`{name}` within local rank has zero length, while other ranks have batches (which would wait for "
+                "this one): give every rank at least one batch"
+            )
+        # Said by the rank it concerns, which need not be rank zero.
+        warnings.warn(f"`{name}` has zero length on this rank, but not on the others: the ranks run unevenly many "
+                      "batches", stacklevel=2)  # fmt: skip
+    if has_iterable_dataset(dataloader):
+        rank_zero_warn(
+            "Your `IterableDataset` has `__len__` defined: with several loader workers (num_workers > 1) or "
+            "processes, that length is only right if the dataset gives each its own share "
+            "(torch.utils.data.get_worker_info()); otherwise they yield the same samples."
+        )
+    return True
 
 
 # ----------------------------------------------------------------------------- epochs and resuming

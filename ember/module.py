@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
@@ -485,9 +486,14 @@ class DataModule(HyperparametersMixin, DataHooks):
         """A data module whose loaders read the given datasets (a list of datasets gives several loaders).
 
         The training loader shuffles (unless its dataset is iterable); the others keep their order. Only the
-        loaders of the datasets given exist. ``datamodule_kwargs`` go to the class's ``__init__``.
+        loaders of the datasets given exist. ``datamodule_kwargs`` go to the class's ``__init__``, and so do
+        ``batch_size`` and ``num_workers`` when it takes them (by name, or with ``**kwargs``), as in Lightning.
         """
-        datamodule = cls(**datamodule_kwargs)
+        accepted = inspect.signature(cls.__init__).parameters
+        takes_any = any(parameter.kind is parameter.VAR_KEYWORD for parameter in accepted.values())
+        loading = {name: value for name, value in {"batch_size": batch_size, "num_workers": num_workers}.items()
+                   if takes_any or name in accepted}  # fmt: skip
+        datamodule = cls(**datamodule_kwargs, **loading)
 
         def loaders(datasets: Dataset | Sequence[Dataset], shuffle: bool) -> DataLoader | list[DataLoader]:
             if isinstance(datasets, Mapping):

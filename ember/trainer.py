@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import signal
 import sys
@@ -53,6 +54,14 @@ from ember.trainer_state import TrainerState
 
 _Loaders = Iterable | Sequence[Iterable] | None
 _Limit = int | float | None
+
+
+def _all_if_none(limit: _Limit) -> int | float:
+    return 1.0 if limit is None else limit
+
+
+def _inf_if_all(steps: int) -> int | float:
+    return math.inf if steps == -1 else steps
 
 
 class Trainer:
@@ -199,15 +208,17 @@ class Trainer:
     log_every_n_steps: Reads[int] = Reads("config.log_every_n_steps")
     check_val_every_n_epoch: Reads[int | None] = Reads("config.check_val_every_n_epoch")
     val_check_interval: Reads[int | float | str | timedelta | Mapping[str, int]] = Reads("config.val_check_interval")
-    num_sanity_val_steps: Reads[int] = Reads("config.num_sanity_val_steps")
     gradient_clip_val: Reads[int | float | None] = Reads("config.gradient_clip_val")
     gradient_clip_algorithm: Reads[str | None] = Reads("config.gradient_clip_algorithm")
-    fast_dev_run: Reads[bool | int] = Reads("config.fast_dev_run")
     barebones: Reads[bool] = Reads("config.barebones")
-    limit_train_batches: Reads[_Limit] = Reads("config.limit_train_batches")
-    limit_val_batches: Reads[_Limit] = Reads("config.limit_val_batches")
-    limit_test_batches: Reads[_Limit] = Reads("config.limit_test_batches")
-    limit_predict_batches: Reads[_Limit] = Reads("config.limit_predict_batches")
+    # In Lightning's convention, as its Trainer gives them: a batch limit not given is 1.0 (all), a sanity check of
+    # every batch (-1) is inf, fast_dev_run=1 is True (the limits then read its count, as the loops apply them).
+    num_sanity_val_steps: Reads[int | float] = Reads("config.num_sanity_val_steps", _inf_if_all)
+    fast_dev_run: Reads[bool | int] = Reads("config.fast_dev_run", lambda runs: True if runs == 1 else runs)
+    limit_train_batches: Reads[int | float] = Reads("config.limit_train_batches", _all_if_none)
+    limit_val_batches: Reads[int | float] = Reads("config.limit_val_batches", _all_if_none)
+    limit_test_batches: Reads[int | float] = Reads("config.limit_test_batches", _all_if_none)
+    limit_predict_batches: Reads[int | float] = Reads("config.limit_predict_batches", _all_if_none)
     # Where the fit loop is.
     global_step: Reads[int] = Reads("fit_loop.progress.global_step")
     current_epoch: Reads[int] = Reads("fit_loop.progress.epoch")
@@ -217,6 +228,7 @@ class Trainer:
     #: Whether the training batch being run is the epoch's last (a manual schedule steps there).
     is_last_batch: Reads[bool] = Reads("fit_loop.is_last_batch")
     validation_enabled: Reads[bool] = Reads("fit_loop.validation_enabled")
+    enable_validation: Reads[bool] = Reads("fit_loop.validation_enabled")  # (Lightning's name)
     num_training_batches: Reads[float] = Reads("fit_loop.num_training_batches")
     optimizers: Reads[list[torch.optim.Optimizer]] = Reads("fit_loop.optimizers")
     num_val_batches: Reads[list[float]] = Reads("validate_loop.num_batches")

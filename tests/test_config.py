@@ -27,6 +27,10 @@ from ember.config import FlagError, TrainerConfig
         ({"check_val_every_n_epoch": 0}, r"check_val_every_n_epoch=0: should be an int >= 1 or None"),
         ({"limit_train_batches": True}, r"limit_train_batches=True: expected None, a number of batches"),
         ({"limit_val_batches": 1.01}, r"limit_val_batches=1.01: passed invalid value; an int counts batches \(>= 0\)"),
+        ({"limit_train_batches": 1.5}, r"limit_train_batches=1.5: passed invalid value; .* or a whole number"),
+        ({"limit_test_batches": -2.0}, r"limit_test_batches=-2.0: passed invalid value"),
+        ({"fast_dev_run": -1}, r"fast_dev_run=-1: should be >= 0 \(a number of batches\), or True or False"),
+        ({"fast_dev_run": 1.0}, r"fast_dev_run=1.0: should be >= 0"),
         ({"val_check_interval": 1.5}, r"val_check_interval=1.5: passed invalid value; expected a fraction"),
         ({"val_check_interval": True}, r"val_check_interval=True"),
         ({"gradient_clip_val": True}, r"gradient_clip_val=True: expected a number >= 0 or None"),
@@ -84,3 +88,25 @@ def test_trainer_arguments_and_config_fields_are_the_same() -> None:
 
     arguments = set(inspect.signature(ember.Trainer).parameters)
     assert arguments == {field.name for field in dataclasses.fields(TrainerConfig)}
+
+
+def test_a_whole_float_above_one_is_a_number_of_batches() -> None:
+    config = ember.Trainer(limit_train_batches=3.0, limit_test_batches=1e50, val_check_interval=2.0).config
+    assert config.limit_train_batches == 3 and isinstance(config.limit_train_batches, int)
+    assert config.limit_test_batches == int(1e50) and config.val_check_interval == 2
+    assert isinstance(config.val_check_interval, int)
+    assert ember.Trainer(limit_val_batches=1.0).config.limit_val_batches == 1.0  # a fraction: all of them
+
+
+def test_the_trainer_gives_its_flags_in_lightnings_convention() -> None:
+    trainer = ember.Trainer(num_sanity_val_steps=-1, limit_val_batches=0.5, limit_test_batches=4)
+    limits = (trainer.limit_train_batches, trainer.limit_val_batches, trainer.limit_test_batches,
+              trainer.limit_predict_batches)  # fmt: skip
+    assert limits == (1.0, 0.5, 4, 1.0) and trainer.num_sanity_val_steps == float("inf")
+    assert trainer.fast_dev_run is False and trainer.val_check_interval == 1.0
+    assert trainer.config.limit_train_batches is None and trainer.config.num_sanity_val_steps == -1  # what loops read
+    for runs, shown in ((True, True), (1, True), (3, 3)):
+        trainer = ember.Trainer(fast_dev_run=runs, limit_val_batches=0.5, num_sanity_val_steps=5, max_epochs=4)
+        assert trainer.fast_dev_run is shown
+        assert trainer.limit_train_batches == trainer.limit_val_batches == trainer.limit_predict_batches == int(runs)
+        assert trainer.num_sanity_val_steps == 0 and trainer.max_epochs == 1

@@ -163,11 +163,6 @@ def test_unusable_configure_optimizers(make: Any, error: type[Exception], messag
         quiet_trainer(max_steps=1, logger=False).fit(_Optimizers(make), make_loader())
 
 
-def test_empty_train_dataloader() -> None:
-    with pytest.raises(ValueError, match="the train dataloader is empty"):
-        quiet_trainer(max_steps=1, logger=False).fit(Regressor(), DataLoader(make_loader(0).dataset, batch_size=4))
-
-
 def test_missing_training_step_and_missing_data() -> None:
     class NoStep(ember.Module):
         def configure_optimizers(self) -> Any:

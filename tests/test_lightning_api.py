@@ -341,6 +341,24 @@ def test_datamodule_from_datasets() -> None:
     assert isinstance(train.sampler, torch.utils.data.RandomSampler)
 
 
+def test_from_datasets_gives_the_loading_settings_to_an_init_that_takes_them() -> None:
+    class Named(ember.DataModule):
+        def __init__(self, other: int, batch_size: int = 1) -> None:
+            super().__init__()
+            self.other, self.batch_size = other, batch_size
+
+    class Open(ember.DataModule):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__()
+            self.given = kwargs
+
+    named = Named.from_datasets(make_data(8), batch_size=4, num_workers=2, other=5)
+    assert (named.other, named.batch_size) == (5, 4) and named.train_dataloader().batch_size == 4
+    assert Open.from_datasets(make_data(8), batch_size=4, num_workers=2).given == {"batch_size": 4, "num_workers": 2}
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'other'"):
+        Named.from_datasets(make_data(8), batch_size=4)
+
+
 def test_callback_hooks_lightning_adds() -> None:
     calls: list[str] = []
 

@@ -5,6 +5,7 @@ datamodule's own behaviour."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, Sampler, SequentialSampler
 import ember
 from ember.callbacks import Callback
 from ember.combined_loader import CombinedLoader
-from ember.exceptions import MisconfigurationException
+from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.loops import training_data
 
 
@@ -275,3 +276,98 @@ def test_a_duration_validates_when_that_much_time_has_passed(
 def test_a_wrong_duration_is_refused_with_the_forms_it_takes() -> None:
     with pytest.raises(ValueError, match="val_check_interval='3s': expected 'DD:HH:MM:SS', a datetime.timedelta"):
         ember.Trainer(val_check_interval="3s")
+
+
+# --------------------------------------------------------------------------- lengths, and loaders with no batches
+class _Stream(torch.utils.data.IterableDataset):
+    """Yields ``per_epoch(epoch)`` samples in each epoch of the module that ``epoch_of`` reads."""
+
+    def __init__(self, epoch_of: Any, per_epoch: Any, length: int | None = None) -> None:
+        self.epoch_of, self.per_epoch, self.length = epoch_of, per_epoch, length
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(make_data(self.per_epoch(self.epoch_of())))
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("no length")
+        return self.length
+
+
+def test_lengths_are_checked_as_lightnings_utilities_check_them() -> None:
+    with served_by_ember():
+        from lightning.pytorch.utilities.data import has_iterable_dataset, has_len_all_ranks
+        from lightning_fabric.utilities.data import has_iterable_dataset as from_fabric
+    trainer = quiet_trainer()
+    sized = DataLoader(_Stream(lambda: 0, lambda epoch: 16, length=16), batch_size=4)
+    with pytest.warns(UserWarning, match="Your `IterableDataset` has `__len__` defined"):
+        assert has_len_all_ranks(sized, trainer.strategy) and has_iterable_dataset(sized)
+    assert from_fabric is has_iterable_dataset
+    assert not has_len_all_ranks(DataLoader(_Stream(lambda: 0, lambda epoch: 16), batch_size=4), trainer.strategy)
+    with pytest.warns(UserWarning, match="Total length of `DataLoader` across ranks is zero"):
+        assert has_len_all_ranks(make_loader(0), trainer.strategy) and not has_iterable_dataset(make_loader(0))
+
+
+def test_every_stage_warns_of_an_iterable_dataset_with_a_length() -> None:
+    class Predicting(Regressor):
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self(batch[0])
+
+    loader = DataLoader(_Stream(lambda: 0, lambda epoch: 16, length=16), batch_size=4)
+    trainer = quiet_trainer(max_steps=2, logger=False, enable_checkpointing=False)
+    stages = (lambda: trainer.fit(Regressor(), loader), lambda: trainer.validate(Regressor(), loader),
+              lambda: trainer.test(Regressor(), [loader]), lambda: trainer.predict(Predicting(), loader))  # fmt: skip
+    for run in stages:
+        with pytest.warns(UserWarning, match="Your `IterableDataset` has `__len__` defined"):
+            run()
+
+
+@pytest.mark.parametrize("yields_first", [False, True])
+def test_an_epoch_whose_loader_yields_nothing_trains_nothing_and_counts(yields_first: bool) -> None:
+    epochs_started: list[int] = []
+
+    class Counting(Regressor):
+        def on_train_epoch_start(self) -> None:
+            epochs_started.append(self.current_epoch)
+
+    model = Counting()
+    loader = DataLoader(_Stream(lambda: model.current_epoch, lambda epoch: 8 if yields_first and epoch == 0 else 0),
+                        batch_size=4)  # fmt: skip
+    trainer = quiet_trainer(max_epochs=3, logger=False, enable_checkpointing=False)
+    with pytest.warns(PossibleUserWarning, match=r"yielded no batches in epoch \d: the epoch trains nothing"):
+        trainer.fit(model, loader)
+    assert trainer.global_step == 2 * yields_first and trainer.current_epoch == 3 and epochs_started == [0, 1, 2]
+
+
+def test_without_a_limit_on_epochs_fit_ends_at_an_epoch_with_no_batches() -> None:
+    model = Regressor()
+    loader = DataLoader(_Stream(lambda: model.current_epoch, lambda epoch: 8 if epoch < 2 else 0), batch_size=4)
+    trainer = quiet_trainer(max_steps=100, logger=False, enable_checkpointing=False)
+    with pytest.warns(PossibleUserWarning, match="no batches in epoch 2: fit ends there, as no limit on epochs"):
+        trainer.fit(model, loader)
+    assert trainer.global_step == 4 and trainer.current_epoch == 3
+
+
+def test_an_empty_loader_is_warned_about_and_fit_trains_nothing() -> None:
+    trainer = quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False)
+    with pytest.warns(UserWarning, match="Total length of `DataLoader` across ranks is zero"):
+        trainer.fit(Regressor(), make_loader(0), make_loader(8))
+    assert trainer.global_step == 0 and trainer.current_epoch == 0 and trainer.num_training_batches == 0
+
+
+@pytest.mark.parametrize(("flags", "warned"), [
+    ({"log_every_n_steps": 9}, True), ({"log_every_n_steps": 8}, False), ({"limit_train_batches": 2}, True),
+    ({"logger": False}, False), ({"fast_dev_run": 3}, False),
+])  # fmt: skip
+def test_fewer_batches_than_the_logging_interval_are_warned_about(flags: dict[str, Any], warned: bool) -> None:
+    trainer = quiet_trainer(**{"max_epochs": 1, "enable_checkpointing": False, "log_every_n_steps": 50, **flags})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Regressor(), make_loader(64))
+    messages = [str(warning.message) for warning in caught if "than the logging interval" in str(warning.message)]
+    batches = flags.get("limit_train_batches", 8)
+    assert messages == ([f"The number of training batches ({batches}) is smaller than the logging interval "
+                         f"Trainer(log_every_n_steps={trainer.log_every_n_steps}): step values are written less "
+                         "often than once an epoch; lower log_every_n_steps to see them every epoch."]
+                        if warned else [])  # fmt: skip
+    assert trainer.enable_validation is False  # no validation_step's loader was given

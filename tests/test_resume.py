@@ -519,7 +519,7 @@ def test_on_exception_checkpoint_keeps_the_work_and_last_finds_it(tmp_path: Any)
 
 def test_last_best_and_the_run_directory(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     root = str(tmp_path)
-    fresh = quiet_trainer(max_epochs=1, default_root_dir=root)
+    fresh = quiet_trainer(max_epochs=1, default_root_dir=root, log_every_n_steps=1)  # (2 batches: logs each epoch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a first start with "last" is the usual way to write a script: no warning
         fresh.fit(Regressor(), make_loader(16), ckpt_path="last")

@@ -241,6 +241,7 @@ PYTORCH: dict[str, Names] = {
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
     "utilities.combined_loader": {"CombinedLoader": "ember.combined_loader:CombinedLoader"},
     "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
+    "utilities.data": {name: f"ember.data:{name}" for name in ("has_len_all_ranks", "has_iterable_dataset")},
     "cli": _CLI,
     "demos": _DEMOS,
     "demos.boring_classes": {name: value for name, value in _DEMOS.items() if "Transformer" not in name},
@@ -256,6 +257,7 @@ FABRIC: dict[str, Names] = {
     "": {"Fabric": Missing(_FABRIC), "seed_everything": "ember.seed:seed_everything"},
     "utilities": {},
     "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
+    "utilities.data": {"has_iterable_dataset": "ember.data:has_iterable_dataset"},
 }
 
 #: The top-level ``lightning`` package; ``lightning.pytorch`` is served from ``PYTORCH``.

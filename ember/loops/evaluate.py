@@ -51,7 +51,7 @@ class EvaluationLoop:
         """The batches each of ``loaders`` contributes under the Trainer's ``limit_*_batches``."""
         flag = f"limit_{self.kind}_batches"
         limit = limit if limit is not None else getattr(self.trainer.config, flag)
-        return [count_batches(loader, limit, flag) for loader in loaders]
+        return [count_batches(loader, limit, flag, self.trainer.strategy) for loader in loaders]
 
     def evaluate(self, loaders: list[Iterable], verbose: bool) -> Any:
         """``Trainer.validate`` and ``Trainer.test`` once their stage has begun: the metrics per loader, printed

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.checkpoint.resume import LoopState
+from ember.exceptions import PossibleUserWarning
 from ember.loops.loss import LossCheck
 from ember.loops.progress import Progress
 from ember.loops.step import ManualOptimizer, StepResult, StepRunner, Window
 from ember.loops.stopping import Stopping, reached_limit
 from ember.loops.training_data import TrainingData
 from ember.optim import parse_optimizers
-from ember.rank_zero import announce, rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
 from ember.seed import random_state, set_random_state
 from ember.trainer_parts import log_hyperparameters
 
@@ -36,6 +37,7 @@ class _Outcome(enum.Enum):
     """How an epoch's batches ended."""
 
     EPOCH_DONE = enum.auto()  # the epoch's data is used up (or the module skipped the rest)
+    DATA_ENDED = enum.auto()  # the loader yielded no batch and no limit on epochs would end the fit: it ends here
     STOP = enum.auto()  # stop in the middle of the epoch (should_stop, max_steps, a deadline)
     PREEMPTED = enum.auto()  # saved for a preemption signal: leave at once
 
@@ -51,6 +53,7 @@ class _Fit:
     max_steps: float  # math.inf: no limit
     next_log_step: int  # when the logged step values are written next
     told_of_idle_epoch: bool = False
+    told_of_empty_epoch: bool = False
 
 
 class FitLoop:
@@ -102,7 +105,7 @@ class FitLoop:
         with self.stopping.interruptions.catching_signals():
             while not self.done():
                 self.data.start_epoch(progress.epoch)
-                if not self.data.num_batches or self._run_epoch(fit) is _Outcome.PREEMPTED:
+                if not self.data.num_batches or self._run_epoch(fit) in (_Outcome.PREEMPTED, _Outcome.DATA_ENDED):
                     break
         hooks.call("on_train_end")
         hooks.call("on_fit_end")
@@ -155,7 +158,7 @@ class FitLoop:
         with contextlib.closing(self._epoch_batches()) as batches, hooks.scope("training_step"):
             outcome = self._train_batches(batches, fit)
         if outcome is not _Outcome.PREEMPTED:  # the process exits: no end-of-epoch work for half an epoch
-            self._end_epoch(fit, completed=outcome is _Outcome.EPOCH_DONE)
+            self._end_epoch(fit, completed=outcome in (_Outcome.EPOCH_DONE, _Outcome.DATA_ENDED))
         return outcome
 
     def _epoch_batches(self) -> Generator[tuple[int, Any, bool], None, None]:
@@ -218,7 +221,7 @@ class FitLoop:
             if (due or stopping.requested or progress.global_step >= fit.max_steps) \
                     and (outcome := self._stop(due, fit)) is not None:  # fmt: skip
                 return outcome
-        return self._loader_ended(window)
+        return self._loader_ended(window, fit)
 
     def _first_window(self) -> Window | None:
         """The epoch's first accumulation window; None when every batch is a window of its own (no accumulation)
@@ -230,15 +233,28 @@ class FitLoop:
         left = data.num_batches - progress.epoch_batches + progress.window_batches  # from the window's start
         return Window(runner.accumulate, left, done=progress.window_batches)
 
-    def _loader_ended(self, window: Window | None) -> _Outcome:
+    def _loader_ended(self, window: Window | None, fit: _Fit) -> _Outcome:
         """The end of an epoch whose loader ran out before a batch flagged as its last: it yielded no batch, or
         fewer than its length announced."""
         if self.progress.epoch_batches == 0:
-            raise ValueError("the train dataloader yielded no batches")
+            return self._empty_epoch(fit)
         if window is not None and window.has_gradients:
             assert self.runner is not None
             self.progress.advance(self.runner.close_window(window), 0)  # with what was accumulated
         return _Outcome.EPOCH_DONE
+
+    def _empty_epoch(self, fit: _Fit) -> _Outcome:
+        """An epoch whose loader yielded no batch (an iterable dataset with nothing left) counts, untrained, as in
+        Lightning; without a limit on epochs the fit ends there, since it could otherwise go on forever."""
+        ends = self.trainer.config.epoch_limit == -1
+        if not fit.told_of_empty_epoch:
+            fit.told_of_empty_epoch = True
+            rank_zero_warn(
+                f"the train dataloader yielded no batches in epoch {self.progress.epoch}: "
+                + ("fit ends there, as no limit on epochs would end it" if ends else "the epoch trains nothing"),
+                PossibleUserWarning,
+            )
+        return _Outcome.DATA_ENDED if ends else _Outcome.EPOCH_DONE
 
     def _stop(self, interruptions_due: bool, fit: _Fit) -> _Outcome | None:
         """Whether training stops after this batch, when it may: stopping was asked for (``should_stop``),

@@ -20,8 +20,9 @@ from ember.data import (
     with_last_flag,
 )
 from ember.data_failures import named_failures, numbered_batches
-from ember.exceptions import MisconfigurationException
+from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.loops.progress import Progress
+from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from ember.loops.evaluate import EvaluationLoop
@@ -54,14 +55,22 @@ class TrainingData:
         """Ask for the training loader, unless it is there."""
         if self.loader is not None:
             return
-        config = self._trainer.config
+        trainer = self._trainer
+        config = trainer.config
         self.loader = loader = self._load()
-        self.num_batches = count_batches(loader, config.limit_train_batches, "limit_train_batches")
-        if self.num_batches == 0 and config.limit_train_batches != 0:
-            raise ValueError("the train dataloader is empty: it has no batches to train on")
-        self.validation.plan(self.num_batches)
+        self.num_batches = count_batches(loader, config.limit_train_batches, "limit_train_batches", trainer.strategy)
         self._replicas = data_replicas(loader)
         self._order = order_reads(loader)
+        if not self.num_batches:  # fit ends here: no batches to train on (an empty loader was warned about)
+            return
+        self.validation.plan(self.num_batches)
+        if trainer.loggers and self.num_batches < config.log_every_n_steps and not config.fast_dev_run:
+            rank_zero_warn(
+                f"The number of training batches ({self.num_batches}) is smaller than the logging interval "
+                f"Trainer(log_every_n_steps={config.log_every_n_steps}): step values are written less often than "
+                "once an epoch; lower log_every_n_steps to see them every epoch.",
+                PossibleUserWarning,
+            )
 
     def start_epoch(self, epoch: int) -> None:
         """As ``epoch`` starts, ask for the training loader if it is not there, or again when
