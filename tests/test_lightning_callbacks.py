@@ -4,6 +4,7 @@ the behaviour Lightning's own callbacks have."""
 from __future__ import annotations
 
 import functools
+import inspect
 import io
 import logging
 import math
@@ -268,6 +269,12 @@ def test_lambda_callback_takes_every_hook_and_has_work_in() -> None:
     for name in ("state_dict", "state_key", "reads_epoch_metrics", "on_epoch_end", "log"):
         with pytest.raises(MisconfigurationException, match="is not a hook of Callback"):
             LambdaCallback(**{name: print})
+
+
+def test_the_public_functions_of_callback_are_hooks_that_lambda_callback_takes() -> None:
+    functions = {name for name, _ in inspect.getmembers(Callback, inspect.isfunction) if not name.startswith("_")}
+    assert {"setup", "on_exception", "has_work_in"} <= functions and not {"log", "log_dict"} & functions
+    LambdaCallback(**dict.fromkeys(functions - {"state_dict", "load_state_dict"}, print))  # none refused
 
 
 # ------------------------------------------------------------------- finetuning, prediction writer
