@@ -8,6 +8,7 @@ import fcntl
 import hashlib
 import os
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -310,6 +311,32 @@ def test_monitoring_a_metric_that_was_never_logged_is_a_clear_error() -> None:
     with pytest.raises(KeyError, match="ModelCheckpoint"):
         quiet_trainer(max_epochs=1, callbacks=[ModelCheckpoint(monitor="nope")], logger=False).fit(
             _Scripted([0.1]), make_loader(16), make_loader(8)
+        )
+
+
+def test_a_monitored_metric_missing_before_the_first_validation_warns_and_saves_no_top_k_file(tmp_path: Any) -> None:
+    # Saved every step, before any validation: the score may be one that validation logs, so not yet an error.
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", every_n_train_steps=1, save_last=True)
+    with pytest.warns(UserWarning, match=r"monitor='score'\): no metric of that name was logged.*no top-k"):
+        quiet_trainer(max_steps=2, callbacks=[checkpoint], logger=False).fit(_Scripted([0.5]), make_loader(16))
+    assert checkpoint.best_k_models == {} and _files(str(tmp_path)) == ["last.ckpt"]
+
+
+class _Counter(ember.callbacks.Callback):
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": 1}
+
+
+def test_resuming_without_a_callback_whose_state_the_checkpoint_holds_warns_naming_it(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    quiet_trainer(max_epochs=1, default_root_dir=root, callbacks=[_Counter()]).fit(Regressor(), make_loader(16))
+    with pytest.warns(UserWarning, match=r"Please add the following callbacks: \['_Counter'\]") as warned:
+        quiet_trainer(max_epochs=2, default_root_dir=root).fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert [warning.filename for warning in warned] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every saved state has its callback (an empty state would lose nothing)
+        quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=[_Counter()]).fit(
+            Regressor(), make_loader(16), ckpt_path="last"
         )
 
 

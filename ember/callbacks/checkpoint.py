@@ -16,7 +16,7 @@ from ember import checkpoint as checkpoint_io
 from ember.callbacks.callback import Callback, settings_key
 from ember.callbacks.on_exception import save_after_failure
 from ember.exceptions import MisconfigurationException
-from ember.rank_zero import announce
+from ember.rank_zero import announce, rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -115,6 +115,7 @@ class ModelCheckpoint(Callback):
         self._last_time_save = time.monotonic()
         self._steps_since_time_check = 0
         self._validated_at_epoch_end = False
+        self._validated = False  # whether a validation of this fit has run (not the sanity check)
 
     @property
     def state_key(self) -> str:
@@ -141,6 +142,7 @@ class ModelCheckpoint(Callback):
         if self.dirpath is None and trainer.stage == "fit":
             self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
         self._last_time_save = time.monotonic()
+        self._validated = False
 
     def on_train_batch_end(
         self, trainer: "Trainer", pl_module: "Module", outputs: Any, batch: Any, batch_idx: int
@@ -167,7 +169,10 @@ class ModelCheckpoint(Callback):
             self._save(trainer)
 
     def on_validation_end(self, trainer: "Trainer", pl_module: "Module") -> None:
-        if trainer.stage != "fit" or trainer.sanity_checking or not self._after_validations(trainer):
+        if trainer.stage != "fit" or trainer.sanity_checking:
+            return
+        self._validated = True
+        if not self._after_validations(trainer):
             return
         if trainer.fit_loop.at_epoch_end:
             # Saved at the epoch's end, just after this: a checkpoint then resumes at the next epoch.
@@ -322,10 +327,15 @@ class ModelCheckpoint(Callback):
                 self._remove(trainer, previous, path)
             return path
         if self.monitor not in metrics:
-            raise KeyError(
+            message = (
                 f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name was logged; "
                 f"logged metrics are {sorted(name for name in metrics if name not in ('epoch', 'step'))}"
             )
+            if self._validated:
+                raise KeyError(message)
+            # As Lightning: before the fit's first validation, the metric may be one that validation logs.
+            rank_zero_warn_once(f"{message}: no top-k checkpoint is saved until it is", stacklevel=2)
+            return None
         current = metrics[self.monitor].detach().cpu().clone()
         if torch.isnan(current):  # a NaN is kept as the worst value, as Lightning does
             current = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)

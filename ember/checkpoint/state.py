@@ -152,13 +152,26 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
     load_weights(trainer.strategy.load_module_state_dict, module, checkpoint, path)
     _restore_optimization(trainer, checkpoint, path)
     hooks.call_callbacks("on_load_checkpoint", checkpoint)
-    saved_callbacks = checkpoint.get("callbacks", {})
-    for callback in trainer.callbacks:
-        if callback.state_key in saved_callbacks:
-            callback.load_state_dict(saved_callbacks[callback.state_key])
+    _restore_callbacks(trainer, checkpoint.get("callbacks", {}), path)
     if trainer.datamodule is not None and "datamodule" in checkpoint:
         trainer.datamodule.load_state_dict(checkpoint["datamodule"])
     resume.resume(trainer, checkpoint, path)
+
+
+def _restore_callbacks(trainer: Trainer, saved: dict[str, Any], path: str) -> None:
+    """Give each callback its saved state; warn of saved states that no callback takes (an empty one loses
+    nothing), as Lightning does, naming the callbacks to add."""
+    for callback in trainer.callbacks:
+        if callback.state_key in saved:
+            callback.load_state_dict(saved[callback.state_key])
+    keys = {callback.state_key for callback in trainer.callbacks}
+    missing = [key for key, state in saved.items() if state and key not in keys]
+    if missing:
+        rank_zero_warn(
+            f"ckpt_path={path!r} holds the state of callbacks this Trainer does not have, so that state is not "
+            f"restored. Please add the following callbacks: {missing}",
+            stacklevel=10,  # the caller of fit
+        )
 
 
 def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: str) -> None:
