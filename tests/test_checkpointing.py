@@ -382,3 +382,16 @@ def test_the_batch_hook_of_model_checkpoint_runs_only_when_it_saves_per_step(
     quiet_trainer(max_epochs=1, logger=False, callbacks=[counted]).fit(Regressor(), make_loader())
     assert _CountedBatchEnds.calls == 8
     assert _files(str(tmp_path / "counted")) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
+
+
+@pytest.mark.parametrize("save_last", [None, "link"])
+def test_a_checkpoint_directory_on_another_file_system_is_refused_when_fit_starts(save_last: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath="s3://bucket/run", save_last=save_last)
+    assert checkpoint.dirpath == "s3://bucket/run"  # kept as given, not made a local path
+    checkpoint.setup(ember.Trainer(logger=False), Regressor(), stage="validate")  # no files to write there
+    with pytest.raises(ValueError, match=rf"save_last={save_last!r}\): .* only supported for local file paths"):
+        quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), make_loader(16))
+
+
+def test_a_file_url_is_a_local_checkpoint_directory(tmp_path: Any) -> None:
+    assert ModelCheckpoint(dirpath=f"file://{tmp_path}").dirpath == os.path.realpath(tmp_path)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ember.trainer import Trainer
 
 _PLACEHOLDER = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+_URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")  # s3://, gs://, memory://, ...: another file system than the local one
 
 
 class ModelCheckpoint(Callback):
@@ -33,7 +34,8 @@ class ModelCheckpoint(Callback):
 
     Args:
         dirpath: directory for the files (default: ``<log_dir>/checkpoints``, or ``<default_root_dir>/checkpoints``
-            without a logger); ``~`` is expanded.
+            without a logger); ``~`` is expanded. A local directory: another file system's URL (``s3://...``) is
+            refused when ``fit`` starts.
         filename: a format such as ``"{epoch}-{val_loss:.3f}"``; ``epoch``, ``step`` and logged metrics
             can be used, a metric not logged yet counts as 0 (default ``"epoch={epoch}-step={step}"``).
         monitor: metric that ranks checkpoints (``"epoch"`` and ``"step"`` too); without it the latest is kept.
@@ -86,7 +88,7 @@ class ModelCheckpoint(Callback):
         enable_version_counter: bool = True,
     ) -> None:
         _check_options(mode, save_top_k, monitor, every_n_train_steps, every_n_epochs, train_time_interval)
-        self.dirpath = os.path.realpath(os.path.expanduser(dirpath)) if dirpath is not None else None
+        self.dirpath = _local_or_url(dirpath) if dirpath is not None else None
         self.filename = filename
         self.monitor = monitor
         self.mode = mode
@@ -138,6 +140,13 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: "Trainer", pl_module: "Module", stage: str) -> None:
         if stage != "fit":
             return
+        if self.dirpath is not None and _URL.match(self.dirpath):
+            raise ValueError(
+                f"ModelCheckpoint(dirpath={self.dirpath!r}, save_last={self.save_last!r}): {self.dirpath} is not a "
+                "local directory; saving checkpoints is only supported for local file paths (each file is written "
+                "atomically, and save_last links to the top-k file): mount the storage as a directory, or copy the "
+                "files there after training"
+            )
         # Decided once the run directory is, when the stage starts (reading it before would claim one).
         if self.dirpath is None and trainer.stage == "fit":
             self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
@@ -427,6 +436,13 @@ def _check_options(
             f"every_n_epochs={every_n_epochs} and train_time_interval={train_time_interval} should be mutually "
             "exclusive (0 turns one off)"
         )
+
+
+def _local_or_url(dirpath: str | os.PathLike) -> str:
+    """``dirpath`` as an absolute local path (``~`` expanded, ``file://`` dropped); a URL of another file system
+    stays as it is, for ``setup`` to refuse."""
+    path = os.fspath(dirpath).removeprefix("file://")
+    return path if _URL.match(path) else os.path.realpath(os.path.expanduser(path))
 
 
 def _tensor(value: Any) -> torch.Tensor:
