@@ -19,6 +19,7 @@ from conftest import Regressor, make_loader, parameters_of, quiet_trainer
 import ember
 from ember import checkpoint as checkpoint_io
 from ember.callbacks import EarlyStopping, ModelCheckpoint
+from ember.exceptions import MisconfigurationException
 
 
 class _Scripted(Regressor):
@@ -395,3 +396,17 @@ def test_a_checkpoint_directory_on_another_file_system_is_refused_when_fit_start
 
 def test_a_file_url_is_a_local_checkpoint_directory(tmp_path: Any) -> None:
     assert ModelCheckpoint(dirpath=f"file://{tmp_path}").dirpath == os.path.realpath(tmp_path)
+
+
+def test_resuming_a_run_past_max_epochs_is_refused_and_one_that_reached_it_has_nothing_to_train(
+    tmp_path: Any,
+) -> None:
+    root = str(tmp_path)
+    quiet_trainer(max_epochs=3, default_root_dir=root, logger=False).fit(Regressor(), make_loader(16))
+    with pytest.raises(MisconfigurationException, match=r"current_epoch=3, but you have set Trainer\(max_epochs=2\)"):
+        quiet_trainer(max_epochs=2, default_root_dir=root, logger=False).fit(
+            Regressor(), make_loader(16), ckpt_path="last"
+        )
+    reached = quiet_trainer(max_epochs=3, default_root_dir=root, logger=False)
+    reached.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert reached.current_epoch == 3 and reached.global_step == 6
