@@ -23,7 +23,7 @@ from ember.rank_zero import announce, rank_zero_warn
 from ember.version import __version__
 
 if TYPE_CHECKING:
-    from ember.module import Module
+    from ember.module import DataModule, Module
     from ember.trainer import Trainer
 
 #: In the name of a checkpoint saved after a failure with non-finite weights: "last" never picks it.
@@ -57,9 +57,16 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
         data=resume.data_layout(trainer),
         ranks=dict(enumerate(strategy.all_gather_object(own))) if gather else {trainer.global_rank: own},
     )
-    if trainer.datamodule is not None:
-        checkpoint["datamodule"] = trainer.datamodule.state_dict()
-        checkpoint.update(checkpoint_entries(trainer.datamodule))
+    datamodule = trainer.datamodule
+    if datamodule is not None:
+        key = type(datamodule).__qualname__  # as Lightning keys it
+        if key in checkpoint:
+            raise ValueError(
+                f"the checkpoint keeps {type(datamodule).__name__}'s state_dict under its class's name, {key!r}, "
+                "which is the name of another of its entries: rename the class"
+            )
+        checkpoint[key] = datamodule.state_dict()
+        checkpoint.update(checkpoint_entries(datamodule))
     trainer.hooks.call("on_save_checkpoint", checkpoint)
     return checkpoint
 
@@ -153,9 +160,17 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
     _restore_optimization(trainer, checkpoint, path)
     hooks.call_callbacks("on_load_checkpoint", checkpoint)
     _restore_callbacks(trainer, checkpoint.get("callbacks", {}), path)
-    if trainer.datamodule is not None and "datamodule" in checkpoint:
-        trainer.datamodule.load_state_dict(checkpoint["datamodule"])
+    if trainer.datamodule is not None:
+        load_datamodule_state(trainer.datamodule, checkpoint)
     resume.resume(trainer, checkpoint, path)
+
+
+def load_datamodule_state(datamodule: DataModule, checkpoint: dict[str, Any]) -> None:
+    """Give ``datamodule`` the state the checkpoint keeps under its class's name (where Ember 0.1 kept it:
+    under ``"datamodule"``), if any."""
+    key = type(datamodule).__qualname__
+    if key in checkpoint or "datamodule" in checkpoint:
+        datamodule.load_state_dict(checkpoint[key if key in checkpoint else "datamodule"])
 
 
 def _restore_callbacks(trainer: Trainer, saved: dict[str, Any], path: str) -> None:
