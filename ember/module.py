@@ -427,7 +427,7 @@ class DataModule(HyperparametersMixin, DataHooks):
         """What the data module needs to resume; saved in checkpoints."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
 
     def __str__(self) -> str:

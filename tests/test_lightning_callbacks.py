@@ -406,6 +406,9 @@ def test_every_callback_names_the_module_pl_module() -> None:
         if hook in vars(cls) and len(inspect.signature(vars(cls)[hook]).parameters) > 2
     }
     assert len(named) > 40 and {name: p for name, p in named.items() if p != "pl_module"} == {}
+    # load_state_dict takes Lightning's keyword too (as the DataModule's does).
+    for owner in [*classes, ember.DataModule]:
+        assert list(inspect.signature(owner.load_state_dict).parameters)[1] == "state_dict", owner
 
 
 def test_hooks_take_lightning_keywords() -> None:

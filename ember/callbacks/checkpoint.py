@@ -232,24 +232,24 @@ class ModelCheckpoint(Callback):
             "last_model_path": self.last_model_path,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A run continued in the same directory takes over its predecessor's files. A run with a directory of its
         # own (started from another run's checkpoint) only learns which checkpoint was the best: the other run's
         # files are not this run's to replace or delete.
-        self.best_model_path = state["best_model_path"]
-        if state.get("dirpath") != self.dirpath:
+        self.best_model_path = state_dict["best_model_path"]
+        if state_dict.get("dirpath") != self.dirpath:
             warnings.warn(
-                f"ModelCheckpoint: The dirpath has changed from {state.get('dirpath')!r} to {self.dirpath!r}: only "
-                "best_model_path is reloaded (not best_model_score, best_k_models, kth_best_model_path, kth_value "
-                "nor last_model_path)",
+                f"ModelCheckpoint: The dirpath has changed from {state_dict.get('dirpath')!r} to {self.dirpath!r}: "
+                "only best_model_path is reloaded (not best_model_score, best_k_models, kth_best_model_path, "
+                "kth_value nor last_model_path)",
                 stacklevel=2,
             )
             return
-        self.best_model_score = _score(state["best_model_score"])
-        self.best_k_models = {path: _tensor(score) for path, score in state["best_k_models"].items()}
-        self.kth_best_model_path = state.get("kth_best_model_path", "")
-        self.kth_value = _tensor(state.get("kth_value", self.kth_value))
-        self.last_model_path = state["last_model_path"]
+        self.best_model_score = _score(state_dict["best_model_score"])
+        self.best_k_models = {path: _tensor(score) for path, score in state_dict["best_k_models"].items()}
+        self.kth_best_model_path = state_dict.get("kth_best_model_path", "")
+        self.kth_value = _tensor(state_dict.get("kth_value", self.kth_value))
+        self.last_model_path = state_dict["last_model_path"]
 
     def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
         """Write ``best_k_models`` (path: monitored value) to a YAML file, ``<dirpath>/best_k_models.yaml`` by
