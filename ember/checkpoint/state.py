@@ -263,25 +263,27 @@ def _last(trainer: Trainer) -> str | None:
     versioned = bool(trainer.loggers) and isinstance(trainer.loggers[0], VersionedLogger)
     if homeless and not versioned:
         directories.append(os.path.join(trainer.default_root_dir, "checkpoints"))
-    found = _newest_complete([path for directory in directories for path in _checkpoints_in(directory)])
+    extensions = (".ckpt", *{callback.FILE_EXTENSION for callback in callbacks})  # a callback may name its own
+    found = _newest_complete([path for directory in directories for path in _checkpoints_in(directory, extensions)])
     if not homeless or not versioned:
         return found
     # The run's version directory is not settled yet: the newest that holds a complete checkpoint.
     runs_dir = trainer.runs_dir
     for version in reversed(run_versions(runs_dir)):
-        in_run = _newest_complete(_checkpoints_in(os.path.join(runs_dir, f"version_{version}")))
+        in_run = _newest_complete(_checkpoints_in(os.path.join(runs_dir, f"version_{version}"), extensions))
         if in_run is not None:
             return in_run if found is None else max(found, in_run, key=os.path.getmtime)
     return found
 
 
-def _checkpoints_in(directory: str) -> list[str]:
-    """The checkpoints (files and sharded directories) under ``directory`` that "last" may pick."""
+def _checkpoints_in(directory: str, extensions: tuple[str, ...]) -> list[str]:
+    """The checkpoints (files and sharded directories named ``*<extension>``) under ``directory`` that "last" may
+    pick."""
     found = []
     for parent, subdirectories, files in os.walk(directory):
         for name in files + subdirectories:
             # Files being written are hidden temporaries; failure checkpoints are kept for post-mortems only.
-            if name.endswith(".ckpt") and not name.startswith(".") and FAILURE_MARK not in name:
+            if name.endswith(extensions) and not name.startswith(".") and FAILURE_MARK not in name:
                 found.append(os.path.join(parent, name))
     return found
 
