@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ember import checkpoint as checkpoint_io
 from ember._utils import sized_len
-from ember.checkpoint.state import load_weights
+from ember.checkpoint.state import load_datamodule_state, load_weights
 from ember.exceptions import MisconfigurationException
 from ember.hparams import HyperparametersMixin, init_arguments
 from ember.metrics import is_metric_object
@@ -437,7 +437,7 @@ class DataModule(HyperparametersMixin, DataHooks):
         """What the data module needs to resume; saved in checkpoints."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
 
     def __str__(self) -> str:
@@ -468,8 +468,7 @@ class DataModule(HyperparametersMixin, DataHooks):
         give it its saved ``state_dict``."""
         checkpoint = checkpoint_io.load(checkpoint_path, map_location, trust_pickles=not weights_only)
         datamodule = cls(**init_arguments(cls, checkpoint, init_overrides))
-        if "datamodule" in checkpoint:
-            datamodule.load_state_dict(checkpoint["datamodule"])
+        load_datamodule_state(datamodule, checkpoint)
         return datamodule
 
     @classmethod

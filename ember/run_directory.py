@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ember import checkpoint as checkpoint_io
-from ember.loggers.logger import Logger, VersionedLogger, run_directory_of, settle_versions
+from ember.loggers.logger import Logger, VersionedLogger, default_name, run_directory_of, settle_versions
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -32,11 +32,11 @@ class RunDirectory:
     @property
     def runs_dir(self) -> str:
         """Where this run's directory and its predecessors' are: the first file-keeping logger's
-        ``<save_dir>/<name>``, else ``<default_root_dir>/ember_logs``."""
+        ``<save_dir>/<name>``, else ``<default_root_dir>/ember_logs`` (see ``default_name``)."""
         for logger in self._trainer.loggers:
             if isinstance(logger, VersionedLogger):
                 return logger.runs_dir
-        return os.path.join(self._trainer.config.root_dir, "ember_logs")
+        return os.path.join(self._trainer.config.root_dir, default_name())
 
     @property
     def checkpoint_dir(self) -> str:

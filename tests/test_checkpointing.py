@@ -8,6 +8,7 @@ import fcntl
 import hashlib
 import os
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +19,7 @@ from conftest import Regressor, make_loader, parameters_of, quiet_trainer
 import ember
 from ember import checkpoint as checkpoint_io
 from ember.callbacks import EarlyStopping, ModelCheckpoint
+from ember.exceptions import MisconfigurationException
 
 
 class _Scripted(Regressor):
@@ -313,6 +315,32 @@ def test_monitoring_a_metric_that_was_never_logged_is_a_clear_error() -> None:
         )
 
 
+def test_a_monitored_metric_missing_before_the_first_validation_warns_and_saves_no_top_k_file(tmp_path: Any) -> None:
+    # Saved every step, before any validation: the score may be one that validation logs, so not yet an error.
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", every_n_train_steps=1, save_last=True)
+    with pytest.warns(UserWarning, match=r"monitor='score'\): no metric of that name was logged.*no top-k"):
+        quiet_trainer(max_steps=2, callbacks=[checkpoint], logger=False).fit(_Scripted([0.5]), make_loader(16))
+    assert checkpoint.best_k_models == {} and _files(str(tmp_path)) == ["last.ckpt"]
+
+
+class _Counter(ember.callbacks.Callback):
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": 1}
+
+
+def test_resuming_without_a_callback_whose_state_the_checkpoint_holds_warns_naming_it(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    quiet_trainer(max_epochs=1, default_root_dir=root, callbacks=[_Counter()]).fit(Regressor(), make_loader(16))
+    with pytest.warns(UserWarning, match=r"Please add the following callbacks: \['_Counter'\]") as warned:
+        quiet_trainer(max_epochs=2, default_root_dir=root).fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert [warning.filename for warning in warned] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every saved state has its callback (an empty state would lose nothing)
+        quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=[_Counter()]).fit(
+            Regressor(), make_loader(16), ckpt_path="last"
+        )
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -355,3 +383,30 @@ def test_the_batch_hook_of_model_checkpoint_runs_only_when_it_saves_per_step(
     quiet_trainer(max_epochs=1, logger=False, callbacks=[counted]).fit(Regressor(), make_loader())
     assert _CountedBatchEnds.calls == 8
     assert _files(str(tmp_path / "counted")) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
+
+
+@pytest.mark.parametrize("save_last", [None, "link"])
+def test_a_checkpoint_directory_on_another_file_system_is_refused_when_fit_starts(save_last: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath="s3://bucket/run", save_last=save_last)
+    assert checkpoint.dirpath == "s3://bucket/run"  # kept as given, not made a local path
+    checkpoint.setup(ember.Trainer(logger=False), Regressor(), stage="validate")  # no files to write there
+    with pytest.raises(ValueError, match=rf"save_last={save_last!r}\): .* only supported for local file paths"):
+        quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), make_loader(16))
+
+
+def test_a_file_url_is_a_local_checkpoint_directory(tmp_path: Any) -> None:
+    assert ModelCheckpoint(dirpath=f"file://{tmp_path}").dirpath == os.path.realpath(tmp_path)
+
+
+def test_resuming_a_run_past_max_epochs_is_refused_and_one_that_reached_it_has_nothing_to_train(
+    tmp_path: Any,
+) -> None:
+    root = str(tmp_path)
+    quiet_trainer(max_epochs=3, default_root_dir=root, logger=False).fit(Regressor(), make_loader(16))
+    with pytest.raises(MisconfigurationException, match=r"current_epoch=3, but you have set Trainer\(max_epochs=2\)"):
+        quiet_trainer(max_epochs=2, default_root_dir=root, logger=False).fit(
+            Regressor(), make_loader(16), ckpt_path="last"
+        )
+    reached = quiet_trainer(max_epochs=3, default_root_dir=root, logger=False)
+    reached.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert reached.current_epoch == 3 and reached.global_step == 6

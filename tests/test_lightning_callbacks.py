@@ -4,6 +4,7 @@ the behaviour Lightning's own callbacks have."""
 from __future__ import annotations
 
 import functools
+import inspect
 import io
 import logging
 import math
@@ -270,6 +271,12 @@ def test_lambda_callback_takes_every_hook_and_has_work_in() -> None:
             LambdaCallback(**{name: print})
 
 
+def test_the_public_functions_of_callback_are_hooks_that_lambda_callback_takes() -> None:
+    functions = {name for name, _ in inspect.getmembers(Callback, inspect.isfunction) if not name.startswith("_")}
+    assert {"setup", "on_exception", "has_work_in"} <= functions and not {"log", "log_dict"} & functions
+    LambdaCallback(**dict.fromkeys(functions - {"state_dict", "load_state_dict"}, print))  # none refused
+
+
 # ------------------------------------------------------------------- finetuning, prediction writer
 def test_adding_parameters_the_optimizer_holds_warns() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
@@ -399,6 +406,9 @@ def test_every_callback_names_the_module_pl_module() -> None:
         if hook in vars(cls) and len(inspect.signature(vars(cls)[hook]).parameters) > 2
     }
     assert len(named) > 40 and {name: p for name, p in named.items() if p != "pl_module"} == {}
+    # load_state_dict takes Lightning's keyword too (as the DataModule's does).
+    for owner in [*classes, ember.DataModule]:
+        assert list(inspect.signature(owner.load_state_dict).parameters)[1] == "state_dict", owner
 
 
 def test_hooks_take_lightning_keywords() -> None:

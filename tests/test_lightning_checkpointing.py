@@ -159,6 +159,22 @@ def test_last_is_named_by_checkpoint_name_last_which_may_hold_metrics(tmp_path: 
     assert checkpoint.last_model_path == str(tmp_path / "last-epoch=1.ckpt")
 
 
+def test_the_naming_characters_and_extension_are_class_attributes_that_last_finds_files_by(tmp_path: Any) -> None:
+    assert (ModelCheckpoint.CHECKPOINT_JOIN_CHAR, ModelCheckpoint.CHECKPOINT_EQUALS_CHAR) == ("-", "=")
+    assert (ModelCheckpoint.CHECKPOINT_NAME_LAST, ModelCheckpoint.FILE_EXTENSION) == ("last", ".ckpt")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    checkpoint.CHECKPOINT_JOIN_CHAR, checkpoint.CHECKPOINT_EQUALS_CHAR = "_", ":"
+    checkpoint.CHECKPOINT_NAME_LAST, checkpoint.FILE_EXTENSION = "{epoch}-latest", ".pt"
+    quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), make_loader(16))
+    assert _files(tmp_path) == {"epoch:0_step:2.pt", "epoch:0-latest.pt"}
+    again = ModelCheckpoint(dirpath=tmp_path)
+    again.FILE_EXTENSION = ".pt"
+    resumed = quiet_trainer(max_epochs=2, callbacks=[again], logger=False)
+    resumed.fit(Regressor(), make_loader(16), ckpt_path="last")  # found by its extension
+    assert resumed.ckpt_path in {str(tmp_path / name) for name in ("epoch:0_step:2.pt", "epoch:0-latest.pt")}
+    assert resumed.global_step == 4
+
+
 @pytest.mark.parametrize(
     "schedule", [{"every_n_epochs": 0}, {"every_n_epochs": 5}, {"save_on_train_epoch_end": False}]
 )  # the last: after validations, and there are none

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Regressor, make_loader
 
 import ember
 from ember import lightning_compat
@@ -128,6 +129,22 @@ def test_submodules_and_names_programs_import(statement: str, name: str) -> None
 def test_names_ember_lacks_fail_at_import_with_what_to_use(statement: str, message: str) -> None:
     with served_by_ember(), pytest.raises(ImportError, match=message):
         exec(statement, {})
+
+
+def test_a_program_using_lightning_s_names_keeps_its_runs_in_lightning_logs(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    with served_by_ember():
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.loggers import CSVLogger
+
+        trainer = Trainer(default_root_dir=root, max_steps=1, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Regressor(), make_loader(8))
+        assert trainer.log_dir == os.path.join(root, "lightning_logs", "version_0")
+        assert CSVLogger(root, name="mine").name == "mine"  # a name of its own stays
+        # Without a logger, the runs that preemption saves claim are there too.
+        assert Trainer(default_root_dir=root, logger=False).runs_dir == os.path.join(root, "lightning_logs")
+    assert ember.loggers.CSVLogger(root).log_dir == os.path.join(root, "ember_logs", "version_0")  # Ember's own
+    assert ember.Trainer(default_root_dir=root, logger=False).runs_dir == os.path.join(root, "ember_logs")
 
 
 def test_installing_after_lightning_was_imported_is_refused() -> None:

@@ -79,6 +79,30 @@ def test_a_datamodule_is_rebuilt_from_a_checkpoint() -> None:
     assert isinstance(datamodule, _Data) and datamodule.hparams.batch_size == 4 and datamodule.loaded == {"seen": 3}
 
 
+def test_a_datamodule_s_state_is_kept_under_its_class_s_qualified_name_and_read_back_on_resuming() -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(Regressor(), datamodule=_Data())
+    path = trainer.checkpoint_callback.best_model_path
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["_Data"] == {"seen": 3} and "datamodule" not in checkpoint
+    resumed = _Data()
+    quiet_trainer(max_epochs=2, logger=False).fit(Regressor(), datamodule=resumed, ckpt_path=path)
+    assert resumed.loaded == {"seen": 3}
+    # Ember 0.1 kept it under "datamodule": its checkpoints still give it back.
+    checkpoint["datamodule"] = checkpoint.pop("_Data")
+    torch.save(checkpoint, "old.ckpt")
+    assert _Data.load_from_checkpoint("old.ckpt").loaded == {"seen": 3}
+    older = _Data()
+    quiet_trainer(max_epochs=2, logger=False).fit(Regressor(), datamodule=older, ckpt_path="old.ckpt")
+    assert older.loaded == {"seen": 3}
+
+
+def test_a_datamodule_class_named_as_another_checkpoint_entry_is_refused_when_saved() -> None:
+    clashing = type("epoch", (_Data,), {})
+    with pytest.raises(ValueError, match="under its class's name, 'epoch', which is the name of another"):
+        quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), datamodule=clashing())
+
+
 def test_an_object_built_in_another_s_init_records_its_arguments_too() -> None:
     class Head(ember.Module):
         def __init__(self, width: int, dropout: float) -> None:

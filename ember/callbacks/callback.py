@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from ember.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -23,8 +21,11 @@ class Callback:
     #: Whether the callback reads ``trainer.predict_loop.predictions`` when prediction ends (a prediction
     #: writer): the outputs are then kept even with ``predict(return_predictions=False)``.
     wants_predictions = False
-    #: The module of the stage in progress, whose ``log`` the callback's logs through (given by the hook caller).
-    _logging_module: Module | None = None
+    #: ``self.log`` and ``self.log_dict`` of a callback: the module's own, which the hook caller gives each callback
+    #: when a stage starts (as Lightning attaches them), so that a callback logs from the hooks where the module
+    #: may. They are attributes, not methods: the functions of ``Callback`` are the hooks that ``LambdaCallback`` takes.
+    log: Callable[..., None]
+    log_dict: Callable[..., None]
 
     @property
     def state_key(self) -> str:
@@ -36,21 +37,6 @@ class Callback:
         """Whether ``hook``, which this callback overrides, has work to do in the stage that is starting; the
         loops do not call one that has none (a batch hook whose schedule is unset then costs nothing per batch)."""
         return True
-
-    def log(self, name: str, value: Any, **options: Any) -> None:
-        """Log ``value`` as the module's ``self.log`` does (same options), from the hook being run: as in
-        Lightning, a callback may call ``self.log`` in the hooks where the module may."""
-        module = self._logging_module
-        if module is None:
-            raise MisconfigurationException(
-                f"{type(self).__name__}.log({name!r}, ...): a callback logs from its hooks, while a stage runs"
-            )
-        module.log(name, value, **options)
-
-    def log_dict(self, dictionary: Mapping[str, Any], **options: Any) -> None:
-        """``self.log`` for each item of ``dictionary``, with the same options."""
-        for name, value in dictionary.items():
-            self.log(name, value, **options)
 
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None: ...
     def teardown(self, trainer: Trainer, pl_module: Module, stage: str) -> None: ...
@@ -119,7 +105,7 @@ class Callback:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
 
 

@@ -16,13 +16,14 @@ from ember import checkpoint as checkpoint_io
 from ember.callbacks.callback import Callback, settings_key
 from ember.callbacks.on_exception import save_after_failure
 from ember.exceptions import MisconfigurationException
-from ember.rank_zero import announce
+from ember.rank_zero import announce, rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.module import Module
     from ember.trainer import Trainer
 
 _PLACEHOLDER = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+_URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")  # s3://, gs://, memory://, ...: another file system than the local one
 
 
 class ModelCheckpoint(Callback):
@@ -33,7 +34,8 @@ class ModelCheckpoint(Callback):
 
     Args:
         dirpath: directory for the files (default: ``<log_dir>/checkpoints``, or ``<default_root_dir>/checkpoints``
-            without a logger); ``~`` is expanded.
+            without a logger); ``~`` is expanded. A local directory: another file system's URL (``s3://...``) is
+            refused when ``fit`` starts.
         filename: a format such as ``"{epoch}-{val_loss:.3f}"``; ``epoch``, ``step`` and logged metrics
             can be used, a metric not logged yet counts as 0 (default ``"epoch={epoch}-step={step}"``).
         monitor: metric that ranks checkpoints (``"epoch"`` and ``"step"`` too); without it the latest is kept.
@@ -86,7 +88,7 @@ class ModelCheckpoint(Callback):
         enable_version_counter: bool = True,
     ) -> None:
         _check_options(mode, save_top_k, monitor, every_n_train_steps, every_n_epochs, train_time_interval)
-        self.dirpath = os.path.realpath(os.path.expanduser(dirpath)) if dirpath is not None else None
+        self.dirpath = _local_or_url(dirpath) if dirpath is not None else None
         self.filename = filename
         self.monitor = monitor
         self.mode = mode
@@ -115,6 +117,7 @@ class ModelCheckpoint(Callback):
         self._last_time_save = time.monotonic()
         self._steps_since_time_check = 0
         self._validated_at_epoch_end = False
+        self._validated = False  # whether a validation of this fit has run (not the sanity check)
 
     @property
     def state_key(self) -> str:
@@ -137,10 +140,18 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: "Trainer", pl_module: "Module", stage: str) -> None:
         if stage != "fit":
             return
+        if self.dirpath is not None and _URL.match(self.dirpath):
+            raise ValueError(
+                f"ModelCheckpoint(dirpath={self.dirpath!r}, save_last={self.save_last!r}): {self.dirpath} is not a "
+                "local directory; saving checkpoints is only supported for local file paths (each file is written "
+                "atomically, and save_last links to the top-k file): mount the storage as a directory, or copy the "
+                "files there after training"
+            )
         # Decided once the run directory is, when the stage starts (reading it before would claim one).
         if self.dirpath is None and trainer.stage == "fit":
             self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
         self._last_time_save = time.monotonic()
+        self._validated = False
 
     def on_train_batch_end(
         self, trainer: "Trainer", pl_module: "Module", outputs: Any, batch: Any, batch_idx: int
@@ -167,7 +178,10 @@ class ModelCheckpoint(Callback):
             self._save(trainer)
 
     def on_validation_end(self, trainer: "Trainer", pl_module: "Module") -> None:
-        if trainer.stage != "fit" or trainer.sanity_checking or not self._after_validations(trainer):
+        if trainer.stage != "fit" or trainer.sanity_checking:
+            return
+        self._validated = True
+        if not self._after_validations(trainer):
             return
         if trainer.fit_loop.at_epoch_end:
             # Saved at the epoch's end, just after this: a checkpoint then resumes at the next epoch.
@@ -218,24 +232,24 @@ class ModelCheckpoint(Callback):
             "last_model_path": self.last_model_path,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A run continued in the same directory takes over its predecessor's files. A run with a directory of its
         # own (started from another run's checkpoint) only learns which checkpoint was the best: the other run's
         # files are not this run's to replace or delete.
-        self.best_model_path = state["best_model_path"]
-        if state.get("dirpath") != self.dirpath:
+        self.best_model_path = state_dict["best_model_path"]
+        if state_dict.get("dirpath") != self.dirpath:
             warnings.warn(
-                f"ModelCheckpoint: The dirpath has changed from {state.get('dirpath')!r} to {self.dirpath!r}: only "
-                "best_model_path is reloaded (not best_model_score, best_k_models, kth_best_model_path, kth_value "
-                "nor last_model_path)",
+                f"ModelCheckpoint: The dirpath has changed from {state_dict.get('dirpath')!r} to {self.dirpath!r}: "
+                "only best_model_path is reloaded (not best_model_score, best_k_models, kth_best_model_path, "
+                "kth_value nor last_model_path)",
                 stacklevel=2,
             )
             return
-        self.best_model_score = _score(state["best_model_score"])
-        self.best_k_models = {path: _tensor(score) for path, score in state["best_k_models"].items()}
-        self.kth_best_model_path = state.get("kth_best_model_path", "")
-        self.kth_value = _tensor(state.get("kth_value", self.kth_value))
-        self.last_model_path = state["last_model_path"]
+        self.best_model_score = _score(state_dict["best_model_score"])
+        self.best_k_models = {path: _tensor(score) for path, score in state_dict["best_k_models"].items()}
+        self.kth_best_model_path = state_dict.get("kth_best_model_path", "")
+        self.kth_value = _tensor(state_dict.get("kth_value", self.kth_value))
+        self.last_model_path = state_dict["last_model_path"]
 
     def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
         """Write ``best_k_models`` (path: monitored value) to a YAML file, ``<dirpath>/best_k_models.yaml`` by
@@ -322,10 +336,15 @@ class ModelCheckpoint(Callback):
                 self._remove(trainer, previous, path)
             return path
         if self.monitor not in metrics:
-            raise KeyError(
+            message = (
                 f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name was logged; "
                 f"logged metrics are {sorted(name for name in metrics if name not in ('epoch', 'step'))}"
             )
+            if self._validated:
+                raise KeyError(message)
+            # As Lightning: before the fit's first validation, the metric may be one that validation logs.
+            rank_zero_warn_once(f"{message}: no top-k checkpoint is saved until it is", stacklevel=2)
+            return None
         current = metrics[self.monitor].detach().cpu().clone()
         if torch.isnan(current):  # a NaN is kept as the worst value, as Lightning does
             current = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)
@@ -417,6 +436,13 @@ def _check_options(
             f"every_n_epochs={every_n_epochs} and train_time_interval={train_time_interval} should be mutually "
             "exclusive (0 turns one off)"
         )
+
+
+def _local_or_url(dirpath: str | os.PathLike) -> str:
+    """``dirpath`` as an absolute local path (``~`` expanded, ``file://`` dropped); a URL of another file system
+    stays as it is, for ``setup`` to refuse."""
+    path = os.fspath(dirpath).removeprefix("file://")
+    return path if _URL.match(path) else os.path.realpath(os.path.expanduser(path))
 
 
 def _tensor(value: Any) -> torch.Tensor:

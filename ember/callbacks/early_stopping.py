@@ -150,10 +150,11 @@ class EarlyStopping(Callback):
             "stopping_reason_message": self.stopping_reason_message,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.wait_count = state["wait_count"]
-        self.stopped_epoch = state["stopped_epoch"]
-        self.best_score = float(state["best_score"])
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wait_count = state_dict["wait_count"]
+        self.stopped_epoch = state_dict["stopped_epoch"]
+        self.best_score = float(state_dict["best_score"])
         # Checkpoints of earlier releases have no reason.
-        self.stopping_reason = EarlyStoppingReason(state.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value))
-        self.stopping_reason_message = state.get("stopping_reason_message")
+        reason = state_dict.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value)
+        self.stopping_reason = EarlyStoppingReason(reason)
+        self.stopping_reason_message = state_dict.get("stopping_reason_message")

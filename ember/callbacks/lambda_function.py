@@ -8,9 +8,8 @@ from typing import Any
 from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
 
-# What a checkpoint holds of a callback: not for a function that may return nothing; and what a callback
-# calls itself (self.log), no hook.
-_NOT_HOOKS = ("state_dict", "load_state_dict", "log", "log_dict")
+# What a checkpoint holds of a callback: not for a function that may return nothing.
+_NOT_HOOKS = ("state_dict", "load_state_dict")
 
 
 class LambdaCallback(Callback):

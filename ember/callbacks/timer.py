@@ -129,8 +129,8 @@ class Timer(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in get_args(Stage) if stage in self._start}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._offset = state.get("time_elapsed", {}).get("train", 0.0)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._offset = state_dict.get("time_elapsed", {}).get("train", 0.0)
 
 
 def _readable(seconds: float) -> str:

@@ -24,6 +24,7 @@ from ember.data import (
     restore_loader_state,
     why_not_resumable,
 )
+from ember.exceptions import MisconfigurationException
 from ember.loops.progress import Progress
 from ember.rank_zero import announce, rank_zero_warn_once
 from ember.seed import random_state
@@ -111,6 +112,13 @@ def resume(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
         fit_loop.runner.load_state_dict(saved_loop)
     position = Progress()
     position.load_state_dict(saved_loop["progress"])
+    limit = trainer.config.epoch_limit
+    if limit != -1 and position.epoch > limit:  # (having reached it exactly, the run has nothing left to train)
+        raise MisconfigurationException(
+            f"You restored a checkpoint with current_epoch={position.epoch}, but you have set "
+            f"Trainer(max_epochs={limit}): ckpt_path={path!r} has trained past that limit; raise max_epochs to "
+            "continue its run, or start a new run from its weights (Module.load_from_checkpoint)"
+        )
     saved, now = checkpoint["data"], data_layout(trainer)
     new_seed = _changes(saved, now, ("global_seed",))
     same_setup = _place(trainer, position, saved, now, new_seed, path)

@@ -23,7 +23,7 @@ from ember.rank_zero import announce, rank_zero_warn
 from ember.version import __version__
 
 if TYPE_CHECKING:
-    from ember.module import Module
+    from ember.module import DataModule, Module
     from ember.trainer import Trainer
 
 #: In the name of a checkpoint saved after a failure with non-finite weights: "last" never picks it.
@@ -57,9 +57,16 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
         data=resume.data_layout(trainer),
         ranks=dict(enumerate(strategy.all_gather_object(own))) if gather else {trainer.global_rank: own},
     )
-    if trainer.datamodule is not None:
-        checkpoint["datamodule"] = trainer.datamodule.state_dict()
-        checkpoint.update(checkpoint_entries(trainer.datamodule))
+    datamodule = trainer.datamodule
+    if datamodule is not None:
+        key = type(datamodule).__qualname__  # as Lightning keys it
+        if key in checkpoint:
+            raise ValueError(
+                f"the checkpoint keeps {type(datamodule).__name__}'s state_dict under its class's name, {key!r}, "
+                "which is the name of another of its entries: rename the class"
+            )
+        checkpoint[key] = datamodule.state_dict()
+        checkpoint.update(checkpoint_entries(datamodule))
     trainer.hooks.call("on_save_checkpoint", checkpoint)
     return checkpoint
 
@@ -152,13 +159,34 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
     load_weights(trainer.strategy.load_module_state_dict, module, checkpoint, path)
     _restore_optimization(trainer, checkpoint, path)
     hooks.call_callbacks("on_load_checkpoint", checkpoint)
-    saved_callbacks = checkpoint.get("callbacks", {})
-    for callback in trainer.callbacks:
-        if callback.state_key in saved_callbacks:
-            callback.load_state_dict(saved_callbacks[callback.state_key])
-    if trainer.datamodule is not None and "datamodule" in checkpoint:
-        trainer.datamodule.load_state_dict(checkpoint["datamodule"])
+    _restore_callbacks(trainer, checkpoint.get("callbacks", {}), path)
+    if trainer.datamodule is not None:
+        load_datamodule_state(trainer.datamodule, checkpoint)
     resume.resume(trainer, checkpoint, path)
+
+
+def load_datamodule_state(datamodule: DataModule, checkpoint: dict[str, Any]) -> None:
+    """Give ``datamodule`` the state the checkpoint keeps under its class's name (where Ember 0.1 kept it:
+    under ``"datamodule"``), if any."""
+    key = type(datamodule).__qualname__
+    if key in checkpoint or "datamodule" in checkpoint:
+        datamodule.load_state_dict(checkpoint[key if key in checkpoint else "datamodule"])
+
+
+def _restore_callbacks(trainer: Trainer, saved: dict[str, Any], path: str) -> None:
+    """Give each callback its saved state; warn of saved states that no callback takes (an empty one loses
+    nothing), as Lightning does, naming the callbacks to add."""
+    for callback in trainer.callbacks:
+        if callback.state_key in saved:
+            callback.load_state_dict(saved[callback.state_key])
+    keys = {callback.state_key for callback in trainer.callbacks}
+    missing = [key for key, state in saved.items() if state and key not in keys]
+    if missing:
+        rank_zero_warn(
+            f"ckpt_path={path!r} holds the state of callbacks this Trainer does not have, so that state is not "
+            f"restored. Please add the following callbacks: {missing}",
+            stacklevel=10,  # the caller of fit
+        )
 
 
 def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: str) -> None:
@@ -235,25 +263,27 @@ def _last(trainer: Trainer) -> str | None:
     versioned = bool(trainer.loggers) and isinstance(trainer.loggers[0], VersionedLogger)
     if homeless and not versioned:
         directories.append(os.path.join(trainer.default_root_dir, "checkpoints"))
-    found = _newest_complete([path for directory in directories for path in _checkpoints_in(directory)])
+    extensions = (".ckpt", *{callback.FILE_EXTENSION for callback in callbacks})  # a callback may name its own
+    found = _newest_complete([path for directory in directories for path in _checkpoints_in(directory, extensions)])
     if not homeless or not versioned:
         return found
     # The run's version directory is not settled yet: the newest that holds a complete checkpoint.
     runs_dir = trainer.runs_dir
     for version in reversed(run_versions(runs_dir)):
-        in_run = _newest_complete(_checkpoints_in(os.path.join(runs_dir, f"version_{version}")))
+        in_run = _newest_complete(_checkpoints_in(os.path.join(runs_dir, f"version_{version}"), extensions))
         if in_run is not None:
             return in_run if found is None else max(found, in_run, key=os.path.getmtime)
     return found
 
 
-def _checkpoints_in(directory: str) -> list[str]:
-    """The checkpoints (files and sharded directories) under ``directory`` that "last" may pick."""
+def _checkpoints_in(directory: str, extensions: tuple[str, ...]) -> list[str]:
+    """The checkpoints (files and sharded directories named ``*<extension>``) under ``directory`` that "last" may
+    pick."""
     found = []
     for parent, subdirectories, files in os.walk(directory):
         for name in files + subdirectories:
             # Files being written are hidden temporaries; failure checkpoints are kept for post-mortems only.
-            if name.endswith(".ckpt") and not name.startswith(".") and FAILURE_MARK not in name:
+            if name.endswith(extensions) and not name.startswith(".") and FAILURE_MARK not in name:
                 found.append(os.path.join(parent, name))
     return found
 

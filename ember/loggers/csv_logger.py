@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ember.loggers.dummy import rank_zero_experiment
-from ember.loggers.logger import VersionedLogger, prefixed, write_hparams_file
+from ember.loggers.logger import DEFAULT_NAME, VersionedLogger, prefixed, write_hparams_file
 from ember.rank_zero import rank_zero_warn
 
 
@@ -112,7 +112,7 @@ class CSVLogger(VersionedLogger):
     def __init__(
         self,
         save_dir: str | os.PathLike = ".",
-        name: str | None = "ember_logs",
+        name: str | None = DEFAULT_NAME,
         version: int | str | None = None,
         prefix: str = "",
         flush_logs_every_n_steps: int = 100,

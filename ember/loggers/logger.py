@@ -8,6 +8,18 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ember.lightning_compat.hook import is_installed as lightning_names_served
+
+#: The name a logger's runs' directory has by default (``<save_dir>/ember_logs/version_N``).
+DEFAULT_NAME = "ember_logs"
+
+
+def default_name() -> str:
+    """What ``DEFAULT_NAME`` stands for: itself, or Lightning's ``"lightning_logs"`` while Lightning's names are
+    served (``ember.lightning``, ``ember run --lightning``), so that a Lightning program run unchanged writes its
+    runs where it would on Lightning."""
+    return "lightning_logs" if lightning_names_served() else DEFAULT_NAME
+
 
 class Logger:
     """Where metrics and hyperparameters go. The Trainer calls loggers on the global-zero process only."""
@@ -81,7 +93,7 @@ class VersionedLogger(Logger):
 
     def __init__(self, save_dir: str | os.PathLike, name: str | None, version: int | str | None) -> None:
         self._save_dir = os.fspath(save_dir)
-        self._name = name or ""
+        self._name = (default_name() if name == DEFAULT_NAME else name) or ""
         self._version = version
         #: Whether this run continues the one whose directory it writes into (a resumed fit), set by the Trainer.
         self.continues = False

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ember._utils import require
-from ember.loggers.logger import Logger, flatten
+from ember.loggers.logger import DEFAULT_NAME, Logger, default_name, flatten
 
 _STATUS = {"success": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 _NOT_ALLOWED_IN_KEYS = re.compile(r"[^\w\-. /:]")  # what MLflow accepts in metric and param names
@@ -29,7 +29,7 @@ class MLflowLogger(Logger):
 
     def __init__(
         self,
-        experiment_name: str = "ember_logs",
+        experiment_name: str = DEFAULT_NAME,
         run_name: str | None = None,
         tracking_uri: str | None = None,
         tags: Mapping[str, Any] | None = None,
@@ -49,7 +49,7 @@ class MLflowLogger(Logger):
             # MLflow 3 keeps its file store only for those who opt in; a local store needs no server or database.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self._tracking_uri = tracking_uri
-        self._experiment_name = experiment_name
+        self._experiment_name = default_name() if experiment_name == DEFAULT_NAME else experiment_name
         self._run_name = run_name
         self._tags = {key: str(value) for key, value in (tags or {}).items()}
         self._artifact_location = artifact_location

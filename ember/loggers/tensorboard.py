@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ember._utils import require
-from ember.loggers.logger import VersionedLogger, flatten, prefixed, write_hparams_file
+from ember.loggers.logger import DEFAULT_NAME, VersionedLogger, flatten, prefixed, write_hparams_file
 
 
 class TensorBoardLogger(VersionedLogger):
@@ -34,7 +34,7 @@ class TensorBoardLogger(VersionedLogger):
     def __init__(
         self,
         save_dir: str | os.PathLike = ".",
-        name: str | None = "ember_logs",
+        name: str | None = DEFAULT_NAME,
         version: int | str | None = None,
         default_hp_metric: bool = True,
         prefix: str = "",

@@ -93,8 +93,8 @@ class Hooks:
         self._callbacks = list(callbacks)
         self._datamodule = datamodule
         self._profiler: Profiler | None = trainer.profiler if trainer.profiler.enabled else None
-        for callback in self._callbacks:  # a callback's self.log logs through the stage's module
-            callback._logging_module = module
+        for callback in self._callbacks:  # a callback's self.log is the stage's module's (see Callback.log)
+            callback.log, callback.log_dict = module.log, module.log_dict
         self._cache: dict[tuple[str, bool, bool | None], list[Callable[..., Any]]] = {}
         self._scopes: dict[tuple[str, int | None], LogScope] = {}
 
