@@ -451,6 +451,7 @@ class Trainer:
     def _run_evaluation(self, loop: EvaluationLoop, model: Module, dataloaders: _Loaders, ckpt_path: str | None,
                         datamodule: DataModule | None, option: bool, weights_only: bool | None) -> Any:  # fmt: skip
         with self._stage(loop.stage, model, datamodule, ckpt_path) as path:
+            model.zero_grad()  # as Lightning does: the gradients a fit left are not kept while evaluating
             loaders = self._loaders(loop.kind, dataloaders, required=True)
             checkpoint_state.load_weights_into(self, path, weights_only)
             return loop.evaluate(loaders, option)

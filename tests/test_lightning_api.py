@@ -577,6 +577,25 @@ def test_the_steps_and_loaders_have_lightnings_defaults_and_a_stage_runs_only_wh
         quiet_trainer(max_epochs=1, logger=False).fit(Untrainable(), make_loader(8))
 
 
+def test_evaluation_stages_start_without_the_gradients_a_fit_left() -> None:
+    seen: list[bool] = []
+
+    class Looking(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            seen.append(all(p.grad is None for p in self.parameters()))
+
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+            seen.append(all(p.grad is None for p in self.parameters()))
+
+    model = Looking()
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    trainer.fit(model, make_loader(8))
+    for evaluate in (functools.partial(trainer.validate, verbose=False), trainer.predict):
+        model.layer.weight.grad = torch.ones_like(model.layer.weight)  # as a fit stopped mid-window leaves them
+        evaluate(model, make_loader(8))
+    assert len(seen) == 2 and all(seen)
+
+
 def test_loader_hooks_wrapped_to_record_them_are_read_once_each_in_lightnings_order() -> None:
     called: list[str] = []
 

@@ -271,6 +271,39 @@ def test_lambda_callback_takes_every_hook_and_has_work_in() -> None:
             LambdaCallback(**{name: print})
 
 
+def test_has_work_in_is_asked_only_where_a_callback_overrides_it() -> None:
+    """A callback whose every function is wrapped to record its calls (as debugging code does) records hooks
+    only: Callback's own ``has_work_in`` answers yes and is not called."""
+    called: list[str] = []
+
+    def record(name: str, method: Any, *args: Any, **kwargs: Any) -> Any:
+        called.append(name)
+        return method(*args, **kwargs)
+
+    class Recorded(Callback):
+        def __init__(self) -> None:
+            for name, method in inspect.getmembers(self, inspect.ismethod):
+                if not name.startswith("_"):
+                    setattr(self, name, functools.update_wrapper(functools.partial(record, name, method), method))
+
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=1, logger=False, callbacks=[Recorded()])
+    trainer.fit(Regressor(), make_loader())
+    assert "has_work_in" not in called and {"setup", "on_fit_start", "on_train_batch_end", "teardown"} <= set(called)
+
+    asked: list[str] = []
+
+    class Deciding(Callback):
+        def has_work_in(self, hook: str) -> bool:
+            asked.append(hook)
+            return True
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None: ...
+
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=1, logger=False, callbacks=[Deciding()])
+    trainer.fit(Regressor(), make_loader())
+    assert asked == ["on_fit_start"]
+
+
 def test_the_public_functions_of_callback_are_hooks_that_lambda_callback_takes() -> None:
     functions = {name for name, _ in inspect.getmembers(Callback, inspect.isfunction) if not name.startswith("_")}
     assert {"setup", "on_exception", "has_work_in"} <= functions and not {"log", "log_dict"} & functions
