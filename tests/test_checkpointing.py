@@ -332,11 +332,13 @@ def test_resuming_without_a_callback_whose_state_the_checkpoint_holds_warns_nami
     root = str(tmp_path)
     quiet_trainer(max_epochs=1, default_root_dir=root, callbacks=[_Counter()]).fit(Regressor(), make_loader(16))
     with pytest.warns(UserWarning, match=r"Please add the following callbacks: \['_Counter'\]") as warned:
-        quiet_trainer(max_epochs=2, default_root_dir=root).fit(Regressor(), make_loader(16), ckpt_path="last")
+        quiet_trainer(max_epochs=2, default_root_dir=root, log_every_n_steps=1).fit(
+            Regressor(), make_loader(16), ckpt_path="last"
+        )
     assert [warning.filename for warning in warned] == [__file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every saved state has its callback (an empty state would lose nothing)
-        quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=[_Counter()]).fit(
+        quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=[_Counter()], log_every_n_steps=1).fit(
             Regressor(), make_loader(16), ckpt_path="last"
         )
 

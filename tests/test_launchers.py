@@ -77,8 +77,9 @@ class _WithData(Regressor):
 def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_caller() -> None:
     checkpoint = ModelCheckpoint(monitor="val_loss", save_last=True)
     # A group of this process alone, as an earlier stage of a sharded strategy leaves it: the forked workers must
-    # not inherit it (they would wait on it forever).
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # not inherit it (they would wait on it forever). A test run before in this process may have left one.
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     trainer, model = _fit("ddp_notebook", callbacks=[checkpoint])  # ddp_fork's workers start as these do
     # Two processes with batches of 4 step as one with batches of 8.
     _assert_close(parameters_of(model), _fitted_in_one_process(batch_size=8))
