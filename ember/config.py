@@ -131,7 +131,8 @@ class TrainerConfig:
     ``{"minutes": 30}``) the time since training started or last validated, checked after each batch."""
 
     check_val_every_n_epoch: int | None = 1
-    """Validate every N epochs; None counts ``val_check_interval`` batches across epochs."""
+    """Validate every N epochs; None counts ``val_check_interval`` batches across epochs (an int, or a
+    duration; a fraction of an epoch is refused then)."""
 
     num_sanity_val_steps: int = 2
     """Validation batches run before training, so that a broken ``validation_step`` fails in
@@ -310,6 +311,13 @@ class TrainerConfig:
             )
         if self.check_val_every_n_epoch is not None:
             _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None")
+        elif isinstance(value, float) and value != 1.0:  # 1.0 is also the default: the end of each epoch
+            raise FlagError(
+                f"val_check_interval={value!r} with check_val_every_n_epoch=None: `val_check_interval` should be an "
+                "integer or a time-based duration (str 'DD:HH:MM:SS', datetime.timedelta, or dict kwargs for "
+                "timedelta) when `check_val_every_n_epoch=None`. Batches are then counted across epochs, where a "
+                "fraction of an epoch means nothing"
+            )
         _check_int("num_sanity_val_steps", self.num_sanity_val_steps, minimum=-1)
 
     def _check_optimization(self) -> None:
