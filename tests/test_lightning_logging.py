@@ -118,6 +118,24 @@ def test_a_name_logged_in_two_hooks_of_a_batch_with_other_options_takes_the_late
     assert trainer.callback_metrics["x"] == 2.0 and trainer.progress_bar_metrics["x"] == 2.0
 
 
+def test_a_name_logged_again_in_the_same_hook_keeps_its_options() -> None:
+    class Twice(Regressor):
+        def __init__(self, **again: Any) -> None:
+            super().__init__()
+            self.again = again
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("x", 1.0)
+            self.log("x", 2.0, **self.again)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(MisconfigurationException, match=r"self.log\(x, ...\)` twice in `training_step` with differ"):
+        _fit(Twice(prog_bar=True))
+    # The same options once the defaults are applied: no other arguments.
+    trainer = _fit(Twice(on_step=True, on_epoch=False, logger=True, reduce_fx=torch.mean))
+    assert trainer.callback_metrics["x"] == 2.0
+
+
 def test_a_logged_metric_must_be_an_attribute_of_the_module() -> None:
     def accuracy() -> torchmetrics.Metric:
         return torchmetrics.classification.BinaryAccuracy()
