@@ -152,7 +152,7 @@ class TrainerConfig:
 
     # --------------------------------------------------------------------------- watching
     log_every_n_steps: int = 50
-    """Write step values to the loggers every N optimizer steps."""
+    """Write step values to the loggers every N optimizer steps (0: never; the epochs' values are written)."""
 
     callbacks: Callback | Sequence[Callback] | None = None
     """Callbacks to run, besides the default ones the ``enable_*`` flags add."""
@@ -330,7 +330,7 @@ class TrainerConfig:
             _check_choice("gradient_clip_algorithm", self.gradient_clip_algorithm, ("norm", "value"))
 
     def _check_watching(self) -> None:
-        _check_int("log_every_n_steps", self.log_every_n_steps, minimum=1)
+        _check_int("log_every_n_steps", self.log_every_n_steps, minimum=0)
         _check_items("callbacks", self.callbacks, Callback, "a Callback or a list of them")
         loggers = [] if self.logger is None else self.logger if isinstance(self.logger, Sequence) else [self.logger]
         if not isinstance(self.logger, bool) and not all(is_logger(item) for item in loggers):
@@ -419,7 +419,7 @@ class TrainerConfig:
         changes: dict[str, Any] = {}
         if self.barebones:
             changes.update(logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                           enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+                           enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=0)  # fmt: skip
         batches = int(self.fast_dev_run)
         if batches:
             changes.update(
@@ -512,10 +512,9 @@ _NONE_IS_DEFAULT = (
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
 
 
-#: The features ``barebones=True`` turns off that the Trainer's flags ask for, each with the value that asks for none
-#: (None: only leaving the flag out does).
+#: The features ``barebones=True`` turns off that the Trainer's flags ask for, each with the value that asks for none.
 _BAREBONES_OFF = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-                  "enable_model_summary": False, "num_sanity_val_steps": 0, "log_every_n_steps": None}  # fmt: skip
+                  "enable_model_summary": False, "num_sanity_val_steps": 0, "log_every_n_steps": 0}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ checks

@@ -22,7 +22,7 @@ from ember.config import FlagError, TrainerConfig
         ({"max_epochs": True}, r"max_epochs=True: should be -1 \(no limit\) or a non-negative int"),
         ({"max_steps": 2.0}, r"max_steps=2.0"),
         ({"num_nodes": True}, r"num_nodes=True: should be an int >= 1"),
-        ({"log_every_n_steps": True}, r"log_every_n_steps=True: should be an int >= 1"),
+        ({"log_every_n_steps": True}, r"log_every_n_steps=True: should be an int >= 0"),
         ({"accumulate_grad_batches": True}, r"accumulate_grad_batches=True: should be an int >= 1 or 'auto'"),
         ({"check_val_every_n_epoch": 0}, r"check_val_every_n_epoch=0: should be an int >= 1 or None"),
         ({"limit_train_batches": True}, r"limit_train_batches=True: expected None, a number of batches"),

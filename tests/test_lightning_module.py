@@ -433,8 +433,10 @@ def test_barebones_refuses_a_feature_asked_for(flags: dict[str, Any]) -> None:
 
 
 def test_barebones_takes_a_feature_turned_off() -> None:
-    trainer = ember.Trainer(barebones=True, logger=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    trainer = ember.Trainer(barebones=True, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                            log_every_n_steps=0)  # fmt: skip
     assert trainer.barebones and trainer.loggers == [] and trainer.checkpoint_callback is None
+    assert trainer.log_every_n_steps == 0 and trainer.num_sanity_val_steps == 0 and not trainer.fast_dev_run
 
 
 @pytest.mark.parametrize("stage", ["validate", "test", "predict"])

@@ -132,6 +132,6 @@ def settings_key(callback: Callback, **settings: Any) -> str:
 
 def at_logging_step(trainer: Trainer) -> bool:
     """Whether the training batch that just ended stepped onto a ``log_every_n_steps`` multiple (of optimizer
-    steps; under manual optimization, of training batches)."""
-    loop = trainer.fit_loop
-    return loop.stepped and loop.logging_step % trainer.log_every_n_steps == 0
+    steps; under manual optimization, of training batches); never with ``log_every_n_steps=0``."""
+    loop, every = trainer.fit_loop, trainer.log_every_n_steps
+    return loop.stepped and every > 0 and loop.logging_step % every == 0
