@@ -15,10 +15,11 @@ from ember.callbacks import Callback
 from ember.loops.step import StepHooks
 from ember.metrics import LogScope
 from ember.module import DataModule, Module
+from ember.profilers.profiler import hook_action
 from ember.trainer_state import TrainerFn
 
 if TYPE_CHECKING:
-    from ember.profilers import Profiler
+    from ember.profilers.profiler import Profiler
     from ember.strategies import Strategy
     from ember.trainer import Trainer
 
@@ -83,7 +84,7 @@ class Hooks:
     """The hooks of one stage: the module's, the datamodule's and each callback's implementations, where they
     override them. Built when the stage starts; each hook's list is found at its first call, so the loops call
     exactly what is there, and nothing for a hook nobody overrides. Under a profiler that records, each call is
-    timed as ``<Class>.<hook>``."""
+    timed, under Lightning's name for it (``[LightningModule]Net.on_train_start``, ...)."""
 
     def __init__(
         self, trainer: Trainer, module: Module, callbacks: Sequence[Callback], datamodule: DataModule | None = None
@@ -156,12 +157,16 @@ class Hooks:
         return None
 
     def _timed(self, owner: Any, name: str) -> Callable[..., Any]:
-        """``owner.<name>``, in a range of the profiler (when one records) named ``<Class>.<name>``."""
+        """``owner.<name>``, in a range of the profiler (when one records) named as Lightning names it."""
         method = getattr(owner, name)
         profiler = self._profiler
         if profiler is None:
             return method
-        label = f"{type(owner).__name__}.{name}"
+        if isinstance(owner, Callback):
+            label = hook_action("Callback", owner.state_key, name)
+        else:
+            kind = "LightningDataModule" if isinstance(owner, DataModule) else "LightningModule"
+            label = hook_action(kind, type(owner).__name__, name)
 
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -187,32 +192,33 @@ class Hooks:
 
     def call_module(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The module's ``name`` (what it returns), in its logging scope: its own, or the base class's."""
-        return self._call_owner(self._module, Module, name, args, kwargs)
+        return self._call_owner(self._module, name, args, kwargs)
 
     def call_datamodule(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The datamodule's ``name``, as ``call_module`` (nothing without a datamodule)."""
         if self._datamodule is None:
             return None
-        return self._call_owner(self._datamodule, DataModule, name, args, kwargs)
+        return self._call_owner(self._datamodule, name, args, kwargs)
 
     def data_loaders(self, kind: str) -> Any:
         """What ``<kind>_dataloader()`` ("train", "val", ...) of the datamodule returns, else the module's (None:
         neither defines it)."""
         found = self._loader_owner(kind)
-        return None if found is None else self._call_owner(*found, f"{kind}_dataloader", (), {})
+        return None if found is None else self._call_owner(found, f"{kind}_dataloader", (), {})
 
     def has_loaders(self, kind: str) -> bool:
         """Whether the datamodule or the module defines ``<kind>_dataloader()``."""
         return self._loader_owner(kind) is not None
 
-    def _loader_owner(self, kind: str) -> tuple[Any, type] | None:
-        for owner, base in ((self._datamodule, DataModule), (self._module, Module)):
+    def _loader_owner(self, kind: str) -> Any:
+        for owner in (self._datamodule, self._module):
             if owner is not None and defines(owner, f"{kind}_dataloader"):
-                return owner, base
+                return owner
         return None
 
-    def _call_owner(self, owner: Any, base: type, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        hook = self._timed(owner, name) if is_overridden(name, owner, base) else getattr(owner, name)
+    def _call_owner(self, owner: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Timed (under a profiler) even where the base class's does nothing, as Lightning times these calls.
+        hook = self._timed(owner, name)
         with self.scope(name):
             return hook(*args, **kwargs)
 
