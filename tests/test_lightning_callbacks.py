@@ -252,6 +252,15 @@ def test_a_mock_standing_in_for_a_callback_gets_the_hooks() -> None:
     assert returned.method_calls == given.method_calls
 
 
+def test_hooks_set_on_a_callback_instance_are_called_and_has_work_in_is_the_classs() -> None:
+    called: list[str] = []
+    callback = Callback()
+    for name in ("on_train_start", "has_work_in"):  # as code that records every public method of a Callback does
+        setattr(callback, name, functools.partial(lambda name, *args: called.append(name), name))
+    quiet_trainer(max_epochs=1, limit_train_batches=1, callbacks=[callback]).fit(Regressor(), make_loader())
+    assert called == ["on_train_start"]
+
+
 def test_lambda_callback_takes_every_hook_and_has_work_in() -> None:
     called: list[str] = []
 

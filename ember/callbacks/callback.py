@@ -34,7 +34,8 @@ class Callback:
 
     def has_work_in(self, hook: str) -> bool:
         """Whether ``hook``, which this callback overrides, has work to do in the stage that is starting; the
-        loops do not call one that has none (a batch hook whose schedule is unset then costs nothing per batch)."""
+        loops do not call one that has none (a batch hook whose schedule is unset then costs nothing per batch).
+        Override it in the class: it is asked of the callback's class, not of the instance."""
         return True
 
     def log(self, name: str, value: Any, **options: Any) -> None:

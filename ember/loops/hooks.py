@@ -72,7 +72,7 @@ MODULE_FIRST = frozenset({"on_load_checkpoint"})
 #: Where ``self.log`` may record, with its defaults, as Lightning allows it: per step (``on_step=True``) in a
 #: training step and the hooks around it, per epoch in evaluation steps and their batch hooks, epoch values only
 #: where a stage or an epoch starts or ends. Anywhere else (setup, teardown, ``on_fit_start``, the hooks of
-#: prediction, of checkpoints, of the sanity check, where a stage ends) logging is refused.
+#: prediction, of checkpoints, of the sanity check, of the batch transfer, where a stage ends) logging is refused.
 LOGGING = {
     **{hook: (True, False) for hook in _PER_STEP},
     **{hook: (False, False) for hook in _PER_EPOCH},
@@ -137,10 +137,12 @@ class Hooks:
         if hooks is None:
             module = self._module
             own = [self._timed(module, name)] if include_module and is_overridden(name, module, Module) else []
+            # has_work_in, Ember's and no hook, is asked of the callback's class: Lightning code may set every public
+            # method of a Callback on an instance as a hook of its own (as a test's recording callback does).
             callbacks: list[Callable[..., Any]] = [
                 functools.partial(self._timed(callback, name), self._trainer, module)
                 for callback in self._callbacks
-                if is_overridden(name, callback, Callback) and callback.has_work_in(name)
+                if is_overridden(name, callback, Callback) and type(callback).has_work_in(callback, name)
                 and epoch_readers in (None, bool(callback.reads_epoch_metrics))
             ]  # fmt: skip
             hooks = self._cache[key] = own + callbacks if name in MODULE_FIRST else callbacks + own
@@ -289,7 +291,8 @@ class Hooks:
     def batch_transfer(self, strategy: Strategy, dataloader_idx: int = 0) -> Callable[[Any], Any] | None:
         """How the batches of loader ``dataloader_idx`` reach the device: the strategy's transfer itself (None:
         they are used as the loader makes them), or with the transfer hooks of the datamodule (first) or the
-        module around it, where they are overridden."""
+        module around it, where they are overridden, each in its own logging scope (which refuses ``self.log``,
+        as Lightning does)."""
         before = self._data_hook("on_before_batch_transfer")
         transfer = self._data_hook("transfer_batch_to_device")
         after = self._data_hook("on_after_batch_transfer")
@@ -299,14 +302,19 @@ class Hooks:
 
         def to_device(batch: Any) -> Any:
             if before is not None:
-                batch = before(batch, dataloader_idx)
+                with self.scope("on_before_batch_transfer"):
+                    batch = before(batch, dataloader_idx)
             if transfer is None:
                 batch = strategy.batch_to_device(batch)
             else:
-                batch = transfer(batch, strategy.root_device, dataloader_idx)
+                with self.scope("transfer_batch_to_device"):
+                    batch = transfer(batch, strategy.root_device, dataloader_idx)
                 if precision.converts_input:
                     batch = precision.convert_input(batch)
-            return batch if after is None else after(batch, dataloader_idx)
+            if after is None:
+                return batch
+            with self.scope("on_after_batch_transfer"):
+                return after(batch, dataloader_idx)
 
         return to_device
 
