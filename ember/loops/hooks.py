@@ -137,12 +137,10 @@ class Hooks:
         if hooks is None:
             module = self._module
             own = [self._timed(module, name)] if include_module and is_overridden(name, module, Module) else []
-            # has_work_in, Ember's and no hook, is asked of the callback's class: Lightning code may set every public
-            # method of a Callback on an instance as a hook of its own (as a test's recording callback does).
             callbacks: list[Callable[..., Any]] = [
                 functools.partial(self._timed(callback, name), self._trainer, module)
                 for callback in self._callbacks
-                if is_overridden(name, callback, Callback) and type(callback).has_work_in(callback, name)
+                if is_overridden(name, callback, Callback) and _has_work_in(callback, name)
                 and epoch_readers in (None, bool(callback.reads_epoch_metrics))
             ]  # fmt: skip
             hooks = self._cache[key] = own + callbacks if name in MODULE_FIRST else callbacks + own
@@ -331,6 +329,14 @@ def _scope(hook: str, trainer: Trainer, dataloader_idx: int | None) -> LogScope:
     store = metrics.eval if "validation" in hook or "test" in hook else metrics.train
     suffix = f"/dataloader_idx_{dataloader_idx}" if dataloader_idx is not None else ""
     return LogScope(hook, store, default_on_step, epoch_only, suffix, dataloader_idx)
+
+
+def _has_work_in(callback: Callback, hook: str) -> bool:
+    """``callback.has_work_in(hook)``, asked of the callback's class: Lightning code may set every public method of a
+    Callback on an instance as a hook of its own (a test's recording callback does), and ``has_work_in`` is Ember's,
+    no hook. A stand-in whose class has none (a mock) has work in every hook it has."""
+    has_work_in = getattr(type(callback), "has_work_in", None)
+    return has_work_in is None or bool(has_work_in(callback, hook))
 
 
 def _callable_without_arguments(function: Any) -> bool:
