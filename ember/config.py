@@ -29,7 +29,7 @@ from ember.loggers import Logger
 from ember.loggers.logger import is_logger
 from ember.precision import canonical_precision
 from ember.profilers import Profiler
-from ember.rank_zero import rank_zero_warn_once
+from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 from ember.strategies import FaultTolerance, Strategy
 
 Limit = int | float | None
@@ -404,12 +404,12 @@ class TrainerConfig:
         limit it comes to (1000, with a warning, when no limit is given at all; -1 when another one is)."""
         if self.max_epochs is not None:
             return self
-        if self.epoch_limit != -1:
-            rank_zero_warn_once(
+        if self.epoch_limit != -1:  # at each such fit, as Lightning (Python shows it once per line that calls fit)
+            rank_zero_warn(
                 "`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set "
                 "`max_epochs=-1`.",
                 PossibleUserWarning,
-                stacklevel=3,
+                stacklevel=5,  # the line calling fit (this function, fit, and rank_zero_warn with its decorator)
             )
         return dataclasses.replace(self, max_epochs=self.epoch_limit)
 

@@ -413,8 +413,12 @@ def test_max_epochs_is_resolved_when_fit_starts() -> None:
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.trainer.should_stop = True
 
-    with pytest.warns(PossibleUserWarning, match="`max_epochs` was not set. Setting it to 1000 epochs"):
+    for _ in range(2):  # at each fit, not once per process (the tests of a session each expect it)
+        with pytest.warns(PossibleUserWarning, match="`max_epochs` was not set. Setting it to 1000 epochs"):
+            quiet_trainer(logger=False, enable_checkpointing=False).fit(StopsAtOnce(), make_loader(8))
+    with pytest.warns(PossibleUserWarning, match="`max_epochs` was not set. Setting it to 1000 epochs") as caught:
         trainer.fit(StopsAtOnce(), make_loader(8))
+    assert {w.filename for w in caught if w.category is PossibleUserWarning} == {__file__}  # the line calling fit
     assert trainer.max_epochs == 1000
     trainer = quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False)
     trainer.fit(Regressor(), make_loader(8))
