@@ -29,7 +29,7 @@ from ember.loggers import Logger
 from ember.loggers.logger import is_logger
 from ember.precision import canonical_precision
 from ember.profilers import Profiler
-from ember.rank_zero import rank_zero_warn_once
+from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 from ember.strategies import FaultTolerance, Strategy
 
 Limit = int | float | None
@@ -135,7 +135,8 @@ class TrainerConfig:
     ``{"minutes": 30}``) the time since training started or last validated, checked after each batch."""
 
     check_val_every_n_epoch: int | None = 1
-    """Validate every N epochs; None counts ``val_check_interval`` batches across epochs."""
+    """Validate every N epochs; None counts ``val_check_interval`` batches across epochs (an int, or a
+    duration; a fraction of an epoch is refused then)."""
 
     num_sanity_val_steps: int = 2
     """Validation batches run before training, so that a broken ``validation_step`` fails in
@@ -155,7 +156,7 @@ class TrainerConfig:
 
     # --------------------------------------------------------------------------- watching
     log_every_n_steps: int = 50
-    """Write step values to the loggers every N optimizer steps."""
+    """Write step values to the loggers every N optimizer steps (0: never; the epochs' values are written)."""
 
     callbacks: Callback | Sequence[Callback] | None = None
     """Callbacks to run, besides the default ones the ``enable_*`` flags add."""
@@ -317,6 +318,13 @@ class TrainerConfig:
             )
         if self.check_val_every_n_epoch is not None:
             _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None")
+        elif isinstance(value, float) and value != 1.0:  # 1.0 is also the default: the end of each epoch
+            raise FlagError(
+                f"val_check_interval={value!r} with check_val_every_n_epoch=None: `val_check_interval` should be an "
+                "integer or a time-based duration (str 'DD:HH:MM:SS', datetime.timedelta, or dict kwargs for "
+                "timedelta) when `check_val_every_n_epoch=None`. Batches are then counted across epochs, where a "
+                "fraction of an epoch means nothing"
+            )
         _check_int("num_sanity_val_steps", self.num_sanity_val_steps, minimum=-1)
 
     def _check_optimization(self) -> None:
@@ -329,7 +337,7 @@ class TrainerConfig:
             _check_choice("gradient_clip_algorithm", self.gradient_clip_algorithm, ("norm", "value"))
 
     def _check_watching(self) -> None:
-        _check_int("log_every_n_steps", self.log_every_n_steps, minimum=1)
+        _check_int("log_every_n_steps", self.log_every_n_steps, minimum=0)
         _check_items("callbacks", self.callbacks, Callback, "a Callback or a list of them")
         loggers = [] if self.logger is None else self.logger if isinstance(self.logger, Sequence) else [self.logger]
         if not isinstance(self.logger, bool) and not all(is_logger(item) for item in loggers):
@@ -403,12 +411,12 @@ class TrainerConfig:
         limit it comes to (1000, with a warning, when no limit is given at all; -1 when another one is)."""
         if self.max_epochs is not None:
             return self
-        if self.epoch_limit != -1:
-            rank_zero_warn_once(
+        if self.epoch_limit != -1:  # at each such fit, as Lightning (Python shows it once per line that calls fit)
+            rank_zero_warn(
                 "`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set "
                 "`max_epochs=-1`.",
                 PossibleUserWarning,
-                stacklevel=3,
+                stacklevel=5,  # the line calling fit (this function, fit, and rank_zero_warn with its decorator)
             )
         return dataclasses.replace(self, max_epochs=self.epoch_limit)
 
@@ -418,7 +426,7 @@ class TrainerConfig:
         changes: dict[str, Any] = {}
         if self.barebones:
             changes.update(logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                           enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+                           enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=0)  # fmt: skip
         batches = int(self.fast_dev_run)
         if batches:
             changes.update(
@@ -511,10 +519,9 @@ _NONE_IS_DEFAULT = (
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
 
 
-#: The features ``barebones=True`` turns off that the Trainer's flags ask for, each with the value that asks for none
-#: (None: only leaving the flag out does).
+#: The features ``barebones=True`` turns off that the Trainer's flags ask for, each with the value that asks for none.
 _BAREBONES_OFF = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-                  "enable_model_summary": False, "num_sanity_val_steps": 0, "log_every_n_steps": None}  # fmt: skip
+                  "enable_model_summary": False, "num_sanity_val_steps": 0, "log_every_n_steps": 0}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ checks

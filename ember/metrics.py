@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import numbers
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from types import CodeType
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -30,6 +32,20 @@ Number = torch.Tensor | float
 _Key = TypeVar("_Key", bound=Hashable)
 
 
+def _logging_function() -> CodeType | None:
+    """The code of the function outside Ember that called ``self.log`` (or ``log_dict``, or a callback's ``log``).
+
+    The hooks of a training batch share the step's logging scope (one scope per epoch, not one per hook and
+    batch, keeps the loop's per-batch cost down), so the scope alone cannot tell a name logged twice in one hook,
+    which Lightning refuses with other options, from the same name logged in ``training_step`` and in
+    ``on_train_batch_end``, which it takes. Only looked up when a call's options differ from the previous call's.
+    """
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("ember."):
+        frame = frame.f_back
+    return frame.f_code if frame is not None else None
+
+
 def is_metric_object(value: Any) -> bool:
     """A ``torchmetrics.Metric``-like object: it updates per batch and computes its own (synced) value."""
     return callable(getattr(value, "compute", None)) and callable(getattr(value, "reset", None))
@@ -39,6 +55,7 @@ class _Logged:
     """One logged name: its options, latest step value and running epoch aggregate."""
 
     __slots__ = (
+        "caller",
         "loaders",
         "metric",
         "name",
@@ -65,12 +82,17 @@ class _Logged:
     def __init__(self, name: str) -> None:
         self.name = name  # as self.log got it (without a loader's suffix)
         self.options: tuple[Any, ...] = ()  # the scope and the arguments of the self.log call that set them
+        self.caller: CodeType | None = None  # the function that made that call (see _logging_function)
         self.loaders: set[int] = set()  # the evaluation loaders whose steps logged it (none: all of them)
         self.step_value: Number | None = None
         self.step_fresh = False
         self.total: Number | None = None
         self.weight = 0
         self.metric: Any = None
+
+    def resolved_options(self) -> tuple[Any, ...]:
+        """The options as they apply (defaults resolved), to compare two calls by."""
+        return self.on_step, self.on_epoch, self.prog_bar, self.reduce_fx, self.to_logger, self.sync_dist
 
 
 class MetricStore:
@@ -380,27 +402,37 @@ class RunMetrics:
     def _configure(self, store: MetricStore, key: str, name: str, entry: _Logged | None,
                    options: tuple[Any, ...]) -> _Logged:  # fmt: skip
         """Check the options of a ``self.log(name, ...)`` call, resolve their defaults and give them to the
-        record of ``key`` in ``store`` (made on the name's first call). The latest call's options hold: the hooks
-        of a batch share its step's scope, so a name logged with other options in another hook is no mistake."""
+        record of ``key`` in ``store`` (made on the name's first call). A name logged again in the same hook must
+        keep its options, as in Lightning; in another hook (the hooks of a batch share its step's values) the
+        latest call's options hold."""
         scope, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, add_dataloader_idx = options
         on_step = scope.default_on_step if on_step is None else on_step
         on_epoch = (not scope.default_on_step) if on_epoch is None else on_epoch
         problem = scope.check(name, on_step, on_epoch, add_dataloader_idx)
         if problem is not None:
             raise MisconfigurationException(problem)
+        reduce = reduction(name, reduce_fx)
+        resolved = (on_step, on_epoch, prog_bar, reduce, logger is not False, sync_dist)
+        caller = _logging_function()
+        if entry is not None and (entry.options[0], entry.caller) == (scope, caller) \
+                and resolved != entry.resolved_options():  # fmt: skip
+            raise MisconfigurationException(
+                f"You called `self.log({name}, ...)` twice in `{scope.hook}` with different arguments. This is not "
+                "allowed: a name keeps the options of its first call in a hook"
+            )
         if logger and not self._loggers:
             rank_zero_warn_once(
                 f"You called `self.log({name!r}, ..., logger=True)` but have no logger configured: pass one to the "
                 "Trainer (logger=True, or a Logger) to write the value",
                 stacklevel=4,
             )
-        reduce = reduction(name, reduce_fx)
         if entry is None:
             entry = store._entries[key] = _Logged(name)
         if scope.dataloader_idx is not None:
             entry.loaders.add(scope.dataloader_idx)
         entry.on_step, entry.on_epoch, entry.prog_bar, entry.reduce_fx = on_step, on_epoch, prog_bar, reduce
         entry.to_logger, entry.sync_dist, entry.options = logger is not False, sync_dist, options
+        entry.caller = caller
         return entry
 
     @property

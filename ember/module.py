@@ -160,7 +160,7 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
                 "module yet (the module has not been given to a Trainer)"
             )
         elif trainer.config.barebones:
-            rank_zero_warn_once(f"self.log({name!r}, ...) does nothing with barebones=True", stacklevel=2)
+            rank_zero_warn_once(_barebones_refusal(f"self.log({name!r}, ...)"), stacklevel=2)
         else:
             if type(value) is not torch.Tensor and metric_attribute is None and is_metric_object(value):
                 self._check_metric_attribute(name, value)
@@ -190,6 +190,10 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
 
     def log_dict(self, dictionary: Mapping[str, Any], **options: Any) -> None:
         """``self.log`` for each item of ``dictionary``, with the same options."""
+        trainer = self._trainer
+        if trainer is not None and trainer.config.barebones:  # one warning for the call, naming it
+            rank_zero_warn_once(_barebones_refusal(f"self.log_dict({list(dictionary)!r}, ...)"), stacklevel=2)
+            return
         for name, value in dictionary.items():
             self.log(name, value, **options)
 
@@ -383,6 +387,13 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         module.on_load_checkpoint(checkpoint)
         load_weights(lambda state: module.load_state_dict(state, strict=strict), module, checkpoint, checkpoint_path)
         return module
+
+
+def _barebones_refusal(call: str) -> str:
+    return (
+        f"{call} does nothing: `Trainer(barebones=True)` is configured, which turns logging off (it can impact raw "
+        "speed)"
+    )
 
 
 def _unsupported_log_option(name: str, enable_graph: bool, sync_dist_group: Any) -> str:

@@ -528,6 +528,7 @@ class Trainer:
         # The run's directory is settled before any hook (setup, a profiler) can ask for it. A fit resumed
         # with "last" continues its predecessor's directory in place; any other run has one of its own.
         self._run_directory.settle(continuing=path if stage == "fit" and ckpt_path == "last" else None)
+        self.profiler.setup(self, stage)  # from prepare_data to teardown, as Lightning times the hooks
         if self.local_rank == 0:  # once per machine
             hooks.prepare_data()
         self.strategy.barrier()
@@ -536,7 +537,6 @@ class Trainer:
         if stage == "fit":
             self._start_doctor()  # before the model is wrapped, so that the wrapper is watched too
         self.strategy.setup_module(module, training=stage == "fit")
-        self.profiler.setup(self, stage)
         return path
 
     def _end_stage(self, stage: str, status: str, teardown_hooks: bool) -> None:
@@ -544,12 +544,14 @@ class Trainer:
             if status != "success":  # the write in flight still completes (its error, if any, is secondary)
                 with contextlib.suppress(Exception):
                     self.strategy.wait_for_checkpoints()
-            self.profiler.teardown(self, stage)
             if self._doctor is not None and status != "interrupted":
                 self._doctor.finish()  # fit ended before the doctor saw all its steps: report what it saw
             self._doctor = None
-            if self._hooks is not None and teardown_hooks:  # as Lightning: a stage that raised skips teardown()
-                self._hooks.teardown(stage)
+            try:
+                if self._hooks is not None and teardown_hooks:  # as Lightning: a stage that raised skips teardown()
+                    self._hooks.teardown(stage)
+            finally:
+                self.profiler.teardown(self, stage)  # its wrappers come off whatever teardown() did
             if self.is_global_zero:
                 for logger in self.loggers:
                     logger.finalize(status)

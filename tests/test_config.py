@@ -22,7 +22,7 @@ from ember.config import FlagError, TrainerConfig
         ({"max_epochs": True}, r"max_epochs=True: should be -1 \(no limit\) or a non-negative int"),
         ({"max_steps": 2.0}, r"max_steps=2.0"),
         ({"num_nodes": True}, r"num_nodes=True: should be an int >= 1"),
-        ({"log_every_n_steps": True}, r"log_every_n_steps=True: should be an int >= 1"),
+        ({"log_every_n_steps": True}, r"log_every_n_steps=True: should be an int >= 0"),
         ({"accumulate_grad_batches": True}, r"accumulate_grad_batches=True: should be an int >= 1 or 'auto'"),
         ({"check_val_every_n_epoch": 0}, r"check_val_every_n_epoch=0: should be an int >= 1 or None"),
         ({"limit_train_batches": True}, r"limit_train_batches=True: expected None, a number of batches"),
@@ -33,6 +33,8 @@ from ember.config import FlagError, TrainerConfig
         ({"fast_dev_run": 1.0}, r"fast_dev_run=1.0: should be >= 0"),
         ({"val_check_interval": 1.5}, r"val_check_interval=1.5: passed invalid value; expected a fraction"),
         ({"val_check_interval": True}, r"val_check_interval=True"),
+        ({"val_check_interval": 0.5, "check_val_every_n_epoch": None},
+         r"val_check_interval=0.5 with check_val_every_n_epoch=None: `val_check_interval` should be an integer"),
         ({"gradient_clip_val": True}, r"gradient_clip_val=True: expected a number >= 0 or None"),
         ({"doctor": 5}, r"doctor=5: True \(watch 30 steps\), False, or a number of steps above 5"),
         ({"callbacks": ["not a callback"]}, r"callbacks=\['not a callback'\]: expected a Callback"),
@@ -45,6 +47,11 @@ from ember.config import FlagError, TrainerConfig
 def test_each_flag_takes_only_its_type_and_range(flags: dict[str, Any], message: str) -> None:
     with pytest.raises(FlagError, match=message):
         ember.Trainer(**flags)
+
+
+def test_validation_counted_across_epochs_takes_batches_or_a_duration() -> None:
+    for interval in (1.0, 3, "00:00:01:00"):  # 1.0 (the default) validates at each epoch's end
+        ember.Trainer(accelerator="cpu", val_check_interval=interval, check_val_every_n_epoch=None)
 
 
 def test_a_flag_error_is_both_a_value_error_and_a_type_error() -> None:

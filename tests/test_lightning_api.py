@@ -918,8 +918,10 @@ def test_dataloaders_are_reloaded_every_n_epochs() -> None:
 def test_barebones_turns_off_everything_that_costs_time() -> None:
     trainer = ember.Trainer(accelerator="cpu", barebones=True, max_epochs=1)
     assert trainer.loggers == [] and trainer.callbacks == [] and trainer.config.num_sanity_val_steps == 0
-    with pytest.warns(UserWarning, match=r"self.log\('train_loss', ...\) does nothing with barebones=True"):
+    with pytest.warns(UserWarning, match=r"self.log\('train_loss', ...\) does nothing: `Trainer\(barebones=True\)` is"):
         trainer.fit(Regressor(), make_loader())
+    with pytest.warns(UserWarning, match=r"self.log_dict\(\['a', 'b'\], ...\) does nothing: `Trainer\(barebones=True"):
+        trainer.lightning_module.log_dict({"a": 1.0, "b": 2.0})  # one warning for the call
     assert trainer.callback_metrics == {} and not os.path.exists("ember_logs")
     for flags, name in (({"logger": CSVLogger(".")}, "logger"), ({"profiler": "simple"}, "profiler"),
                         ({"fast_dev_run": True}, "fast_dev_run"), ({"detect_anomaly": True}, "detect_anomaly"),

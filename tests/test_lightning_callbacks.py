@@ -253,6 +253,15 @@ def test_a_mock_standing_in_for_a_callback_gets_the_hooks() -> None:
     assert returned.method_calls == given.method_calls
 
 
+def test_hooks_set_on_a_callback_instance_are_called_and_has_work_in_is_the_classs() -> None:
+    called: list[str] = []
+    callback = Callback()
+    for name in ("on_train_start", "has_work_in"):  # as code that records every public method of a Callback does
+        setattr(callback, name, functools.partial(lambda name, *args: called.append(name), name))
+    quiet_trainer(max_epochs=1, limit_train_batches=1, callbacks=[callback]).fit(Regressor(), make_loader())
+    assert called == ["on_train_start"]
+
+
 def test_lambda_callback_takes_every_hook_and_has_work_in() -> None:
     called: list[str] = []
 
@@ -422,6 +431,25 @@ def test_learning_rate_finder_callback_trains_at_the_suggestion() -> None:
     assert finder.optimal_lr is not None and finder.optimal_lr.suggested_lr is not None
     assert rates == [finder.optimal_lr.suggested_lr] and model.rate == finder.optimal_lr.suggested_lr
     assert trainer.global_step == 8 and model.steps == 30 + 8  # the sweep's steps are not training's
+
+
+def test_learning_rate_finder_callback_sweeps_on_the_loader_given_to_fit() -> None:
+    finder = LearningRateFinder(num_training_steps=20)
+    sizes: set[int] = set()
+
+    class Given(Regressor):  # no train_dataloader(): the sweep can only read the loader fit was given
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            sizes.add(len(batch[0]))
+            return super().training_step(batch, batch_idx)
+
+    model = Given()
+    trainer = quiet_trainer(max_epochs=1, limit_val_batches=0, logger=False, callbacks=[finder])
+    trainer.fit(model, make_loader(40, batch_size=5))
+    assert finder.optimal_lr is not None and len(finder.optimal_lr.results["lr"]) == 20
+    assert sizes == {5}
+    assert trainer.optimizers[0].param_groups[0]["lr"] == model.hparams.lr == finder.optimal_lr.suggested_lr
+    with pytest.raises(MisconfigurationException, match=r"lr_find\(trainer, pl_module\) sweeps on fit's training"):
+        finder.lr_find(trainer, model)  # fit has ended
 
 
 def test_every_callback_names_the_module_pl_module() -> None:

@@ -17,7 +17,7 @@ import yaml
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
-from ember.callbacks import Callback
+from ember.callbacks import Callback, DeviceStatsMonitor, ThroughputMonitor
 from ember.exceptions import MisconfigurationException
 from ember.loggers import CSVLogger, Logger, TensorBoardLogger
 from ember.loggers.csv_logger import ExperimentWriter
@@ -118,6 +118,24 @@ def test_a_name_logged_in_two_hooks_of_a_batch_with_other_options_takes_the_late
     assert trainer.callback_metrics["x"] == 2.0 and trainer.progress_bar_metrics["x"] == 2.0
 
 
+def test_a_name_logged_again_in_the_same_hook_keeps_its_options() -> None:
+    class Twice(Regressor):
+        def __init__(self, **again: Any) -> None:
+            super().__init__()
+            self.again = again
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("x", 1.0)
+            self.log("x", 2.0, **self.again)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(MisconfigurationException, match=r"self.log\(x, ...\)` twice in `training_step` with differ"):
+        _fit(Twice(prog_bar=True))
+    # The same options once the defaults are applied: no other arguments.
+    trainer = _fit(Twice(on_step=True, on_epoch=False, logger=True, reduce_fx=torch.mean))
+    assert trainer.callback_metrics["x"] == 2.0
+
+
 def test_a_logged_metric_must_be_an_attribute_of_the_module() -> None:
     def accuracy() -> torchmetrics.Metric:
         return torchmetrics.classification.BinaryAccuracy()
@@ -210,6 +228,18 @@ def test_values_are_labelled_and_handed_to_loggers_as_lightning_does() -> None:
     trainer.validate(model, make_loader(16), verbose=False)
     # outside fit, values carry the steps taken
     assert calls.calls == [({"v_step": 0.0}, 0), ({"v_step": 1.0}, 1), ({"v_epoch": 0.5, "epoch": 2}, 4)]
+
+
+def test_log_every_n_steps_0_writes_the_epochs_values_only() -> None:
+    calls = _Calls()
+    callbacks = [DeviceStatsMonitor(), ThroughputMonitor(flops_per_sample=None)]  # they log at logging steps
+    trainer = quiet_trainer(max_epochs=2, logger=calls, log_every_n_steps=0, enable_checkpointing=False,
+                            callbacks=callbacks)  # fmt: skip
+    assert trainer.log_every_n_steps == 0
+    trainer.fit(_StepAndEpoch(), make_loader(16), make_loader(16))
+    # No training step's values (an evaluation step's are written whatever the flag, as in Lightning).
+    epoch = [["v_step"], ["v_step"], ["epoch", "v_epoch"], ["epoch", "t_epoch"]]
+    assert [sorted(metrics) for metrics, _ in calls.calls] == epoch * 2
 
 
 def test_logged_metrics_hold_the_step_and_the_epoch_values_whether_or_not_a_logger_wrote_them() -> None:

@@ -437,8 +437,12 @@ def test_max_epochs_is_resolved_when_fit_starts() -> None:
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.trainer.should_stop = True
 
-    with pytest.warns(PossibleUserWarning, match="`max_epochs` was not set. Setting it to 1000 epochs"):
+    for _ in range(2):  # at each fit, not once per process (the tests of a session each expect it)
+        with pytest.warns(PossibleUserWarning, match="`max_epochs` was not set. Setting it to 1000 epochs"):
+            quiet_trainer(logger=False, enable_checkpointing=False).fit(StopsAtOnce(), make_loader(8))
+    with pytest.warns(PossibleUserWarning, match="`max_epochs` was not set. Setting it to 1000 epochs") as caught:
         trainer.fit(StopsAtOnce(), make_loader(8))
+    assert {w.filename for w in caught if w.category is PossibleUserWarning} == {__file__}  # the line calling fit
     assert trainer.max_epochs == 1000
     trainer = quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False)
     trainer.fit(Regressor(), make_loader(8))
@@ -457,8 +461,10 @@ def test_barebones_refuses_a_feature_asked_for(flags: dict[str, Any]) -> None:
 
 
 def test_barebones_takes_a_feature_turned_off() -> None:
-    trainer = ember.Trainer(barebones=True, logger=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    trainer = ember.Trainer(barebones=True, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                            log_every_n_steps=0)  # fmt: skip
     assert trainer.barebones and trainer.loggers == [] and trainer.checkpoint_callback is None
+    assert trainer.log_every_n_steps == 0 and trainer.num_sanity_val_steps == 0 and not trainer.fast_dev_run
 
 
 @pytest.mark.parametrize("stage", ["validate", "test", "predict"])

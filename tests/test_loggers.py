@@ -266,3 +266,36 @@ def test_metrics_csv_stays_open_during_a_stage_and_is_closed_at_its_end(tmp_path
     assert seen[-1] and os.path.realpath(logger.metrics_file) not in open_files()  # appended to in place, then closed
     with open(logger.metrics_file, newline="") as file:
         assert [int(row["step"]) for row in csv.DictReader(file) if row["train_loss"]] == list(range(16))
+
+
+def test_csv_logger_writes_to_a_file_system_url() -> None:
+    import fsspec
+
+    from ember.loggers.logger import load_hparams_from_yaml
+
+    filesystem = fsspec.filesystem("memory")
+    first = CSVLogger("memory://runs", name="exp")
+    writer = first.experiment
+    writer.log_metrics({"loss": 0.5}, step=0)
+    writer.save()
+    writer.log_metrics({"loss": 0.25, "acc": 1.0}, step=1)  # a new column: the file is written with it
+    writer.save()
+    first.log_hyperparams({"lr": 0.1, "layers": [2, 3]})
+    assert first.log_dir == "memory://runs/exp/version_0" and not os.path.exists("memory:")
+    text = filesystem.cat_file(writer.metrics_file_path).decode()
+    assert list(csv.reader(text.splitlines())) == [["step", "loss", "acc"], ["0", "0.5", ""], ["1", "0.25", "1.0"]]
+    assert load_hparams_from_yaml(f"{first.log_dir}/{writer.NAME_HPARAMS_FILE}") == {"lr": 0.1, "layers": [2, 3]}
+    assert CSVLogger("memory://runs", name="exp").version == 1  # the next free number
+    filesystem.rm("/runs", recursive=True)
+
+
+def test_hparams_yaml_saved_and_loaded_as_lightning_names_them(tmp_path: Any) -> None:
+    from argparse import Namespace
+
+    from ember.loggers.logger import load_hparams_from_yaml, save_hparams_to_yaml
+
+    path = tmp_path / "nested" / "hparams.yaml"
+    save_hparams_to_yaml(path, Namespace(lr=0.1, name="net", dtype=torch.float32))
+    assert load_hparams_from_yaml(path) == {"lr": 0.1, "name": "net", "dtype": "torch.float32"}  # its repr
+    with pytest.warns(RuntimeWarning, match="there is no file"):
+        assert load_hparams_from_yaml(tmp_path / "missing.yaml") == {}

@@ -295,8 +295,10 @@ def test_a_value_logged_in_the_hooks_that_start_an_evaluation_reaches_its_result
 
 
 @pytest.mark.parametrize(
-    "hook", ["setup", "on_fit_start", "on_train_end", "on_fit_end", "configure_optimizers", "on_save_checkpoint"]
-)
+    "hook",
+    ["setup", "on_fit_start", "on_train_end", "on_fit_end", "configure_optimizers", "on_save_checkpoint",
+     "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"],
+)  # fmt: skip
 def test_logging_where_nothing_may_be_logged_is_refused_by_name(hook: str) -> None:
     def refused(self: Any, *args: Any, **kwargs: Any) -> Any:  # setup(stage=...) by keyword
         with pytest.raises(MisconfigurationException, match=rf"self.log\('x'\) in {hook}"):
@@ -304,7 +306,7 @@ def test_logging_where_nothing_may_be_logged_is_refused_by_name(hook: str) -> No
         self.refused.append(hook)
         if hook == "configure_optimizers":
             return Regressor.configure_optimizers(self)
-        return None
+        return args[0] if "batch" in hook else None  # a transfer hook gives the batch back
 
     module = type("Refuses", (Regressor,), {hook: refused, "refused": []})()
     trainer = quiet_trainer(max_epochs=1, logger=False)

@@ -63,7 +63,7 @@ def test_simple_profiler_table_adds_up_to_the_step_time(tmp_path: Any, capsys: p
     trainer.fit(_MLP(), _mlp_loader(40))
     records = trainer.profiler.records
     for action in ("train: waiting for data", "train: batch_to_device", "training_step", "backward",
-                   "optimizer_step", "ProgressBar.on_train_batch_end"):  # fmt: skip
+                   "optimizer_step", "[Callback]ProgressBar.on_train_batch_end"):  # fmt: skip
         assert records[action].calls == 40, action
     assert records["logging"].calls == 8 + 1  # every 5 steps, and the epoch's values
     # every action inside the epoch, each counting only its own time, covers the epoch's wall time
@@ -150,3 +150,48 @@ def test_pytorch_profiler_writes_a_trace_with_the_trainers_actions(tmp_path: Any
         assert "Self CPU" in file.read()
     with pytest.warns(UserWarning, match="recorded no trace of fit"):
         quiet_trainer(max_steps=1, profiler="pytorch", logger=False).fit(Regressor(), make_loader())
+
+
+def test_hooks_are_timed_under_lightnings_names_from_prepare_data_to_teardown(tmp_path: Any) -> None:
+    class Data(ember.DataModule):
+        def prepare_data(self) -> None:
+            pass
+
+        def setup(self, stage: str) -> None:
+            pass
+
+        def train_dataloader(self) -> DataLoader:
+            return make_loader()
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"seen": 1}
+
+    class Net(Regressor):
+        def setup(self, stage: str) -> None:
+            pass
+
+    class Watch(Callback):
+        def teardown(self, trainer: ember.Trainer, module: Any, stage: str) -> None:
+            pass
+
+    def fit(**options: Any) -> dict[str, list[float]]:
+        trainer = quiet_trainer(max_epochs=1, profiler="simple", logger=False, callbacks=[Watch()],
+                                default_root_dir=str(tmp_path))  # fmt: skip
+        trainer.fit(Net(), datamodule=Data(), **options)
+        with open(os.path.join(str(tmp_path), "fit-profile.txt")) as file:
+            assert "[LightningDataModule]Data.teardown" in file.read()  # the report is written after teardown()
+        assert isinstance(trainer.profiler, SimpleProfiler)
+        return trainer.profiler.recorded_durations
+
+    # Data.teardown is DataModule's, which does nothing: timed all the same, as Lightning times it. A callback's
+    # actions are named by its state_key, its class's qualified name here.
+    durations = fit()
+    for action in ("[LightningDataModule]Data.prepare_data", "[LightningDataModule]Data.setup",
+                   "[LightningDataModule]Data.state_dict", "[LightningDataModule]Data.teardown",
+                   "[LightningModule]Net.setup", "[LightningModule]Net.configure_optimizers",
+                   f"[Callback]{Watch.__qualname__}.teardown"):  # fmt: skip
+        assert len(durations[action]) == 1 and durations[action][0] > 0, action
+    assert len(durations["training_step"]) == 8
+    saved = glob.glob(os.path.join(str(tmp_path), "**", "*.ckpt"), recursive=True)
+    durations = fit(ckpt_path=saved[0])  # a resumed fit gives the datamodule its state back
+    assert len(durations["[LightningDataModule]Data.load_state_dict"]) == 1

@@ -35,7 +35,8 @@ class Callback:
 
     def has_work_in(self, hook: str) -> bool:
         """Whether ``hook``, which this callback overrides, has work to do in the stage that is starting; the
-        loops do not call one that has none (a batch hook whose schedule is unset then costs nothing per batch)."""
+        loops do not call one that has none (a batch hook whose schedule is unset then costs nothing per batch).
+        Override it in the class: it is asked of the callback's class, not of the instance."""
         return True
 
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None: ...
@@ -118,6 +119,6 @@ def settings_key(callback: Callback, **settings: Any) -> str:
 
 def at_logging_step(trainer: Trainer) -> bool:
     """Whether the training batch that just ended stepped onto a ``log_every_n_steps`` multiple (of optimizer
-    steps; under manual optimization, of training batches)."""
-    loop = trainer.fit_loop
-    return loop.stepped and loop.logging_step % trainer.log_every_n_steps == 0
+    steps; under manual optimization, of training batches); never with ``log_every_n_steps=0``."""
+    loop, every = trainer.fit_loop, trainer.log_every_n_steps
+    return loop.stepped and every > 0 and loop.logging_step % every == 0

@@ -75,7 +75,8 @@ class LearningRateMonitor(Callback):
         if self.logging_interval == "epoch" or loop.progress.window_batches:
             return  # once per optimizer step, when its first micro-batch starts
         # Written when the step that begins is a logging step, with the label its values get (the steps before it).
-        if (loop.logging_step + 1) % trainer.log_every_n_steps == 0:
+        every = trainer.log_every_n_steps  # 0: no step values are written
+        if every and (loop.logging_step + 1) % every == 0:
             self._log(trainer, "step" if self.logging_interval is None else None, loop.logging_step)
 
     def _log(self, trainer: Trainer, interval: str | None, step: int) -> None:

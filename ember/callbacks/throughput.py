@@ -123,7 +123,7 @@ class ThroughputMonitor(Callback):
             measured FLOPs, each counts at its own peak; with given ones, the matrix products' peak is used.
         batch_size_fn: the number of samples in a batch; by default the first dimension of the first
             tensor in it (read from its shape, so the device is not waited for).
-        log_every_n_steps: how often to log; by default the Trainer's ``log_every_n_steps``.
+        log_every_n_steps: how often to log; by default the Trainer's ``log_every_n_steps`` (0 there: never).
     """
 
     def __init__(
@@ -212,7 +212,8 @@ class ThroughputMonitor(Callback):
             return
         self._batches += 1
         self._samples += self.batch_size_fn(batch)
-        if self._start is not None and trainer.fit_loop.stepped and trainer.global_step % self._every == 0:
+        every = self._every  # 0 (the Trainer's log_every_n_steps=0): never
+        if self._start is not None and every and trainer.fit_loop.stepped and trainer.global_step % every == 0:
             now = self._now()
             figures = self._figures(self._elapsed + now - self._start, trainer)
             trainer.run_metrics.write(figures, trainer.global_step, trainer.current_epoch)

@@ -178,6 +178,9 @@ PYTORCH: dict[str, Names] = {
     "core.datamodule": _DATAMODULE,
     "core.mixins": {"HyperparametersMixin": "ember.hparams:HyperparametersMixin"},
     "core.mixins.hparams_mixin": {"HyperparametersMixin": "ember.hparams:HyperparametersMixin"},
+    "core.saving": {
+        name: f"ember.loggers.logger:{name}" for name in ("save_hparams_to_yaml", "load_hparams_from_yaml")
+    },
     "trainer": _TRAINER,
     "trainer.trainer": _TRAINER,
     "callbacks": _CALLBACKS,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ember.loggers.dummy import rank_zero_experiment
-from ember.loggers.logger import DEFAULT_NAME, VersionedLogger, prefixed, write_hparams_file
+from ember.loggers.logger import DEFAULT_NAME, VersionedLogger, prefixed, save_hparams_to_yaml, url_filesystem
 from ember.rank_zero import rank_zero_warn
 
 
@@ -24,6 +24,7 @@ class ExperimentWriter:
     new metric appears, a complete file with the wider header replaces it at once (written beside it, then
     renamed), so the history is never truncated either. A ``metrics.csv`` left in the directory by an earlier run
     is replaced (with a warning), unless ``continues`` says this run continues that one (it is appended to).
+    Under a URL (``s3://...``: an object store, which cannot append) each ``save`` writes the file whole.
     """
 
     NAME_METRICS_FILE = "metrics.csv"
@@ -41,13 +42,14 @@ class ExperimentWriter:
         # metrics.csv's descriptor, open from the first append to ``close`` (an open per append took a measurable
         # share of a small model's steps)
         self._descriptor: int | None = None
-        if not continues and os.path.isfile(self.metrics_file_path):
+        self._filesystem = url_filesystem(log_dir)  # None: a local directory
+        if not continues and self._exists(self.metrics_file_path):
             rank_zero_warn(
                 f"Experiment logs directory {log_dir} exists and is not empty: the metrics.csv an earlier run left "
                 "there is replaced by this run's (continue a run with fit(ckpt_path=...) to append to it)"
             )
-            os.unlink(self.metrics_file_path)
-        os.makedirs(log_dir, exist_ok=True)
+            self._remove(self.metrics_file_path)
+        self._make_log_dir()
 
     def log_metrics(self, metrics_dict: Mapping[str, Any], step: int | None = None) -> None:
         """Add a row (``step`` None: the number of rows not yet written, as Lightning's writer numbers them).
@@ -68,7 +70,7 @@ class ExperimentWriter:
     def log_hparams(self, params: Mapping[str, Any]) -> None:
         """Add ``params`` to the hyperparameters and write them all to ``hparams.yaml``."""
         self.hparams.update(params)
-        write_hparams_file(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
+        save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
 
     def save(self) -> None:
         """Append the rows of ``metrics`` to ``metrics.csv``."""
@@ -76,14 +78,17 @@ class ExperimentWriter:
             return
         path = self.metrics_file_path
         if self._file_columns is None:  # first write: continue the file of the run this one continues, if any
-            os.makedirs(self.log_dir, exist_ok=True)
-            self._file_columns = _read_header(path)
+            self._make_log_dir()
+            self._file_columns = _header(self._read(path, header_only=True))
             known = self._file_columns
             self.metrics_keys = known + [column for column in self.metrics_keys if column not in known]
+        if self._filesystem is not None:
+            rows = [*_rows(self._read(path)), *self.metrics]
+            self._filesystem.pipe_file(path, _csv_text(self.metrics_keys, rows, header=True).encode())
         # The known columns begin with the file's (new metrics are added at the end): more means new ones.
-        if not self._file_columns or len(self.metrics_keys) > len(self._file_columns):
+        elif not self._file_columns or len(self.metrics_keys) > len(self._file_columns):
             self.close()
-            _replace(path, _csv_text(self.metrics_keys, [*_read_rows(path), *self.metrics], header=True))
+            _replace(path, _csv_text(self.metrics_keys, [*_rows(self._read(path)), *self.metrics], header=True))
         else:
             _append(self._open(path), _csv_text(self.metrics_keys, self.metrics, header=False))
         self._file_columns = list(self.metrics_keys)
@@ -93,6 +98,30 @@ class ExperimentWriter:
         if self._descriptor is not None:
             os.close(self._descriptor)
             self._descriptor = None
+
+    def _exists(self, path: str) -> bool:
+        return self._filesystem.isfile(path) if self._filesystem is not None else os.path.isfile(path)
+
+    def _remove(self, path: str) -> None:
+        if self._filesystem is not None:
+            self._filesystem.rm_file(path)
+        else:
+            os.unlink(path)
+
+    def _make_log_dir(self) -> None:
+        if self._filesystem is not None:
+            self._filesystem.makedirs(self.log_dir, exist_ok=True)
+        else:
+            os.makedirs(self.log_dir, exist_ok=True)
+
+    def _read(self, path: str, header_only: bool = False) -> str:
+        """The text of the file ``path``, or of its first line when only its header is wanted ("": no file)."""
+        if not self._exists(path):
+            return ""
+        if self._filesystem is not None:
+            return self._filesystem.cat_file(path).decode()
+        with open(path, newline="") as file:
+            return file.readline() if header_only else file.read()
 
     def _open(self, path: str) -> int:
         if self._descriptor is None:
@@ -192,15 +221,9 @@ def _replace(path: str, text: str) -> None:
         raise
 
 
-def _read_header(path: str) -> list[str]:
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as file:
-        return list(csv.DictReader(file).fieldnames or [])
+def _header(text: str) -> list[str]:
+    return list(csv.DictReader(io.StringIO(text, newline="")).fieldnames or [])
 
 
-def _read_rows(path: str) -> list[dict[str, str]]:
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as file:
-        return list(csv.DictReader(file))
+def _rows(text: str) -> list[dict[str, str]]:
+    return list(csv.DictReader(io.StringIO(text, newline="")))

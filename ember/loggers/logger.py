@@ -1,12 +1,23 @@
-"""The ``Logger`` base class, and the versioned run directories shared by the file-based loggers."""
+"""The ``Logger`` base class, and the versioned run directories shared by the file-based loggers.
+
+A file-based logger's ``save_dir`` may be a local path or, as in Lightning, the URL of another file system
+(``s3://bucket/runs``, ``gs://...``, ``memory://...``), reached through fsspec (``url_filesystem``).
+"""
 
 from __future__ import annotations
 
 import numbers
 import os
+import posixpath
 import re
+from argparse import Namespace
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ember.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 from ember.lightning_compat.hook import is_installed as lightning_names_served
 
@@ -136,13 +147,53 @@ class VersionedLogger(Logger):
         return os.path.join(self._save_dir, self._name, version if isinstance(version, str) else f"version_{version}")
 
 
-def write_hparams_file(path: str, params: Mapping[str, Any]) -> None:
-    """Write ``params`` to the YAML file ``path`` (values YAML cannot hold are written as their repr)."""
+def url_filesystem(path: str) -> AbstractFileSystem | None:
+    """The fsspec file system of ``path`` when it is a URL (``s3://...``); None for a plain local path, which Ember
+    writes with its own atomic and append-only file operations. fsspec comes with torch; the file system's own
+    package (s3fs, gcsfs, ...) is needed for the URL's."""
+    if "://" not in path:
+        return None
+    import fsspec
+
+    return fsspec.core.url_to_fs(path)[0]
+
+
+def save_hparams_to_yaml(
+    config_yaml: str | os.PathLike, hparams: Mapping[str, Any] | Namespace, use_omegaconf: bool = True
+) -> None:
+    """Write ``hparams`` (a dict or an ``argparse.Namespace``) to the YAML file ``config_yaml`` (a path or a URL), the
+    values YAML cannot hold as their repr (Lightning's ``core.saving`` function; Ember writes plain YAML whatever
+    ``use_omegaconf`` says)."""
     import yaml
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = os.fspath(config_yaml)
+    params = vars(hparams) if isinstance(hparams, Namespace) else dict(hparams)
+    text = yaml.safe_dump(_yaml_ready(params), sort_keys=False, allow_unicode=True)
+    filesystem = url_filesystem(path)
+    if filesystem is not None:
+        filesystem.pipe_file(path, text.encode())
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as file:
-        yaml.safe_dump(_yaml_ready(dict(params)), file, sort_keys=False, allow_unicode=True)
+        file.write(text)
+
+
+def load_hparams_from_yaml(config_yaml: str | os.PathLike, use_omegaconf: bool = True) -> dict[str, Any]:
+    """The hyperparameters in the YAML file ``config_yaml`` (a path or a URL): a dict, whatever ``use_omegaconf``
+    says; with a ``RuntimeWarning``, none when there is no such file (Lightning's ``core.saving`` function)."""
+    import yaml
+
+    path = os.fspath(config_yaml)
+    filesystem = url_filesystem(path)
+    if not (filesystem.isfile(path) if filesystem is not None else os.path.isfile(path)):
+        rank_zero_warn(f"load_hparams_from_yaml: there is no file {path!r}; no hyperparameters", RuntimeWarning)
+        return {}
+    if filesystem is not None:
+        text = filesystem.cat_file(path).decode()
+    else:
+        with open(path) as file:
+            text = file.read()
+    return yaml.safe_load(text) or {}
 
 
 def prefixed(metrics: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
@@ -180,9 +231,13 @@ def next_version(root: str) -> int:
 
 def run_versions(root: str) -> list[int]:
     """The ``N`` of every ``version_N`` directory under ``root``, in increasing order."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for entry in os.listdir(root) if (m := _VERSION_DIR.match(entry)))
+    filesystem = url_filesystem(root)
+    if filesystem is not None:
+        found = filesystem.ls(root, detail=False) if filesystem.isdir(root) else []
+        entries = [posixpath.basename(entry.rstrip("/")) for entry in found]
+    else:
+        entries = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(m.group(1)) for entry in entries if (m := _VERSION_DIR.match(entry)))
 
 
 def settle_versions(loggers: Sequence[Logger], continuing: str | None) -> list[int | str]:
@@ -226,8 +281,14 @@ def claim_version(root: str) -> int:
 
     ``os.mkdir`` either creates the directory or finds it there: two runs that pick the same N (two
     jobs of an array, or nodes sharing a file system) cannot both create it, and the loser takes the
-    next number.
+    next number. Under a URL (an object store, which has no directories to create atomically) N is the next
+    free number.
     """
+    filesystem = url_filesystem(root)
+    if filesystem is not None:
+        version = next_version(root)
+        filesystem.makedirs(posixpath.join(root, f"version_{version}"), exist_ok=True)
+        return version
     try:
         os.makedirs(root, exist_ok=True)
         version = next_version(root)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ember._utils import require
-from ember.loggers.logger import DEFAULT_NAME, VersionedLogger, flatten, prefixed, write_hparams_file
+from ember.loggers.logger import DEFAULT_NAME, VersionedLogger, flatten, prefixed, save_hparams_to_yaml
 
 
 class TensorBoardLogger(VersionedLogger):
@@ -70,7 +70,7 @@ class TensorBoardLogger(VersionedLogger):
     ) -> None:
         from torch.utils.tensorboard.summary import hparams
 
-        write_hparams_file(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), params)
+        save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), params)
         if metrics is None and self._default_hp_metric:
             metrics = {"hp_metric": -1}
         elif metrics is not None and not isinstance(metrics, Mapping):

@@ -42,6 +42,11 @@ class _Outcome(enum.Enum):
     PREEMPTED = enum.auto()  # saved for a preemption signal: leave at once
 
 
+#: How often the losses are checked when ``log_every_n_steps=0`` writes no step values (they are checked when
+#: logs are written otherwise): the losses kept on the device until then stay few.
+_LOSS_CHECK_STEPS = 50
+
+
 @dataclasses.dataclass
 class _Fit:
     """What one fit looks up once and reads per batch (the hooks nobody overrides cost nothing per batch)."""
@@ -146,7 +151,7 @@ class FitLoop:
             batch_end_hooks=hooks.implementations("on_train_batch_end"),
             manual=not runner.module.automatic_optimization,
             max_steps=config.max_steps if config.max_steps != -1 else math.inf,
-            next_log_step=config.log_every_n_steps,
+            next_log_step=config.log_every_n_steps or _LOSS_CHECK_STEPS,
         )
 
     # ---------------------------------------------------------------------------------- an epoch
@@ -327,9 +332,11 @@ class FitLoop:
     # ------------------------------------------------------------------------------- logging
     def _write_step_logs(self, fit: _Fit) -> None:
         every, step = self.trainer.config.log_every_n_steps, self.logging_step
-        fit.next_log_step = (step // every + 1) * every
+        interval = every or _LOSS_CHECK_STEPS
+        fit.next_log_step = (step // interval + 1) * interval
         self.check_losses()
-        self.trainer.run_metrics.write_step_values(step, self.progress.epoch)
+        if every:  # 0: the steps' values are never written (the epochs' are)
+            self.trainer.run_metrics.write_step_values(step, self.progress.epoch)
 
     def check_losses(self) -> None:
         """Raise if a training loss since the last check was NaN or infinite (see ``LossCheck``)."""

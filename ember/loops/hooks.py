@@ -15,10 +15,11 @@ from ember.callbacks import Callback
 from ember.loops.step import StepHooks
 from ember.metrics import LogScope
 from ember.module import DataModule, Module
+from ember.profilers.profiler import hook_action
 from ember.trainer_state import TrainerFn
 
 if TYPE_CHECKING:
-    from ember.profilers import Profiler
+    from ember.profilers.profiler import Profiler
     from ember.strategies import Strategy
     from ember.trainer import Trainer
 
@@ -71,7 +72,7 @@ MODULE_FIRST = frozenset({"on_load_checkpoint"})
 #: Where ``self.log`` may record, with its defaults, as Lightning allows it: per step (``on_step=True``) in a
 #: training step and the hooks around it, per epoch in evaluation steps and their batch hooks, epoch values only
 #: where a stage or an epoch starts or ends. Anywhere else (setup, teardown, ``on_fit_start``, the hooks of
-#: prediction, of checkpoints, of the sanity check, where a stage ends) logging is refused.
+#: prediction, of checkpoints, of the sanity check, of the batch transfer, where a stage ends) logging is refused.
 LOGGING = {
     **{hook: (True, False) for hook in _PER_STEP},
     **{hook: (False, False) for hook in _PER_EPOCH},
@@ -83,7 +84,7 @@ class Hooks:
     """The hooks of one stage: the module's, the datamodule's and each callback's implementations, where they
     override them. Built when the stage starts; each hook's list is found at its first call, so the loops call
     exactly what is there, and nothing for a hook nobody overrides. Under a profiler that records, each call is
-    timed as ``<Class>.<hook>``."""
+    timed, under Lightning's name for it (``[LightningModule]Net.on_train_start``, ...)."""
 
     def __init__(
         self, trainer: Trainer, module: Module, callbacks: Sequence[Callback], datamodule: DataModule | None = None
@@ -156,12 +157,16 @@ class Hooks:
         return None
 
     def _timed(self, owner: Any, name: str) -> Callable[..., Any]:
-        """``owner.<name>``, in a range of the profiler (when one records) named ``<Class>.<name>``."""
+        """``owner.<name>``, in a range of the profiler (when one records) named as Lightning names it."""
         method = getattr(owner, name)
         profiler = self._profiler
         if profiler is None:
             return method
-        label = f"{type(owner).__name__}.{name}"
+        if isinstance(owner, Callback):
+            label = hook_action("Callback", owner.state_key, name)
+        else:
+            kind = "LightningDataModule" if isinstance(owner, DataModule) else "LightningModule"
+            label = hook_action(kind, type(owner).__name__, name)
 
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -187,32 +192,33 @@ class Hooks:
 
     def call_module(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The module's ``name`` (what it returns), in its logging scope: its own, or the base class's."""
-        return self._call_owner(self._module, Module, name, args, kwargs)
+        return self._call_owner(self._module, name, args, kwargs)
 
     def call_datamodule(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The datamodule's ``name``, as ``call_module`` (nothing without a datamodule)."""
         if self._datamodule is None:
             return None
-        return self._call_owner(self._datamodule, DataModule, name, args, kwargs)
+        return self._call_owner(self._datamodule, name, args, kwargs)
 
     def data_loaders(self, kind: str) -> Any:
         """What ``<kind>_dataloader()`` ("train", "val", ...) of the datamodule returns, else the module's (None:
         neither defines it)."""
         found = self._loader_owner(kind)
-        return None if found is None else self._call_owner(*found, f"{kind}_dataloader", (), {})
+        return None if found is None else self._call_owner(found, f"{kind}_dataloader", (), {})
 
     def has_loaders(self, kind: str) -> bool:
         """Whether the datamodule or the module defines ``<kind>_dataloader()``."""
         return self._loader_owner(kind) is not None
 
-    def _loader_owner(self, kind: str) -> tuple[Any, type] | None:
+    def _loader_owner(self, kind: str) -> Any:
         for owner, base in ((self._datamodule, DataModule), (self._module, Module)):
             if owner is not None and replaces(f"{kind}_dataloader", owner, base):
-                return owner, base
+                return owner
         return None
 
-    def _call_owner(self, owner: Any, base: type, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        hook = self._timed(owner, name) if is_overridden(name, owner, base) else getattr(owner, name)
+    def _call_owner(self, owner: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Timed (under a profiler) even where the base class's does nothing, as Lightning times these calls.
+        hook = self._timed(owner, name)
         with self.scope(name):
             return hook(*args, **kwargs)
 
@@ -283,7 +289,8 @@ class Hooks:
     def batch_transfer(self, strategy: Strategy, dataloader_idx: int = 0) -> Callable[[Any], Any] | None:
         """How the batches of loader ``dataloader_idx`` reach the device: the strategy's transfer itself (None:
         they are used as the loader makes them), or with the transfer hooks of the datamodule (first) or the
-        module around it, where they are overridden."""
+        module around it, where they are overridden, each in its own logging scope (which refuses ``self.log``,
+        as Lightning does)."""
         before = self._data_hook("on_before_batch_transfer")
         transfer = self._data_hook("transfer_batch_to_device")
         after = self._data_hook("on_after_batch_transfer")
@@ -293,14 +300,19 @@ class Hooks:
 
         def to_device(batch: Any) -> Any:
             if before is not None:
-                batch = before(batch, dataloader_idx)
+                with self.scope("on_before_batch_transfer"):
+                    batch = before(batch, dataloader_idx)
             if transfer is None:
                 batch = strategy.batch_to_device(batch)
             else:
-                batch = transfer(batch, strategy.root_device, dataloader_idx)
+                with self.scope("transfer_batch_to_device"):
+                    batch = transfer(batch, strategy.root_device, dataloader_idx)
                 if precision.converts_input:
                     batch = precision.convert_input(batch)
-            return batch if after is None else after(batch, dataloader_idx)
+            if after is None:
+                return batch
+            with self.scope("on_after_batch_transfer"):
+                return after(batch, dataloader_idx)
 
         return to_device
 
@@ -320,9 +332,12 @@ def _scope(hook: str, trainer: Trainer, dataloader_idx: int | None) -> LogScope:
 
 
 def _has_work_in(callback: Callback, hook: str) -> bool:
-    # Asked only where a callback overrides it: Callback's own answers yes, and is not called, so that code that
-    # records every call of a callback's methods sees the hooks alone, as in Lightning.
-    return not replaces("has_work_in", callback, Callback) or callback.has_work_in(hook)
+    """``callback.has_work_in(hook)``, asked of the callback's class and only where it overrides Callback's (which
+    answers yes): code written for Lightning may set every public method of a callback on the instance, to record
+    its calls, and ``has_work_in`` is Ember's, no hook. A stand-in whose class has none (a mock) has work in every
+    hook it has."""
+    has_work_in = getattr(type(callback), "has_work_in", None)
+    return has_work_in is None or has_work_in is Callback.has_work_in or bool(has_work_in(callback, hook))
 
 
 def _callable_without_arguments(function: Any) -> bool:

@@ -25,7 +25,9 @@ class Profiler:
     actions call ``start``/``stop``: ``<kind>: waiting for data`` (the loader producing a batch),
     ``<kind>: batch_to_device``, ``training_step`` (the forward pass; likewise ``validation_step``,
     ...), ``backward``, ``unscale_gradients``, ``clip_gradients``, ``optimizer_step``, ``logging``
-    (writing to the loggers) and each overridden hook as ``<Class>.<hook>``. User code can add its
+    (writing to the loggers) and each overridden hook under Lightning's name for it (``hook_action``), from
+    ``prepare_data`` to ``teardown``, with the datamodule's ``state_dict`` and ``load_state_dict`` (which the
+    checkpoints call). User code can add its
     own with ``with self.trainer.profiler.profile("name"):``. At the end of the stage ``teardown``
     removes the wrappers, writes ``summary()`` to ``<dirpath>/<stage>-<filename>.txt`` (one file per
     rank, ``-rank<N>`` added when there are several) and prints it on the global-zero process.
@@ -69,6 +71,10 @@ class Profiler:
         for name in ("backward", "unscale_gradients", "clip_gradients", "optimizer_step"):
             self._wrap(strategy, name, name)
         self._wrap(trainer.run_metrics, "write", "logging")
+        datamodule = trainer.datamodule
+        if datamodule is not None:
+            for name in ("state_dict", "load_state_dict"):
+                self._wrap(datamodule, name, hook_action("LightningDataModule", type(datamodule).__name__, name))
 
     def timed_batches(self, batches: Iterable, kind: str) -> Iterator[Any]:
         """``batches`` (from a loader of ``kind``: "train", "val", "test", "predict"), each wait for one timed
@@ -141,6 +147,12 @@ class PassThroughProfiler(Profiler):
 
     def timed_batches(self, batches: Iterable, kind: str) -> Iterator[Any]:
         return iter(batches)
+
+
+def hook_action(kind: str, owner: str, hook: str) -> str:
+    """The action a hook is timed as, named as Lightning names it: ``[LightningModule]Net.on_train_start``,
+    ``[LightningDataModule]Data.setup``, ``[Callback]<the callback's state_key>.on_train_epoch_end``."""
+    return f"[{kind}]{owner}.{hook}"
 
 
 def latest_start(started: list, action: str) -> int:

@@ -15,14 +15,25 @@ if TYPE_CHECKING:
 
 
 class Record:
-    """What one action took: how often it ran, in total, and at the longest (seconds, its own time only)."""
+    """What one action took: each call's time (seconds, its own time only), how often it ran, in total and at the
+    longest."""
 
-    __slots__ = ("calls", "longest", "total")
+    __slots__ = ("durations",)
 
     def __init__(self) -> None:
-        self.calls = 0
-        self.total = 0.0
-        self.longest = 0.0
+        self.durations: list[float] = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.durations)
+
+    @property
+    def total(self) -> float:
+        return sum(self.durations)
+
+    @property
+    def longest(self) -> float:
+        return max(self.durations, default=0.0)
 
 
 class SimpleProfiler(Profiler):
@@ -31,7 +42,8 @@ class SimpleProfiler(Profiler):
     Each action counts its own time only: time spent in an action started inside it (``backward``
     inside a manual ``training_step``, logging inside a hook) counts for the inner one, so the rows
     add up to the stage's time; "other" is the time no action covered (the loop itself, setup).
-    ``records`` holds the figures after the stage. On a CUDA device it waits for the device when
+    ``records`` holds the figures after the stage, and ``recorded_durations`` (Lightning's name) each call's
+    time, by action. On a CUDA device it waits for the device when
     actions start and stop, so that GPU work counts for the action that queued it; this removes the
     overlap of host and device, so a profiled run is slower than an unprofiled one.
     """
@@ -74,10 +86,12 @@ class SimpleProfiler(Profiler):
         record = self.records.get(action)
         if record is None:
             record = self.records[action] = Record()
-        own = elapsed - inner
-        record.calls += 1
-        record.total += own
-        record.longest = max(record.longest, own)
+        record.durations.append(elapsed - inner)
+
+    @property
+    def recorded_durations(self) -> dict[str, list[float]]:
+        """Each action's calls, their own time in seconds, as ``records`` has them (Lightning's attribute)."""
+        return {action: record.durations for action, record in self.records.items()}
 
     def summary(self) -> str:
         if not self.records:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from ember.callbacks.callback import Callback
+from ember.exceptions import MisconfigurationException
 from ember.tuner.lr_finder import LRFinder
 from ember.tuner.tuner import check_lr_find, find_lr
 
@@ -44,8 +45,15 @@ class LearningRateFinder(Callback):
         self.lr_find(trainer, pl_module)
 
     def lr_find(self, trainer: Trainer, pl_module: Module) -> None:
+        data = trainer.fit_loop.data
+        if trainer.stage != "fit" or data is None:
+            raise MisconfigurationException(
+                f"{type(self).__name__}.lr_find(trainer, pl_module) sweeps on fit's training data: call it from a hook "
+                "of fit (on_fit_start, on_train_epoch_start, ...)"
+            )
+        data.load()  # when fit starts, its training loader is not asked for yet
         self.optimal_lr = find_lr(
-            trainer, pl_module, datamodule=trainer.datamodule, loader=trainer.train_dataloader,
+            trainer, pl_module, datamodule=trainer.datamodule, loader=data.loader,
             min_lr=self.min_lr, max_lr=self.max_lr, num_training=self.num_training_steps, mode=self.mode,
             early_stop_threshold=self.early_stop_threshold, update_attr=self.update_attr, attr_name=self.attr_name,
         )  # fmt: skip
