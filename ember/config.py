@@ -102,20 +102,16 @@ class TrainerConfig:
     first step boundary past it."""
 
     limit_train_batches: Limit = None
-    """Training batches per epoch: an int counts batches (so does a whole float above 1, such as ``1e6``), a float in
-    [0, 1] is a fraction."""
+    """Training batches per epoch: an int (or a whole float: ``1e6``) counts batches; a float in [0, 1], a fraction."""
 
     limit_val_batches: Limit = None
-    """Validation batches per run: an int counts batches (so does a whole float above 1, such as ``1e6``), a float in
-    [0, 1] is a fraction."""
+    """Validation batches per run: an int (or a whole float: ``1e6``) counts batches; a float in [0, 1], a fraction."""
 
     limit_test_batches: Limit = None
-    """Test batches: an int counts batches (so does a whole float above 1, such as ``1e6``), a float in
-    [0, 1] is a fraction."""
+    """Test batches: an int (or a whole float: ``1e6``) counts batches; a float in [0, 1], a fraction."""
 
     limit_predict_batches: Limit = None
-    """Prediction batches: an int counts batches (so does a whole float above 1, such as ``1e6``), a float in
-    [0, 1] is a fraction."""
+    """Prediction batches: an int (or a whole float: ``1e6``) counts batches; a float in [0, 1], a fraction."""
 
     overfit_batches: int | float = 0.0
     """Train and validate on the same few batches (an int counts them, a float in [0, 1] is a fraction of
@@ -135,8 +131,7 @@ class TrainerConfig:
     ``{"minutes": 30}``) the time since training started or last validated, checked after each batch."""
 
     check_val_every_n_epoch: int | None = 1
-    """Validate every N epochs; None counts ``val_check_interval`` batches across epochs (an int, or a
-    duration; a fraction of an epoch is refused then)."""
+    """Validate every N epochs; None counts ``val_check_interval`` (an int or a duration) across epochs."""
 
     num_sanity_val_steps: int = 2
     """Validation batches run before training, so that a broken ``validation_step`` fails in

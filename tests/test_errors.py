@@ -33,7 +33,7 @@ import ember
         ({"val_check_interval": 0.0}, r"val_check_interval=0.0"),
         ({"gradient_clip_algorithm": "l3"}, r"gradient_clip_algorithm='l3': choose 'norm' or 'value'"),
         ({"gradient_clip_val": -1.0}, r"gradient_clip_val=-1.0"),
-        ({"log_every_n_steps": 0}, r"log_every_n_steps=0"),
+        ({"log_every_n_steps": -1}, r"log_every_n_steps=-1"),
         ({"deterministic": "yes"}, r"deterministic='yes'"),
         ({"gpus": 1, "devices": 2}, r"gpus= is the older spelling"),
         ({"max_time": "1 hour"}, r"max_time='1 hour': expected 'DD:HH:MM:SS'"),

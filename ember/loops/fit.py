@@ -42,8 +42,7 @@ class _Outcome(enum.Enum):
     PREEMPTED = enum.auto()  # saved for a preemption signal: leave at once
 
 
-#: How often the losses are checked when ``log_every_n_steps=0`` writes no step values (they are checked when
-#: logs are written otherwise): the losses kept on the device until then stay few.
+#: How often the losses are checked (otherwise when logs are written) with ``log_every_n_steps=0``.
 _LOSS_CHECK_STEPS = 50
 
 
@@ -58,7 +57,6 @@ class _Fit:
     max_steps: float  # math.inf: no limit
     next_log_step: int  # when the logged step values are written next
     told_of_idle_epoch: bool = False
-    told_of_empty_epoch: bool = False
 
 
 class FitLoop:
@@ -226,7 +224,7 @@ class FitLoop:
             if (due or stopping.requested or progress.global_step >= fit.max_steps) \
                     and (outcome := self._stop(due, fit)) is not None:  # fmt: skip
                 return outcome
-        return self._loader_ended(window, fit)
+        return self._loader_ended(window)
 
     def _first_window(self) -> Window | None:
         """The epoch's first accumulation window; None when every batch is a window of its own (no accumulation)
@@ -238,27 +236,22 @@ class FitLoop:
         left = data.num_batches - progress.epoch_batches + progress.window_batches  # from the window's start
         return Window(runner.accumulate, left, done=progress.window_batches)
 
-    def _loader_ended(self, window: Window | None, fit: _Fit) -> _Outcome:
+    def _loader_ended(self, window: Window | None) -> _Outcome:
         """The end of an epoch whose loader ran out before a batch flagged as its last: it yielded no batch, or
         fewer than its length announced."""
         if self.progress.epoch_batches == 0:
-            return self._empty_epoch(fit)
+            return self._empty_epoch()
         if window is not None and window.has_gradients:
             assert self.runner is not None
             self.progress.advance(self.runner.close_window(window), 0)  # with what was accumulated
         return _Outcome.EPOCH_DONE
 
-    def _empty_epoch(self, fit: _Fit) -> _Outcome:
-        """An epoch whose loader yielded no batch (an iterable dataset with nothing left) counts, untrained, as in
-        Lightning; without a limit on epochs the fit ends there, since it could otherwise go on forever."""
-        ends = self.trainer.config.epoch_limit == -1
-        if not fit.told_of_empty_epoch:
-            fit.told_of_empty_epoch = True
-            rank_zero_warn(
-                f"the train dataloader yielded no batches in epoch {self.progress.epoch}: "
-                + ("fit ends there, as no limit on epochs would end it" if ends else "the epoch trains nothing"),
-                PossibleUserWarning,
-            )
+    def _empty_epoch(self) -> _Outcome:
+        """An epoch whose loader yielded no batch counts, untrained, as in Lightning; without a limit on epochs
+        the fit ends there, as it could otherwise go on forever."""
+        ends, epoch = self.trainer.config.epoch_limit == -1, self.progress.epoch
+        then = "fit ends there, as no limit on epochs would end it" if ends else "the epoch trains nothing"
+        rank_zero_warn(f"the train dataloader yielded no batches in epoch {epoch}: {then}", PossibleUserWarning)
         return _Outcome.DATA_ENDED if ends else _Outcome.EPOCH_DONE
 
     def _stop(self, interruptions_due: bool, fit: _Fit) -> _Outcome | None:
