@@ -380,8 +380,8 @@ class Trainer:
     def _fit(self, model: Module, train_dataloaders: _Loaders, val_dataloaders: _Loaders, datamodule: DataModule | None,
              ckpt_path: str | None, weights_only: bool | None) -> None:  # fmt: skip
         with self._stage("fit", model, datamodule, ckpt_path) as path:
-            validates = replaces("validation_step", model, Module) and (val_dataloaders is not None
-                                                               or self.hooks.has_loaders("val"))  # fmt: skip
+            has_loaders = val_dataloaders is not None or self.hooks.has_loaders("val")
+            validates = replaces("validation_step", model, Module) and has_loaders
             restore = functools.partial(checkpoint_state.resume_from, self, path, weights_only) if path else None
             self.fit_loop.run(
                 lambda: self._loaders("train", train_dataloaders, required=True)[0],
