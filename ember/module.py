@@ -49,8 +49,8 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     ]  # fmt: skip
 
     if TYPE_CHECKING:
-        # Module does not define it, so that fit refuses a module without one by name (Lightning's default
-        # returns None). Declared here for the type checker only.
+        # Module defines neither: fit refuses a module without configure_optimizers by name (Lightning's default
+        # returns None), and the pipeline strategy asks for pipeline_loss. Declared for the type checker only.
         def configure_optimizers(self) -> Any: ...
         def pipeline_loss(self, output: Any, target: Any) -> torch.Tensor: ...
 
