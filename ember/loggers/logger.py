@@ -14,12 +14,11 @@ from argparse import Namespace
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
-
-from ember.lightning_compat.hook import is_installed as lightning_names_served
 
 #: The name a logger's runs' directory has by default (``<save_dir>/ember_logs/version_N``).
 DEFAULT_NAME = "ember_logs"
