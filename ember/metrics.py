@@ -478,11 +478,12 @@ class RunMetrics:
         self.write(for_loggers, self._label(steps), epoch)
         return published
 
-    def log_values(self, values: Mapping[str, float], step: int, epoch: int) -> None:
+    def log_values(self, values: Mapping[str, float], step: int) -> None:
         """Values a callback measured itself (learning rates, device memory): written to the loggers with the
-        label ``step`` and, like logged metrics, readable in the callback metrics."""
+        label ``step`` and no epoch (a row of their own, as Lightning's callbacks write them) and, like logged
+        metrics, readable in the callback metrics."""
         self._epoch_values.update(values)
-        self.write(values, step, epoch)
+        self.write(values, step, None)
 
     def adopt(self, callback_metrics: Mapping[str, Number]) -> None:
         """Hold ``callback_metrics`` as the latest values: a stage's that ran in other processes (rank zero's)."""

@@ -141,17 +141,22 @@ def test_missing_packages_give_an_install_hint(monkeypatch: pytest.MonkeyPatch) 
         MLflowLogger()
 
 
-def test_csv_rows_of_a_new_epoch_do_not_overwrite_the_last_one(tmp_path: Any) -> None:
+def test_csv_writes_a_row_per_call_under_alphabetical_columns(tmp_path: Any) -> None:
     logger = CSVLogger(str(tmp_path))
     logger.log_metrics({"loss_epoch": 1.0, "epoch": 0}, step=8)
     logger.log_metrics({"lr": 0.1, "epoch": 1}, step=8)  # the next epoch starts at the same step
     logger.log_metrics({"loss": 2.0, "epoch": 1}, step=8)
     logger.save()
+    logger.log_metrics({"acc": 0.5}, step=9)  # a new column: the file gets a new header, still in order
+    logger.save()
     with open(logger.metrics_file, newline="") as file:
-        rows = list(csv.DictReader(file))
-    assert [(row["epoch"], row["loss_epoch"], row["lr"], row["loss"]) for row in rows] == [
-        ("0", "1.0", "", ""),
-        ("1", "", "0.1", "2.0"),
+        lines = list(csv.reader(file))
+    assert lines == [
+        ["acc", "epoch", "loss", "loss_epoch", "lr", "step"],
+        ["", "0", "", "1.0", "", "8"],
+        ["", "1", "", "", "0.1", "8"],
+        ["", "1", "2.0", "", "", "8"],
+        ["0.5", "", "", "", "", "9"],
     ]
 
 
@@ -283,7 +288,7 @@ def test_csv_logger_writes_to_a_file_system_url() -> None:
     first.log_hyperparams({"lr": 0.1, "layers": [2, 3]})
     assert first.log_dir == "memory://runs/exp/version_0" and not os.path.exists("memory:")
     text = filesystem.cat_file(writer.metrics_file_path).decode()
-    assert list(csv.reader(text.splitlines())) == [["step", "loss", "acc"], ["0", "0.5", ""], ["1", "0.25", "1.0"]]
+    assert list(csv.reader(text.splitlines())) == [["acc", "loss", "step"], ["", "0.5", "0"], ["1.0", "0.25", "1"]]
     assert load_hparams_from_yaml(f"{first.log_dir}/{writer.NAME_HPARAMS_FILE}") == {"lr": 0.1, "layers": [2, 3]}
     assert CSVLogger("memory://runs", name="exp").version == 1  # the next free number
     filesystem.rm("/runs", recursive=True)

@@ -145,12 +145,14 @@ def test_learning_rate_monitor_logs_each_param_group() -> None:
             )
             return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
 
-    trainer = quiet_trainer(max_epochs=2, callbacks=[LearningRateMonitor(log_momentum=True)])
+    trainer = quiet_trainer(max_epochs=2, log_every_n_steps=2, callbacks=[LearningRateMonitor(log_momentum=True)])
     trainer.fit(TwoGroups(), make_loader(16))
     rows = [row for row in _rows(os.path.join(trainer.log_dir, "metrics.csv")) if row.get("lr-SGD/pg1")]
     assert [float(row["lr-SGD/pg1"]) for row in rows] == [0.1, 0.05]
     assert [float(row["lr-SGD/pg2"]) for row in rows] == [0.01, 0.005]
     assert float(rows[0]["lr-SGD/pg1-momentum"]) == 0.9
+    # the rates are rows of their own, without the epoch, as Lightning's monitor writes them
+    assert [(row["step"], row["epoch"], row["train_loss"]) for row in rows] == [("0", "", ""), ("2", "", "")]
 
 
 def test_nan_loss_is_reported_with_the_step_where_it_appeared() -> None:

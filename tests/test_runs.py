@@ -68,7 +68,7 @@ def test_two_runs_started_together_in_one_folder_never_share_a_directory(tmp_pat
     for log_dir in log_dirs:
         hyperparameters.append(_read(os.path.join(log_dir, "hparams.yaml")))
         rows = _read(os.path.join(log_dir, "metrics.csv")).splitlines()
-        assert len(rows) == 1 + 8  # the header, and a row every 2 of 16 steps (epoch values share one)
+        assert len(rows) == 1 + 8 + 2  # the header, a row every 2 of 16 steps, and each epoch's validation
         assert len(os.listdir(os.path.join(log_dir, "checkpoints"))) == 1
     assert hyperparameters[0] != hyperparameters[1]  # each run wrote its own
 
@@ -473,8 +473,8 @@ def test_metrics_csv_is_appended_and_a_full_disk_keeps_its_history_whole(tmp_pat
     assert kind == "OSError", message
     path = tmp_path / "ember_logs" / "version_0" / "metrics.csv"
     lines = path.read_text().splitlines()
-    assert lines[0] == "step,loss,epoch" and len(lines) > 100
-    steps = [int(line.split(",")[0]) for line in lines[1:]]
+    assert lines[0] == "epoch,loss,step" and len(lines) > 100
+    steps = [int(line.split(",")[-1]) for line in lines[1:]]
     assert steps == list(range(len(steps)))  # every row whole, none lost before the disk filled up
     assert path.read_text().endswith("\n")
 

@@ -82,7 +82,7 @@ class LearningRateMonitor(Callback):
     def _log(self, trainer: Trainer, interval: str | None, step: int) -> None:
         values = self._values(trainer, interval)
         if values:
-            trainer.run_metrics.log_values(values, step, trainer.current_epoch)
+            trainer.run_metrics.log_values(values, step)
 
     def _values(self, trainer: Trainer, interval: str | None) -> dict[str, float]:
         """The rates of the optimizers whose scheduler steps at ``interval`` (None: any), and of those without;

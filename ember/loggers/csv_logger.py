@@ -35,7 +35,7 @@ class ExperimentWriter:
         self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
         #: The rows logged and not yet written.
         self.metrics: list[dict[str, Any]] = []
-        #: The columns: the file's, then those of new metrics.
+        #: The columns, in alphabetical order as Lightning writes them: the file's and those of new metrics.
         self.metrics_keys: list[str] = []
         self.hparams: dict[str, Any] = {}
         self._file_columns: list[str] | None = None  # the header of metrics.csv as written
@@ -53,19 +53,13 @@ class ExperimentWriter:
 
     def log_metrics(self, metrics_dict: Mapping[str, Any], step: int | None = None) -> None:
         """Add a row (``step`` None: the number of rows not yet written, as Lightning's writer numbers them).
-        Values logged at the same step share a row, unless an epoch began in between (the epoch-start values of
-        the next epoch come at the step where the last one ended)."""
-        row: dict[str, Any] = {"step": len(self.metrics) if step is None else step}
-        row.update((name, value.item() if isinstance(value, torch.Tensor) else value)
-                   for name, value in metrics_dict.items())  # fmt: skip
-        last = self.metrics[-1] if self.metrics else None
-        if last is not None and last["step"] == row["step"] and last.get("epoch") == row.get("epoch"):
-            last.update(row)
-        else:
-            self.metrics.append(row)
-        for key in row:
-            if key not in self.metrics_keys:
-                self.metrics_keys.append(key)
+        Each call is a row of its own, as in Lightning: a validation's values and the training epoch's, both
+        logged at the epoch's last step, are two rows."""
+        row = {name: value.item() if isinstance(value, torch.Tensor) else value for name, value in metrics_dict.items()}
+        row["step"] = len(self.metrics) if step is None else step
+        self.metrics.append(row)
+        if not row.keys() <= set(self.metrics_keys):
+            self.metrics_keys = sorted(row.keys() | set(self.metrics_keys))
 
     def log_hparams(self, params: Mapping[str, Any]) -> None:
         """Add ``params`` to the hyperparameters and write them all to ``hparams.yaml``."""
@@ -80,13 +74,12 @@ class ExperimentWriter:
         if self._file_columns is None:  # first write: continue the file of the run this one continues, if any
             self._make_log_dir()
             self._file_columns = _header(self._read(path, header_only=True))
-            known = self._file_columns
-            self.metrics_keys = known + [column for column in self.metrics_keys if column not in known]
+            self.metrics_keys = sorted({*self._file_columns, *self.metrics_keys})
         if self._filesystem is not None:
             rows = [*_rows(self._read(path)), *self.metrics]
             self._filesystem.pipe_file(path, _csv_text(self.metrics_keys, rows, header=True).encode())
-        # The known columns begin with the file's (new metrics are added at the end): more means new ones.
-        elif not self._file_columns or len(self.metrics_keys) > len(self._file_columns):
+        # New metrics, or a file whose columns are in another order (an earlier release's), get a new header.
+        elif self.metrics_keys != self._file_columns:
             self.close()
             _replace(path, _csv_text(self.metrics_keys, [*_rows(self._read(path)), *self.metrics], header=True))
         else:
