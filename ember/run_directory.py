@@ -25,7 +25,16 @@ class RunDirectory:
 
     @property
     def log_dir(self) -> str | None:
-        """The first logger's directory (None: no logger keeps files)."""
+        """The first logger's ``log_dir`` (a TensorBoardLogger's ``sub_dir`` included) or, without a logger,
+        ``default_root_dir``, as Lightning's ``trainer.log_dir`` (None: the first logger keeps no files)."""
+        loggers = self._trainer.loggers
+        if not loggers:
+            return self._trainer.config.root_dir
+        return loggers[0].log_dir if isinstance(loggers[0], Logger) else self.run_dir
+
+    @property
+    def run_dir(self) -> str | None:
+        """The first logger's run directory (``version_N``), where checkpoints go (None: no logger keeps files)."""
         loggers = self._trainer.loggers
         return run_directory_of(loggers[0]) if loggers else None
 
@@ -50,7 +59,7 @@ class RunDirectory:
     def default_checkpoint_dir(self) -> str:
         """Where checkpoints without a directory of their own go: ``<log_dir>/checkpoints``, or
         ``<default_root_dir>/checkpoints`` when no logger keeps files."""
-        return os.path.join(self.log_dir or self._trainer.config.root_dir, "checkpoints")
+        return os.path.join(self.run_dir or self._trainer.config.root_dir, "checkpoints")
 
     def settle(self, continuing: str | None = None) -> None:
         """Rank zero claims this run's directory (or, continuing the checkpoint ``continuing`` in place, takes the
@@ -85,8 +94,8 @@ class RunDirectory:
 
     def _written(self, trainer: Trainer) -> list[str]:
         """The directories this run writes into: its run directory and its checkpoints' directories."""
-        log_dir = self.log_dir
-        directories = [log_dir] if log_dir is not None else []
+        run_dir = self.run_dir
+        directories = [run_dir] if run_dir is not None else []
         if trainer.stage == "fit" and not trainer.config.fast_dev_run:
             default = self.default_checkpoint_dir
             directories += [callback.dirpath or default for callback in trainer.checkpoint_callbacks]

@@ -297,8 +297,8 @@ class Trainer:
     def logger(self) -> Logger | None:
         return self.loggers[0] if self.loggers else None
 
-    #: This run's directory: the first logger's (the same on every rank once a stage has started; None: no logger
-    #: keeps files).
+    #: The first logger's ``log_dir`` (the same on every rank once a stage has started; None: it keeps no files),
+    #: or ``default_root_dir`` without a logger, as in Lightning.
     log_dir: Reads[str | None] = Reads("_run_directory.log_dir")
     #: Where this run's directory and its predecessors' (``version_N``) are.
     runs_dir: Reads[str] = Reads("_run_directory.runs_dir")

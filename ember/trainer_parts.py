@@ -64,7 +64,8 @@ def known_flags_only(init: Callable[P, None]) -> Callable[P, None]:
 _WHOLE_LIMITS = {
     "limit_train_batches": ("1 batch per epoch will be used", "100% of the batches per epoch will be used"),
     "val_check_interval": (
-        "validation will run after every batch", "validation will run at the end of the training epoch"
+        "validation will run after every batch",
+        "validation will run at the end of the training epoch",
     ),
     **{
         name: ("1 batch will be used", "100% of the batches will be used")
@@ -159,21 +160,28 @@ def estimated_stepping_batches(trainer: Trainer) -> float:
 
 def log_hyperparameters(trainer: Trainer) -> None:
     """Hand the module's and the datamodule's initial hyperparameters to the loggers (on rank zero), unless
-    ``enable_autolog_hparams=False``; a name both give different values is refused, as Lightning refuses it."""
+    ``enable_autolog_hparams=False``, then the module for its graph; a name both give different values is
+    refused, as Lightning refuses it."""
     module, datamodule = trainer.lightning_module, trainer.datamodule
-    if module is None or not trainer.config.enable_autolog_hparams or not trainer.loggers:
+    if module is None or not trainer.loggers:
         return
-    own, data = module.hparams_for_logger, datamodule.hparams_for_logger if datamodule else {}
-    differing = [name for name in own.keys() & data.keys() if not _same(own[name], data[name])]
-    if differing:
-        raise RuntimeError(
-            f"Error while merging hparams: {sorted(differing)} are hyperparameters of both the module and the "
-            "datamodule, with different values; rename one of them, or give them the same value"
-        )
-    hyperparameters = {**own, **data}
-    if hyperparameters and trainer.is_global_zero:
-        for logger in trainer.loggers:
+    hyperparameters = {}
+    if trainer.config.enable_autolog_hparams:
+        own, data = module.hparams_for_logger, datamodule.hparams_for_logger if datamodule else {}
+        differing = [name for name in own.keys() & data.keys() if not _same(own[name], data[name])]
+        if differing:
+            raise RuntimeError(
+                f"Error while merging hparams: {sorted(differing)} are hyperparameters of both the module and the "
+                "datamodule, with different values; rename one of them, or give them the same value"
+            )
+        hyperparameters = {**own, **data}
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        if hyperparameters:
             logger.log_hyperparams(hyperparameters)
+        if callable(getattr(logger, "log_graph", None)):  # an object that logs may not record graphs
+            logger.log_graph(module)
 
 
 def with_module_callbacks(callbacks: list[Callback], returned: Callback | Sequence[Callback]) -> list[Callback]:
@@ -244,4 +252,3 @@ def evaluated_module(
             stacklevel=3,
         )
     return trainer.lightning_module, ckpt_path
-

@@ -3,11 +3,13 @@ torchmetrics objects (also across two gloo ranks), and rank-zero-only output."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -158,6 +160,47 @@ def test_csv_writes_a_row_per_call_under_alphabetical_columns(tmp_path: Any) -> 
         ["", "1", "2.0", "", "", "8"],
         ["0.5", "", "", "", "", "9"],
     ]
+
+
+def test_loggers_take_a_namespace_and_write_hparams_yaml_in_key_order(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    for logger in (CSVLogger(str(tmp_path), name="csv"), TensorBoardLogger(str(tmp_path), name="tb")):
+        logger.log_hyperparams({"lr": 0.1, "batch": {"size": 8, "drop": True}})
+        logger.log_hyperparams(argparse.Namespace(depth=3))  # added to what was logged before
+        logger.save()
+        with open(os.path.join(logger.log_dir, "hparams.yaml")) as file:
+            assert file.read() == "batch:\n  drop: true\n  size: 8\ndepth: 3\nlr: 0.1\n"
+    assert logger.hparams == {"lr": 0.1, "batch": {"size": 8, "drop": True}, "depth": 3}
+
+
+def test_tensorboard_sub_dir_holds_the_events_and_the_version_directory_the_checkpoints(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    logger = TensorBoardLogger(str(tmp_path), name="runs", sub_dir="train")
+    trainer = quiet_trainer(max_epochs=1, logger=logger)
+    trainer.fit(Regressor(), make_loader(16))
+    version_dir = os.path.join(str(tmp_path), "runs", "version_0")
+    assert logger.sub_dir == "train" and logger.log_dir == trainer.log_dir == os.path.join(version_dir, "train")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(logger.log_dir))
+    assert os.listdir(os.path.join(version_dir, "checkpoints")) == ["epoch=0-step=2.ckpt"]
+    assert quiet_trainer(logger=False, default_root_dir=str(tmp_path)).log_dir == str(tmp_path)
+
+
+def test_tensorboard_log_graph_records_the_model_traced_with_its_example_input(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    graphs = []
+    for log_graph, example in ((True, torch.zeros(2, 4)), (False, torch.zeros(2, 4)), (True, None)):
+        model = Regressor()
+        model.example_input_array = example
+        logger = TensorBoardLogger(str(tmp_path), version=len(graphs), log_graph=log_graph)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_trainer(max_steps=1, logger=logger).fit(model, make_loader(16))
+        events = EventAccumulator(logger.log_dir)
+        events.Reload()
+        graphs.append((events.Tags()["graph"], any("example_input_array" in str(w.message) for w in caught)))
+    assert graphs == [(True, False), (False, False), (False, True)]
 
 
 # ---------------------------------------------------------------------------------- torchmetrics

@@ -16,6 +16,7 @@ from ember import checkpoint as checkpoint_io
 from ember.callbacks.callback import Callback, settings_key
 from ember.callbacks.on_exception import save_after_failure
 from ember.exceptions import MisconfigurationException
+from ember.loggers.logger import run_directory_of
 from ember.rank_zero import announce, rank_zero_warn_once
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ class ModelCheckpoint(Callback):
             )
         # Decided once the run directory is, when the stage starts (reading it before would claim one).
         if self.dirpath is None and trainer.stage == "fit":
-            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+            run_dir = run_directory_of(trainer.logger) if trainer.logger is not None else None  # not a sub_dir
+            self.dirpath = os.path.join(run_dir or trainer.default_root_dir, "checkpoints")
         self._last_time_save = time.monotonic()
         self._validated = False
 

@@ -6,13 +6,21 @@ import contextlib
 import csv
 import io
 import os
+from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ember.loggers.dummy import rank_zero_experiment
-from ember.loggers.logger import DEFAULT_NAME, VersionedLogger, prefixed, save_hparams_to_yaml, url_filesystem
+from ember.loggers.logger import (
+    DEFAULT_NAME,
+    VersionedLogger,
+    params_dict,
+    prefixed,
+    save_hparams_to_yaml,
+    url_filesystem,
+)
 from ember.rank_zero import rank_zero_warn
 
 
@@ -158,8 +166,8 @@ class CSVLogger(VersionedLogger):
     def metrics_file(self) -> str:
         return os.path.join(self.log_dir, ExperimentWriter.NAME_METRICS_FILE)
 
-    def log_hyperparams(self, params: Mapping[str, Any] | None = None) -> None:
-        self.experiment.log_hparams(params or {})
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None = None) -> None:
+        self.experiment.log_hparams(params_dict(params))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         experiment = self.experiment

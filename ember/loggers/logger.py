@@ -18,6 +18,7 @@ from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
+    import torch
     from fsspec import AbstractFileSystem
 
 #: The name a logger's runs' directory has by default (``<save_dir>/ember_logs/version_N``).
@@ -59,8 +60,11 @@ class Logger:
         """Write ``metrics`` labelled ``step`` (the Trainer passes both by keyword, as Lightning does)."""
         raise NotImplementedError
 
-    def log_hyperparams(self, params: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         pass
+
+    def log_graph(self, model: torch.nn.Module, input_array: torch.Tensor | None = None) -> None:
+        """Record the model's graph (``TensorBoardLogger(log_graph=True)`` does); called when ``fit`` starts."""
 
     def save(self) -> None:
         """Flush what is buffered."""
@@ -80,8 +84,11 @@ def is_logger(value: Any) -> bool:
 
 
 def run_directory_of(logger: Any) -> str | None:
-    """The run directory of ``logger``: a ``Logger``'s ``log_dir``; for another object that logs,
-    ``<save_dir>/<name>/<version>``, where Lightning puts its checkpoints (None: it has no ``save_dir``)."""
+    """The run directory of ``logger``, where Lightning puts its checkpoints: a file-keeping logger's
+    ``version_dir``, another ``Logger``'s ``log_dir``; for another object that logs, ``<save_dir>/<name>/<version>``
+    (None: it has no ``save_dir``)."""
+    if isinstance(logger, VersionedLogger):
+        return logger.version_dir  # without a TensorBoardLogger's sub_dir, as Lightning places checkpoints
     if isinstance(logger, Logger):
         return logger.log_dir
     save_dir = getattr(logger, "save_dir", None)
@@ -141,9 +148,14 @@ class VersionedLogger(Logger):
         return self._save_dir
 
     @property
-    def log_dir(self) -> str:
+    def version_dir(self) -> str:
+        """This run's ``<save_dir>/<name>/version_<N>`` (its checkpoints go under it by default)."""
         version = self.version
         return os.path.join(self._save_dir, self._name, version if isinstance(version, str) else f"version_{version}")
+
+    @property
+    def log_dir(self) -> str:
+        return self.version_dir
 
 
 def url_filesystem(path: str) -> AbstractFileSystem | None:
@@ -166,8 +178,8 @@ def save_hparams_to_yaml(
     import yaml
 
     path = os.fspath(config_yaml)
-    params = vars(hparams) if isinstance(hparams, Namespace) else dict(hparams)
-    text = yaml.safe_dump(_yaml_ready(params), sort_keys=False, allow_unicode=True)
+    # keys in order, as Lightning's yaml.dump writes them
+    text = yaml.safe_dump(_yaml_ready(params_dict(hparams)), sort_keys=True, allow_unicode=True)
     filesystem = url_filesystem(path)
     if filesystem is not None:
         filesystem.pipe_file(path, text.encode())
@@ -193,6 +205,13 @@ def load_hparams_from_yaml(config_yaml: str | os.PathLike, use_omegaconf: bool =
         with open(path) as file:
             text = file.read()
     return yaml.safe_load(text) or {}
+
+
+def params_dict(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:
+    """Hyperparameters as a dict: a loggers' ``log_hyperparams`` takes a dict, an ``argparse.Namespace`` or None."""
+    if params is None:
+        return {}
+    return dict(vars(params) if isinstance(params, Namespace) else params)
 
 
 def prefixed(metrics: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import re
 import time
+from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
 
 from ember._utils import require
-from ember.loggers.logger import DEFAULT_NAME, Logger, default_name, flatten
+from ember.loggers.logger import DEFAULT_NAME, Logger, default_name, flatten, params_dict
 
 _STATUS = {"success": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 _NOT_ALLOWED_IN_KEYS = re.compile(r"[^\w\-. /:]")  # what MLflow accepts in metric and param names
@@ -113,10 +114,11 @@ class MLflowLogger(Logger):
         for start in range(0, len(entries), _METRICS_PER_CALL):
             self.experiment.log_batch(self.version, metrics=entries[start : start + _METRICS_PER_CALL])
 
-    def log_hyperparams(self, params: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None, *args: Any, **kwargs: Any) -> None:
         from mlflow.entities import Param
 
-        entries = [Param(_key(key), str(value)[:_MAX_PARAM_LENGTH]) for key, value in flatten(params).items()]
+        flat = flatten(params_dict(params))
+        entries = [Param(_key(key), str(value)[:_MAX_PARAM_LENGTH]) for key, value in flat.items()]
         for start in range(0, len(entries), _PARAMS_PER_CALL):
             self.experiment.log_batch(self.version, params=entries[start : start + _PARAMS_PER_CALL])
 

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import os
+from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ember._utils import require
-from ember.loggers.logger import DEFAULT_NAME, VersionedLogger, flatten, prefixed, save_hparams_to_yaml
+from ember.loggers.logger import (
+    DEFAULT_NAME,
+    VersionedLogger,
+    flatten,
+    params_dict,
+    prefixed,
+    save_hparams_to_yaml,
+)
+from ember.rank_zero import rank_zero_warn
 
 
 class TensorBoardLogger(VersionedLogger):
@@ -26,7 +35,10 @@ class TensorBoardLogger(VersionedLogger):
 
     As in Lightning, ``prefix`` is put before each metric's name (``prefix-name``), and logging the
     hyperparameters logs the metric ``hp_metric`` (-1, a placeholder to overwrite) unless
-    ``default_hp_metric=False`` or ``log_hyperparams`` is given metrics of its own.
+    ``default_hp_metric=False`` or ``log_hyperparams`` is given metrics of its own; ``hparams`` holds every
+    hyperparameter logged (``hparams.yaml``). ``sub_dir`` puts the event files in ``version_<N>/<sub_dir>``
+    (``log_dir``; checkpoints stay in ``version_<N>``); ``log_graph=True`` records the model's graph when ``fit``
+    starts, traced with ``example_input_array``.
     """
 
     NAME_HPARAMS_FILE = "hparams.yaml"
@@ -36,13 +48,18 @@ class TensorBoardLogger(VersionedLogger):
         save_dir: str | os.PathLike = ".",
         name: str | None = DEFAULT_NAME,
         version: int | str | None = None,
+        log_graph: bool = False,
         default_hp_metric: bool = True,
         prefix: str = "",
+        sub_dir: str | os.PathLike | None = None,
         flush_logs_every_n_steps: int = 100,
         **writer_options: Any,
     ) -> None:
         require("tensorboard", "tensorboard", "TensorBoardLogger")  # torch.utils.tensorboard writes through it
         super().__init__(save_dir, name, version)
+        self._log_graph = log_graph
+        self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
+        self.hparams: dict[str, Any] = {}
         self._default_hp_metric = default_hp_metric
         self._prefix = prefix
         self._writer_options = writer_options
@@ -50,6 +67,15 @@ class TensorBoardLogger(VersionedLogger):
         self._flush_every = flush_logs_every_n_steps
         self._pending: list[tuple[str, float, int | None]] = []  # (name, value, step) not yet handed to the writer
         self._last_flush_step = 0
+
+    @property
+    def sub_dir(self) -> str | None:
+        return self._sub_dir
+
+    @property
+    def log_dir(self) -> str:
+        """``version_dir``, or the ``sub_dir`` in it."""
+        return self.version_dir if self._sub_dir is None else os.path.join(self.version_dir, self._sub_dir)
 
     @property
     def experiment(self) -> Any:
@@ -66,11 +92,16 @@ class TensorBoardLogger(VersionedLogger):
             self.save()
 
     def log_hyperparams(
-        self, params: Mapping[str, Any], metrics: Mapping[str, float] | float | None = None, step: int | None = None
+        self,
+        params: Mapping[str, Any] | Namespace | None,
+        metrics: Mapping[str, float] | float | None = None,
+        step: int | None = None,
     ) -> None:
         from torch.utils.tensorboard.summary import hparams
 
-        save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), params)
+        params = params_dict(params)
+        self.hparams.update(params)
+        save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
         if metrics is None and self._default_hp_metric:
             metrics = {"hp_metric": -1}
         elif metrics is not None and not isinstance(metrics, Mapping):
@@ -82,6 +113,25 @@ class TensorBoardLogger(VersionedLogger):
         # lists every scalar of the run as a metric, so nothing has to be named in advance.
         _, session_start, _ = hparams(values, {})
         self.experiment.file_writer.add_summary(session_start)
+
+    def log_graph(self, model: torch.nn.Module, input_array: Any = None) -> None:
+        """Record ``model``'s graph, traced with ``input_array`` (by default its ``example_input_array``: a tensor,
+        or a tuple of ``forward``'s arguments), if the logger was made with ``log_graph=True``."""
+        if not self._log_graph:
+            return
+        example = getattr(model, "example_input_array", None) if input_array is None else input_array
+        if example is None:
+            rank_zero_warn("Could not log computational graph to TensorBoard: set `model.example_input_array`")
+            return
+        if not isinstance(example, (torch.Tensor, tuple)):
+            rank_zero_warn(
+                f"Could not log computational graph to TensorBoard: the input array is a {type(example).__name__}; "
+                "give a tensor, or a tuple of the positional arguments of the model's `forward()`"
+            )
+            return
+        device = next(model.parameters(), torch.empty(0)).device
+        moved = tuple(_to(item, device) for item in example) if isinstance(example, tuple) else example.to(device)
+        self.experiment.add_graph(model, moved)
 
     def save(self) -> None:
         """Write the scalars logged so far, and whatever else was added to the writer."""
@@ -100,6 +150,10 @@ class TensorBoardLogger(VersionedLogger):
         if self._writer is not None:
             self._writer.close()
             self._writer = None  # a later stage (test after fit) opens a new event file in the same directory
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _hparam_value(value: Any) -> int | float | str | bool | torch.Tensor:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
 
 from ember._utils import require
-from ember.loggers.logger import Logger, flatten
+from ember.loggers.logger import Logger, flatten, params_dict
 
 
 class WandbLogger(Logger):
@@ -102,8 +103,8 @@ class WandbLogger(Logger):
         values = {f"{self._prefix}-{key}" if self._prefix else key: value for key, value in metrics.items()}
         self.experiment.log(values if step is None else {**values, "trainer/global_step": step})
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self.experiment.config.update(flatten(params), allow_val_change=True)
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None) -> None:
+        self.experiment.config.update(flatten(params_dict(params)), allow_val_change=True)
 
     def finalize(self, status: str) -> None:
         """Nothing to flush: wandb writes as it goes, and ends the run when the process exits (or at
