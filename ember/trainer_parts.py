@@ -106,10 +106,13 @@ def default_loggers(config: TrainerConfig) -> list[Logger]:
 def default_callbacks(config: TrainerConfig) -> list[Callback]:
     callbacks = config.callbacks
     given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
-    if config.enable_progress_bar and not any(isinstance(callback, ProgressBar) for callback in given):
+    bar = next((callback for callback in given if isinstance(callback, ProgressBar)), None)
+    if not config.enable_progress_bar and bar is not None:
+        raise MisconfigurationException(
+            f"Trainer: `enable_progress_bar=False` but found `{type(bar).__name__}` in callbacks: remove one of them"
+        )
+    if config.enable_progress_bar and bar is None:
         given.append(ProgressBar())
-    if not config.enable_progress_bar:
-        given = [callback for callback in given if not isinstance(callback, ProgressBar)]
     checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in given)
     if config.enable_checkpointing and not checkpointing:
         given.append(ModelCheckpoint())

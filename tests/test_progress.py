@@ -23,7 +23,7 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
-from ember.callbacks import ProgressBar
+from ember.callbacks import ProgressBar, TQDMProgressBar
 from ember.rank_zero import rank_zero_only
 from ember.tuner import Tuner
 
@@ -379,6 +379,23 @@ def test_progress_bar_can_be_turned_off(capsys: pytest.CaptureFixture[str]) -> N
         Regressor(), make_loader(16)
     )
     assert "Epoch" not in capsys.readouterr().out
+
+
+def test_a_disabled_bar_draws_nothing_and_lightning_bars_read_their_refresh_rate_back() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(stream=stream, interactive=False)
+    bar.disable()
+    assert (bar.is_enabled, bar.is_disabled) == (False, True)
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_progress_bar=True, callbacks=[bar])
+    trainer.fit(Regressor(), make_loader(16), make_loader(8))
+    assert stream.getvalue() == "" and bar.total_train_batches == 2 and bar.total_val_batches == 1
+    bar.enable()
+    trainer.validate(Regressor(), make_loader(8), verbose=False)
+    assert bar.is_enabled and stream.getvalue().startswith("Validation 1/1")
+    assert TQDMProgressBar(refresh_rate=5).refresh_rate == 5 and TQDMProgressBar(refresh_rate=5).is_enabled
+    assert TQDMProgressBar(refresh_rate=0).is_disabled
+    with pytest.raises(ValueError, match=r"enable_progress_bar=False` but found `TQDMProgressBar`"):
+        ember.Trainer(enable_progress_bar=False, callbacks=[TQDMProgressBar()])
 
 
 def test_the_progress_bar_checks_its_arguments() -> None:

@@ -54,7 +54,9 @@ class ProgressBar(Callback):
         if interactive not in (None, True, False):
             raise MisconfigurationException(f"ProgressBar(interactive={interactive!r}): expected True, False or None")
         self.refresh_rate = refresh_rate
+        self._redraw_seconds = refresh_rate  # a subclass may read refresh_rate as Lightning's count of batches
         self.line_interval = line_interval
+        self._enabled = True
         self._stream = stream
         self._interactive = interactive
         self._train: ProgressDisplay | None = None
@@ -114,6 +116,26 @@ class ProgressBar(Callback):
         return {**standard, **trainer.progress_bar_metrics}
 
     @property
+    def is_enabled(self) -> bool:
+        """Whether the bar draws (``disable()`` stops it, ``enable()`` starts it again), as Lightning's."""
+        return self._enabled
+
+    @property
+    def is_disabled(self) -> bool:
+        return not self.is_enabled
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def total_train_batches(self) -> float:
+        """The training batches of an epoch of ``fit`` (``inf`` for a loader without a length)."""
+        return self.trainer.num_training_batches
+
+    @property
     def total_val_batches(self) -> float:
         """The validation batches of every loader that the current epoch of ``fit`` runs (0 in an epoch that
         ``check_val_every_n_epoch`` leaves out, or without validation)."""
@@ -129,7 +151,7 @@ class ProgressBar(Callback):
 
     # ------------------------------------------------------------------------------- training
     def on_train_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
-        if not trainer.is_global_zero:
+        if not (trainer.is_global_zero and self.is_enabled):
             return
         # Counted from 0, as everywhere an epoch is numbered (trainer.current_epoch, messages, checkpoint names):
         # "Epoch 2/14" is the third of 15.
@@ -206,7 +228,7 @@ class ProgressBar(Callback):
         self._eval = self._train = None
 
     def _start_eval(self, trainer: Trainer, title: str, batches: list[float]) -> None:
-        if trainer.is_global_zero and not trainer.sanity_checking:
+        if trainer.is_global_zero and self.is_enabled and not trainer.sanity_checking:
             # Inside fit the bar goes below the epoch's and away when done; validate and test leave theirs.
             inside_fit = trainer.stage == "fit"
             self._eval = ProgressDisplay(self, title, sum(batches), keep=not inside_fit, nested=inside_fit)
@@ -275,7 +297,7 @@ class ProgressDisplay:
         self.count = self.first_count = done
         self.samples = self.first_samples = samples
         self.terminal = owner.interactive
-        self.interval = owner.refresh_rate if self.terminal else owner.line_interval
+        self.interval = owner._redraw_seconds if self.terminal else owner.line_interval
         self.started = time.monotonic()
         self.next_draw = self.started + self.interval
         self.bar: Any = None  # the tqdm bar, made at the first draw

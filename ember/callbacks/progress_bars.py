@@ -7,18 +7,14 @@ time, not every ``refresh_rate`` batches; ``refresh_rate=0`` turns it off, as in
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ember.callbacks.progress import ProgressBar
 from ember.exceptions import MisconfigurationException
 
-if TYPE_CHECKING:
-    from ember.module import Module
-    from ember.trainer import Trainer
-
 
 class _SwitchableBar(ProgressBar):
-    """Ember's bar, off when ``refresh_rate`` is 0."""
+    """Ember's bar, off when ``refresh_rate`` (Lightning's count of batches, read back as given) is 0."""
 
     def __init__(self, refresh_rate: int) -> None:
         if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
@@ -26,23 +22,11 @@ class _SwitchableBar(ProgressBar):
                 f"{type(self).__name__}(refresh_rate={refresh_rate!r}): expected a number of batches >= 0"
             )
         super().__init__()
-        self.enabled = refresh_rate > 0
+        self.refresh_rate = refresh_rate
 
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
-        if self.enabled:
-            super().on_train_epoch_start(trainer, pl_module)
-
-    def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
-        if self.enabled:
-            super().on_validation_start(trainer, pl_module)
-
-    def on_test_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
-        if self.enabled:
-            super().on_test_epoch_start(trainer, pl_module)
-
-    def on_predict_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
-        if self.enabled:
-            super().on_predict_epoch_start(trainer, pl_module)
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled and self.refresh_rate > 0
 
 
 class TQDMProgressBar(_SwitchableBar):
