@@ -250,8 +250,8 @@ def reduction(name: str, reduce_fx: Any) -> ReduceFx:
         return _REDUCE_FX[key]
     except (KeyError, TypeError):  # TypeError: an unhashable argument
         raise MisconfigurationException(
-            f"self.log({name!r}, reduce_fx={reduce_fx!r}): only `self.log(..., reduce_fx={{min,max,mean,sum}})` are "
-            "supported (as names or as torch's and Python's functions); for another reduction, log a "
+            f"Only `self.log(..., reduce_fx={{min,max,mean,sum}})` are supported (as names or as torch's and "
+            f"Python's functions), not `self.log({name!r}, reduce_fx={reduce_fx!r})`: for another reduction, log a "
             "torchmetrics.Metric that computes it"
         ) from None
 
@@ -316,25 +316,29 @@ class LogScope:
 
     def refusal(self, name: str) -> str:
         """Why ``self.log(name, ...)`` is refused here, where nothing may be logged."""
-        where = f"in {self.hook}" if self.hook is not None else "outside fit, validate and test"
+        # Lightning's wording first, then which value and why
         if self.predicting:
             return (
-                f"You can't self.log({name!r}) {where}: prediction logs nothing (its result collection is not "
-                "registered yet, nor ever: return what to keep from predict_step)"
+                "You are trying to `self.log()` but the loop's result collection is not registered yet: "
+                f"`self.log({name!r})` is in `{self.hook}`, a `predict` hook, but it doesn't support logging "
+                "(return what to keep from predict_step)"
             )
+        where = f"inside `{self.hook}`" if self.hook is not None else "outside fit, validate and test"
         return (
-            f"You can't self.log({name!r}) {where}: values are logged in training_step, validation_step, "
-            "test_step and the hooks of their epochs and batches"
+            f"You can't `self.log()` {where} (`self.log({name!r})`): values are logged in training_step, "
+            "validation_step, test_step and the hooks of their epochs and batches. HINT: You can still log "
+            "directly to the logger by using `self.logger.experiment`."
         )
 
     def check(self, name: str, on_step: bool, on_epoch: bool, add_dataloader_idx: bool) -> str | None:
         """Why ``self.log(name, on_step=..., on_epoch=...)`` (defaults resolved) is refused here, or None."""
         if not on_step and not on_epoch:
-            return f"`self.log({name}, on_step=False, on_epoch=False)` is not useful: it would be kept nowhere"
+            return f"`self.log(on_step=False, on_epoch=False)` is not useful: `self.log({name!r})` is kept nowhere"
         if self.epoch_only and (on_step or not on_epoch):
+            given, allowed = ("on_step=True", "False") if on_step else ("on_epoch=False", "True")
             return (
-                f"You can't self.log({name!r}, on_step={on_step}, on_epoch={on_epoch}) in {self.hook}: it logs "
-                "epoch values only (on_step=False, on_epoch=True)"
+                f"You can't `self.log({given})` inside `{self.hook}`, must be one of ({allowed},): it logs epoch "
+                f"values only (`self.log({name!r}, on_step=False, on_epoch=True)`)"
             )
         if add_dataloader_idx and "/dataloader_idx_" in name:
             return (

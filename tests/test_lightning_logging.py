@@ -81,13 +81,23 @@ def test_reduce_fx_takes_names_in_any_case_and_the_reducing_functions(reduce_fx:
 
 
 def test_another_reduction_is_refused() -> None:
-    with pytest.raises(MisconfigurationException, match=r"reduce_fx=\{min,max,mean,sum\}\)` are supported"):
+    with pytest.raises(MisconfigurationException, match=r"^Only `self.log\(..., reduce_fx=\{min,max,mean,sum\}\)` are"):
         _fit(_LogsInStep(reduce_fx=torch.argmax))
 
 
 def test_a_value_kept_neither_per_step_nor_per_epoch_is_refused() -> None:
-    with pytest.raises(MisconfigurationException, match="is not useful"):
+    with pytest.raises(MisconfigurationException, match=r"^`self.log\(on_step=False, on_epoch=False\)` is not useful"):
         _fit(_LogsInStep(on_step=False, on_epoch=False))
+
+
+def test_logging_in_prediction_is_refused_with_lightnings_words() -> None:
+    class LogsInPredict(Regressor):
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("x", 1.0)
+            return self(batch[0])
+
+    with pytest.raises(MisconfigurationException, match=r"^You are trying to `self.log\(\)` but the loop's result"):
+        quiet_trainer(logger=False).predict(LogsInPredict(), make_loader(8))
 
 
 def test_a_name_holding_a_loader_index_is_refused_unless_the_index_is_left_to_the_caller() -> None:
@@ -186,7 +196,7 @@ def test_the_hooks_that_start_a_stage_or_an_epoch_log_epoch_values_only(hook: st
         module.log("x", 1.0, on_step=True)
 
     setattr(Logs, hook, log)
-    with pytest.raises(MisconfigurationException, match=rf"on_step=True, on_epoch=True\) in {hook}"):
+    with pytest.raises(MisconfigurationException, match=rf"self.log\(on_step=True\)` inside `{hook}`, must be one of"):
         quiet_trainer(max_epochs=1, logger=False, callbacks=[Logs()]).fit(Regressor(), make_loader(16), make_loader(8))
 
 
@@ -354,7 +364,7 @@ def test_a_callback_logs_with_self_log_in_the_hooks_where_the_module_may() -> No
             self.log_dict({"a": 1.0, "b": 2.0})
 
         def on_fit_end(self, trainer: Any, module: Any) -> None:
-            with pytest.raises(MisconfigurationException, match="in on_fit_end"):
+            with pytest.raises(MisconfigurationException, match="inside `on_fit_end`"):
                 self.log("refused", 1.0)
 
     trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, callbacks=[Logs()])
