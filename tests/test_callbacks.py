@@ -16,6 +16,8 @@ from torch import nn
 import ember
 from ember.callbacks import DeviceStatsMonitor, ModelSummary, ProgressBar, Timer
 from ember.callbacks.model_summary import summarize
+from ember.model_summary import ModelSummary as ModelSummaryObject
+from ember.model_summary import readable_count
 
 
 class _TwoLayers(Regressor):
@@ -55,6 +57,38 @@ def test_model_summary_depth_and_turning_it_off(capsys: pytest.CaptureFixture[st
         ember.Trainer(enable_model_summary=False, callbacks=[ModelSummary()])
     with pytest.raises(ValueError, match=r"ModelSummary\(max_depth=-2\): expected -1"):
         ModelSummary(max_depth=-2)
+
+
+def test_a_model_summary_object_measures_layers_with_the_example_input() -> None:
+    model = _TwoLayers()
+    model.frozen.eval()
+    model.register_parameter("scale", nn.Parameter(torch.ones(3)))  # the root's own: an "other params" row
+    model.example_input_array = torch.zeros(2, 4)
+    summary = ModelSummaryObject(model, max_depth=1)
+    assert summary.layer_names == ["layer", "encoder", "frozen"]
+    assert summary.layer_types == ["Linear", "Sequential", "Linear"] and summary.param_nums == [5, 2704, 20]
+    assert summary.in_sizes == [[2, 4]] * 3 and summary.out_sizes == [[2, 1], [2, 4], [2, 4]]
+    assert summary.training_modes == [True, True, False] and summary.total_training_modes == {"train": 5, "eval": 1}
+    assert (summary.total_parameters, summary.trainable_parameters, summary.total_layer_params) == (2732, 2712, 2729)
+    assert summary.model_size == pytest.approx(2732 * 4 / 1e6)
+    assert summary.total_flops == 2 * 2 * (4 * 300 + 300 * 4 + 4 * 4 + 4) and model.training  # modes put back
+    lines = str(summary).splitlines()
+    assert [cell.strip() for cell in lines[0].split("|")] == ["", "Name", "Type", "Params", "Mode", "FLOPs",
+                                                               "In sizes", "Out sizes"]  # fmt: skip
+    assert [cell.strip() for cell in lines[3].split("|")] == ["1", "encoder", "Sequential", "2.7 K", "train",
+                                                              "9.6 K", "[2, 4]", "[2, 4]"]  # fmt: skip
+    assert [cell.strip() for cell in lines[5].split("|")][1:4] == ["other params", "n/a", "3"]
+    assert lines[-7:] == ["2.7 K     Trainable params", "20        Non-trainable params", "2.7 K     Total params",
+                          "0.011     Total estimated model params size (MB)", "5         Modules in train mode",
+                          "1         Modules in eval mode", "9.7 K     Total Flops"]  # fmt: skip
+    deep = ModelSummaryObject(_TwoLayers(), max_depth=-1)
+    assert deep.layer_names[:3] == ["layer", "encoder", "encoder.0"] and set(deep.in_sizes) == {"?"}
+    assert ModelSummaryObject(_TwoLayers(), max_depth=0).layer_names == []
+    assert [readable_count(n) for n in (0, 999, 1234, 2e6, 4e14, 5e15)] == [
+        "0  ", "999  ", "1.2 K", "2.0 M", "400 T", "5,000 T"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="`max_depth` can be -1, 0 or > 0, got -2"):
+        ModelSummaryObject(model, max_depth=-2)
 
 
 def test_device_stats_are_logged_at_the_logging_steps() -> None:

@@ -136,6 +136,12 @@ _UTILITIES: Names = {
     "measure_flops": Missing("use ember.callbacks.ThroughputMonitor, which counts the FLOPs of a sample"),
 }
 
+_MODEL_SUMMARY: Names = {
+    **{name: f"ember.model_summary:{name}" for name in ("LayerSummary", "ModelSummary", "summarize")},
+    "get_human_readable_count": "ember.model_summary:readable_count",
+    "parse_batch_shape": "ember.model_summary:batch_shape",
+}
+
 _DEMOS: Names = {
     **{
         name: f"ember.demos:{name}"
@@ -245,6 +251,8 @@ PYTORCH: dict[str, Names] = {
     "utilities.combined_loader": {"CombinedLoader": "ember.combined_loader:CombinedLoader"},
     "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
     "utilities.data": {name: f"ember.data:{name}" for name in ("has_len_all_ranks", "has_iterable_dataset")},
+    "utilities.model_summary": _MODEL_SUMMARY,
+    "utilities.model_summary.model_summary": _MODEL_SUMMARY,
     "cli": _CLI,
     "demos": _DEMOS,
     "demos.boring_classes": {name: value for name, value in _DEMOS.items() if "Transformer" not in name},
@@ -288,7 +296,6 @@ MISSING_MODULES = {
     "state (ZeRO 3)",
     "strategies.xla": "Ember runs on CUDA, MPS and CPU devices, not on TPUs",
     "profilers.advanced": "use Trainer(profiler='simple') for where the time goes, 'pytorch' for a trace",
-    "utilities.model_summary": "use the ember.callbacks.ModelSummary callback (Trainer(enable_model_summary=True))",
     "trainer.states": "read trainer.stage ('fit', 'validate', 'test', 'predict' or None) and trainer.sanity_checking",
     "loops": "Ember's loops are not replaceable: override the module's hooks, or write a callback",
     "fabric": _FABRIC,
