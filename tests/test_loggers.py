@@ -173,6 +173,17 @@ def test_loggers_take_a_namespace_and_write_hparams_yaml_in_key_order(tmp_path: 
     assert logger.hparams == {"lr": 0.1, "batch": {"size": 8, "drop": True}, "depth": 3}
 
 
+def test_tensorboard_run_directory_holds_an_hparams_yaml_even_without_hyperparameters(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    logger = TensorBoardLogger(str(tmp_path))
+    logger.save()  # no run directory yet: nothing is written, and no version is claimed
+    assert not os.path.exists(os.path.join(str(tmp_path), "ember_logs"))
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.save()
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as file:
+        assert file.read() == "{}\n"
+
+
 def test_tensorboard_sub_dir_holds_the_events_and_the_version_directory_the_checkpoints(tmp_path: Any) -> None:
     pytest.importorskip("tensorboard")
     logger = TensorBoardLogger(str(tmp_path), name="runs", sub_dir="train")

@@ -60,6 +60,7 @@ class TensorBoardLogger(VersionedLogger):
         self._log_graph = log_graph
         self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
         self.hparams: dict[str, Any] = {}
+        self._hparams_saved = False  # whether hparams.yaml is written
         self._default_hp_metric = default_hp_metric
         self._prefix = prefix
         self._writer_options = writer_options
@@ -102,6 +103,7 @@ class TensorBoardLogger(VersionedLogger):
         params = params_dict(params)
         self.hparams.update(params)
         save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
+        self._hparams_saved = True
         if metrics is None and self._default_hp_metric:
             metrics = {"hp_metric": -1}
         elif metrics is not None and not isinstance(metrics, Mapping):
@@ -144,6 +146,12 @@ class TensorBoardLogger(VersionedLogger):
             self._pending = []
         if self._writer is not None:
             self._writer.flush()  # waits for the writer's thread, which then has the interpreter to itself
+        # As in Lightning, the run's directory holds an hparams.yaml (`{}` at least) once it exists.
+        if not self._hparams_saved and self.has_version and os.path.isdir(self.log_dir):
+            path = os.path.join(self.log_dir, self.NAME_HPARAMS_FILE)
+            if not os.path.isfile(path):
+                save_hparams_to_yaml(path, self.hparams)
+            self._hparams_saved = True
 
     def finalize(self, status: str) -> None:
         self.save()
