@@ -472,3 +472,28 @@ def test_a_limit_of_one_batch_or_of_all_given_explicitly_is_said_at_info(caplog:
     with caplog.at_level(logging.INFO, logger="ember"):
         quiet_trainer(barebones=True)  # and nothing for the default limits
     assert [message.split(":")[0] for message in caplog.messages] == ["running in `Trainer(barebones=True)` mode"]
+
+
+def test_evaluation_results_print_as_a_table_with_a_column_per_loader(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+
+    class PerLoader(Regressor):
+        def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.log("loss", float(dataloader_idx) + 0.5)
+            self.log(f"only_{dataloader_idx}", 1.0)
+
+    quiet_trainer(logger=False).test(PerLoader(), [make_loader(8), make_loader(8)])
+    rule = "─" * 80
+    assert capsys.readouterr().out.splitlines() == [
+        rule,
+        "       Test metric             DataLoader 0             DataLoader 1",
+        rule,
+        "          loss                      0.5                      1.5",
+        "         only_0                     1.0",
+        "         only_1                                              1.0",
+        rule,
+    ]
+    quiet_trainer(logger=False).validate(Regressor(), make_loader(8), verbose=False)
+    assert capsys.readouterr().out == ""

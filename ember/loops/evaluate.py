@@ -11,6 +11,8 @@ import contextlib
 import copy
 import inspect
 import math
+import shutil
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
@@ -296,9 +298,39 @@ def limited(loader: Iterable, count: float) -> Iterator[Any]:
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:
-    for index, metrics in enumerate(results):
-        title = f"{stage} results" + (f" (dataloader {index})" if len(results) > 1 else "")
-        width = max([len(name) for name in metrics] + [len(title)])
-        print(title)
-        for name, value in metrics.items():
-            print(f"  {name:<{width}}  {value:.6g}")
+    """The results as Lightning prints them: a row per metric (named without its ``/dataloader_idx_N``) and a
+    column per loader, centred, between rules as wide as the terminal (120 columns where there is none)."""
+    per_loader = [{name.split("/dataloader_idx_")[0]: value for name, value in metrics.items()} for metrics in results]
+    names = sorted({name for metrics in per_loader for name in metrics})
+    if not names:
+        return
+    columns = shutil.get_terminal_size(fallback=(120, 30)).columns or 120
+    headers = [f"DataLoader {index}" for index in range(len(per_loader))]
+    width = int(min(max(*(len(text) for text in names + headers), 25), columns / 2))
+    rule = ("─" if _can_print("─") else "-") * columns
+    half = columns // 2
+    per_table = max(int((columns - width) / width), 1)  # loaders beyond it go into further tables
+    for start in range(0, len(headers), per_table):
+        shown = per_loader[start : start + per_table]
+        lines = [rule, _centred([f"{stage} metric".capitalize(), *headers[start : start + per_table]], width), rule]
+        for name in names:
+            cells = [str(metrics[name]) if name in metrics else " " for metrics in shown]
+            last = cells
+            while len(name) > half:  # a long name goes on over several lines, its values on each but the last
+                lines.append(_centred([name[:half], *cells], width))
+                name, last = name[half:], [" "]
+            lines.append(_centred([name, *last], width))
+        print("\n".join([*lines, rule]))
+
+
+def _centred(cells: list[str], width: int) -> str:
+    return "".join(f"{cell:^{width}}" for cell in cells).rstrip()
+
+
+def _can_print(text: str) -> bool:
+    """Whether stdout's encoding has ``text``'s characters (some terminals' have no box drawing)."""
+    try:
+        text.encode(sys.stdout.encoding or "utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
