@@ -401,6 +401,13 @@ class RunMetrics:
         entry = store._entries.get(key)
         if entry is None or entry.options != options:  # a name's first call, or other options: checked, then kept
             entry = self._configure(store, key, name, entry, options)
+            if isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()):
+                rank_zero_warn_once(
+                    f"You called `self.log({name!r}, ...)` in your `{scope.hook}` but the value needs to be floating "
+                    "to be reduced. Converting it to torch.float32. You can silence this warning by converting the "
+                    "value to floating point yourself.",
+                    stacklevel=3,
+                )
         store.record(entry, value, batch_size)
 
     def _configure(self, store: MetricStore, key: str, name: str, entry: _Logged | None,
@@ -546,4 +553,7 @@ class RunMetrics:
 
 
 def _as_tensor(value: Number) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    """``value`` as a tensor, a float one (an integer tensor logged per step is read as float32, as Lightning's)."""
+    if not isinstance(value, torch.Tensor):
+        return torch.tensor(value)
+    return value if value.is_floating_point() else value.float()

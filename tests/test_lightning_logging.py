@@ -497,3 +497,17 @@ def test_evaluation_results_print_as_a_table_with_a_column_per_loader(
     ]
     quiet_trainer(logger=False).validate(Regressor(), make_loader(8), verbose=False)
     assert capsys.readouterr().out == ""
+
+
+def test_an_integer_tensor_is_read_as_float32_with_a_warning() -> None:
+    class LogsCounts(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("count", torch.tensor(batch_idx), on_step=True, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    with pytest.warns(UserWarning, match=r"`self.log\('count', ...\)` in your `training_step` but the value needs to"):
+        trainer.fit(LogsCounts(), make_loader(16))
+    for name in ("count_step", "count_epoch"):
+        assert trainer.callback_metrics[name].dtype == torch.float32
+    assert float(trainer.callback_metrics["count_step"]) == 1.0
