@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from conftest import Regressor, make_data, make_loader, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader
@@ -286,7 +287,7 @@ def test_hyperparameters_kept_out_of_the_logger() -> None:
 
     trainer = quiet_trainer(max_epochs=1)
     trainer.fit(Quiet(), make_loader())
-    assert not os.path.exists(os.path.join(trainer.log_dir, "hparams.yaml"))
+    assert _logged_hyperparameters(trainer) == {}
     checkpoint = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)  # type: ignore[union-attr]
     assert checkpoint["hyper_parameters"] == {"lr": 0.05, "features": 4}  # the parent's and the subclass's
 
@@ -949,7 +950,7 @@ def test_when_checkpoints_are_saved_as_lightning_chooses(
 def test_hyperparameters_are_not_logged_when_asked_not_to() -> None:
     trainer = quiet_trainer(max_steps=1, enable_autolog_hparams=False)
     trainer.fit(Regressor(), make_loader())
-    assert not os.path.exists(os.path.join(trainer.log_dir, "hparams.yaml"))
+    assert _logged_hyperparameters(trainer) == {}
 
 
 @pytest.mark.parametrize(
@@ -1201,3 +1202,12 @@ def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() ->
     trainer.test(Regressor(), make_loader(16), verbose=False)
     assert trainer.state.fn == "test" and trainer.state.status == "finished"
     assert not trainer.training and RunningStage.VALIDATING == "validate"
+
+
+def _logged_hyperparameters(trainer: ember.Trainer) -> Any:
+    """What the loggers wrote to hparams.yaml (TensorBoard's writes `{}` when nothing was logged, as Lightning's)."""
+    path = os.path.join(trainer.log_dir or "", "hparams.yaml")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as file:
+        return yaml.safe_load(file)
