@@ -490,11 +490,12 @@ class RunMetrics:
         return published
 
     def log_values(self, values: Mapping[str, float], step: int) -> None:
-        """Values a callback measured itself (learning rates, device memory): written to the loggers with the
-        label ``step`` and no epoch (a row of their own, as Lightning's callbacks write them) and, like logged
-        metrics, readable in the callback metrics."""
+        """Values a callback measured itself (learning rates): written to the loggers with the label ``step`` and
+        no epoch (a row of their own, as Lightning's callbacks write them), and readable in the callback metrics
+        (not in the logged metrics, as in Lightning)."""
         self._epoch_values.update(values)
-        self.write(values, step, None)
+        if values:  # not kept in the logged metrics, as Lightning's monitors write to the loggers themselves
+            self._hand_over(to_floats(values), step, None, logged=False)
 
     def adopt(self, callback_metrics: Mapping[str, Number]) -> None:
         """Hold ``callback_metrics`` as the latest values: a stage's that ran in other processes (rank zero's)."""
@@ -541,8 +542,9 @@ class RunMetrics:
         if values:
             self._hand_over(to_floats(values), step, epoch)
 
-    def _hand_over(self, floats: dict[str, float], step: int, epoch: int | None) -> None:
-        self._logged.update(floats)
+    def _hand_over(self, floats: dict[str, float], step: int, epoch: int | None, logged: bool = True) -> None:
+        if logged:
+            self._logged.update(floats)
         if not self._is_global_zero():
             return
         metrics: dict[str, float] = dict(floats)

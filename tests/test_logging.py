@@ -151,7 +151,9 @@ def test_learning_rate_monitor_logs_each_param_group() -> None:
     assert [float(row["lr-SGD/pg1"]) for row in rows] == [0.1, 0.05]
     assert [float(row["lr-SGD/pg2"]) for row in rows] == [0.01, 0.005]
     assert float(rows[0]["lr-SGD/pg1-momentum"]) == 0.9
-    # the rates are rows of their own, without the epoch, as Lightning's monitor writes them
+    # the rates are callback metrics, not logged metrics, and rows of their own, without the epoch, as Lightning's
+    # monitor writes them
+    assert "lr-SGD/pg1" in trainer.callback_metrics and "lr-SGD/pg1" not in trainer.logged_metrics
     assert [(row["step"], row["epoch"], row["train_loss"]) for row in rows] == [("0", "", ""), ("2", "", "")]
 
 
