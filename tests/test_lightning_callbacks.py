@@ -185,6 +185,48 @@ def test_early_stopping_reason_is_saved_and_restored() -> None:
     assert restored.stopping_reason is EarlyStoppingReason.NOT_STOPPED and restored.stopping_reason_message is None
 
 
+def test_early_stopping_keeps_min_delta_signed_so_that_a_negative_one_is_a_tolerance() -> None:
+    assert EarlyStopping(monitor="score", min_delta=0.5).min_delta == -0.5  # an improvement lowers a "min" score
+    assert EarlyStopping(monitor="score", min_delta=0.5, mode="max").min_delta == 0.5
+    stopping = EarlyStopping(monitor="score", min_delta=-0.1, patience=1)
+    trainer = quiet_trainer(max_epochs=5, limit_train_batches=1, limit_val_batches=1, callbacks=[stopping])
+    trainer.fit(_Scores([5.0, 4.0, 4.05, 4.2, 4.2]), make_loader(), make_loader(16))
+    # 4.05 is within the tolerance of 4.0, so it is the new best; 4.2 is not
+    assert stopping.stopped_epoch == 3 and float(stopping.best_score) == pytest.approx(4.05)
+
+
+def test_verbose_early_stopping_says_each_improvement_and_the_stop_in_lightnings_words(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stopping = EarlyStopping(monitor="score", patience=1, verbose=True, log_rank_zero_only=True)
+    trainer = quiet_trainer(max_epochs=4, limit_train_batches=1, limit_val_batches=1, callbacks=[stopping])
+    with caplog.at_level(logging.INFO, logger="ember"):
+        trainer.fit(_Scores([3.0, 2.0, 2.5, 1.0]), make_loader(), make_loader(16))
+    said = [record.getMessage() for record in caplog.records if "etric score" in record.getMessage()]
+    assert said == [
+        "Metric score improved. New best score: 3.000",
+        "Metric score improved by 1.000 >= min_delta = 0.0. New best score: 2.000",
+        "Monitored metric score did not improve in the last 1 records. Best score: 2.000. Signaling Trainer to stop.",
+    ]
+    assert stopping.stopping_reason_message == said[-1]
+    assert isinstance(stopping.best_score, torch.Tensor) and float(stopping.best_score) == 2.0
+
+
+def test_early_stopping_without_its_metric_warns_when_not_strict_and_verbose() -> None:
+    stopping = EarlyStopping(monitor="nope", strict=False, verbose=True)
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=1, callbacks=[stopping])
+    with pytest.warns(RuntimeWarning, match="metric `nope` which is not available.*`score`"):
+        trainer.fit(_Scores([3.0]), make_loader(), make_loader(16))
+    assert not trainer.should_stop
+
+
+def test_early_stopping_restores_its_patience_with_its_state() -> None:
+    saved = EarlyStopping(monitor="score", patience=7).state_dict()
+    restored = EarlyStopping(monitor="score", patience=2)
+    restored.load_state_dict(saved)
+    assert restored.patience == 7 and isinstance(restored.best_score, torch.Tensor)
+
+
 def test_early_stopping_configuration_errors() -> None:
     with pytest.raises(MisconfigurationException, match="`mode` can be 'min' or 'max', got maximum"):
         EarlyStopping(monitor="score", mode="maximum")  # type: ignore[arg-type]
