@@ -337,13 +337,13 @@ class ModelCheckpoint(Callback):
             return path
         if self.monitor not in metrics:
             message = (
-                f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name was logged; "
-                f"logged metrics are {sorted(name for name in metrics if name not in ('epoch', 'step'))}"
+                f"`ModelCheckpoint(monitor={self.monitor!r})` could not find the monitored key in the returned "
+                f"metrics: {list(metrics)}. HINT: Did you call `log({self.monitor!r}, value)` in the module?"
             )
             if self._validated:
-                raise KeyError(message)
+                raise MisconfigurationException(message)
             # As Lightning: before the fit's first validation, the metric may be one that validation logs.
-            rank_zero_warn_once(f"{message}: no top-k checkpoint is saved until it is", stacklevel=2)
+            rank_zero_warn_once(f"{message} Until it is logged, no top-k checkpoint is saved.", stacklevel=2)
             return None
         current = metrics[self.monitor].detach().cpu().clone()
         if torch.isnan(current):  # a NaN is kept as the worst value, as Lightning does
