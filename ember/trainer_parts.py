@@ -64,7 +64,8 @@ def known_flags_only(init: Callable[P, None]) -> Callable[P, None]:
 _WHOLE_LIMITS = {
     "limit_train_batches": ("1 batch per epoch will be used", "100% of the batches per epoch will be used"),
     "val_check_interval": (
-        "validation will run after every batch", "validation will run at the end of the training epoch"
+        "validation will run after every batch",
+        "validation will run at the end of the training epoch",
     ),
     **{
         name: ("1 batch will be used", "100% of the batches will be used")
@@ -122,8 +123,13 @@ def default_callbacks(config: TrainerConfig) -> list[Callback]:
     if not config.enable_model_summary and summary:
         raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
     _add_timer(given, config.max_time)
-    # Callbacks that read epoch metrics (checkpointing, early stopping) run last, in the given order.
-    return sorted(given, key=lambda callback: bool(callback.reads_epoch_metrics))
+    return checkpoints_last(given)
+
+
+def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` with the ``ModelCheckpoint``s moved to the end, in the given order, as Lightning orders them: a
+    checkpoint saved in a hook holds what the other callbacks (early stopping) did in that hook."""
+    return sorted(callbacks, key=lambda callback: isinstance(callback, ModelCheckpoint))
 
 
 def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
@@ -184,8 +190,7 @@ def with_module_callbacks(callbacks: list[Callback], returned: Callback | Sequen
         return callbacks
     replaced = {type(callback) for callback in added}
     kept = [callback for callback in callbacks if type(callback) not in replaced]
-    # Callbacks that read epoch metrics (checkpointing, early stopping) run last, as in default_callbacks.
-    return sorted(kept + added, key=lambda callback: bool(callback.reads_epoch_metrics))
+    return checkpoints_last(kept + added)
 
 
 def checked_path(ckpt_path: str | os.PathLike | None) -> str | None:
@@ -244,4 +249,3 @@ def evaluated_module(
             stacklevel=3,
         )
     return trainer.lightning_module, ckpt_path
-

@@ -278,7 +278,7 @@ class ModelCheckpoint(Callback):
             prefix = name + self.CHECKPOINT_EQUALS_CHAR if self.auto_insert_metric_name else ""
             return prefix + "{" + key + spec + "}"
 
-        name = _PLACEHOLDER.sub(substitute, template).format(**values).replace(os.sep, "_")
+        name = _PLACEHOLDER.sub(substitute, template).format(**values)
         if ver is not None:
             name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
         return os.path.join(self.dirpath or "", name + self.FILE_EXTENSION)
