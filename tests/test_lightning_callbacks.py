@@ -28,6 +28,7 @@ from ember.callbacks import (
     LambdaCallback,
     LearningRateMonitor,
     ModelSummary,
+    OnExceptionCheckpoint,
     ProgressBar,
     RichProgressBar,
     ThroughputMonitor,
@@ -373,6 +374,21 @@ def test_adding_parameters_the_optimizer_holds_warns() -> None:
 def test_prediction_writer_refuses_an_unknown_interval() -> None:
     with pytest.raises(MisconfigurationException, match=r"`write_interval` should be one of \['batch', 'epoch'"):
         BasePredictionWriter("step")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("interval", "on_batch", "on_epoch"),
+    [("batch", True, False), ("epoch", False, True), ("batch_and_epoch", True, True)],
+)
+def test_prediction_writer_says_when_it_writes_in_its_interval(interval: str, on_batch: bool, on_epoch: bool) -> None:
+    writer = BasePredictionWriter(interval)  # type: ignore[arg-type]
+    assert writer.interval == interval and (writer.interval.on_batch, writer.interval.on_epoch) == (on_batch, on_epoch)
+
+
+def test_on_exception_checkpoint_names_its_path_and_refuses_an_empty_filename(tmp_path: Any) -> None:
+    assert OnExceptionCheckpoint(tmp_path, "crash").ckpt_path == str(tmp_path / "crash.ckpt")
+    with pytest.raises(ValueError, match="filename cannot be empty"):
+        OnExceptionCheckpoint(tmp_path, "")
 
 
 # ----------------------------------------------------------------------------- learning-rate finder
