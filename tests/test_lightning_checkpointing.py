@@ -379,3 +379,26 @@ def test_model_checkpoints_run_after_the_other_callbacks_and_save_what_early_sto
     trainer.fit(_Scored([2.0, 3.0, 3.0]), make_loader(), make_loader(8))
     saved = checkpoint_io.load(checkpoint.last_model_path)["callbacks"][stopping.state_key]
     assert stopping.stopped_epoch == 1 and saved["wait_count"] == 1 and saved["stopped_epoch"] == 1
+
+
+def test_load_from_checkpoint_takes_hyperparameters_from_a_yaml_file_under_the_keyword_arguments(tmp_path: Any) -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, default_root_dir=tmp_path)
+    trainer.fit(Regressor(lr=0.2), make_loader())
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    (tmp_path / "hparams.yaml").write_text("lr: 0.3\n")
+    assert Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=None).hparams.lr == 0.2
+    loaded = Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=tmp_path / "hparams.yaml")
+    assert dict(loaded.hparams) == {"lr": 0.3, "features": 4}
+    given = Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=tmp_path / "hparams.yaml", lr=0.4)
+    assert given.hparams.lr == 0.4
+    with pytest.raises(ValueError, match=r"hparams_file=.*\.yml or \.yaml"):
+        Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=tmp_path / "hparams.txt")
+
+
+def test_load_from_checkpoint_called_on_an_instance_is_refused_as_it_would_change_nothing(tmp_path: Any) -> None:
+    module = Regressor()
+    assert callable(module.load_from_checkpoint)  # it can be read, as inspecting a module does
+    with pytest.raises(TypeError, match=r"`Regressor.load_from_checkpoint` cannot be called on an instance"):
+        module.load_from_checkpoint(tmp_path / "model.ckpt")
+    with pytest.raises(TypeError, match="cannot be called on an instance"):
+        _Keeping().load_from_checkpoint(tmp_path / "model.ckpt")
