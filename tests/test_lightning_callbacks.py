@@ -228,6 +228,31 @@ def test_early_stopping_restores_its_patience_with_its_state() -> None:
     assert restored.patience == 7 and isinstance(restored.best_score, torch.Tensor)
 
 
+class _EpochScores(Regressor):
+    """Logs ``scores[epoch]`` as "train_score" over the training epoch, and validates as ``Regressor`` does."""
+
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("train_score", self.scores[self.current_epoch], on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+def test_early_stopping_checks_at_the_training_epochs_end_when_validation_runs_once_an_epoch() -> None:
+    # So it sees the epoch's training metrics, which are not reduced yet when its validation ends.
+    stopping = EarlyStopping(monitor="train_score", patience=1)
+    trainer = quiet_trainer(max_epochs=4, limit_train_batches=2, callbacks=[stopping])
+    trainer.fit(_EpochScores([3.0, 2.0, 2.5, 1.0]), make_loader(), make_loader(16))
+    assert stopping.stopped_epoch == 2 and trainer.current_epoch == 3
+    # Validating twice an epoch, it checks after each validation, where the training score is not there yet.
+    stopping = EarlyStopping(monitor="train_score")
+    trainer = quiet_trainer(max_epochs=4, limit_train_batches=2, val_check_interval=0.5, callbacks=[stopping])
+    with pytest.raises(RuntimeError, match="metric `train_score` which is not available"):
+        trainer.fit(_EpochScores([3.0, 2.0, 2.5, 1.0]), make_loader(), make_loader(16))
+
+
 def test_early_stopping_configuration_errors() -> None:
     with pytest.raises(MisconfigurationException, match="`mode` can be 'min' or 'max', got maximum"):
         EarlyStopping(monitor="score", mode="maximum")  # type: ignore[arg-type]

@@ -31,8 +31,8 @@ class EarlyStoppingReason(Enum):
 class EarlyStopping(Callback):
     """Stop when ``monitor`` has not improved by more than ``min_delta`` for ``patience`` checks.
 
-    The check runs after each validation, or at the end of each training epoch when the run has
-    no validation (or ``check_on_train_epoch_end=True``). Every rank takes the same decision.
+    The check runs at the end of each training epoch when validation runs once an epoch, at its end, or not at
+    all; after each validation otherwise (``check_on_train_epoch_end`` chooses). Every rank takes the same decision.
     Once it stops, ``stopping_reason`` says why (an ``EarlyStoppingReason``) and ``stopping_reason_message``
     says it in words; ``stopped_epoch`` is the epoch it stopped at. As in Lightning, ``min_delta`` is kept with
     the sign of an improvement (negative with ``mode="min"``; a tolerance when given with the other sign),
@@ -92,7 +92,10 @@ class EarlyStopping(Callback):
     def _checks_on_train_epoch_end(self, trainer: Trainer) -> bool:
         if self.check_on_train_epoch_end is not None:
             return self.check_on_train_epoch_end
-        return not trainer.validation_enabled
+        # As Lightning: at the end of each training epoch (after its validation, and with the epoch's training
+        # metrics) when validation runs once an epoch, at its end, or not at all; else after each validation.
+        once_an_epoch = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
+        return once_an_epoch or not trainer.validation_enabled
 
     def _check(self, trainer: Trainer) -> None:
         if trainer.fast_dev_run:
