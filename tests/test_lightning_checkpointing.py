@@ -402,3 +402,19 @@ def test_load_from_checkpoint_called_on_an_instance_is_refused_as_it_would_chang
         module.load_from_checkpoint(tmp_path / "model.ckpt")
     with pytest.raises(TypeError, match="cannot be called on an instance"):
         _Keeping().load_from_checkpoint(tmp_path / "model.ckpt")
+
+
+def test_validating_from_a_checkpoint_gives_the_datamodule_its_state_but_leaves_the_callbacks_as_they_are(
+    tmp_path: Any,
+) -> None:
+    class Validated(_Keeping):
+        def val_dataloader(self) -> Any:
+            return make_loader(self.hparams.size)
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path)
+    quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), datamodule=Validated())
+    datamodule = Validated()
+    trainer = quiet_trainer(callbacks=[_Noting(datamodule.calls)], logger=False)
+    trainer.validate(Regressor(), datamodule=datamodule, ckpt_path=checkpoint.best_model_path, verbose=False)
+    # A fit's ModelCheckpoint given its state back would forget the files it kept after the loaded one.
+    assert datamodule.calls == ["datamodule.load_state_dict"]

@@ -127,12 +127,17 @@ def resume_from(trainer: Trainer, path: str, weights_only: bool | None) -> None:
 
 
 def load_weights_into(trainer: Trainer, path: str | None, weights_only: bool | None) -> None:
-    """The weights of the checkpoint at ``path`` (if any) into the module, after its ``on_load_checkpoint``."""
+    """The weights of the checkpoint at ``path`` (if any) into the module, after its ``on_load_checkpoint``, and the
+    datamodule's state."""
     if path is None:
         return
     checkpoint = trainer.strategy.load_checkpoint(path, trust_pickles=weights_only is False)
     trainer.hooks.call_module("on_load_checkpoint", checkpoint)
     load_weights(trainer.strategy.load_module_state_dict, _module(trainer), checkpoint, path)
+    # The datamodule's state as Lightning restores it; the callbacks' stays: the ModelCheckpoint of the fit just
+    # run would forget the files it kept after the loaded one.
+    if trainer.datamodule is not None:
+        load_datamodule_state(trainer.datamodule, checkpoint)
 
 
 def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
@@ -155,14 +160,12 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
         raise CheckpointError(
             f"ckpt_path={path!r} was written by an older Ember, whose loop state this one cannot read"
         )
-    module = _module(trainer)
-    hooks = trainer.hooks
-    hooks.call_module("on_load_checkpoint", checkpoint)
-    load_weights(trainer.strategy.load_module_state_dict, module, checkpoint, path)
+    trainer.hooks.call_module("on_load_checkpoint", checkpoint)
+    load_weights(trainer.strategy.load_module_state_dict, _module(trainer), checkpoint, path)
     _restore_optimization(trainer, checkpoint, path)
     if trainer.datamodule is not None:  # before the callbacks, as Lightning
         load_datamodule_state(trainer.datamodule, checkpoint)
-    hooks.call_callbacks("on_load_checkpoint", checkpoint)
+    trainer.hooks.call_callbacks("on_load_checkpoint", checkpoint)
     _restore_callbacks(trainer, checkpoint.get("callbacks", {}), path)
     resume.resume(trainer, checkpoint, path)
 
