@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from datetime import timedelta
 from typing import Any, Literal
@@ -418,3 +419,18 @@ def test_validating_from_a_checkpoint_gives_the_datamodule_its_state_but_leaves_
     trainer.validate(Regressor(), datamodule=datamodule, ckpt_path=checkpoint.best_model_path, verbose=False)
     # A fit's ModelCheckpoint given its state back would forget the files it kept after the loaded one.
     assert datamodule.calls == ["datamodule.load_state_dict"]
+
+
+def test_verbose_checkpointing_says_what_ranks_in_lightnings_words(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="score", verbose=True)
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=1, callbacks=[checkpoint], logger=False)
+    with caplog.at_level(logging.INFO, logger="ember"):
+        trainer.fit(_Scored([2.0, 3.0]), make_loader(), make_loader(8))
+    said = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Epoch")]
+    path = str(tmp_path / "epoch=0-step=1.ckpt")
+    assert said == [
+        f"Epoch 0, global step 1: 'score' reached 2.00000 (best 2.00000), saving model to {path!r} as top 1",
+        "Epoch 1, global step 2: 'score' was not in top 1",
+    ]

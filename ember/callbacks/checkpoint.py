@@ -348,15 +348,20 @@ class ModelCheckpoint(Callback):
         current = metrics[self.monitor].detach().cpu().clone()
         if torch.isnan(current):  # a NaN is kept as the worst value, as Lightning does
             current = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)
+        at = f"Epoch {int(metrics['epoch']):d}, global step {int(metrics['step']):d}"  # Lightning's words, below
         if not self._ranks(current):
             if self.verbose:
-                announce(f"ModelCheckpoint: {self.monitor}={current.item():.5g} is not in the top k")
+                announce(f"{at}: {self.monitor!r} was not in top {self.save_top_k}")
             return None
         evicted = self.kth_best_model_path if len(self.best_k_models) == self.save_top_k else ""
         self.best_k_models.pop(evicted, None)
         path = self._free_path(trainer, metrics, None, evicted)
         self._record(path, current)
-        self._write(trainer, path)
+        if self.verbose:
+            top = f"top {self.save_top_k if self.save_top_k > 0 else len(self.best_k_models)}"
+            best = f"(best {self.best_model_score if self.best_model_score is not None else current:0.5f})"
+            announce(f"{at}: {self.monitor!r} reached {current:0.5f} {best}, saving model to {path!r} as {top}")
+        self._write(trainer, path, said=True)
         self._remove(trainer, evicted, path)
         return path
 
@@ -370,9 +375,9 @@ class ModelCheckpoint(Callback):
             self._write(trainer, path)
         self._remove(trainer, previous, path)
 
-    def _write(self, trainer: "Trainer", path: str) -> None:
+    def _write(self, trainer: "Trainer", path: str, said: bool = False) -> None:
         trainer.save_checkpoint(path, self.save_weights_only)
-        if self.verbose:
+        if self.verbose and not said:
             announce(f"ModelCheckpoint: saved {path}")
 
     def _remove(self, trainer: "Trainer", path: str, kept: str) -> None:
