@@ -608,3 +608,10 @@ def test_progress_bar_tells_its_metrics_and_the_validation_batches_of_each_epoch
 def test_configuration_errors_of_callbacks_and_the_tuner_are_misconfigurations(make: Any) -> None:
     with pytest.raises(MisconfigurationException):
         make()
+
+
+def test_two_callbacks_whose_states_a_checkpoint_would_keep_under_one_key_are_refused() -> None:
+    with pytest.raises(RuntimeError, match=r"more than one stateful callback of type `EarlyStopping`.*state_key"):
+        quiet_trainer(callbacks=[EarlyStopping("score"), EarlyStopping("score")])
+    # Told apart by their settings, or keeping no state, they are taken.
+    quiet_trainer(callbacks=[EarlyStopping("score"), EarlyStopping("score", mode="max"), Callback(), Callback()])
