@@ -615,3 +615,14 @@ def test_two_callbacks_whose_states_a_checkpoint_would_keep_under_one_key_are_re
         quiet_trainer(callbacks=[EarlyStopping("score"), EarlyStopping("score")])
     # Told apart by their settings, or keeping no state, they are taken.
     quiet_trainer(callbacks=[EarlyStopping("score"), EarlyStopping("score", mode="max"), Callback(), Callback()])
+
+
+def test_early_stopping_and_model_checkpoint_answer_lightnings_comparison_questions() -> None:
+    assert EarlyStopping("score").monitor_op is torch.lt and EarlyStopping("score", mode="max").monitor_op is torch.gt
+    assert EarlyStopping.order_dict == {"min": "<", "max": ">"}
+    checkpoint = ember.callbacks.ModelCheckpoint(monitor="score", save_top_k=1)
+    trainer = quiet_trainer()
+    assert checkpoint.check_monitor_top_k(trainer, torch.tensor(5.0)) and not checkpoint.check_monitor_top_k(trainer)
+    checkpoint.best_k_models, checkpoint.kth_best_model_path = {"a.ckpt": torch.tensor(2.0)}, "a.ckpt"
+    assert checkpoint.check_monitor_top_k(trainer, torch.tensor(1.0))
+    assert not checkpoint.check_monitor_top_k(trainer, torch.tensor(3.0))

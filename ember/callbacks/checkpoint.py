@@ -349,7 +349,7 @@ class ModelCheckpoint(Callback):
         if torch.isnan(current):  # a NaN is kept as the worst value, as Lightning does
             current = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)
         at = f"Epoch {int(metrics['epoch']):d}, global step {int(metrics['step']):d}"  # Lightning's words, below
-        if not self._ranks(current):
+        if not self.check_monitor_top_k(trainer, current):
             if self.verbose:
                 announce(f"{at}: {self.monitor!r} was not in top {self.save_top_k}")
             return None
@@ -392,10 +392,14 @@ class ModelCheckpoint(Callback):
             trainer.strategy.remove_checkpoint(path)  # a file, or a sharded checkpoint's directory
 
     # -------------------------------------------------------------------------------- top k
-    def _ranks(self, score: torch.Tensor) -> bool:
+    def check_monitor_top_k(self, trainer: "Trainer", current: torch.Tensor | None = None) -> bool:
+        """Whether the score ``current`` would enter the top k (Lightning's method). The monitored metric is the same
+        on every rank, so every rank answers alike."""
+        if current is None:
+            return False
         if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
             return True
-        return self._better(score, self.best_k_models[self.kth_best_model_path])
+        return self._better(current, self.best_k_models[self.kth_best_model_path])
 
     def _better(self, score: torch.Tensor, other: torch.Tensor) -> bool:
         return bool(score < other) if self.mode == "min" else bool(score > other)

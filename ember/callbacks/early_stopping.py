@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -41,6 +42,9 @@ class EarlyStopping(Callback):
     """
 
     reads_epoch_metrics = True
+    #: Lightning's comparisons and their signs, by ``mode``.
+    mode_dict: ClassVar[dict[str, Callable[..., torch.Tensor]]] = {"min": torch.lt, "max": torch.gt}
+    order_dict: ClassVar[dict[str, str]] = {"min": "<", "max": ">"}
 
     def __init__(
         self,
@@ -76,6 +80,11 @@ class EarlyStopping(Callback):
         self.best_score = torch.tensor(math.inf if mode == "min" else -math.inf)
         self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
         self.stopping_reason_message: str | None = None
+
+    @property
+    def monitor_op(self) -> Callable[..., torch.Tensor]:
+        """``torch.lt`` or ``torch.gt``: whether a score is better than another, as ``mode`` says."""
+        return self.mode_dict[self.mode]
 
     @property
     def state_key(self) -> str:
@@ -136,7 +145,7 @@ class EarlyStopping(Callback):
         """Why ``current`` stops training, and what to say about it (an improvement is said without stopping)."""
         score = float(current)
         better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
-        beyond = "<" if self.mode == "min" else ">"
+        beyond = self.order_dict[self.mode]
         stop = ". Signaling Trainer to stop."
         if self.check_finite and not math.isfinite(score):
             message = f"Monitored metric {self.monitor} = {score} is not finite. Previous best value was "
