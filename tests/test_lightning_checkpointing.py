@@ -309,6 +309,8 @@ def test_early_stoppings_state_takes_lightnings_and_holds_its_keys_and_types() -
 def test_a_slash_in_the_file_name_or_a_metric_name_makes_a_subdirectory(tmp_path: Any) -> None:
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{val/acc:.2f}")
     assert checkpoint.format_checkpoint_name({"val/acc": 0.5}) == str(tmp_path / "val" / "acc=0.50.ckpt")
+    named = checkpoint.format_checkpoint_name({"val/acc": 0.5}, prefix="run", ver=2)  # Lightning's arguments
+    assert named == str(tmp_path / "run-val" / "acc=0.50-v2.ckpt")
     checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="score", filename="runs/{epoch}")
     quiet_trainer(max_epochs=3, limit_train_batches=1, callbacks=[checkpoint], logger=False).fit(
         _Scored([2.0, 1.0, 3.0]), make_loader(), make_loader(8)

@@ -263,10 +263,10 @@ class ModelCheckpoint(Callback):
 
     # ------------------------------------------------------------------------------- naming
     def format_checkpoint_name(
-        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None
+        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None, prefix: str | None = None
     ) -> str:
         """The path of a checkpoint named by ``filename`` (default: the callback's), filled in from ``metrics``;
-        ``ver`` appends ``-v<ver>``."""
+        ``prefix`` goes in front (``<prefix>-``), ``ver`` appends ``-v<ver>``."""
         template = filename or self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
         values: dict[str, Any] = {}
 
@@ -279,6 +279,8 @@ class ModelCheckpoint(Callback):
             return prefix + "{" + key + spec + "}"
 
         name = _PLACEHOLDER.sub(substitute, template).format(**values)
+        if prefix is not None:
+            name = f"{prefix}{self.CHECKPOINT_JOIN_CHAR}{name}"
         if ver is not None:
             name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
         return os.path.join(self.dirpath or "", name + self.FILE_EXTENSION)
