@@ -3,15 +3,18 @@ the way a checkpoint keeps them and rebuilds an object from them."""
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
 from ember._utils import AttributeDict
 from ember.checkpoint.io import plain_values
+from ember.loggers.logger import load_hparams_from_yaml
 from ember.rank_zero import rank_zero_warn
 from ember.utilities import is_picklable
 
@@ -159,14 +162,48 @@ def checkpoint_entries(owner: HyperparametersMixin) -> dict[str, Any]:
     return entries
 
 
+class _ClassOnly(classmethod):
+    """A classmethod that refuses to be called on an instance, as Lightning's ``load_from_checkpoint``:
+    ``model.load_from_checkpoint(path)`` would build a new module and leave ``model`` as it was."""
+
+    def __get__(self, instance: object, owner: type | None = None) -> Callable[..., Any]:
+        bound = super().__get__(instance, owner)
+        if instance is None:
+            return bound
+
+        @functools.wraps(bound)
+        def refused(*args: Any, **kwargs: Any) -> Any:  # read from an instance, it can still be inspected
+            raise TypeError(
+                f"The classmethod `{type(instance).__name__}.{bound.__name__}` cannot be called on an instance. "
+                "Please call it on the class type and make sure the return value is used."
+            )
+
+        return refused
+
+
+if TYPE_CHECKING:  # the type checker reads it as the classmethod it is
+    class_only_method = classmethod
+else:
+    class_only_method = _ClassOnly
+
+
 def init_arguments(
-    cls: type[HyperparametersMixin], checkpoint: Mapping[str, Any], overrides: Mapping[str, Any], *past_keys: str
+    cls: type[HyperparametersMixin],
+    checkpoint: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    *past_keys: str,
+    hparams_file: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """The arguments that rebuild a ``cls`` from the hyperparameters ``checkpoint`` saved (or, without them, from
-    those under ``past_keys``, where older releases saved them), with ``overrides`` taking precedence; an argument
-    that ``cls.__init__`` does not take is left out, unless it takes ``**kwargs``."""
+    those under ``past_keys``, where older releases saved them), updated from the YAML file ``hparams_file``, with
+    ``overrides`` taking precedence; an argument that ``cls.__init__`` does not take is left out, unless it takes
+    ``**kwargs``."""
     found = next((key for key in (cls.CHECKPOINT_HYPER_PARAMS_KEY, *past_keys) if key in checkpoint), None)
     saved = dict(checkpoint[found]) if found is not None else {}
+    if hparams_file is not None:
+        if os.path.splitext(os.fspath(hparams_file))[1].lower() not in (".yml", ".yaml"):
+            raise ValueError(f"load_from_checkpoint(hparams_file={hparams_file!r}): a .yml or .yaml file is required")
+        saved.update(load_hparams_from_yaml(hparams_file))
     parameters = inspect.signature(cls.__init__).parameters
     config_argument = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_NAME)
     if config_argument in parameters:  # they were given whole, as one config: give them back as one

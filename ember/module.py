@@ -17,7 +17,7 @@ from ember import checkpoint as checkpoint_io
 from ember._utils import sized_len
 from ember.checkpoint.state import load_datamodule_state, load_weights
 from ember.exceptions import MisconfigurationException
-from ember.hparams import HyperparametersMixin, init_arguments
+from ember.hparams import HyperparametersMixin, class_only_method, init_arguments
 from ember.metrics import is_metric_object
 from ember.module_hooks import DataHooks, ModuleHooks
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
@@ -371,19 +371,24 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         """Read what ``on_save_checkpoint`` added, before the state is restored."""
 
     # -------------------------------------------------------------------------- checkpoints
-    @classmethod
+    @class_only_method
     def load_from_checkpoint(
         cls,
         checkpoint_path: str,
         map_location: Any = "cpu",
+        hparams_file: str | None = None,
         strict: bool = True,
         weights_only: bool = True,
         **init_overrides: Any,
     ) -> Module:
-        """Build the module from the hyperparameters saved in a checkpoint and load its weights."""
+        """Build the module from the hyperparameters saved in a checkpoint (updated from ``hparams_file``, a YAML
+        file, if given) and load its weights."""
         checkpoint = checkpoint_io.load(checkpoint_path, map_location, trust_pickles=not weights_only)
         # Lightning's releases before 0.8 saved the hyperparameters under the older keys.
-        module = cls(**init_arguments(cls, checkpoint, init_overrides, "module_arguments", "hparams"))
+        arguments = init_arguments(
+            cls, checkpoint, init_overrides, "module_arguments", "hparams", hparams_file=hparams_file
+        )
+        module = cls(**arguments)
         module.on_load_checkpoint(checkpoint)
         load_weights(lambda state: module.load_state_dict(state, strict=strict), module, checkpoint, checkpoint_path)
         return module
@@ -471,14 +476,19 @@ class DataModule(HyperparametersMixin, DataHooks):
             lines.append(f"{{{title}: {sizes}}}")
         return "\n".join(lines)
 
-    @classmethod
+    @class_only_method
     def load_from_checkpoint(
-        cls, checkpoint_path: str, map_location: Any = "cpu", weights_only: bool = True, **init_overrides: Any
+        cls,
+        checkpoint_path: str,
+        map_location: Any = "cpu",
+        hparams_file: str | None = None,
+        weights_only: bool = True,
+        **init_overrides: Any,
     ) -> DataModule:
-        """Build the data module from the hyperparameters saved in a checkpoint of a ``fit`` that used it, and
-        give it its saved ``state_dict``."""
+        """Build the data module from the hyperparameters saved in a checkpoint of a ``fit`` that used it (updated
+        from ``hparams_file``, a YAML file, if given), and give it its saved ``state_dict``."""
         checkpoint = checkpoint_io.load(checkpoint_path, map_location, trust_pickles=not weights_only)
-        datamodule = cls(**init_arguments(cls, checkpoint, init_overrides))
+        datamodule = cls(**init_arguments(cls, checkpoint, init_overrides, hparams_file=hparams_file))
         load_datamodule_state(datamodule, checkpoint)
         return datamodule
 

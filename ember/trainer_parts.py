@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec
 import torch
 
 from ember import checkpoint as checkpoint_io
-from ember._utils import replaces
+from ember._utils import is_overridden, replaces
 from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer
 from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
@@ -126,8 +126,24 @@ def default_callbacks(config: TrainerConfig) -> list[Callback]:
     if not config.enable_model_summary and summary:
         raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
     _add_timer(given, config.max_time)
-    # Callbacks that read epoch metrics (checkpointing, early stopping) run last, in the given order.
-    return sorted(given, key=lambda callback: bool(callback.reads_epoch_metrics))
+    return checkpoints_last(given)
+
+
+def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` with the ``ModelCheckpoint``s moved to the end, in the given order, as Lightning orders them: a
+    checkpoint saved in a hook holds what the other callbacks (early stopping) did in that hook. Two callbacks with
+    a state that share a ``state_key`` are refused, as in Lightning: a checkpoint would keep only one's."""
+    stateful = [callback for callback in callbacks if is_overridden("state_dict", callback, Callback)]
+    keys = [callback.state_key for callback in stateful]
+    shared = next((callback for callback, key in zip(stateful, keys) if keys.count(key) > 1), None)
+    if shared is not None:
+        raise RuntimeError(
+            f"Found more than one stateful callback of type `{type(shared).__name__}`. In the current "
+            "configuration, this callback does not support being saved alongside other instances of the same "
+            f"type: both would be saved as {shared.state_key!r}. HINT: The `callback.state_key` must be unique "
+            "among all callbacks in the Trainer (a ModelCheckpoint's differs by its monitor, mode and schedule)."
+        )
+    return sorted(callbacks, key=lambda callback: isinstance(callback, ModelCheckpoint))
 
 
 def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
@@ -195,8 +211,7 @@ def with_module_callbacks(callbacks: list[Callback], returned: Callback | Sequen
         return callbacks
     replaced = {type(callback) for callback in added}
     kept = [callback for callback in callbacks if type(callback) not in replaced]
-    # Callbacks that read epoch metrics (checkpointing, early stopping) run last, as in default_callbacks.
-    return sorted(kept + added, key=lambda callback: bool(callback.reads_epoch_metrics))
+    return checkpoints_last(kept + added)
 
 
 def checked_path(ckpt_path: str | os.PathLike | None) -> str | None:

@@ -72,7 +72,7 @@ def test_class_paths_for_the_model_callbacks_optimizer_and_scheduler() -> None:
     args = [
         f"--model={Wider.__module__}.Wider",
         "--model.scale=3.0", "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.callbacks+=EarlyStopping",
-        "--trainer.callbacks.monitor=val_loss", "--optimizer=Adam", "--optimizer.lr=0.003",
+        "--trainer.callbacks.monitor=train_loss", "--optimizer=Adam", "--optimizer.lr=0.003",
         "--lr_scheduler=StepLR", "--lr_scheduler.step_size=1", *_QUIET,
     ]  # fmt: skip
     cli = EmberCLI(datamodule_class=Data, args=args, run=False, save_config_callback=None)

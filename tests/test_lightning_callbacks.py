@@ -28,6 +28,7 @@ from ember.callbacks import (
     LambdaCallback,
     LearningRateMonitor,
     ModelSummary,
+    OnExceptionCheckpoint,
     ProgressBar,
     RichProgressBar,
     ThroughputMonitor,
@@ -185,6 +186,73 @@ def test_early_stopping_reason_is_saved_and_restored() -> None:
     assert restored.stopping_reason is EarlyStoppingReason.NOT_STOPPED and restored.stopping_reason_message is None
 
 
+def test_early_stopping_keeps_min_delta_signed_so_that_a_negative_one_is_a_tolerance() -> None:
+    assert EarlyStopping(monitor="score", min_delta=0.5).min_delta == -0.5  # an improvement lowers a "min" score
+    assert EarlyStopping(monitor="score", min_delta=0.5, mode="max").min_delta == 0.5
+    stopping = EarlyStopping(monitor="score", min_delta=-0.1, patience=1)
+    trainer = quiet_trainer(max_epochs=5, limit_train_batches=1, limit_val_batches=1, callbacks=[stopping])
+    trainer.fit(_Scores([5.0, 4.0, 4.05, 4.2, 4.2]), make_loader(), make_loader(16))
+    # 4.05 is within the tolerance of 4.0, so it is the new best; 4.2 is not
+    assert stopping.stopped_epoch == 3 and float(stopping.best_score) == pytest.approx(4.05)
+
+
+def test_verbose_early_stopping_says_each_improvement_and_the_stop_in_lightnings_words(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stopping = EarlyStopping(monitor="score", patience=1, verbose=True, log_rank_zero_only=True)
+    trainer = quiet_trainer(max_epochs=4, limit_train_batches=1, limit_val_batches=1, callbacks=[stopping])
+    with caplog.at_level(logging.INFO, logger="ember"):
+        trainer.fit(_Scores([3.0, 2.0, 2.5, 1.0]), make_loader(), make_loader(16))
+    said = [record.getMessage() for record in caplog.records if "etric score" in record.getMessage()]
+    assert said == [
+        "Metric score improved. New best score: 3.000",
+        "Metric score improved by 1.000 >= min_delta = 0.0. New best score: 2.000",
+        "Monitored metric score did not improve in the last 1 records. Best score: 2.000. Signaling Trainer to stop.",
+    ]
+    assert stopping.stopping_reason_message == said[-1]
+    assert isinstance(stopping.best_score, torch.Tensor) and float(stopping.best_score) == 2.0
+
+
+def test_early_stopping_without_its_metric_warns_when_not_strict_and_verbose() -> None:
+    stopping = EarlyStopping(monitor="nope", strict=False, verbose=True)
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=1, callbacks=[stopping])
+    with pytest.warns(RuntimeWarning, match="metric `nope` which is not available.*`score`"):
+        trainer.fit(_Scores([3.0]), make_loader(), make_loader(16))
+    assert not trainer.should_stop
+
+
+def test_early_stopping_restores_its_patience_with_its_state() -> None:
+    saved = EarlyStopping(monitor="score", patience=7).state_dict()
+    restored = EarlyStopping(monitor="score", patience=2)
+    restored.load_state_dict(saved)
+    assert restored.patience == 7 and isinstance(restored.best_score, torch.Tensor)
+
+
+class _EpochScores(Regressor):
+    """Logs ``scores[epoch]`` as "train_score" over the training epoch, and validates as ``Regressor`` does."""
+
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("train_score", self.scores[self.current_epoch], on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+def test_early_stopping_checks_at_the_training_epochs_end_when_validation_runs_once_an_epoch() -> None:
+    # So it sees the epoch's training metrics, which are not reduced yet when its validation ends.
+    stopping = EarlyStopping(monitor="train_score", patience=1)
+    trainer = quiet_trainer(max_epochs=4, limit_train_batches=2, callbacks=[stopping])
+    trainer.fit(_EpochScores([3.0, 2.0, 2.5, 1.0]), make_loader(), make_loader(16))
+    assert stopping.stopped_epoch == 2 and trainer.current_epoch == 3
+    # Validating twice an epoch, it checks after each validation, where the training score is not there yet.
+    stopping = EarlyStopping(monitor="train_score")
+    trainer = quiet_trainer(max_epochs=4, limit_train_batches=2, val_check_interval=0.5, callbacks=[stopping])
+    with pytest.raises(RuntimeError, match="metric `train_score` which is not available"):
+        trainer.fit(_EpochScores([3.0, 2.0, 2.5, 1.0]), make_loader(), make_loader(16))
+
+
 def test_early_stopping_configuration_errors() -> None:
     with pytest.raises(MisconfigurationException, match="`mode` can be 'min' or 'max', got maximum"):
         EarlyStopping(monitor="score", mode="maximum")  # type: ignore[arg-type]
@@ -331,6 +399,21 @@ def test_adding_parameters_the_optimizer_holds_warns() -> None:
 def test_prediction_writer_refuses_an_unknown_interval() -> None:
     with pytest.raises(MisconfigurationException, match=r"`write_interval` should be one of \['batch', 'epoch'"):
         BasePredictionWriter("step")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("interval", "on_batch", "on_epoch"),
+    [("batch", True, False), ("epoch", False, True), ("batch_and_epoch", True, True)],
+)
+def test_prediction_writer_says_when_it_writes_in_its_interval(interval: str, on_batch: bool, on_epoch: bool) -> None:
+    writer = BasePredictionWriter(interval)  # type: ignore[arg-type]
+    assert writer.interval == interval and (writer.interval.on_batch, writer.interval.on_epoch) == (on_batch, on_epoch)
+
+
+def test_on_exception_checkpoint_names_its_path_and_refuses_an_empty_filename(tmp_path: Any) -> None:
+    assert OnExceptionCheckpoint(tmp_path, "crash").ckpt_path == str(tmp_path / "crash.ckpt")
+    with pytest.raises(ValueError, match="filename cannot be empty"):
+        OnExceptionCheckpoint(tmp_path, "")
 
 
 # ----------------------------------------------------------------------------- learning-rate finder
@@ -525,3 +608,21 @@ def test_progress_bar_tells_its_metrics_and_the_validation_batches_of_each_epoch
 def test_configuration_errors_of_callbacks_and_the_tuner_are_misconfigurations(make: Any) -> None:
     with pytest.raises(MisconfigurationException):
         make()
+
+
+def test_two_callbacks_whose_states_a_checkpoint_would_keep_under_one_key_are_refused() -> None:
+    with pytest.raises(RuntimeError, match=r"more than one stateful callback of type `EarlyStopping`.*state_key"):
+        quiet_trainer(callbacks=[EarlyStopping("score"), EarlyStopping("score")])
+    # Told apart by their settings, or keeping no state, they are taken.
+    quiet_trainer(callbacks=[EarlyStopping("score"), EarlyStopping("score", mode="max"), Callback(), Callback()])
+
+
+def test_early_stopping_and_model_checkpoint_answer_lightnings_comparison_questions() -> None:
+    assert EarlyStopping("score").monitor_op is torch.lt and EarlyStopping("score", mode="max").monitor_op is torch.gt
+    assert EarlyStopping.order_dict == {"min": "<", "max": ">"}
+    checkpoint = ember.callbacks.ModelCheckpoint(monitor="score", save_top_k=1)
+    trainer = quiet_trainer()
+    assert checkpoint.check_monitor_top_k(trainer, torch.tensor(5.0)) and not checkpoint.check_monitor_top_k(trainer)
+    checkpoint.best_k_models, checkpoint.kth_best_model_path = {"a.ckpt": torch.tensor(2.0)}, "a.ckpt"
+    assert checkpoint.check_monitor_top_k(trainer, torch.tensor(1.0))
+    assert not checkpoint.check_monitor_top_k(trainer, torch.tensor(3.0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from datetime import timedelta
 from typing import Any, Literal
@@ -12,6 +13,7 @@ import torch
 import yaml
 from conftest import Regressor, make_loader, quiet_trainer
 
+import ember
 from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from ember.checkpoint import state as checkpoint_state
@@ -301,3 +303,136 @@ def test_early_stoppings_state_takes_lightnings_and_holds_its_keys_and_types() -
     state = stopper.state_dict()
     assert stopper.best_score == 0.25 and state["best_score"].dtype == torch.float64  # exact, for resuming
     assert {"wait_count", "stopped_epoch", "best_score", "patience"} <= set(state)
+
+
+# ------------------------------------------------------------------------------------ names, contents, order
+def test_a_slash_in_the_file_name_or_a_metric_name_makes_a_subdirectory(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{val/acc:.2f}")
+    assert checkpoint.format_checkpoint_name({"val/acc": 0.5}) == str(tmp_path / "val" / "acc=0.50.ckpt")
+    named = checkpoint.format_checkpoint_name({"val/acc": 0.5}, prefix="run", ver=2)  # Lightning's arguments
+    assert named == str(tmp_path / "run-val" / "acc=0.50-v2.ckpt")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="score", filename="runs/{epoch}")
+    quiet_trainer(max_epochs=3, limit_train_batches=1, callbacks=[checkpoint], logger=False).fit(
+        _Scored([2.0, 1.0, 3.0]), make_loader(), make_loader(8)
+    )
+    # the best is kept in the subdirectory, and the file it replaced there is removed
+    assert checkpoint.best_model_path == str(tmp_path / "runs" / "epoch=1.ckpt")
+    assert _files(tmp_path / "runs") == {"epoch=1.ckpt"}
+
+
+class _Keeping(ember.DataModule):
+    def __init__(self, size: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.calls: list[str] = []
+
+    def train_dataloader(self) -> Any:
+        return make_loader(self.hparams.size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kept": 1}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.calls.append("datamodule.load_state_dict")
+
+
+class _Noting(Callback):
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
+        self.calls.append("callback.on_save_checkpoint")
+
+    def on_load_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
+        self.calls.append("callback.on_load_checkpoint")
+
+
+class _Adding(Regressor):
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["added"] = True
+
+
+def test_a_weights_only_checkpoint_keeps_the_datamodule_and_what_the_module_adds(tmp_path: Any) -> None:
+    datamodule = _Keeping(size=8)
+    calls = datamodule.calls
+    trainer = quiet_trainer(max_epochs=1, callbacks=[_Noting(calls)], logger=False, default_root_dir=tmp_path)
+    trainer.fit(_Adding(), datamodule=datamodule)
+    datamodule.calls.clear()
+    trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+    saved = checkpoint_io.load(tmp_path / "weights.ckpt")
+    assert saved["_Keeping"] == {"kept": 1} and saved["datamodule_hyper_parameters"] == {"size": 8}
+    assert saved["added"] and "callbacks" not in saved and "optimizer_states" not in saved
+    assert datamodule.calls == []  # the callbacks' on_save_checkpoint is for full checkpoints only
+    assert _Keeping.load_from_checkpoint(tmp_path / "weights.ckpt").hparams.size == 8
+
+
+def test_a_resumed_fit_gives_the_datamodule_its_state_before_the_callbacks_get_theirs(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path)
+    quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), datamodule=_Keeping())
+    datamodule = _Keeping()
+    trainer = quiet_trainer(max_epochs=2, callbacks=[_Noting(datamodule.calls)], logger=False)
+    trainer.fit(Regressor(), datamodule=datamodule, ckpt_path=checkpoint.best_model_path)
+    assert datamodule.calls[:2] == ["datamodule.load_state_dict", "callback.on_load_checkpoint"]
+
+
+def test_model_checkpoints_run_after_the_other_callbacks_and_save_what_early_stopping_decided(tmp_path: Any) -> None:
+    checkpoint, stopping = ModelCheckpoint(dirpath=tmp_path, save_last=True), EarlyStopping("score", patience=1)
+    trainer = quiet_trainer(max_epochs=5, limit_train_batches=1, callbacks=[checkpoint, stopping], logger=False)
+    assert trainer.callbacks[-2:] == [stopping, checkpoint]
+    trainer.fit(_Scored([2.0, 3.0, 3.0]), make_loader(), make_loader(8))
+    saved = checkpoint_io.load(checkpoint.last_model_path)["callbacks"][stopping.state_key]
+    assert stopping.stopped_epoch == 1 and saved["wait_count"] == 1 and saved["stopped_epoch"] == 1
+
+
+def test_load_from_checkpoint_takes_hyperparameters_from_a_yaml_file_under_the_keyword_arguments(tmp_path: Any) -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, default_root_dir=tmp_path)
+    trainer.fit(Regressor(lr=0.2), make_loader())
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    (tmp_path / "hparams.yaml").write_text("lr: 0.3\n")
+    assert Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=None).hparams.lr == 0.2
+    loaded = Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=tmp_path / "hparams.yaml")
+    assert dict(loaded.hparams) == {"lr": 0.3, "features": 4}
+    given = Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=tmp_path / "hparams.yaml", lr=0.4)
+    assert given.hparams.lr == 0.4
+    with pytest.raises(ValueError, match=r"hparams_file=.*\.yml or \.yaml"):
+        Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=tmp_path / "hparams.txt")
+
+
+def test_load_from_checkpoint_called_on_an_instance_is_refused_as_it_would_change_nothing(tmp_path: Any) -> None:
+    module = Regressor()
+    assert callable(module.load_from_checkpoint)  # it can be read, as inspecting a module does
+    with pytest.raises(TypeError, match=r"`Regressor.load_from_checkpoint` cannot be called on an instance"):
+        module.load_from_checkpoint(tmp_path / "model.ckpt")
+    with pytest.raises(TypeError, match="cannot be called on an instance"):
+        _Keeping().load_from_checkpoint(tmp_path / "model.ckpt")
+
+
+def test_validating_from_a_checkpoint_gives_the_datamodule_its_state_but_leaves_the_callbacks_as_they_are(
+    tmp_path: Any,
+) -> None:
+    class Validated(_Keeping):
+        def val_dataloader(self) -> Any:
+            return make_loader(self.hparams.size)
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path)
+    quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), datamodule=Validated())
+    datamodule = Validated()
+    trainer = quiet_trainer(callbacks=[_Noting(datamodule.calls)], logger=False)
+    trainer.validate(Regressor(), datamodule=datamodule, ckpt_path=checkpoint.best_model_path, verbose=False)
+    # A fit's ModelCheckpoint given its state back would forget the files it kept after the loaded one.
+    assert datamodule.calls == ["datamodule.load_state_dict"]
+
+
+def test_verbose_checkpointing_says_what_ranks_in_lightnings_words(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="score", verbose=True)
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=1, callbacks=[checkpoint], logger=False)
+    with caplog.at_level(logging.INFO, logger="ember"):
+        trainer.fit(_Scored([2.0, 3.0]), make_loader(), make_loader(8))
+    said = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Epoch")]
+    path = str(tmp_path / "epoch=0-step=1.ckpt")
+    assert said == [
+        f"Epoch 0, global step 1: 'score' reached 2.00000 (best 2.00000), saving model to {path!r} as top 1",
+        "Epoch 1, global step 2: 'score' was not in top 1",
+    ]

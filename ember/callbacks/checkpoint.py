@@ -265,10 +265,10 @@ class ModelCheckpoint(Callback):
 
     # ------------------------------------------------------------------------------- naming
     def format_checkpoint_name(
-        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None
+        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None, prefix: str | None = None
     ) -> str:
         """The path of a checkpoint named by ``filename`` (default: the callback's), filled in from ``metrics``;
-        ``ver`` appends ``-v<ver>``."""
+        ``prefix`` goes in front (``<prefix>-``), ``ver`` appends ``-v<ver>``."""
         template = filename or self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
         values: dict[str, Any] = {}
 
@@ -280,7 +280,9 @@ class ModelCheckpoint(Callback):
             prefix = name + self.CHECKPOINT_EQUALS_CHAR if self.auto_insert_metric_name else ""
             return prefix + "{" + key + spec + "}"
 
-        name = _PLACEHOLDER.sub(substitute, template).format(**values).replace(os.sep, "_")
+        name = _PLACEHOLDER.sub(substitute, template).format(**values)
+        if prefix is not None:
+            name = f"{prefix}{self.CHECKPOINT_JOIN_CHAR}{name}"
         if ver is not None:
             name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
         return os.path.join(self.dirpath or "", name + self.FILE_EXTENSION)
@@ -339,26 +341,31 @@ class ModelCheckpoint(Callback):
             return path
         if self.monitor not in metrics:
             message = (
-                f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name was logged; "
-                f"logged metrics are {sorted(name for name in metrics if name not in ('epoch', 'step'))}"
+                f"`ModelCheckpoint(monitor={self.monitor!r})` could not find the monitored key in the returned "
+                f"metrics: {list(metrics)}. HINT: Did you call `log({self.monitor!r}, value)` in the module?"
             )
             if self._validated:
-                raise KeyError(message)
+                raise MisconfigurationException(message)
             # As Lightning: before the fit's first validation, the metric may be one that validation logs.
-            rank_zero_warn_once(f"{message}: no top-k checkpoint is saved until it is", stacklevel=2)
+            rank_zero_warn_once(f"{message} Until it is logged, no top-k checkpoint is saved.", stacklevel=2)
             return None
         current = metrics[self.monitor].detach().cpu().clone()
         if torch.isnan(current):  # a NaN is kept as the worst value, as Lightning does
             current = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)
-        if not self._ranks(current):
+        at = f"Epoch {int(metrics['epoch']):d}, global step {int(metrics['step']):d}"  # Lightning's words, below
+        if not self.check_monitor_top_k(trainer, current):
             if self.verbose:
-                announce(f"ModelCheckpoint: {self.monitor}={current.item():.5g} is not in the top k")
+                announce(f"{at}: {self.monitor!r} was not in top {self.save_top_k}")
             return None
         evicted = self.kth_best_model_path if len(self.best_k_models) == self.save_top_k else ""
         self.best_k_models.pop(evicted, None)
         path = self._free_path(trainer, metrics, None, evicted)
         self._record(path, current)
-        self._write(trainer, path)
+        if self.verbose:
+            top = f"top {self.save_top_k if self.save_top_k > 0 else len(self.best_k_models)}"
+            best = f"(best {self.best_model_score if self.best_model_score is not None else current:0.5f})"
+            announce(f"{at}: {self.monitor!r} reached {current:0.5f} {best}, saving model to {path!r} as {top}")
+        self._write(trainer, path, said=True)
         self._remove(trainer, evicted, path)
         return path
 
@@ -372,9 +379,9 @@ class ModelCheckpoint(Callback):
             self._write(trainer, path)
         self._remove(trainer, previous, path)
 
-    def _write(self, trainer: "Trainer", path: str) -> None:
+    def _write(self, trainer: "Trainer", path: str, said: bool = False) -> None:
         trainer.save_checkpoint(path, self.save_weights_only)
-        if self.verbose:
+        if self.verbose and not said:
             announce(f"ModelCheckpoint: saved {path}")
 
     def _remove(self, trainer: "Trainer", path: str, kept: str) -> None:
@@ -389,10 +396,14 @@ class ModelCheckpoint(Callback):
             trainer.strategy.remove_checkpoint(path)  # a file, or a sharded checkpoint's directory
 
     # -------------------------------------------------------------------------------- top k
-    def _ranks(self, score: torch.Tensor) -> bool:
+    def check_monitor_top_k(self, trainer: "Trainer", current: torch.Tensor | None = None) -> bool:
+        """Whether the score ``current`` would enter the top k (Lightning's method). The monitored metric is the same
+        on every rank, so every rank answers alike."""
+        if current is None:
+            return False
         if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
             return True
-        return self._better(score, self.best_k_models[self.kth_best_model_path])
+        return self._better(current, self.best_k_models[self.kth_best_model_path])
 
     def _better(self, score: torch.Tensor, other: torch.Tensor) -> bool:
         return bool(score < other) if self.mode == "min" else bool(score > other)

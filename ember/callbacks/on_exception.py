@@ -26,14 +26,23 @@ class OnExceptionCheckpoint(Callback):
     saved as ``<filename>.nonfinite.ckpt`` for a post-mortem, marked so, and "last" never picks them.
     """
 
+    FILE_EXTENSION = ".ckpt"
+
     def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
+        if not filename:
+            raise ValueError("OnExceptionCheckpoint: the filename cannot be empty")
         self.dirpath = os.fspath(dirpath)
         self.filename = filename
+
+    @property
+    def ckpt_path(self) -> str:
+        """``<dirpath>/<filename>.ckpt``, where the checkpoint is written (with one process)."""
+        return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
 
     def on_exception(self, trainer: Trainer, pl_module: Module, exception: BaseException) -> None:
         if trainer.stage != "fit" or not trainer.optimizers:
             return  # nothing was trained yet
-        path = save_after_failure(trainer, pl_module, exception, os.path.join(self.dirpath, f"{self.filename}.ckpt"))
+        path = save_after_failure(trainer, pl_module, exception, self.ckpt_path)
         if path is not None:
             run_copy = os.path.join(trainer.checkpoint_dir, os.path.basename(path))
             if os.path.abspath(run_copy) != os.path.abspath(path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
 from ember.callbacks.callback import Callback
@@ -12,7 +13,21 @@ if TYPE_CHECKING:
     from ember.module import Module
     from ember.trainer import Trainer
 
-_INTERVALS = ("batch", "epoch", "batch_and_epoch")
+
+class WriteInterval(str, Enum):
+    """When a ``BasePredictionWriter`` writes; a ``str``, so ``writer.interval == "epoch"`` holds."""
+
+    BATCH = "batch"
+    EPOCH = "epoch"
+    BATCH_AND_EPOCH = "batch_and_epoch"
+
+    @property
+    def on_batch(self) -> bool:
+        return self is not WriteInterval.EPOCH
+
+    @property
+    def on_epoch(self) -> bool:
+        return self is not WriteInterval.BATCH
 
 
 class BasePredictionWriter(Callback):
@@ -22,15 +37,16 @@ class BasePredictionWriter(Callback):
     """
 
     def __init__(self, write_interval: Literal["batch", "epoch", "batch_and_epoch"] = "batch") -> None:
-        if write_interval not in _INTERVALS:
+        intervals = [interval.value for interval in WriteInterval]
+        if write_interval not in intervals:
             raise MisconfigurationException(
-                f"BasePredictionWriter: `write_interval` should be one of {list(_INTERVALS)}, got {write_interval!r}"
+                f"BasePredictionWriter: `write_interval` should be one of {intervals}, got {write_interval!r}"
             )
-        self.write_interval = write_interval
+        self.interval = WriteInterval(write_interval)  # Lightning's attribute
 
     @property
     def wants_predictions(self) -> bool:  # type: ignore[override]
-        return self.write_interval != "batch"
+        return self.interval.on_epoch
 
     def write_on_batch_end(
         self, trainer: Trainer, pl_module: Module, prediction: Any, batch_indices: Sequence[int] | None, batch: Any,
@@ -49,11 +65,11 @@ class BasePredictionWriter(Callback):
     def on_predict_batch_end(
         self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self.write_interval != "epoch":
+        if self.interval.on_batch:
             indices = trainer.predict_loop.current_batch_indices
             self.write_on_batch_end(trainer, pl_module, outputs, indices, batch, batch_idx, dataloader_idx)
 
     def on_predict_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
-        if self.write_interval != "batch":
+        if self.interval.on_epoch:
             loop = trainer.predict_loop
             self.write_on_epoch_end(trainer, pl_module, loop.predictions, loop.epoch_batch_indices)

@@ -31,8 +31,8 @@ FAILURE_MARK = ".nonfinite"
 
 
 def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True) -> dict[str, Any]:
-    """Everything the next step depends on, as a checkpoint dict (weights and hyperparameters only with
-    ``weights_only``). The per-rank part comes from every rank, or from this one only with ``gather=False``."""
+    """Everything the next step depends on, as a checkpoint dict (with ``weights_only``: no optimizer, loop or
+    callback state). The per-rank part comes from every rank, or from this one only with ``gather=False``."""
     module = _module(trainer)
     strategy, fit_loop = trainer.strategy, trainer.fit_loop
     checkpoint: dict[str, Any] = {
@@ -43,20 +43,21 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
         "state_dict": strategy.module_state_dict(),
         **checkpoint_entries(module),
     }
-    if weights_only:
-        return checkpoint
-    own = resume.rank_state(trainer)
-    runner = fit_loop.runner.state_dict() if fit_loop.runner is not None else {}
-    checkpoint.update(
-        loops={"fit_loop": {**fit_loop.state.state_dict(), **runner}},
-        optimizer_states=[strategy.optimizer_state_dict(optimizer) for optimizer in trainer.optimizers],
-        lr_schedulers=[config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-        precision=strategy.precision.state_dict(),
-        callbacks={callback.state_key: callback.state_dict() for callback in trainer.callbacks},
-        loggers=[{"version": logger.version} for logger in trainer.loggers],
-        data=resume.data_layout(trainer),
-        ranks=dict(enumerate(strategy.all_gather_object(own))) if gather else {trainer.global_rank: own},
-    )
+    if not weights_only:
+        own = resume.rank_state(trainer)
+        runner = fit_loop.runner.state_dict() if fit_loop.runner is not None else {}
+        checkpoint.update(
+            loops={"fit_loop": {**fit_loop.state.state_dict(), **runner}},
+            optimizer_states=[strategy.optimizer_state_dict(optimizer) for optimizer in trainer.optimizers],
+            lr_schedulers=[config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            precision=strategy.precision.state_dict(),
+            callbacks={callback.state_key: callback.state_dict() for callback in trainer.callbacks},
+            loggers=[{"version": logger.version} for logger in trainer.loggers],
+            data=resume.data_layout(trainer),
+            ranks=dict(enumerate(strategy.all_gather_object(own))) if gather else {trainer.global_rank: own},
+        )
+    # As in Lightning, a weights-only checkpoint keeps the datamodule's state and hyperparameters, and what the
+    # module's on_save_checkpoint adds: only the callbacks, whose state is training state, are not asked.
     datamodule = trainer.datamodule
     if datamodule is not None:
         key = type(datamodule).__qualname__  # as Lightning keys it
@@ -67,7 +68,10 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
             )
         checkpoint[key] = datamodule.state_dict()
         checkpoint.update(checkpoint_entries(datamodule))
-    trainer.hooks.call("on_save_checkpoint", checkpoint)
+    if weights_only:
+        trainer.hooks.call_module("on_save_checkpoint", checkpoint)
+    else:
+        trainer.hooks.call("on_save_checkpoint", checkpoint)
     return checkpoint
 
 
@@ -94,8 +98,6 @@ def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
     norms = torch.stack([norm.float() for norm in torch._foreach_norm([tensor for _, tensor in named])])
     finite = torch.isfinite(norms).tolist()
     return [name for (name, _), ok in zip(named, finite) if not ok]
-
-
 
 
 def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:
@@ -125,12 +127,17 @@ def resume_from(trainer: Trainer, path: str, weights_only: bool | None) -> None:
 
 
 def load_weights_into(trainer: Trainer, path: str | None, weights_only: bool | None) -> None:
-    """The weights of the checkpoint at ``path`` (if any) into the module, after its ``on_load_checkpoint``."""
+    """The weights of the checkpoint at ``path`` (if any) into the module, after its ``on_load_checkpoint``, and the
+    datamodule's state."""
     if path is None:
         return
     checkpoint = trainer.strategy.load_checkpoint(path, trust_pickles=weights_only is False)
     trainer.hooks.call_module("on_load_checkpoint", checkpoint)
     load_weights(trainer.strategy.load_module_state_dict, _module(trainer), checkpoint, path)
+    # The datamodule's state as Lightning restores it; the callbacks' stays: the ModelCheckpoint of the fit just
+    # run would forget the files it kept after the loaded one.
+    if trainer.datamodule is not None:
+        load_datamodule_state(trainer.datamodule, checkpoint)
 
 
 def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
@@ -153,15 +160,13 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
         raise CheckpointError(
             f"ckpt_path={path!r} was written by an older Ember, whose loop state this one cannot read"
         )
-    module = _module(trainer)
-    hooks = trainer.hooks
-    hooks.call_module("on_load_checkpoint", checkpoint)
-    load_weights(trainer.strategy.load_module_state_dict, module, checkpoint, path)
+    trainer.hooks.call_module("on_load_checkpoint", checkpoint)
+    load_weights(trainer.strategy.load_module_state_dict, _module(trainer), checkpoint, path)
     _restore_optimization(trainer, checkpoint, path)
-    hooks.call_callbacks("on_load_checkpoint", checkpoint)
-    _restore_callbacks(trainer, checkpoint.get("callbacks", {}), path)
-    if trainer.datamodule is not None:
+    if trainer.datamodule is not None:  # before the callbacks, as Lightning
         load_datamodule_state(trainer.datamodule, checkpoint)
+    trainer.hooks.call_callbacks("on_load_checkpoint", checkpoint)
+    _restore_callbacks(trainer, checkpoint.get("callbacks", {}), path)
     resume.resume(trainer, checkpoint, path)
 
 

@@ -195,7 +195,10 @@ PYTORCH: dict[str, Names] = {
     "callbacks.early_stopping": {name: f"ember.callbacks:{name}" for name in ("EarlyStopping", "EarlyStoppingReason")},
     "callbacks.lr_monitor": {"LearningRateMonitor": "ember.callbacks:LearningRateMonitor"},
     "callbacks.finetuning": {name: f"ember.callbacks:{name}" for name in ("BaseFinetuning", "BackboneFinetuning")},
-    "callbacks.prediction_writer": {"BasePredictionWriter": "ember.callbacks:BasePredictionWriter"},
+    "callbacks.prediction_writer": {
+        "BasePredictionWriter": "ember.callbacks:BasePredictionWriter",
+        "WriteInterval": "ember.callbacks.prediction_writer:WriteInterval",
+    },
     "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
     "callbacks.lr_finder": {"LearningRateFinder": "ember.tuner:LearningRateFinder"},
     "callbacks.checkpoint": {"Checkpoint": "ember.callbacks:ModelCheckpoint"},
