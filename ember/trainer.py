@@ -219,9 +219,8 @@ class Trainer:
     limit_val_batches: Reads[int | float] = Reads("config.limit_val_batches", _all_if_none)
     limit_test_batches: Reads[int | float] = Reads("config.limit_test_batches", _all_if_none)
     limit_predict_batches: Reads[int | float] = Reads("config.limit_predict_batches", _all_if_none)
-    # Where the fit loop is.
     global_step: Reads[int] = Reads("fit_loop.progress.global_step")
-    current_epoch: Reads[int] = Reads("fit_loop.progress.epoch")
+    current_epoch: Reads[int] = Reads("fit_loop.current_epoch")
     #: True once a preemption signal made ``fit`` save a checkpoint and stop.
     preempted: Reads[bool] = Reads("fit_loop.stopping.preempted")
     sanity_checking: Reads[bool] = Reads("fit_loop.sanity_checking")
@@ -232,6 +231,7 @@ class Trainer:
     num_training_batches: Reads[float] = Reads("fit_loop.num_training_batches")
     optimizers: Reads[list[torch.optim.Optimizer]] = Reads("fit_loop.optimizers")
     num_val_batches: Reads[list[float]] = Reads("validate_loop.num_batches")
+    num_sanity_val_batches: Reads[list[float]] = Reads("validate_loop.num_sanity_batches")
     num_test_batches: Reads[list[float]] = Reads("test_loop.num_batches")
     num_predict_batches: Reads[list[float]] = Reads("predict_loop.num_batches")
     #: The values last written to the loggers.

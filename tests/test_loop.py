@@ -194,6 +194,67 @@ def test_sanity_check_runs_validation_before_training_without_recording_it() -> 
     assert calls[:2] == [0, 0] and len(calls) == 2 + 4
 
 
+def test_the_sanity_check_counts_its_own_batches_apart_from_validations() -> None:
+    seen: list[tuple[bool, list[float], list[float]]] = []
+
+    class Counting(Callback):
+        def on_validation_start(self, trainer: ember.Trainer, module: ember.Module) -> None:
+            seen.append((trainer.sanity_checking, trainer.num_val_batches, trainer.num_sanity_val_batches))
+
+    trainer = quiet_trainer(max_epochs=1, num_sanity_val_steps=2, callbacks=[Counting()], logger=False)
+    trainer.fit(Regressor(), make_loader(32), make_loader(32))
+    assert seen == [(True, [4], [2]), (False, [4], [2])]
+    assert (trainer.num_val_batches, trainer.num_sanity_val_batches) == ([4], [2])
+
+
+class _StopsAt(Regressor):
+    """Asks the Trainer to stop at training batch ``stop_at`` of the first epoch; records what the hooks see."""
+
+    def __init__(self, stop_at: int) -> None:
+        super().__init__()
+        self.stop_at = stop_at
+        self.seen: list[tuple[str, int, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.stop_at and self.current_epoch == 0:
+            self.trainer.should_stop = True
+        return super().training_step(batch, batch_idx)
+
+    def on_validation_start(self) -> None:
+        self.seen.append(("validation", self.current_epoch, self.global_step))
+
+    def on_train_end(self) -> None:
+        self.seen.append(("train end", self.current_epoch, self.global_step))
+
+
+@pytest.mark.parametrize(
+    ("flags", "seen"),
+    [
+        ({}, [("validation", 0, 3), ("train end", 1, 3)]),  # validates before it stops
+        ({"val_check_interval": 3}, [("validation", 0, 3), ("train end", 1, 3)]),  # once, where it was due anyway
+        ({"check_val_every_n_epoch": 2}, [("train end", 1, 3)]),  # an epoch that does not validate
+        ({"min_epochs": 2}, [("validation", 0, 8), ("validation", 1, 16), ("train end", 2, 16)]),  # at the minimum
+    ],
+)
+def test_a_stop_inside_an_epoch_validates_and_counts_the_epoch_done(flags: dict[str, Any], seen: list) -> None:
+    model = _StopsAt(2)
+    trainer = quiet_trainer(max_epochs=3, logger=False, **flags)
+    trainer.fit(model, make_loader(64), make_loader(16))
+    assert model.seen == seen
+    assert trainer.current_epoch == seen[-1][1]
+
+
+def test_max_steps_inside_an_epoch_counts_it_done_and_a_checkpoint_still_resumes_inside_it(tmp_path: Any) -> None:
+    model = _StopsAt(-1)
+    trainer = quiet_trainer(max_steps=5, logger=False)
+    trainer.fit(model, make_loader(64), make_loader(16))
+    assert model.seen == [("train end", 1, 5)] and trainer.current_epoch == 1
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = quiet_trainer(max_steps=8, logger=False)
+    resumed.fit(Regressor(), make_loader(64), ckpt_path=tmp_path / "mid.ckpt")
+    assert (resumed.global_step, resumed.current_epoch) == (8, 1)  # the epoch's last three batches, then its end
+
+
 def test_gradient_clipping_by_value_and_norm() -> None:
     for algorithm, bound in (("value", 0.01), ("norm", 0.01)):
         model = Regressor(lr=1.0)

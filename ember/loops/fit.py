@@ -12,14 +12,14 @@ import contextlib
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember.checkpoint.resume import LoopState
 from ember.exceptions import PossibleUserWarning
-from ember.loops.loss import LossCheck
+from ember.loops.loss import LossCheck, with_detached_loss
 from ember.loops.progress import Progress
 from ember.loops.step import ManualOptimizer, StepResult, StepRunner, Window
 from ember.loops.stopping import Stopping, reached_limit
@@ -91,6 +91,7 @@ class FitLoop:
         self.runner = self._start_optimization()
         self.state.start(data_seed=trainer.strategy.broadcast(torch.initial_seed() % 2**63))
         self.last_result = self.last_loss = None
+        self.stopping.inside_epoch = False
         if restore is not None:
             restore()  # may bring the gradients of an unfinished window
         trainer.strategy.join_replica_groups(trainer)  # fault tolerance: a group that is behind heals, before data
@@ -162,6 +163,7 @@ class FitLoop:
             outcome = self._train_batches(batches, fit)
         if outcome is not _Outcome.PREEMPTED:  # the process exits: no end-of-epoch work for half an epoch
             self._end_epoch(fit, completed=outcome in (_Outcome.EPOCH_DONE, _Outcome.DATA_ENDED))
+        self.stopping.inside_epoch = outcome is _Outcome.STOP  # (a preempted epoch resumes: it is not done)
         return outcome
 
     def _epoch_batches(self) -> Generator[tuple[int, Any, bool], None, None]:
@@ -209,20 +211,21 @@ class FitLoop:
                 positions += batch_idx, progress.global_step
             if ends:  # with the step's loss detached
                 output = result.output
-                hook_output = result.loss if type(output) is torch.Tensor else _with_detached_loss(output, result.loss)
+                hook_output = result.loss if type(output) is torch.Tensor else with_detached_loss(output, result.loss)
                 for hook in ends:
                     hook(hook_output, batch, batch_idx)
             # Logs are written every log_every_n_steps, and at each step once stopping is asked for (as Lightning).
             if (progress.total_batches if fit.manual else progress.global_step) >= fit.next_log_step \
                     or stopping.requested:  # fmt: skip
                 self._write_step_logs(fit)
-            if validation is not None and validation.due(progress, batch_idx, is_last):
+            validated = validation is not None and validation.due(progress, batch_idx, is_last)
+            if validated:
                 self._validate(at_epoch_end=is_last, after_step=result.closes_window)
             if is_last:
                 return _Outcome.EPOCH_DONE
             due = result.closes_window and stopping.interruptions.due()  # once per step boundary: it counts
             if (due or stopping.requested or progress.global_step >= fit.max_steps) \
-                    and (outcome := self._stop(due, fit)) is not None:  # fmt: skip
+                    and (outcome := self._stop(due, fit, validated)) is not None:  # fmt: skip
                 return outcome
         return self._loader_ended(window)
 
@@ -254,19 +257,24 @@ class FitLoop:
         rank_zero_warn(f"the train dataloader yielded no batches in epoch {epoch}: {then}", PossibleUserWarning)
         return _Outcome.DATA_ENDED if ends else _Outcome.EPOCH_DONE
 
-    def _stop(self, interruptions_due: bool, fit: _Fit) -> _Outcome | None:
+    def _stop(self, interruptions_due: bool, fit: _Fit, validated: bool) -> _Outcome | None:
         """Whether training stops after this batch, when it may: stopping was asked for (``should_stop``),
         ``max_steps`` is reached, or ``interruptions_due`` (a step boundary where the signals and the deadline
         are checked: with several processes, a collective that every rank reaches at the same batch)."""
-        trainer, stopping = self.trainer, self.stopping
-        if (stopping.requested and stopping.may_stop(trainer)) or self.progress.global_step >= fit.max_steps:
+        trainer, stopping, progress, data = self.trainer, self.stopping, self.progress, self.data
+        asked = stopping.requested and stopping.may_stop(trainer)
+        if not asked and progress.global_step >= fit.max_steps:
             return _Outcome.STOP
-        if interruptions_due and stopping.interrupted(trainer.strategy):
-            if stopping.preempted:
-                stopping.save_for_preemption(trainer)
-                return _Outcome.PREEMPTED
-            return _Outcome.STOP
-        return None
+        if not asked and not (interruptions_due and stopping.interrupted(trainer.strategy)):
+            return None
+        if stopping.preempted:
+            stopping.save_for_preemption(trainer)
+            return _Outcome.PREEMPTED
+        # As in Lightning, a stop asked for (or a deadline) validates first, unless this batch just did.
+        assert data is not None and self.last_result is not None
+        if data.validation.selects(progress.epoch) and not validated:
+            self._validate(at_epoch_end=False, after_step=self.last_result.closes_window)
+        return _Outcome.STOP
 
     def _end_epoch(self, fit: _Fit, completed: bool) -> None:
         trainer, progress, runner = self.trainer, self.progress, self.runner
@@ -291,11 +299,8 @@ class FitLoop:
         if fit.told_of_idle_epoch or not batches or self.progress.epoch_steps or fit.manual:
             return
         fit.told_of_idle_epoch = True
-        rank_zero_warn_once(
-            f"epoch {self.progress.epoch} ended without an optimizer step: training_step returned None "
-            f"for each of its {batches} batches, so nothing was trained",
-            stacklevel=5,
-        )
+        message = f"epoch {self.progress.epoch} ended without an optimizer step: training_step returned None "
+        rank_zero_warn_once(message + f"for each of its {batches} batches, so nothing was trained", stacklevel=5)
 
     # --------------------------------------------------------------------------- validation
     def _validate(self, at_epoch_end: bool, after_step: bool) -> None:
@@ -312,11 +317,10 @@ class FitLoop:
         Lightning, the random generators are as if it had not run."""
         trainer = self.trainer
         assert self.data is not None
-        self.sanity_checking = True
-        generators = random_state()
+        self.sanity_checking, generators = True, random_state()
         try:
             trainer.hooks.call_callbacks("on_sanity_check_start")
-            self.data.validation.run(trainer.validate_loop, limit=trainer.config.num_sanity_val_steps)
+            self.data.validation.run(trainer.validate_loop, sanity_check=True)
             trainer.hooks.call_callbacks("on_sanity_check_end")
         finally:
             set_random_state(generators)
@@ -339,6 +343,11 @@ class FitLoop:
     @property
     def progress(self) -> Progress:
         return self.state.progress
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being trained, or the next once a stop ended the fit inside it (checkpoints resume inside it)."""
+        return self.progress.epoch + self.stopping.inside_epoch
 
     @property
     def stepped(self) -> bool:
@@ -389,12 +398,3 @@ class FitLoop:
         if self.runner is None:
             raise RuntimeError("manual_backward() is available during fit only")
         self.runner.backward(loss)
-
-
-def _with_detached_loss(output: Any, loss: torch.Tensor | None) -> Any:
-    """What batch-end hooks receive: the step's output with its loss detached from the graph."""
-    if isinstance(output, torch.Tensor):
-        return loss
-    if isinstance(output, Mapping) and loss is not None:
-        return {**output, "loss": loss}
-    return output

@@ -85,3 +85,12 @@ class LossCheck:
             "a log or division of zero, or float16 overflow (precision='bf16-mixed' has a wider range). "
             "Trainer(detect_anomaly=True) names the operation that produced it."
         )
+
+
+def with_detached_loss(output: Any, loss: torch.Tensor | None) -> Any:
+    """What batch-end hooks receive: the step's output with its loss detached from the graph."""
+    if isinstance(output, torch.Tensor):
+        return loss
+    if isinstance(output, Mapping) and loss is not None:
+        return {**output, "loss": loss}
+    return output

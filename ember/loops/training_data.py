@@ -21,11 +21,11 @@ from ember.data import (
 )
 from ember.data_failures import named_failures, numbered_batches
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
+from ember.loops.evaluate import EvaluationLoop, sanity_counts
 from ember.loops.progress import Progress
 from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
-    from ember.loops.evaluate import EvaluationLoop
     from ember.trainer import Trainer
 
 
@@ -176,13 +176,13 @@ class ValidationSchedule:
             return progress.total_batches % self.every == 0
         return (batch_idx + 1) % self.every == 0
 
-    def run(self, loop: EvaluationLoop, limit: int | None = None) -> None:
-        """Validate, on at most ``limit`` batches of each loader (-1 or None: all; a limit: the sanity check)."""
-        self._load_when_due(sanity_check=limit is not None)
-        counts = self.counts if limit is None or limit == -1 else [min(count, limit) for count in self.counts]
-        if sum(counts):
-            loop.run(self.loaders or [], counts, sanity_check=limit is not None)
-        if self._timer is not None and limit is None:  # the time counts again from the end of this validation
+    def run(self, loop: EvaluationLoop, sanity_check: bool = False) -> None:
+        """Validate (the ``sanity_check``: on at most ``num_sanity_val_steps`` batches of each loader)."""
+        self._load_when_due(sanity_check)
+        steps = self._trainer.config.num_sanity_val_steps if sanity_check else -1
+        if sum(sanity_counts(self.counts, steps)):
+            loop.run(self.loaders or [], self.counts, sanity_check=sanity_check)
+        if self._timer is not None and not sanity_check:  # the time counts again from the end of this validation
             self._timer = (self._timer[0], time.monotonic())
 
     def _load_when_due(self, sanity_check: bool) -> None:
