@@ -12,6 +12,7 @@ from conftest import Regressor, make_loader, quiet_trainer
 from torch.utils.data import DataLoader
 
 import ember
+from ember.exceptions import MisconfigurationException
 
 
 @pytest.mark.parametrize(
@@ -142,19 +143,27 @@ class _Optimizers(Regressor):
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
-        (lambda self: "adam", TypeError, r"configure_optimizers\(\) returned str 'adam'; it must return an optimizer"),
+        (lambda self: "adam", MisconfigurationException, r"Unknown configuration for model optimizers: "
+                              r"configure_optimizers\(\) returned str 'adam'; it must return an optimizer"),
         (lambda self: {"lr_scheduler": None}, TypeError, r'no "optimizer" key'),
-        (lambda self: [torch.optim.SGD(self.parameters(), lr=0.1)] * 2, ValueError, "returned 2 optimizers"),
-        (lambda self: None, ValueError, "returned 0 optimizers"),
+        (lambda self: [torch.optim.SGD(self.parameters(), lr=0.1)] * 2, RuntimeError,
+         "Training with multiple optimizers is only supported with manual optimization: configure_optimizers"
+         r"\(\) returned 2"),
+        (lambda self: None, ValueError, "configure_optimizers\\(\\) returned no optimizer"),
         (
             lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
                           "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1), "interval": "batch"}},
-            ValueError, 'interval=\'batch\'; use "step" or "epoch"',
+            MisconfigurationException, 'The "interval" key in lr scheduler dict must be "step" or "epoch", not .batch',
         ),
         (
             lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
                           "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(o)},
-            ValueError, "ReduceLROnPlateau needs a metric to watch",
+            MisconfigurationException, "must include a monitor when a `ReduceLROnPlateau` scheduler is used",
+        ),
+        (
+            lambda self: {"optimizer": torch.optim.SGD(self.parameters(), lr=0.1),
+                          "lr_scheduler": {"interval": "step"}},
+            MisconfigurationException, 'the lr scheduler dict must have the key "scheduler"',
         ),
     ],
 )  # fmt: skip

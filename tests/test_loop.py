@@ -128,6 +128,37 @@ class _Plateau(Regressor):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
 
 
+class _Configured(Regressor):
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        return self.make(optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))
+
+
+def test_configure_optimizers_takes_lightnings_lenient_forms() -> None:
+    def fit(make: Any, **flags: Any) -> ember.Trainer:
+        trainer = quiet_trainer(logger=False, **flags)
+        trainer.fit(_Configured(make), make_loader())
+        return trainer
+
+    # ([optimizers], scheduler): a single scheduler, not in a list.
+    trainer = fit(lambda optimizer, scheduler: ([optimizer], scheduler), max_epochs=2)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.25
+    # Keys Lightning does not know are warned about and ignored; "reduce_on_plateau" is one it knows.
+    with pytest.warns(RuntimeWarning, match=r"unsupported keys in the lr scheduler dict: \{'intervl'\}"):
+        trainer = fit(lambda o, s: {"optimizer": o, "lr_scheduler": {"scheduler": s, "intervl": "step"}}, max_epochs=2)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.25 and trainer.lr_scheduler_configs[0].interval == "epoch"
+    with pytest.warns(RuntimeWarning, match=r"unsupported keys in the optimizer configuration: \{'frequency'\}"):
+        fit(lambda optimizer, scheduler: {"optimizer": optimizer, "frequency": 2}, max_steps=1)
+    trainer = fit(
+        lambda o, s: {"optimizer": o, "lr_scheduler": {"scheduler": s, "reduce_on_plateau": False}}, max_steps=1
+    )
+    assert trainer.lr_scheduler_configs[0].reduce_on_plateau is False
+
+
 def test_reduce_on_plateau_reads_the_monitored_metric() -> None:
     trainer = quiet_trainer(max_epochs=3, logger=False)
     trainer.fit(_Plateau(), make_loader(), make_loader())

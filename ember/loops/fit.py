@@ -24,7 +24,7 @@ from ember.loops.progress import Progress
 from ember.loops.step import ManualOptimizer, StepResult, StepRunner, Window
 from ember.loops.stopping import Stopping, reached_limit
 from ember.loops.training_data import TrainingData
-from ember.optim import parse_optimizers
+from ember.optim import check_automatic, parse_optimizers
 from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
 from ember.seed import random_state, set_random_state
 from ember.trainer_parts import log_hyperparameters
@@ -125,12 +125,8 @@ class FitLoop:
         config, strategy, module, hooks = trainer.config, trainer.strategy, trainer.lightning_module, trainer.hooks
         assert module is not None
         optimizers, scheduler_configs = parse_optimizers(hooks.call_module("configure_optimizers"))
-        if module.automatic_optimization and len(optimizers) != 1:
-            raise ValueError(
-                f"configure_optimizers() returned {len(optimizers)} optimizers; automatic optimization steps "
-                "exactly one. For several (GANs, ...), set self.automatic_optimization = False and step them "
-                "in training_step with self.optimizers() and self.manual_backward(loss)"
-            )
+        if module.automatic_optimization:
+            check_automatic(optimizers)
         strategy.setup_optimizers(optimizers)
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
