@@ -1,16 +1,21 @@
-"""What ``configure_optimizers`` may return, parsed into optimizers and scheduler configurations."""
+"""What ``configure_optimizers`` may return, parsed into optimizers and scheduler configurations, and the Trainer's
+optimization flags that the module's optimization cannot honour."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from ember.exceptions import MisconfigurationException
+
+if TYPE_CHECKING:
+    from ember.module import Module
+    from ember.strategies import Strategy
 
 _FORMS = (
     "an optimizer, a list of optimizers, ([optimizers], [schedulers]), "
@@ -122,6 +127,33 @@ def check_automatic(optimizers: list[torch.optim.Optimizer]) -> None:
         raise ValueError(
             "configure_optimizers() returned no optimizer; automatic optimization steps exactly one (with "
             "self.automatic_optimization = False, training_step steps its own)"
+        )
+
+
+def check_optimization_flags(
+    strategy: Strategy, module: Module, accumulate: int | Literal["auto"], clip_val: float | None
+) -> None:
+    """Refuse flags that the strategy or the module's optimization cannot honour (under manual optimization, as
+    Lightning, with a ``MisconfigurationException``)."""
+    if accumulate == "auto" and not strategy.averages_split_gradients:
+        raise ValueError(
+            f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
+            f"batch; strategy {strategy.name!r} with {strategy.world_size} processes cannot (use 'ddp', or a count)"
+        )
+    if module.automatic_optimization:
+        return
+    # Under manual optimization the module steps and clips itself: the Trainer's flags for that would be ignored.
+    if accumulate != 1:
+        raise MisconfigurationException(
+            "Automatic gradient accumulation is not supported for manual optimization: "
+            f"accumulate_grad_batches={accumulate!r} with manual optimization (automatic_optimization = False): "
+            "the module steps its optimizers itself; accumulate in training_step, or leave the flag at 1"
+        )
+    if clip_val:
+        raise MisconfigurationException(
+            "Automatic gradient clipping is not supported for manual optimization: "
+            f"gradient_clip_val={clip_val!r} with manual optimization (automatic_optimization = False): clip in "
+            "training_step with self.clip_gradients(optimizer, ...) before stepping, or leave the flag unset"
         )
 
 

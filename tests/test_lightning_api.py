@@ -756,9 +756,9 @@ def test_manual_optimization_hooks_and_flags() -> None:
 
     quiet_trainer(max_steps=1, logger=False).fit(Manual(), make_loader())
     assert calls == ["on_before_backward", "on_after_backward", "on_before_optimizer_step"]
-    with pytest.raises(ValueError, match="accumulate_grad_batches=2 with manual optimization"):
+    with pytest.raises(MisconfigurationException, match="gradient accumulation is not supported for manual optimi"):
         quiet_trainer(max_steps=1, accumulate_grad_batches=2).fit(Manual(), make_loader())
-    with pytest.raises(ValueError, match="gradient_clip_val=1.0 with manual optimization"):
+    with pytest.raises(MisconfigurationException, match="gradient clipping is not supported for manual optimization"):
         quiet_trainer(max_steps=1, gradient_clip_val=1.0).fit(Manual(), make_loader())
 
 
