@@ -539,8 +539,8 @@ def _check_bool(flag: str, value: Any, also: str = "") -> None:
 
 def _check_int(flag: str, value: Any, minimum: int, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        allowed = "-1 (no limit) or a non-negative int" if minimum == -1 else f"an int >= {minimum}"
-        raise FlagError(f"{flag}={value!r}: should be {allowed}" + (f" or {also}" if also else ""))
+        rule = f"`{flag}` must be a non-negative integer or -1" if minimum == -1 else f"should be an int >= {minimum}"
+        raise FlagError(f"{flag}={value!r}: {rule}" + (f" or {also}" if also else ""))
 
 
 def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:

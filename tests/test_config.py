@@ -19,7 +19,7 @@ from ember.config import FlagError, TrainerConfig
         ({"inference_mode": None}, r"inference_mode=None: expected True or False"),
         ({"sync_batchnorm": 1}, r"sync_batchnorm=1: expected True or False"),
         ({"benchmark": "yes"}, r"benchmark='yes': expected True or False or None"),
-        ({"max_epochs": True}, r"max_epochs=True: should be -1 \(no limit\) or a non-negative int"),
+        ({"max_epochs": True}, r"max_epochs=True: `max_epochs` must be a non-negative integer or -1"),
         ({"max_steps": 2.0}, r"max_steps=2.0"),
         ({"num_nodes": True}, r"num_nodes=True: should be an int >= 1"),
         ({"log_every_n_steps": True}, r"log_every_n_steps=True: should be an int >= 0"),

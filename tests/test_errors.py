@@ -20,7 +20,7 @@ from ember.exceptions import MisconfigurationException
     [
         ({"precision": "17"}, r"precision='17' is not supported; choose one of .*'bf16-mixed'"),
         ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of"),
-        ({"max_epochs": -5}, r"max_epochs=-5: should be -1 \(no limit\) or a non-negative int"),
+        ({"max_epochs": -5}, r"max_epochs=-5: `max_epochs` must be a non-negative integer or -1"),
         ({"max_steps": -3}, r"max_steps=-3"),
         ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0: should be an int >= 1 or 'auto'"),
         (
