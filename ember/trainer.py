@@ -33,6 +33,7 @@ from ember.loops.fit import FitLoop
 from ember.loops.hooks import Hooks
 from ember.metrics import RunMetrics
 from ember.module import DataModule, Module
+from ember.module_hooks import not_implemented
 from ember.optim import LRSchedulerConfig
 from ember.profilers import Profiler, select_profiler
 from ember.rank_zero import announce, rank_zero_only
@@ -581,11 +582,9 @@ class Trainer:
         if given is None:
             given = self.hooks.data_loaders(kind)
         if given is None:
-            if required:
-                raise ValueError(
-                    f"no {kind} data: pass dataloaders to the Trainer's method, or define "
-                    f"{kind}_dataloader() on the Module or a DataModule"
-                )
+            if required:  # (the default hooks raise the same error)
+                raise not_implemented(f"{kind}_dataloader", f": no {kind} data; pass dataloaders to the Trainer's "
+                                      "method, or override the hook on the Module or a DataModule")  # fmt: skip
             return []
         config = self.config
         shown, prepared = prepare_loaders(given, kind, self.strategy, config.overfit_batches,

@@ -179,7 +179,7 @@ def test_missing_training_step_and_missing_data() -> None:
 
     with pytest.raises(NotImplementedError, match="needs NoStep to define training_step"):
         quiet_trainer().fit(NoStep(), make_loader())
-    with pytest.raises(ValueError, match="no train data: pass dataloaders"):
+    with pytest.raises(MisconfigurationException, match="`train_dataloader` must be implemented.*no train data"):
         quiet_trainer().fit(Regressor())
     with pytest.raises(TypeError, match="needs an ember.Module; got Linear"):
         quiet_trainer().fit(torch.nn.Linear(2, 2), make_loader())  # type: ignore[arg-type]
