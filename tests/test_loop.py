@@ -238,6 +238,20 @@ def test_the_sanity_check_counts_its_own_batches_apart_from_validations() -> Non
     assert (trainer.num_val_batches, trainer.num_sanity_val_batches) == ([4], [2])
 
 
+@pytest.mark.parametrize(("every", "seen"), [(1, [[2]]), (2, [[]])])
+def test_without_a_sanity_check_the_validation_loaders_are_asked_for_before_training_starts(
+    every: int, seen: list[list[float]]
+) -> None:
+    class Counting(Regressor):
+        def on_train_start(self) -> None:
+            counts.append(list(self.trainer.num_val_batches))
+
+    counts: list[list[float]] = []
+    trainer = quiet_trainer(max_epochs=1, check_val_every_n_epoch=every, logger=False)  # no sanity check
+    trainer.fit(Counting(), make_loader(), make_loader(16))
+    assert counts == seen  # (the progress bar counts them from there); not before an epoch that does not validate
+
+
 class _StopsAt(Regressor):
     """Asks the Trainer to stop at training batch ``stop_at`` of the first epoch; records what the hooks see."""
 

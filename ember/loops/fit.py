@@ -102,7 +102,7 @@ class FitLoop:
                      f"{progress.global_step})")  # fmt: skip
         elif self.data.validation.enabled and config.num_sanity_val_steps:
             self._sanity_check()
-        self.data.load()
+        self.data.load_before_training()
         hooks.call("on_train_start")
         self.stopping.start(trainer.world_size, trainer.callbacks)
         fit = self._look_up(self.runner)
