@@ -115,6 +115,21 @@ def _scheduler_config(value: Any, default_monitor: str | None = None) -> LRSched
     return config
 
 
+def monitored_value(config: LRSchedulerConfig, metrics: Mapping[str, Any]) -> float | None:
+    """The value of the metric that ``config``'s scheduler watches; when it was not logged, as in Lightning, a
+    ``MisconfigurationException``, or with ``strict=False`` a ``RuntimeWarning`` and None (the step is skipped)."""
+    if config.monitor is not None and config.monitor in metrics:
+        return float(metrics[config.monitor])
+    message = f"ReduceLROnPlateau conditioned on metric {config.monitor} which is not available"
+    if config.strict:
+        raise MisconfigurationException(
+            f"{message}. Available metrics are: {sorted(metrics)}. Log it, or set 'strict': False in the lr "
+            "scheduler dict to skip the scheduler's steps while it is missing"
+        )
+    warnings.warn(f"{message} but strict is set to `False`: the scheduler does not step", RuntimeWarning, stacklevel=2)
+    return None
+
+
 def check_automatic(optimizers: list[torch.optim.Optimizer]) -> None:
     """Automatic optimization steps exactly one optimizer (as in Lightning, several are a ``RuntimeError``)."""
     if len(optimizers) > 1:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import ember
 from ember.callbacks import Callback
+from ember.exceptions import MisconfigurationException
 from ember.loops.stopping import Interruptions
 from ember.strategies.single import SingleDeviceStrategy
 
@@ -163,6 +164,22 @@ def test_reduce_on_plateau_reads_the_monitored_metric() -> None:
     trainer = quiet_trainer(max_epochs=3, logger=False)
     trainer.fit(_Plateau(), make_loader(), make_loader())
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-5)
+
+
+def test_a_plateau_scheduler_whose_metric_is_missing_raises_or_with_strict_false_warns_and_waits() -> None:
+    def plateau(strict: bool) -> Any:
+        def make(optimizer: torch.optim.Optimizer, scheduler: Any) -> Any:
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "nope", "strict": strict}}
+
+        return _Configured(make)
+
+    with pytest.raises(MisconfigurationException, match=r"metric nope which is not available\. Available metrics"):
+        quiet_trainer(max_epochs=1, logger=False).fit(plateau(True), make_loader())
+    trainer = quiet_trainer(max_epochs=2, logger=False)
+    with pytest.warns(RuntimeWarning, match="metric nope which is not available but strict is set to `False`"):
+        trainer.fit(plateau(False), make_loader())
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 1.0
 
 
 def test_max_steps_limit_batches_and_max_time() -> None:

@@ -22,7 +22,7 @@ import torch
 from ember._utils import batch_size_of, split_batch
 from ember.loops.loss import training_loss
 from ember.loops.progress import Progress
-from ember.optim import LRSchedulerConfig, check_optimization_flags
+from ember.optim import LRSchedulerConfig, check_optimization_flags, monitored_value
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -365,15 +365,8 @@ class StepRunner:
             step = self.hooks.lr_scheduler_step or _step_scheduler
             if not config.reads_metric:
                 step(config.scheduler, None)
-                continue
-            metrics = self.metrics()
-            if config.monitor is not None and config.monitor in metrics:
-                step(config.scheduler, float(metrics[config.monitor]))
-            elif config.strict:
-                raise KeyError(
-                    f"the lr_scheduler monitors {config.monitor!r}, which was not logged; logged metrics are "
-                    f"{sorted(metrics)} (set 'strict': False in the scheduler dict to skip such steps)"
-                )
+            elif (value := monitored_value(config, self.metrics())) is not None:
+                step(config.scheduler, value)
 
     # ------------------------------------------------------------------- batches split to fit
     def _split_forward_backward(self, batch: Any, batch_idx: int) -> tuple[Any, torch.Tensor | None]:
