@@ -243,6 +243,7 @@ class Trainer:
     testing: Reads[bool] = Reads("state.testing")
     predicting: Reads[bool] = Reads("state.predicting")
     evaluating: Reads[bool] = Reads("state.evaluating")
+    interrupted: Reads[bool] = Reads("state.stopped")  # the latest entry point ended with an exception
 
     @property
     def num_devices(self) -> int:

@@ -1199,5 +1199,13 @@ def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() ->
     assert seen[0] == ("fit", "sanity_check") and {("fit", "train"), ("fit", "validate")} <= set(seen)
     assert (trainer.state.fn, trainer.state.stage, trainer.state.finished) == (TrainerFn.FITTING, None, True)
     trainer.test(Regressor(), make_loader(16), verbose=False)
-    assert trainer.state.fn == "test" and trainer.state.status == "finished"
+    assert trainer.state.fn == "test" and trainer.state.status == "finished" and not trainer.interrupted
     assert not trainer.training and RunningStage.VALIDATING == "validate"
+
+    class Fails(Regressor):
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            raise RuntimeError("the step fails")
+
+    with pytest.raises(RuntimeError, match="the step fails"):
+        trainer.test(Fails(), make_loader(16), verbose=False)
+    assert trainer.interrupted and trainer.state.status == TrainerStatus.INTERRUPTED
