@@ -207,6 +207,17 @@ def test_fraction_of_a_loader_without_length() -> None:
         quiet_trainer(max_epochs=1, val_check_interval=0.5).fit(Regressor(), DataLoader(Stream(), batch_size=4))
 
 
+@pytest.mark.parametrize(("stage", "flag"), [("fit", "limit_train_batches"), ("test", "limit_test_batches")])
+def test_a_fraction_of_a_loader_that_takes_no_batch(stage: str, flag: str) -> None:
+    kind = flag.split("_")[1]
+    with pytest.raises(MisconfigurationException, match=rf"0.1 of the `{kind}_dataloader` but 0.1 \* 8 < 1: {flag}=0.1 "
+                       rf"takes no batch. Please increase it, to at least {flag}=0.125"):  # fmt: skip
+        getattr(quiet_trainer(max_epochs=1, logger=False, **{flag: 0.1}), stage)(Regressor(), make_loader(64))
+    trainer = quiet_trainer(max_epochs=1, logger=False, **{flag: 0.125})
+    getattr(trainer, stage)(Regressor(), make_loader(64))
+    assert getattr(trainer, "num_training_batches" if stage == "fit" else "num_test_batches") in (1, [1])
+
+
 def test_val_check_interval_longer_than_an_epoch() -> None:
     message = r"val_check_interval=20 must be less than or equal to the number of the training batches of an epoch \(8"
     with pytest.raises(ValueError, match=message):
