@@ -311,6 +311,8 @@ def test_max_steps_inside_an_epoch_counts_it_done_and_a_checkpoint_still_resumes
     trainer = quiet_trainer(max_steps=5, logger=False)
     trainer.fit(model, make_loader(64), make_loader(16))
     assert model.seen == [("train end", 1, 5)] and trainer.current_epoch == 1
+    trainer.fit(model, make_loader(64))  # nothing left to train: it stays so
+    assert (trainer.global_step, trainer.current_epoch) == (5, 1)
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
     resumed = quiet_trainer(max_steps=8, logger=False)
     resumed.fit(Regressor(), make_loader(64), ckpt_path=tmp_path / "mid.ckpt")

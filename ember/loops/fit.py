@@ -91,7 +91,6 @@ class FitLoop:
         self.runner = self._start_optimization()
         self.state.start(data_seed=trainer.strategy.broadcast(torch.initial_seed() % 2**63))
         self.last_result = self.last_loss = None
-        self.stopping.inside_epoch = False
         if restore is not None:
             restore()  # may bring the gradients of an unfinished window
         trainer.strategy.join_replica_groups(trainer)  # fault tolerance: a group that is behind heals, before data
@@ -151,7 +150,7 @@ class FitLoop:
 
     # ---------------------------------------------------------------------------------- an epoch
     def _run_epoch(self, fit: _Fit) -> _Outcome:
-        hooks = self.trainer.hooks
+        hooks, self.stopping.inside_epoch = self.trainer.hooks, False  # (a fit that goes on in a stopped epoch)
         # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         hooks.call("on_train_epoch_start")
         # Closed early, the batches end the loader's workers. The steps and the hooks of each batch log per step.
