@@ -269,6 +269,32 @@ def test_without_a_sanity_check_the_validation_loaders_are_asked_for_before_trai
     assert counts == seen  # (the progress bar counts them from there); not before an epoch that does not validate
 
 
+@pytest.mark.parametrize(
+    ("returns", "accumulate", "seen"),
+    [("loss", 1, ["loss"]), ("dict", 1, ["loss", "size"]), ("none", 1, []), ("loss", 2, ["loss"])],
+)
+def test_the_batch_end_hooks_get_a_dict_with_the_loss_detached(returns: str, accumulate: int, seen: list) -> None:
+    class Returning(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.detach())
+            return {"none": None, "loss": loss, "dict": {"loss": loss, "size": len(batch[0])}}[returns]
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.outputs.append(outputs)
+
+    model = Returning()
+    model.losses, model.outputs = [], []
+    quiet_trainer(max_epochs=1, limit_train_batches=4, accumulate_grad_batches=accumulate, logger=False).fit(
+        model, make_loader()
+    )
+    assert all(list(outputs) == seen for outputs in model.outputs)
+    if seen:  # as the gradients, divided by accumulate_grad_batches (as Lightning's)
+        losses = [outputs["loss"] for outputs in model.outputs]
+        assert all(loss.grad_fn is None for loss in losses)
+        assert torch.allclose(torch.stack(losses), torch.stack(model.losses) / accumulate)
+
+
 class _StopsAt(Regressor):
     """Asks the Trainer to stop at training batch ``stop_at`` of the first epoch; records what the hooks see."""
 
@@ -364,6 +390,29 @@ def test_manual_optimization_with_two_optimizers() -> None:
     assert trainer.global_step == 2 * 4  # each optimizer step counts, as in Lightning
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9**4)
     assert all(not torch.equal(a, b) for a, b in zip(parameters_of(model), before, strict=True))
+
+
+def test_a_manual_step_with_a_closure_returns_its_loss_and_the_raw_optimizers_are_at_hand() -> None:
+    class Closing(Regressor):
+        automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            optimizer = self.optimizers()
+            assert self.optimizers(use_pl_optimizer=False) is self.trainer.optimizers[0] is optimizer.optimizer
+
+            def closure() -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = super(Closing, self).training_step(batch, batch_idx)
+                self.manual_backward(loss)
+                return loss
+
+            self.returned.append(optimizer.step(closure=closure))
+            return self.returned[-1]
+
+    model = Closing()
+    model.returned = []
+    quiet_trainer(max_steps=3, logger=False).fit(model, make_loader())
+    assert len(model.returned) == 3 and all(isinstance(loss, torch.Tensor) for loss in model.returned)
 
 
 def test_returning_none_skips_the_batch_and_minus_one_ends_the_epoch() -> None:

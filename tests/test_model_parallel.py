@@ -297,7 +297,7 @@ class _Losses(Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer: ember.Trainer, module: ember.Module, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs))
+        self.losses.append(float(outputs["loss"]))
 
 
 def test_pipeline_accumulates_gradients_like_the_other_strategies() -> None:

@@ -19,7 +19,7 @@ import torch
 
 from ember.checkpoint.resume import LoopState
 from ember.exceptions import PossibleUserWarning
-from ember.loops.loss import LossCheck, with_detached_loss
+from ember.loops.loss import LossCheck, batch_end_output
 from ember.loops.progress import Progress
 from ember.loops.step import ManualOptimizer, StepResult, StepRunner, Window
 from ember.loops.stopping import Stopping, reached_limit
@@ -54,6 +54,7 @@ class _Fit:
     batch_start: Callable[[Any, int], bool] | None  # the on_train_batch_start hooks: True skips the rest of the epoch
     batch_end_hooks: list[Callable[..., Any]]
     manual: bool  # the module steps its optimizers itself
+    loss_divisor: int  # what the batch-end hooks' loss is divided by: accumulate_grad_batches, as Lightning's
     max_steps: float  # math.inf: no limit
     next_log_step: int  # when the logged step values are written next
     told_of_idle_epoch: bool = False
@@ -144,6 +145,7 @@ class FitLoop:
             batch_start=hooks.train_batch_start(),
             batch_end_hooks=hooks.implementations("on_train_batch_end"),
             manual=not runner.module.automatic_optimization,
+            loss_divisor=accumulate if isinstance(accumulate := config.accumulate_grad_batches, int) else 1,
             max_steps=config.max_steps if config.max_steps != -1 else math.inf,
             next_log_step=config.log_every_n_steps or _LOSS_CHECK_STEPS,
         )
@@ -204,9 +206,8 @@ class FitLoop:
                 self.last_loss = result.loss
                 losses.append(result.loss)
                 positions += batch_idx, progress.global_step
-            if ends:  # with the step's loss detached
-                output = result.output
-                hook_output = result.loss if type(output) is torch.Tensor else with_detached_loss(output, result.loss)
+            if ends:
+                hook_output = batch_end_output(result.output, result.loss, fit.loss_divisor)
                 for hook in ends:
                     hook(hook_output, batch, batch_idx)
             # Logs are written every log_every_n_steps, and at each step once stopping is asked for (as Lightning).

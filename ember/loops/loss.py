@@ -87,10 +87,10 @@ class LossCheck:
         )
 
 
-def with_detached_loss(output: Any, loss: torch.Tensor | None) -> Any:
-    """What batch-end hooks receive: the step's output with its loss detached from the graph."""
-    if isinstance(output, torch.Tensor):
-        return loss
-    if isinstance(output, Mapping) and loss is not None:
-        return {**output, "loss": loss}
-    return output
+def batch_end_output(output: Any, loss: torch.Tensor | None, divisor: int) -> dict[str, Any]:
+    """What ``on_train_batch_end`` receives, as in Lightning: the step's output as a dict (``{}`` for None) whose
+    ``"loss"`` is the loss detached and divided by ``divisor`` (``accumulate_grad_batches``, as the gradients are)."""
+    extra = {key: item for key, item in output.items() if key != "loss"} if isinstance(output, Mapping) else {}
+    if loss is None:
+        return extra
+    return {"loss": loss / divisor if divisor != 1 else loss, **extra}

@@ -445,10 +445,11 @@ class ManualOptimizer:
         self.optimizer = optimizer
         self._runner = runner
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
-        if closure is not None:
-            closure()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` (forward and backward), then step; returns what the closure returned, as Lightning's."""
+        result = closure() if closure is not None else None
         self._runner.manual_optimizer_step(self.optimizer)
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none:
