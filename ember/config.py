@@ -382,10 +382,9 @@ class TrainerConfig:
         """``barebones=True`` turns the costly features off; asking for one of them as well is an error."""
         if not self.barebones:
             return
-        asked = {"logger": self.logger not in (True, False), "profiler": self.profiler is not None,
-                 "fast_dev_run": bool(self.fast_dev_run),
-                 "detect_anomaly": self.detect_anomaly,
-                 "callbacks": any(isinstance(callback, _COSTLY_CALLBACKS) for callback in _as_list(self.callbacks))}
+        costly = any(isinstance(callback, _COSTLY_CALLBACKS) for callback in _as_list(self.callbacks))
+        asked = {"logger": self.logger not in (True, False), "profiler": self.profiler is not None}
+        asked |= {"fast_dev_run": bool(self.fast_dev_run), "detect_anomaly": self.detect_anomaly, "callbacks": costly}
         for flag, conflicts in asked.items():  # fmt: skip
             if conflicts:
                 raise _barebones_conflict(flag, getattr(self, flag))

@@ -33,8 +33,10 @@ from ember.config import FlagError, TrainerConfig
         ({"fast_dev_run": 1.0}, r"fast_dev_run=1.0: should be >= 0"),
         ({"val_check_interval": 1.5}, r"val_check_interval=1.5: passed invalid value; expected a fraction"),
         ({"val_check_interval": True}, r"val_check_interval=True"),
-        ({"val_check_interval": 0.5, "check_val_every_n_epoch": None},
-         r"val_check_interval=0.5 with check_val_every_n_epoch=None: `val_check_interval` should be an integer"),
+        (
+            {"val_check_interval": 0.5, "check_val_every_n_epoch": None},
+            r"val_check_interval=0.5 with check_val_every_n_epoch=None: `val_check_interval` should be an integer",
+        ),
         ({"gradient_clip_val": True}, r"gradient_clip_val=True: expected a number >= 0 or None"),
         ({"doctor": 5}, r"doctor=5: True \(watch 30 steps\), False, or a number of steps above 5"),
         ({"callbacks": ["not a callback"]}, r"callbacks=\['not a callback'\]: expected a Callback"),

@@ -200,5 +200,3 @@ def reached_limit(config: TrainerConfig, progress: Progress) -> str | None:
     if config.epoch_limit != -1 and progress.epoch >= config.epoch_limit:
         return f"max_epochs={config.epoch_limit}"
     return None
-
-
