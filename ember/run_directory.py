@@ -30,6 +30,11 @@ class RunDirectory:
         return run_directory_of(loggers[0]) if loggers else None
 
     @property
+    def shown_log_dir(self) -> str | None:
+        """``trainer.log_dir``: ``log_dir``, or without a logger ``default_root_dir`` (as Lightning's)."""
+        return self.log_dir if self._trainer.loggers else self._trainer.config.root_dir
+
+    @property
     def runs_dir(self) -> str:
         """Where this run's directory and its predecessors' are: the first file-keeping logger's
         ``<save_dir>/<name>``, else ``<default_root_dir>/ember_logs`` (see ``default_name``)."""

@@ -299,9 +299,9 @@ class Trainer:
     def logger(self) -> Logger | None:
         return self.loggers[0] if self.loggers else None
 
-    #: This run's directory: the first logger's (the same on every rank once a stage has started; None: no logger
-    #: keeps files).
-    log_dir: Reads[str | None] = Reads("_run_directory.log_dir")
+    #: This run's directory: the first logger's (the same on every rank once a stage has started; None: it keeps no
+    #: files), or without a logger ``default_root_dir``, as Lightning's.
+    log_dir: Reads[str | None] = Reads("_run_directory.shown_log_dir")
     #: Where this run's directory and its predecessors' (``version_N``) are.
     runs_dir: Reads[str] = Reads("_run_directory.runs_dir")
     #: Where this run's checkpoints go: the first ModelCheckpoint's directory, else ``<log_dir>/checkpoints``

@@ -1209,3 +1209,11 @@ def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() ->
     with pytest.raises(RuntimeError, match="the step fails"):
         trainer.test(Fails(), make_loader(16), verbose=False)
     assert trainer.interrupted and trainer.state.status == TrainerStatus.INTERRUPTED
+
+
+def test_log_dir_without_a_logger_is_the_root_directory(tmp_path: Any) -> None:
+    trainer = quiet_trainer(logger=False, default_root_dir=str(tmp_path))
+    assert trainer.log_dir == str(tmp_path)  # as Lightning's: programs join their own files to it
+    trainer.fit(Regressor(), make_loader(16))
+    assert trainer.log_dir == str(tmp_path)
+    assert quiet_trainer(default_root_dir=str(tmp_path)).log_dir != str(tmp_path)  # a logger's run directory
