@@ -382,10 +382,9 @@ class TrainerConfig:
         """``barebones=True`` turns the costly features off; asking for one of them as well is an error."""
         if not self.barebones:
             return
-        asked = {"logger": self.logger not in (True, False), "profiler": self.profiler is not None,
-                 "fast_dev_run": bool(self.fast_dev_run),
-                 "detect_anomaly": self.detect_anomaly,
-                 "callbacks": any(isinstance(callback, _COSTLY_CALLBACKS) for callback in _as_list(self.callbacks))}
+        costly = any(isinstance(callback, _COSTLY_CALLBACKS) for callback in _as_list(self.callbacks))
+        asked = {"logger": self.logger not in (True, False), "profiler": self.profiler is not None}
+        asked |= {"fast_dev_run": bool(self.fast_dev_run), "detect_anomaly": self.detect_anomaly, "callbacks": costly}
         for flag, conflicts in asked.items():  # fmt: skip
             if conflicts:
                 raise _barebones_conflict(flag, getattr(self, flag))
@@ -539,8 +538,8 @@ def _check_bool(flag: str, value: Any, also: str = "") -> None:
 
 def _check_int(flag: str, value: Any, minimum: int, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        allowed = "-1 (no limit) or a non-negative int" if minimum == -1 else f"an int >= {minimum}"
-        raise FlagError(f"{flag}={value!r}: should be {allowed}" + (f" or {also}" if also else ""))
+        rule = f"`{flag}` must be a non-negative integer or -1" if minimum == -1 else f"should be an int >= {minimum}"
+        raise FlagError(f"{flag}={value!r}: {rule}" + (f" or {also}" if also else ""))
 
 
 def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:

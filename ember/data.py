@@ -39,6 +39,7 @@ from ember.data_failures import SampleNamed
 from ember.data_workers import WorkerSuggestion as WorkerSuggestion  # served here too (ember.data.X)
 from ember.data_workers import cores_per_process as cores_per_process
 from ember.data_workers import suggest_num_workers as suggest_num_workers
+from ember.exceptions import MisconfigurationException
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
 if TYPE_CHECKING:
@@ -337,7 +338,13 @@ def count_batches(loader: Iterable, limit: int | float | None, flag: str, strate
         raise ValueError(
             f"{flag}={limit} is a fraction, but the dataloader has no length; pass a number of batches instead"
         )
-    return max(1, int(available * limit)) if limit > 0 else 0
+    if limit > 0 and available * limit < 1:  # as Lightning: not silently one batch more than was asked for
+        loader = flag.removeprefix("limit_").removesuffix("_batches") + "_dataloader"
+        raise MisconfigurationException(
+            f"You requested to check {limit} of the `{loader}` but {limit} * {available} < 1: {flag}={limit} "
+            f"takes no batch. Please increase it, to at least {flag}={1 / available:g}, or pass a number of batches"
+        )
+    return int(available * limit)
 
 
 def has_iterable_dataset(dataloader: object) -> bool:

@@ -42,6 +42,9 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
 
     #: The device batches are moved to when the layers were placed by hand (None: the first parameter's).
     input_device: torch.device | str | None = None
+    #: False to step optimizers yourself with ``self.optimizers()`` and ``self.manual_backward`` (set in ``__init__``
+    #: or, as Lightning allows, as a class attribute of the subclass).
+    automatic_optimization: bool = True
     #: What ``torch.jit.script(module)`` leaves out: properties that read the Trainer, which TorchScript cannot compile.
     __jit_unused_properties__: ClassVar[list[str]] = [
         "trainer", "device", "current_epoch", "global_step", "global_rank", "local_rank", "dtype", "logger", "loggers",
@@ -56,8 +59,6 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: False to step optimizers yourself with ``self.optimizers()`` and ``self.manual_backward``.
-        self.automatic_optimization = True
         self._trainer: Trainer | None = None
 
     # --------------------------------------------------------------------------- the trainer
@@ -205,9 +206,11 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
             print(*args, **kwargs)
 
     # ------------------------------------------------------------------ manual optimization
-    def optimizers(self) -> Any:
-        """The optimizer (or list of them) from ``configure_optimizers``; ``step()`` goes through the precision."""
-        optimizers = self.trainer.fit_loop.manual_optimizers
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizer (or list of them) from ``configure_optimizers``, wrapped so that ``step()`` goes through the
+        precision, or as it returned them (``use_pl_optimizer=False``, as in Lightning)."""
+        loop = self.trainer.fit_loop
+        optimizers = loop.manual_optimizers if use_pl_optimizer else loop.optimizers
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
     def lr_schedulers(self) -> Any:

@@ -29,19 +29,19 @@ class DataHooks:
     # what is missing to code that calls them.
     def train_dataloader(self) -> Any:
         """The training loader(s): a DataLoader, or a list or dict of them."""
-        raise _not_implemented("train_dataloader")
+        raise not_implemented("train_dataloader")
 
     def val_dataloader(self) -> Any:
         """The validation loader(s): a DataLoader or a list of them (``dataloader_idx`` in the steps)."""
-        raise _not_implemented("val_dataloader")
+        raise not_implemented("val_dataloader")
 
     def test_dataloader(self) -> Any:
         """The test loader(s), as ``val_dataloader``."""
-        raise _not_implemented("test_dataloader")
+        raise not_implemented("test_dataloader")
 
     def predict_dataloader(self) -> Any:
         """The prediction loader(s), as ``val_dataloader``."""
-        raise _not_implemented("predict_dataloader")
+        raise not_implemented("predict_dataloader")
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Change a batch before it goes to the device; returns the batch."""
@@ -143,5 +143,6 @@ class ModuleHooks(DataHooks):
         self.eval()  # type: ignore[attr-defined]
 
 
-def _not_implemented(hook: str) -> MisconfigurationException:
-    return MisconfigurationException(f"`{hook}` must be implemented to be used with the Trainer")
+def not_implemented(hook: str, hint: str = "") -> MisconfigurationException:
+    """Lightning's error for a hook that is needed and not overridden (``hint``: what else to do)."""
+    return MisconfigurationException(f"`{hook}` must be implemented to be used with the Trainer{hint}")

@@ -1,20 +1,28 @@
-"""What ``configure_optimizers`` may return, parsed into optimizers and scheduler configurations."""
+"""What ``configure_optimizers`` may return, parsed into optimizers and scheduler configurations, and the Trainer's
+optimization flags that the module's optimization cannot honour."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+from ember.exceptions import MisconfigurationException
+
+if TYPE_CHECKING:
+    from ember.module import Module
+    from ember.strategies import Strategy
 
 _FORMS = (
     "an optimizer, a list of optimizers, ([optimizers], [schedulers]), "
     '{"optimizer": ..., "lr_scheduler": scheduler or {"scheduler": ..., "interval": "step"|"epoch", '
     '"frequency": N, "monitor": "metric"}}, or a list of such dicts'
 )
-_SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
+_SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name", "reduce_on_plateau"}
 
 
 @dataclass
@@ -27,14 +35,21 @@ class LRSchedulerConfig:
     monitor: str | None = None
     strict: bool = True
     name: str | None = None
+    #: Whether ``step`` is given the ``monitor``ed metric (None: whether it is a ``ReduceLROnPlateau``).
+    reduce_on_plateau: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.reduce_on_plateau is None:
+            self.reduce_on_plateau = isinstance(self.scheduler, ReduceLROnPlateau)
 
     @property
     def reads_metric(self) -> bool:
-        return isinstance(self.scheduler, ReduceLROnPlateau)
+        return bool(self.reduce_on_plateau)
 
 
 def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
-    """Split ``configure_optimizers()``'s return value; raise a ``TypeError`` naming what was wrong."""
+    """Split ``configure_optimizers()``'s return value; raise an error naming what was wrong (a form it is not:
+    ``MisconfigurationException``, as in Lightning)."""
     if result is None:
         return [], []
     if isinstance(result, torch.optim.Optimizer):
@@ -47,20 +62,23 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[LRS
             return _parse_dicts(items)
         if items and all(isinstance(item, torch.optim.Optimizer) for item in items):
             return items, []
-        if len(items) == 2 and all(isinstance(item, Sequence) for item in items):
-            optimizers, schedulers = list(items[0]), list(items[1])
+        if len(items) == 2 and isinstance(items[0], Sequence):
+            # As Lightning, the second of ([optimizers], schedulers) may be a single scheduler.
+            optimizers, schedulers = list(items[0]), items[1] if isinstance(items[1], Sequence) else [items[1]]
             _check_optimizers(optimizers)
             return optimizers, [_scheduler_config(item) for item in schedulers]
-    raise TypeError(f"configure_optimizers() returned {_describe(result)}; it must return {_FORMS}")
+    raise MisconfigurationException(
+        f"Unknown configuration for model optimizers: configure_optimizers() returned {_describe(result)}; "
+        f"it must return {_FORMS}"
+    )
 
 
 def _parse_dicts(items: list[Mapping[str, Any]]) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
     optimizers, configs = [], []
     for item in items:
-        unknown = set(item) - {"optimizer", "lr_scheduler", "monitor"}
-        if "optimizer" not in item or unknown:
-            problem = f"unknown keys {sorted(unknown)}" if unknown else 'no "optimizer" key'
-            raise TypeError(f"configure_optimizers() returned a dict with {problem}; it must return {_FORMS}")
+        item = _known_keys(item, {"optimizer", "lr_scheduler", "monitor"}, "the optimizer configuration")
+        if "optimizer" not in item:
+            raise TypeError(f'configure_optimizers() returned a dict with no "optimizer" key; it must return {_FORMS}')
         _check_optimizers([item["optimizer"]])
         optimizers.append(item["optimizer"])
         if item.get("lr_scheduler") is not None:
@@ -71,11 +89,11 @@ def _parse_dicts(items: list[Mapping[str, Any]]) -> tuple[list[torch.optim.Optim
 
 def _scheduler_config(value: Any, default_monitor: str | None = None) -> LRSchedulerConfig:
     if isinstance(value, Mapping):
-        unknown = set(value) - _SCHEDULER_KEYS
-        if unknown or "scheduler" not in value:
-            problem = f"unknown keys {sorted(unknown)}" if unknown else 'no "scheduler" key'
-            raise TypeError(
-                f"configure_optimizers(): the lr_scheduler dict has {problem} (allowed: {sorted(_SCHEDULER_KEYS)})"
+        value = _known_keys(value, _SCHEDULER_KEYS, "the lr scheduler dict")
+        if "scheduler" not in value:
+            raise MisconfigurationException(
+                'configure_optimizers(): the lr scheduler dict must have the key "scheduler" with its item being an '
+                f"lr scheduler; it has {sorted(value)}"
             )
         config = LRSchedulerConfig(**{"monitor": default_monitor, **value})
     else:
@@ -83,15 +101,88 @@ def _scheduler_config(value: Any, default_monitor: str | None = None) -> LRSched
     if not (callable(getattr(config.scheduler, "step", None)) and hasattr(config.scheduler, "state_dict")):
         raise TypeError(f"configure_optimizers(): {_describe(config.scheduler)} is not a learning-rate scheduler")
     if config.interval not in ("step", "epoch"):
-        raise ValueError(f'configure_optimizers(): lr_scheduler interval={config.interval!r}; use "step" or "epoch"')
+        raise MisconfigurationException(
+            f'The "interval" key in lr scheduler dict must be "step" or "epoch", not {config.interval!r} '
+            "(configure_optimizers())"
+        )
     if not isinstance(config.frequency, int) or config.frequency < 1:
         raise ValueError(f"configure_optimizers(): lr_scheduler frequency={config.frequency!r} must be a positive int")
     if config.reads_metric and config.monitor is None:
-        raise ValueError(
-            'configure_optimizers(): ReduceLROnPlateau needs a metric to watch; return {"optimizer": ..., '
-            '"lr_scheduler": {"scheduler": ..., "monitor": "val_loss"}}'
+        raise MisconfigurationException(
+            "`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler is used: the "
+            'metric it watches; return {"optimizer": ..., "lr_scheduler": {"scheduler": ..., "monitor": "val_loss"}}'
         )
     return config
+
+
+def monitored_value(config: LRSchedulerConfig, metrics: Mapping[str, Any]) -> float | None:
+    """The value of the metric that ``config``'s scheduler watches; when it was not logged, as in Lightning, a
+    ``MisconfigurationException``, or with ``strict=False`` a ``RuntimeWarning`` and None (the step is skipped)."""
+    if config.monitor is not None and config.monitor in metrics:
+        return float(metrics[config.monitor])
+    message = f"ReduceLROnPlateau conditioned on metric {config.monitor} which is not available"
+    if config.strict:
+        raise MisconfigurationException(
+            f"{message}. Available metrics are: {sorted(metrics)}. Log it, or set 'strict': False in the lr "
+            "scheduler dict to skip the scheduler's steps while it is missing"
+        )
+    warnings.warn(f"{message} but strict is set to `False`: the scheduler does not step", RuntimeWarning, stacklevel=2)
+    return None
+
+
+def check_automatic(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Automatic optimization steps exactly one optimizer (as in Lightning, several are a ``RuntimeError``)."""
+    if len(optimizers) > 1:
+        raise RuntimeError(
+            f"Training with multiple optimizers is only supported with manual optimization: configure_optimizers() "
+            f"returned {len(optimizers)}. For several (GANs, ...), set self.automatic_optimization = False and step "
+            "them in training_step with self.optimizers() and self.manual_backward(loss)"
+        )
+    if not optimizers:
+        raise ValueError(
+            "configure_optimizers() returned no optimizer; automatic optimization steps exactly one (with "
+            "self.automatic_optimization = False, training_step steps its own)"
+        )
+
+
+def check_optimization_flags(
+    strategy: Strategy, module: Module, accumulate: int | Literal["auto"], clip_val: float | None
+) -> None:
+    """Refuse flags that the strategy or the module's optimization cannot honour (under manual optimization, as
+    Lightning, with a ``MisconfigurationException``)."""
+    if accumulate == "auto" and not strategy.averages_split_gradients:
+        raise ValueError(
+            f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
+            f"batch; strategy {strategy.name!r} with {strategy.world_size} processes cannot (use 'ddp', or a count)"
+        )
+    if module.automatic_optimization:
+        return
+    # Under manual optimization the module steps and clips itself: the Trainer's flags for that would be ignored.
+    if accumulate != 1:
+        raise MisconfigurationException(
+            "Automatic gradient accumulation is not supported for manual optimization: "
+            f"accumulate_grad_batches={accumulate!r} with manual optimization (automatic_optimization = False): "
+            "the module steps its optimizers itself; accumulate in training_step, or leave the flag at 1"
+        )
+    if clip_val:
+        raise MisconfigurationException(
+            "Automatic gradient clipping is not supported for manual optimization: "
+            f"gradient_clip_val={clip_val!r} with manual optimization (automatic_optimization = False): clip in "
+            "training_step with self.clip_gradients(optimizer, ...) before stepping, or leave the flag unset"
+        )
+
+
+def _known_keys(config: Mapping[str, Any], known: set[str], what: str) -> Mapping[str, Any]:
+    """``config`` without the keys it may not have, which are warned about and ignored, as in Lightning."""
+    unknown = set(config) - known
+    if not unknown:
+        return config
+    warnings.warn(
+        f"Found unsupported keys in {what}: {unknown}, ignored (configure_optimizers() may give {sorted(known)})",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return {key: item for key, item in config.items() if key in known}
 
 
 def _check_optimizers(optimizers: list[Any]) -> None:

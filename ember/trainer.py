@@ -33,6 +33,7 @@ from ember.loops.fit import FitLoop
 from ember.loops.hooks import Hooks
 from ember.metrics import RunMetrics
 from ember.module import DataModule, Module
+from ember.module_hooks import not_implemented
 from ember.optim import LRSchedulerConfig
 from ember.profilers import Profiler, select_profiler
 from ember.rank_zero import announce, rank_zero_only
@@ -219,9 +220,8 @@ class Trainer:
     limit_val_batches: Reads[int | float] = Reads("config.limit_val_batches", _all_if_none)
     limit_test_batches: Reads[int | float] = Reads("config.limit_test_batches", _all_if_none)
     limit_predict_batches: Reads[int | float] = Reads("config.limit_predict_batches", _all_if_none)
-    # Where the fit loop is.
     global_step: Reads[int] = Reads("fit_loop.progress.global_step")
-    current_epoch: Reads[int] = Reads("fit_loop.progress.epoch")
+    current_epoch: Reads[int] = Reads("fit_loop.current_epoch")
     #: True once a preemption signal made ``fit`` save a checkpoint and stop.
     preempted: Reads[bool] = Reads("fit_loop.stopping.preempted")
     sanity_checking: Reads[bool] = Reads("fit_loop.sanity_checking")
@@ -232,6 +232,7 @@ class Trainer:
     num_training_batches: Reads[float] = Reads("fit_loop.num_training_batches")
     optimizers: Reads[list[torch.optim.Optimizer]] = Reads("fit_loop.optimizers")
     num_val_batches: Reads[list[float]] = Reads("validate_loop.num_batches")
+    num_sanity_val_batches: Reads[list[float]] = Reads("validate_loop.num_sanity_batches")
     num_test_batches: Reads[list[float]] = Reads("test_loop.num_batches")
     num_predict_batches: Reads[list[float]] = Reads("predict_loop.num_batches")
     #: The values last written to the loggers.
@@ -242,6 +243,7 @@ class Trainer:
     testing: Reads[bool] = Reads("state.testing")
     predicting: Reads[bool] = Reads("state.predicting")
     evaluating: Reads[bool] = Reads("state.evaluating")
+    interrupted: Reads[bool] = Reads("state.stopped")  # the latest entry point ended with an exception
 
     @property
     def num_devices(self) -> int:
@@ -581,11 +583,9 @@ class Trainer:
         if given is None:
             given = self.hooks.data_loaders(kind)
         if given is None:
-            if required:
-                raise ValueError(
-                    f"no {kind} data: pass dataloaders to the Trainer's method, or define "
-                    f"{kind}_dataloader() on the Module or a DataModule"
-                )
+            if required:  # (the default hooks raise the same error)
+                raise not_implemented(f"{kind}_dataloader", f": no {kind} data; pass dataloaders to the Trainer's "
+                                      "method, or override the hook on the Module or a DataModule")  # fmt: skip
             return []
         config = self.config
         shown, prepared = prepare_loaders(given, kind, self.strategy, config.overfit_batches,

@@ -12,6 +12,7 @@ from conftest import Regressor, make_loader, quiet_trainer
 from torch.utils.data import DataLoader
 
 import ember
+from ember.exceptions import MisconfigurationException
 
 
 @pytest.mark.parametrize(
@@ -19,7 +20,7 @@ import ember
     [
         ({"precision": "17"}, r"precision='17' is not supported; choose one of .*'bf16-mixed'"),
         ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of"),
-        ({"max_epochs": -5}, r"max_epochs=-5: should be -1 \(no limit\) or a non-negative int"),
+        ({"max_epochs": -5}, r"max_epochs=-5: `max_epochs` must be a non-negative integer or -1"),
         ({"max_steps": -3}, r"max_steps=-3"),
         ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0: should be an int >= 1 or 'auto'"),
         (
@@ -142,19 +143,27 @@ class _Optimizers(Regressor):
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
-        (lambda self: "adam", TypeError, r"configure_optimizers\(\) returned str 'adam'; it must return an optimizer"),
+        (lambda self: "adam", MisconfigurationException, r"Unknown configuration for model optimizers: "
+                              r"configure_optimizers\(\) returned str 'adam'; it must return an optimizer"),
         (lambda self: {"lr_scheduler": None}, TypeError, r'no "optimizer" key'),
-        (lambda self: [torch.optim.SGD(self.parameters(), lr=0.1)] * 2, ValueError, "returned 2 optimizers"),
-        (lambda self: None, ValueError, "returned 0 optimizers"),
+        (lambda self: [torch.optim.SGD(self.parameters(), lr=0.1)] * 2, RuntimeError,
+         "Training with multiple optimizers is only supported with manual optimization: configure_optimizers"
+         r"\(\) returned 2"),
+        (lambda self: None, ValueError, "configure_optimizers\\(\\) returned no optimizer"),
         (
             lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
                           "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1), "interval": "batch"}},
-            ValueError, 'interval=\'batch\'; use "step" or "epoch"',
+            MisconfigurationException, 'The "interval" key in lr scheduler dict must be "step" or "epoch", not .batch',
         ),
         (
             lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
                           "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(o)},
-            ValueError, "ReduceLROnPlateau needs a metric to watch",
+            MisconfigurationException, "must include a monitor when a `ReduceLROnPlateau` scheduler is used",
+        ),
+        (
+            lambda self: {"optimizer": torch.optim.SGD(self.parameters(), lr=0.1),
+                          "lr_scheduler": {"interval": "step"}},
+            MisconfigurationException, 'the lr scheduler dict must have the key "scheduler"',
         ),
     ],
 )  # fmt: skip
@@ -170,7 +179,7 @@ def test_missing_training_step_and_missing_data() -> None:
 
     with pytest.raises(NotImplementedError, match="needs NoStep to define training_step"):
         quiet_trainer().fit(NoStep(), make_loader())
-    with pytest.raises(ValueError, match="no train data: pass dataloaders"):
+    with pytest.raises(MisconfigurationException, match="`train_dataloader` must be implemented.*no train data"):
         quiet_trainer().fit(Regressor())
     with pytest.raises(TypeError, match="needs an ember.Module; got Linear"):
         quiet_trainer().fit(torch.nn.Linear(2, 2), make_loader())  # type: ignore[arg-type]
@@ -196,6 +205,17 @@ def test_fraction_of_a_loader_without_length() -> None:
         quiet_trainer(max_epochs=1, limit_train_batches=0.5).fit(Regressor(), DataLoader(Stream(), batch_size=4))
     with pytest.raises(ValueError, match="val_check_interval=0.5 is a fraction of an epoch"):
         quiet_trainer(max_epochs=1, val_check_interval=0.5).fit(Regressor(), DataLoader(Stream(), batch_size=4))
+
+
+@pytest.mark.parametrize(("stage", "flag"), [("fit", "limit_train_batches"), ("test", "limit_test_batches")])
+def test_a_fraction_of_a_loader_that_takes_no_batch(stage: str, flag: str) -> None:
+    kind = flag.split("_")[1]
+    with pytest.raises(MisconfigurationException, match=rf"0.1 of the `{kind}_dataloader` but 0.1 \* 8 < 1: {flag}=0.1 "
+                       rf"takes no batch. Please increase it, to at least {flag}=0.125"):  # fmt: skip
+        getattr(quiet_trainer(max_epochs=1, logger=False, **{flag: 0.1}), stage)(Regressor(), make_loader(64))
+    trainer = quiet_trainer(max_epochs=1, logger=False, **{flag: 0.125})
+    getattr(trainer, stage)(Regressor(), make_loader(64))
+    assert getattr(trainer, "num_training_batches" if stage == "fit" else "num_test_batches") in (1, [1])
 
 
 def test_val_check_interval_longer_than_an_epoch() -> None:

@@ -757,9 +757,9 @@ def test_manual_optimization_hooks_and_flags() -> None:
 
     quiet_trainer(max_steps=1, logger=False).fit(Manual(), make_loader())
     assert calls == ["on_before_backward", "on_after_backward", "on_before_optimizer_step"]
-    with pytest.raises(ValueError, match="accumulate_grad_batches=2 with manual optimization"):
+    with pytest.raises(MisconfigurationException, match="gradient accumulation is not supported for manual optimi"):
         quiet_trainer(max_steps=1, accumulate_grad_batches=2).fit(Manual(), make_loader())
-    with pytest.raises(ValueError, match="gradient_clip_val=1.0 with manual optimization"):
+    with pytest.raises(MisconfigurationException, match="gradient clipping is not supported for manual optimization"):
         quiet_trainer(max_steps=1, gradient_clip_val=1.0).fit(Manual(), make_loader())
 
 
@@ -1200,8 +1200,24 @@ def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() ->
     assert seen[0] == ("fit", "sanity_check") and {("fit", "train"), ("fit", "validate")} <= set(seen)
     assert (trainer.state.fn, trainer.state.stage, trainer.state.finished) == (TrainerFn.FITTING, None, True)
     trainer.test(Regressor(), make_loader(16), verbose=False)
-    assert trainer.state.fn == "test" and trainer.state.status == "finished"
+    assert trainer.state.fn == "test" and trainer.state.status == "finished" and not trainer.interrupted
     assert not trainer.training and RunningStage.VALIDATING == "validate"
+
+    class Fails(Regressor):
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            raise RuntimeError("the step fails")
+
+    with pytest.raises(RuntimeError, match="the step fails"):
+        trainer.test(Fails(), make_loader(16), verbose=False)
+    assert trainer.interrupted and trainer.state.status == TrainerStatus.INTERRUPTED
+
+
+def test_log_dir_without_a_logger_is_the_root_directory(tmp_path: Any) -> None:
+    trainer = quiet_trainer(logger=False, default_root_dir=str(tmp_path))
+    assert trainer.log_dir == str(tmp_path)  # as Lightning's: programs join their own files to it
+    trainer.fit(Regressor(), make_loader(16))
+    assert trainer.log_dir == str(tmp_path)
+    assert quiet_trainer(default_root_dir=str(tmp_path)).log_dir != str(tmp_path)  # a logger's run directory
 
 
 def _logged_hyperparameters(trainer: ember.Trainer) -> Any:

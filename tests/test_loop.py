@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import ember
 from ember.callbacks import Callback
+from ember.exceptions import MisconfigurationException
 from ember.loops.stopping import Interruptions
 from ember.strategies.single import SingleDeviceStrategy
 
@@ -128,10 +129,57 @@ class _Plateau(Regressor):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
 
 
+class _Configured(Regressor):
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        return self.make(optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))
+
+
+def test_configure_optimizers_takes_lightnings_lenient_forms() -> None:
+    def fit(make: Any, **flags: Any) -> ember.Trainer:
+        trainer = quiet_trainer(logger=False, **flags)
+        trainer.fit(_Configured(make), make_loader())
+        return trainer
+
+    # ([optimizers], scheduler): a single scheduler, not in a list.
+    trainer = fit(lambda optimizer, scheduler: ([optimizer], scheduler), max_epochs=2)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.25
+    # Keys Lightning does not know are warned about and ignored; "reduce_on_plateau" is one it knows.
+    with pytest.warns(RuntimeWarning, match=r"unsupported keys in the lr scheduler dict: \{'intervl'\}"):
+        trainer = fit(lambda o, s: {"optimizer": o, "lr_scheduler": {"scheduler": s, "intervl": "step"}}, max_epochs=2)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.25 and trainer.lr_scheduler_configs[0].interval == "epoch"
+    with pytest.warns(RuntimeWarning, match=r"unsupported keys in the optimizer configuration: \{'frequency'\}"):
+        fit(lambda optimizer, scheduler: {"optimizer": optimizer, "frequency": 2}, max_steps=1)
+    trainer = fit(
+        lambda o, s: {"optimizer": o, "lr_scheduler": {"scheduler": s, "reduce_on_plateau": False}}, max_steps=1
+    )
+    assert trainer.lr_scheduler_configs[0].reduce_on_plateau is False
+
+
 def test_reduce_on_plateau_reads_the_monitored_metric() -> None:
     trainer = quiet_trainer(max_epochs=3, logger=False)
     trainer.fit(_Plateau(), make_loader(), make_loader())
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-5)
+
+
+def test_a_plateau_scheduler_whose_metric_is_missing_raises_or_with_strict_false_warns_and_waits() -> None:
+    def plateau(strict: bool) -> Any:
+        def make(optimizer: torch.optim.Optimizer, scheduler: Any) -> Any:
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "nope", "strict": strict}}
+
+        return _Configured(make)
+
+    with pytest.raises(MisconfigurationException, match=r"metric nope which is not available\. Available metrics"):
+        quiet_trainer(max_epochs=1, logger=False).fit(plateau(True), make_loader())
+    trainer = quiet_trainer(max_epochs=2, logger=False)
+    with pytest.warns(RuntimeWarning, match="metric nope which is not available but strict is set to `False`"):
+        trainer.fit(plateau(False), make_loader())
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 1.0
 
 
 def test_max_steps_limit_batches_and_max_time() -> None:
@@ -194,6 +242,109 @@ def test_sanity_check_runs_validation_before_training_without_recording_it() -> 
     assert calls[:2] == [0, 0] and len(calls) == 2 + 4
 
 
+def test_the_sanity_check_counts_its_own_batches_apart_from_validations() -> None:
+    seen: list[tuple[bool, list[float], list[float]]] = []
+
+    class Counting(Callback):
+        def on_validation_start(self, trainer: ember.Trainer, module: ember.Module) -> None:
+            seen.append((trainer.sanity_checking, trainer.num_val_batches, trainer.num_sanity_val_batches))
+
+    trainer = quiet_trainer(max_epochs=1, num_sanity_val_steps=2, callbacks=[Counting()], logger=False)
+    trainer.fit(Regressor(), make_loader(32), make_loader(32))
+    assert seen == [(True, [4], [2]), (False, [4], [2])]
+    assert (trainer.num_val_batches, trainer.num_sanity_val_batches) == ([4], [2])
+
+
+@pytest.mark.parametrize(("every", "seen"), [(1, [[2]]), (2, [[]])])
+def test_without_a_sanity_check_the_validation_loaders_are_asked_for_before_training_starts(
+    every: int, seen: list[list[float]]
+) -> None:
+    class Counting(Regressor):
+        def on_train_start(self) -> None:
+            counts.append(list(self.trainer.num_val_batches))
+
+    counts: list[list[float]] = []
+    trainer = quiet_trainer(max_epochs=1, check_val_every_n_epoch=every, logger=False)  # no sanity check
+    trainer.fit(Counting(), make_loader(), make_loader(16))
+    assert counts == seen  # (the progress bar counts them from there); not before an epoch that does not validate
+
+
+@pytest.mark.parametrize(
+    ("returns", "accumulate", "seen"),
+    [("loss", 1, ["loss"]), ("dict", 1, ["loss", "size"]), ("none", 1, []), ("loss", 2, ["loss"])],
+)
+def test_the_batch_end_hooks_get_a_dict_with_the_loss_detached(returns: str, accumulate: int, seen: list) -> None:
+    class Returning(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.detach())
+            return {"none": None, "loss": loss, "dict": {"loss": loss, "size": len(batch[0])}}[returns]
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.outputs.append(outputs)
+
+    model = Returning()
+    model.losses, model.outputs = [], []
+    quiet_trainer(max_epochs=1, limit_train_batches=4, accumulate_grad_batches=accumulate, logger=False).fit(
+        model, make_loader()
+    )
+    assert all(list(outputs) == seen for outputs in model.outputs)
+    if seen:  # as the gradients, divided by accumulate_grad_batches (as Lightning's)
+        losses = [outputs["loss"] for outputs in model.outputs]
+        assert all(loss.grad_fn is None for loss in losses)
+        assert torch.allclose(torch.stack(losses), torch.stack(model.losses) / accumulate)
+
+
+class _StopsAt(Regressor):
+    """Asks the Trainer to stop at training batch ``stop_at`` of the first epoch; records what the hooks see."""
+
+    def __init__(self, stop_at: int) -> None:
+        super().__init__()
+        self.stop_at = stop_at
+        self.seen: list[tuple[str, int, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.stop_at and self.current_epoch == 0:
+            self.trainer.should_stop = True
+        return super().training_step(batch, batch_idx)
+
+    def on_validation_start(self) -> None:
+        self.seen.append(("validation", self.current_epoch, self.global_step))
+
+    def on_train_end(self) -> None:
+        self.seen.append(("train end", self.current_epoch, self.global_step))
+
+
+@pytest.mark.parametrize(
+    ("flags", "seen"),
+    [
+        ({}, [("validation", 0, 3), ("train end", 1, 3)]),  # validates before it stops
+        ({"val_check_interval": 3}, [("validation", 0, 3), ("train end", 1, 3)]),  # once, where it was due anyway
+        ({"check_val_every_n_epoch": 2}, [("train end", 1, 3)]),  # an epoch that does not validate
+        ({"min_epochs": 2}, [("validation", 0, 8), ("validation", 1, 16), ("train end", 2, 16)]),  # at the minimum
+    ],
+)
+def test_a_stop_inside_an_epoch_validates_and_counts_the_epoch_done(flags: dict[str, Any], seen: list) -> None:
+    model = _StopsAt(2)
+    trainer = quiet_trainer(max_epochs=3, logger=False, **flags)
+    trainer.fit(model, make_loader(64), make_loader(16))
+    assert model.seen == seen
+    assert trainer.current_epoch == seen[-1][1]
+
+
+def test_max_steps_inside_an_epoch_counts_it_done_and_a_checkpoint_still_resumes_inside_it(tmp_path: Any) -> None:
+    model = _StopsAt(-1)
+    trainer = quiet_trainer(max_steps=5, logger=False)
+    trainer.fit(model, make_loader(64), make_loader(16))
+    assert model.seen == [("train end", 1, 5)] and trainer.current_epoch == 1
+    trainer.fit(model, make_loader(64))  # nothing left to train: it stays so
+    assert (trainer.global_step, trainer.current_epoch) == (5, 1)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = quiet_trainer(max_steps=8, logger=False)
+    resumed.fit(Regressor(), make_loader(64), ckpt_path=tmp_path / "mid.ckpt")
+    assert (resumed.global_step, resumed.current_epoch) == (8, 1)  # the epoch's last three batches, then its end
+
+
 def test_gradient_clipping_by_value_and_norm() -> None:
     for algorithm, bound in (("value", 0.01), ("norm", 0.01)):
         model = Regressor(lr=1.0)
@@ -239,6 +390,29 @@ def test_manual_optimization_with_two_optimizers() -> None:
     assert trainer.global_step == 2 * 4  # each optimizer step counts, as in Lightning
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9**4)
     assert all(not torch.equal(a, b) for a, b in zip(parameters_of(model), before, strict=True))
+
+
+def test_a_manual_step_with_a_closure_returns_its_loss_and_the_raw_optimizers_are_at_hand() -> None:
+    class Closing(Regressor):
+        automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            optimizer = self.optimizers()
+            assert self.optimizers(use_pl_optimizer=False) is self.trainer.optimizers[0] is optimizer.optimizer
+
+            def closure() -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = super(Closing, self).training_step(batch, batch_idx)
+                self.manual_backward(loss)
+                return loss
+
+            self.returned.append(optimizer.step(closure=closure))
+            return self.returned[-1]
+
+    model = Closing()
+    model.returned = []
+    quiet_trainer(max_steps=3, logger=False).fit(model, make_loader())
+    assert len(model.returned) == 3 and all(isinstance(loss, torch.Tensor) for loss in model.returned)
 
 
 def test_returning_none_skips_the_batch_and_minus_one_ends_the_epoch() -> None:

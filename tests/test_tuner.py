@@ -14,6 +14,7 @@ from conftest import make_data, parameters_of, quiet_trainer
 from torch.utils.data import DataLoader
 
 import ember
+from ember.exceptions import MisconfigurationException
 from ember.tuner import Tuner
 
 
@@ -100,6 +101,37 @@ def test_lr_find_suggests_a_rate_on_the_falling_part_of_the_curve(tmp_path: Any)
     assert all(torch.equal(a, b) for a, b in zip(parameters_of(model), before, strict=True))
     finder.plot(tmp_path / "lr.png")
     assert os.path.getsize(tmp_path / "lr.png") > 10_000
+
+
+class _Unsized(_Sized):
+    """No loader of its own: the data comes with the call."""
+
+    train_dataloader = ember.Module.train_dataloader
+
+
+def test_lr_find_takes_lightnings_arguments_and_loaders_given_to_it() -> None:
+    model, loader = _Unsized(), DataLoader(make_data(256), batch_size=16)
+    finder = Tuner(quiet_trainer()).lr_find(model, loader, val_dataloaders=loader, method="fit", num_training=12)
+    assert finder is not None and len(finder.results["lr"]) == 12
+    finder = Tuner(quiet_trainer()).lr_find(model, train_dataloaders=loader, num_training=12)
+    assert finder is not None and len(finder.results["lr"]) == 12
+
+    class Data(ember.DataModule):
+        batch_size = 16
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(make_data(256), batch_size=self.batch_size)
+
+    assert Tuner(quiet_trainer()).lr_find(_Unsized(), Data(), num_training=12) is not None  # as fit takes one
+    with pytest.raises(MisconfigurationException, match="`train_dataloader` must be implemented to be used with"):
+        Tuner(quiet_trainer()).lr_find(_Unsized())
+    with pytest.raises(MisconfigurationException, match="method='fit' is the only valid configuration to run lr"):
+        Tuner(quiet_trainer()).lr_find(model, loader, method="test")  # type: ignore[arg-type]
+    with pytest.raises(MisconfigurationException, match="pass train_dataloaders, not dataloaders"):
+        Tuner(quiet_trainer()).lr_find(model, dataloaders=loader)
+    with pytest.raises(MisconfigurationException, match="cannot be used with dataloaders passed directly"):
+        Tuner(quiet_trainer()).scale_batch_size(_Sized(), train_dataloaders=loader)
+    assert Tuner(quiet_trainer()).scale_batch_size(_Unsized(), Data(), init_val=2, max_trials=2, steps_per_trial=1) == 4
 
 
 def test_tuner_errors_name_what_is_missing() -> None:

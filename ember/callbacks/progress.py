@@ -191,7 +191,8 @@ class ProgressBar(Callback):
 
     # ----------------------------------------------------------------------------- evaluation
     def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
-        self._start_eval(trainer, "Validation", trainer.num_val_batches)
+        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        self._start_eval(trainer, "Validation", counts)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip

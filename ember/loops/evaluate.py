@@ -44,7 +44,7 @@ class EvaluationLoop:
         self._hook = _HOOK_NAMES[stage]  # as in validation_step, on_validation_start, ...
         #: The loaders' kind: as in ``val_dataloader``, ``limit_val_batches``, ...
         self.kind = _LOADER_KINDS[stage]
-        #: The number of batches each loader contributes to the run in progress (``math.inf``: unknown).
+        #: The number of batches each loader contributes to a run (``math.inf``: unknown); a sanity check runs fewer.
         self.num_batches: list[float] = []
         #: Whether the loop is running (``trainer.validating``, ``trainer.evaluating``).
         self.running = False
@@ -63,13 +63,20 @@ class EvaluationLoop:
             _print_results(self.stage, results)
         return results
 
+    @property
+    def num_sanity_batches(self) -> list[float]:
+        """The batches of each loader that the sanity check of ``fit`` runs (``num_sanity_val_steps`` at most)."""
+        return sanity_counts(self.num_batches, self.trainer.config.num_sanity_val_steps)
+
     def run(self, loaders: list[Iterable], counts: list[float], *, sanity_check: bool = False) -> Any:
         """Evaluate ``counts[i]`` batches of each loader (the skeleton every evaluation stage runs); a
-        ``sanity_check`` publishes no metrics."""
+        ``sanity_check`` runs ``num_sanity_batches`` of them and publishes no metrics."""
         trainer = self.trainer
         hooks, module, hook = trainer.hooks, trainer.lightning_module, self._hook
         assert module is not None
         self.num_batches = counts
+        if sanity_check:
+            counts = self.num_sanity_batches
         self.running = True
         # As in Lightning, the stage's hooks run without gradients too, from the evaluation mode's to the end's.
         no_grad = _no_grad(trainer.config.inference_mode and trainer.strategy.allows_inference_mode)
@@ -295,6 +302,11 @@ def takes_dataloader_idx(step: Callable[..., Any]) -> bool:
 def limited(loader: Iterable, count: float) -> Iterator[Any]:
     batches = loader_batches(loader)
     return batches if math.isinf(count) else islice(batches, int(count))
+
+
+def sanity_counts(counts: list[float], steps: int) -> list[float]:
+    """The batches of each loader that a sanity check of ``steps`` batches (-1: all) runs."""
+    return counts if steps == -1 else [min(count, steps) for count in counts]
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:

@@ -12,19 +12,19 @@ import contextlib
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember.checkpoint.resume import LoopState
 from ember.exceptions import PossibleUserWarning
-from ember.loops.loss import LossCheck
+from ember.loops.loss import LossCheck, batch_end_output
 from ember.loops.progress import Progress
 from ember.loops.step import ManualOptimizer, StepResult, StepRunner, Window
 from ember.loops.stopping import Stopping, reached_limit
 from ember.loops.training_data import TrainingData
-from ember.optim import parse_optimizers
+from ember.optim import check_automatic, parse_optimizers
 from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
 from ember.seed import random_state, set_random_state
 from ember.trainer_parts import log_hyperparameters
@@ -54,6 +54,7 @@ class _Fit:
     batch_start: Callable[[Any, int], bool] | None  # the on_train_batch_start hooks: True skips the rest of the epoch
     batch_end_hooks: list[Callable[..., Any]]
     manual: bool  # the module steps its optimizers itself
+    loss_divisor: int  # what the batch-end hooks' loss is divided by: accumulate_grad_batches, as Lightning's
     max_steps: float  # math.inf: no limit
     next_log_step: int  # when the logged step values are written next
     told_of_idle_epoch: bool = False
@@ -101,7 +102,7 @@ class FitLoop:
                      f"{progress.global_step})")  # fmt: skip
         elif self.data.validation.enabled and config.num_sanity_val_steps:
             self._sanity_check()
-        self.data.load()
+        self.data.load_before_training()
         hooks.call("on_train_start")
         self.stopping.start(trainer.world_size, trainer.callbacks)
         fit = self._look_up(self.runner)
@@ -124,12 +125,8 @@ class FitLoop:
         config, strategy, module, hooks = trainer.config, trainer.strategy, trainer.lightning_module, trainer.hooks
         assert module is not None
         optimizers, scheduler_configs = parse_optimizers(hooks.call_module("configure_optimizers"))
-        if module.automatic_optimization and len(optimizers) != 1:
-            raise ValueError(
-                f"configure_optimizers() returned {len(optimizers)} optimizers; automatic optimization steps "
-                "exactly one. For several (GANs, ...), set self.automatic_optimization = False and step them "
-                "in training_step with self.optimizers() and self.manual_backward(loss)"
-            )
+        if module.automatic_optimization:
+            check_automatic(optimizers)
         strategy.setup_optimizers(optimizers)
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -148,13 +145,14 @@ class FitLoop:
             batch_start=hooks.train_batch_start(),
             batch_end_hooks=hooks.implementations("on_train_batch_end"),
             manual=not runner.module.automatic_optimization,
+            loss_divisor=accumulate if isinstance(accumulate := config.accumulate_grad_batches, int) else 1,
             max_steps=config.max_steps if config.max_steps != -1 else math.inf,
             next_log_step=config.log_every_n_steps or _LOSS_CHECK_STEPS,
         )
 
     # ---------------------------------------------------------------------------------- an epoch
     def _run_epoch(self, fit: _Fit) -> _Outcome:
-        hooks = self.trainer.hooks
+        hooks, self.stopping.inside_epoch = self.trainer.hooks, False  # (a fit that goes on in a stopped epoch)
         # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         hooks.call("on_train_epoch_start")
         # Closed early, the batches end the loader's workers. The steps and the hooks of each batch log per step.
@@ -162,6 +160,7 @@ class FitLoop:
             outcome = self._train_batches(batches, fit)
         if outcome is not _Outcome.PREEMPTED:  # the process exits: no end-of-epoch work for half an epoch
             self._end_epoch(fit, completed=outcome in (_Outcome.EPOCH_DONE, _Outcome.DATA_ENDED))
+        self.stopping.inside_epoch = outcome is _Outcome.STOP  # (a preempted epoch resumes: it is not done)
         return outcome
 
     def _epoch_batches(self) -> Generator[tuple[int, Any, bool], None, None]:
@@ -207,22 +206,22 @@ class FitLoop:
                 self.last_loss = result.loss
                 losses.append(result.loss)
                 positions += batch_idx, progress.global_step
-            if ends:  # with the step's loss detached
-                output = result.output
-                hook_output = result.loss if type(output) is torch.Tensor else _with_detached_loss(output, result.loss)
+            if ends:
+                hook_output = batch_end_output(result.output, result.loss, fit.loss_divisor)
                 for hook in ends:
                     hook(hook_output, batch, batch_idx)
             # Logs are written every log_every_n_steps, and at each step once stopping is asked for (as Lightning).
             if (progress.total_batches if fit.manual else progress.global_step) >= fit.next_log_step \
                     or stopping.requested:  # fmt: skip
                 self._write_step_logs(fit)
-            if validation is not None and validation.due(progress, batch_idx, is_last):
+            validated = validation is not None and validation.due(progress, batch_idx, is_last)
+            if validated:
                 self._validate(at_epoch_end=is_last, after_step=result.closes_window)
             if is_last:
                 return _Outcome.EPOCH_DONE
             due = result.closes_window and stopping.interruptions.due()  # once per step boundary: it counts
             if (due or stopping.requested or progress.global_step >= fit.max_steps) \
-                    and (outcome := self._stop(due, fit)) is not None:  # fmt: skip
+                    and (outcome := self._stop(due, fit, validated)) is not None:  # fmt: skip
                 return outcome
         return self._loader_ended(window)
 
@@ -254,19 +253,24 @@ class FitLoop:
         rank_zero_warn(f"the train dataloader yielded no batches in epoch {epoch}: {then}", PossibleUserWarning)
         return _Outcome.DATA_ENDED if ends else _Outcome.EPOCH_DONE
 
-    def _stop(self, interruptions_due: bool, fit: _Fit) -> _Outcome | None:
+    def _stop(self, interruptions_due: bool, fit: _Fit, validated: bool) -> _Outcome | None:
         """Whether training stops after this batch, when it may: stopping was asked for (``should_stop``),
         ``max_steps`` is reached, or ``interruptions_due`` (a step boundary where the signals and the deadline
         are checked: with several processes, a collective that every rank reaches at the same batch)."""
-        trainer, stopping = self.trainer, self.stopping
-        if (stopping.requested and stopping.may_stop(trainer)) or self.progress.global_step >= fit.max_steps:
+        trainer, stopping, progress, data = self.trainer, self.stopping, self.progress, self.data
+        asked = stopping.requested and stopping.may_stop(trainer)
+        if not asked and progress.global_step >= fit.max_steps:
             return _Outcome.STOP
-        if interruptions_due and stopping.interrupted(trainer.strategy):
-            if stopping.preempted:
-                stopping.save_for_preemption(trainer)
-                return _Outcome.PREEMPTED
-            return _Outcome.STOP
-        return None
+        if not asked and not (interruptions_due and stopping.interrupted(trainer.strategy)):
+            return None
+        if stopping.preempted:
+            stopping.save_for_preemption(trainer)
+            return _Outcome.PREEMPTED
+        # As in Lightning, a stop asked for (or a deadline) validates first, unless this batch just did.
+        assert data is not None and self.last_result is not None
+        if data.validation.selects(progress.epoch) and not validated:
+            self._validate(at_epoch_end=False, after_step=self.last_result.closes_window)
+        return _Outcome.STOP
 
     def _end_epoch(self, fit: _Fit, completed: bool) -> None:
         trainer, progress, runner = self.trainer, self.progress, self.runner
@@ -291,11 +295,8 @@ class FitLoop:
         if fit.told_of_idle_epoch or not batches or self.progress.epoch_steps or fit.manual:
             return
         fit.told_of_idle_epoch = True
-        rank_zero_warn_once(
-            f"epoch {self.progress.epoch} ended without an optimizer step: training_step returned None "
-            f"for each of its {batches} batches, so nothing was trained",
-            stacklevel=5,
-        )
+        message = f"epoch {self.progress.epoch} ended without an optimizer step: training_step returned None "
+        rank_zero_warn_once(message + f"for each of its {batches} batches, so nothing was trained", stacklevel=5)
 
     # --------------------------------------------------------------------------- validation
     def _validate(self, at_epoch_end: bool, after_step: bool) -> None:
@@ -312,11 +313,10 @@ class FitLoop:
         Lightning, the random generators are as if it had not run."""
         trainer = self.trainer
         assert self.data is not None
-        self.sanity_checking = True
-        generators = random_state()
+        self.sanity_checking, generators = True, random_state()
         try:
             trainer.hooks.call_callbacks("on_sanity_check_start")
-            self.data.validation.run(trainer.validate_loop, limit=trainer.config.num_sanity_val_steps)
+            self.data.validation.run(trainer.validate_loop, sanity_check=True)
             trainer.hooks.call_callbacks("on_sanity_check_end")
         finally:
             set_random_state(generators)
@@ -339,6 +339,11 @@ class FitLoop:
     @property
     def progress(self) -> Progress:
         return self.state.progress
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being trained, or the next once a stop ended the fit inside it (checkpoints resume inside it)."""
+        return self.progress.epoch + self.stopping.inside_epoch
 
     @property
     def stepped(self) -> bool:
@@ -389,12 +394,3 @@ class FitLoop:
         if self.runner is None:
             raise RuntimeError("manual_backward() is available during fit only")
         self.runner.backward(loss)
-
-
-def _with_detached_loss(output: Any, loss: torch.Tensor | None) -> Any:
-    """What batch-end hooks receive: the step's output with its loss detached from the graph."""
-    if isinstance(output, torch.Tensor):
-        return loss
-    if isinstance(output, Mapping) and loss is not None:
-        return {**output, "loss": loss}
-    return output

@@ -85,3 +85,12 @@ class LossCheck:
             "a log or division of zero, or float16 overflow (precision='bf16-mixed' has a wider range). "
             "Trainer(detect_anomaly=True) names the operation that produced it."
         )
+
+
+def batch_end_output(output: Any, loss: torch.Tensor | None, divisor: int) -> dict[str, Any]:
+    """What ``on_train_batch_end`` receives, as in Lightning: the step's output as a dict (``{}`` for None) whose
+    ``"loss"`` is the loss detached and divided by ``divisor`` (``accumulate_grad_batches``, as the gradients are)."""
+    extra = {key: item for key, item in output.items() if key != "loss"} if isinstance(output, Mapping) else {}
+    if loss is None:
+        return extra
+    return {"loss": loss / divisor if divisor != 1 else loss, **extra}

@@ -22,7 +22,7 @@ import torch
 from ember._utils import batch_size_of, split_batch
 from ember.loops.loss import training_loss
 from ember.loops.progress import Progress
-from ember.optim import LRSchedulerConfig
+from ember.optim import LRSchedulerConfig, check_optimization_flags, monitored_value
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -144,7 +144,7 @@ class StepRunner:
         metrics: Metrics = dict,
         hooks: StepHooks | None = None,
     ) -> None:
-        _check_flags(strategy, module, accumulate, clip_val)
+        check_optimization_flags(strategy, module, accumulate, clip_val)
         self.strategy = strategy
         self.module = module
         self.optimizers = list(optimizers)
@@ -365,15 +365,8 @@ class StepRunner:
             step = self.hooks.lr_scheduler_step or _step_scheduler
             if not config.reads_metric:
                 step(config.scheduler, None)
-                continue
-            metrics = self.metrics()
-            if config.monitor is not None and config.monitor in metrics:
-                step(config.scheduler, float(metrics[config.monitor]))
-            elif config.strict:
-                raise KeyError(
-                    f"the lr_scheduler monitors {config.monitor!r}, which was not logged; logged metrics are "
-                    f"{sorted(metrics)} (set 'strict': False in the scheduler dict to skip such steps)"
-                )
+            elif (value := monitored_value(config, self.metrics())) is not None:
+                step(config.scheduler, value)
 
     # ------------------------------------------------------------------- batches split to fit
     def _split_forward_backward(self, batch: Any, batch_idx: int) -> tuple[Any, torch.Tensor | None]:
@@ -452,10 +445,11 @@ class ManualOptimizer:
         self.optimizer = optimizer
         self._runner = runner
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
-        if closure is not None:
-            closure()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` (forward and backward), then step; returns what the closure returned, as Lightning's."""
+        result = closure() if closure is not None else None
         self._runner.manual_optimizer_step(self.optimizer)
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none:
@@ -525,28 +519,6 @@ class _StepOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
-
-
-def _check_flags(strategy: Strategy, module: Module, accumulate: int | Literal["auto"], clip_val: float | None) -> None:
-    """Refuse flags that the strategy or the module's optimization cannot honour."""
-    if accumulate == "auto" and not strategy.averages_split_gradients:
-        raise ValueError(
-            f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
-            f"batch; strategy {strategy.name!r} with {strategy.world_size} processes cannot (use 'ddp', or a count)"
-        )
-    if module.automatic_optimization:
-        return
-    # Under manual optimization the module steps and clips itself: the Trainer's flags for that would be ignored.
-    if accumulate != 1:
-        raise ValueError(
-            f"accumulate_grad_batches={accumulate!r} with manual optimization (automatic_optimization = False): "
-            "the module steps its optimizers itself; accumulate in training_step, or leave the flag at 1"
-        )
-    if clip_val:
-        raise ValueError(
-            f"gradient_clip_val={clip_val!r} with manual optimization (automatic_optimization = False): clip in "
-            "training_step with self.clip_gradients(optimizer, ...) before stepping, or leave the flag unset"
-        )
 
 
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad

@@ -128,6 +128,8 @@ class Stopping:
         #: The signal that made ``fit`` save a checkpoint and stop (None: none did), and where it saved.
         self.stop_signal: int | None = None
         self.saved_at: str | None = None
+        #: Whether the latest fit stopped inside an epoch (as in Lightning, that epoch then counts as done).
+        self.inside_epoch = False
         self.interruptions = Interruptions()
         self._told_about_minimum = False
 
@@ -198,5 +200,3 @@ def reached_limit(config: TrainerConfig, progress: Progress) -> str | None:
     if config.epoch_limit != -1 and progress.epoch >= config.epoch_limit:
         return f"max_epochs={config.epoch_limit}"
     return None
-
-

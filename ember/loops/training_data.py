@@ -21,11 +21,11 @@ from ember.data import (
 )
 from ember.data_failures import named_failures, numbered_batches
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
+from ember.loops.evaluate import EvaluationLoop, sanity_counts
 from ember.loops.progress import Progress
 from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
-    from ember.loops.evaluate import EvaluationLoop
     from ember.trainer import Trainer
 
 
@@ -71,6 +71,13 @@ class TrainingData:
                 "once an epoch; lower log_every_n_steps to see them every epoch.",
                 PossibleUserWarning,
             )
+
+    def load_before_training(self) -> None:
+        """Ask for the training loader, and as Lightning (for the progress bar's counts) the validation loaders when
+        the first epoch validates and the sanity check did not ask for them."""
+        self.load()
+        if self.num_batches and self.validation.selects(self._trainer.current_epoch):
+            self.validation.load_when_due()
 
     def start_epoch(self, epoch: int) -> None:
         """As ``epoch`` starts, ask for the training loader if it is not there, or again when
@@ -176,22 +183,24 @@ class ValidationSchedule:
             return progress.total_batches % self.every == 0
         return (batch_idx + 1) % self.every == 0
 
-    def run(self, loop: EvaluationLoop, limit: int | None = None) -> None:
-        """Validate, on at most ``limit`` batches of each loader (-1 or None: all; a limit: the sanity check)."""
-        self._load_when_due(sanity_check=limit is not None)
-        counts = self.counts if limit is None or limit == -1 else [min(count, limit) for count in self.counts]
-        if sum(counts):
-            loop.run(self.loaders or [], counts, sanity_check=limit is not None)
-        if self._timer is not None and limit is None:  # the time counts again from the end of this validation
+    def run(self, loop: EvaluationLoop, sanity_check: bool = False) -> None:
+        """Validate (the ``sanity_check``: on at most ``num_sanity_val_steps`` batches of each loader)."""
+        self.load_when_due(sanity_check)
+        steps = self._trainer.config.num_sanity_val_steps if sanity_check else -1
+        if sum(sanity_counts(self.counts, steps)):
+            loop.run(self.loaders or [], self.counts, sanity_check=sanity_check)
+        if self._timer is not None and not sanity_check:  # the time counts again from the end of this validation
             self._timer = (self._timer[0], time.monotonic())
 
-    def _load_when_due(self, sanity_check: bool) -> None:
+    def load_when_due(self, sanity_check: bool = False) -> None:
+        """Ask for the loaders if they are not there, or again when ``reload_dataloaders_every_n_epochs`` says."""
         epoch, every = self._trainer.current_epoch, self._trainer.config.reload_dataloaders_every_n_epochs
         if self.loaders is not None and not (every and epoch - self._loaded_for >= every):
             return
         assert self._load is not None
         self.loaders = self._load()
-        self.counts = self._trainer.validate_loop.count(self.loaders)
+        loop = self._trainer.validate_loop  # trainer.num_val_batches counts them from here on, as Lightning's
+        self.counts = loop.num_batches = loop.count(self.loaders)
         if not sanity_check or self.selects(epoch):
             self._loaded_for = epoch
 

@@ -47,7 +47,11 @@ class Tuner:
     def scale_batch_size(
         self,
         model: Module,
+        train_dataloaders: Iterable | DataModule | None = None,
+        val_dataloaders: Iterable | None = None,
+        dataloaders: Iterable | None = None,
         datamodule: DataModule | None = None,
+        method: Literal["fit", "validate", "test", "predict"] = "fit",
         mode: Literal["power", "binsearch"] = "power",
         init_val: int = 2,
         max_trials: int = 25,
@@ -64,8 +68,16 @@ class Tuner:
         CPU, where running out of memory is not an error but swapping, it is the budget to give.
         ``lr_scaling`` scales the learning rate with the batch size ("linear": twice the batch, twice
         the LR; "sqrt": by the square root), from the size the module had before. Under ``fast_dev_run`` it
-        does nothing: a warning, and None (as Lightning's).
+        does nothing: a warning, and None (as Lightning's). As in Lightning, the loaders must come from the module
+        or the datamodule (they are built again at each size; a datamodule may be passed as ``train_dataloaders``),
+        and ``method`` is "fit" (Ember sizes the training loader).
         """
+        datamodule = _check_tuner_data(train_dataloaders, dataloaders, datamodule, method, "the batch size finder")
+        if (train_dataloaders is not None and train_dataloaders is not datamodule) or val_dataloaders is not None:
+            raise MisconfigurationException(
+                "The Batch size finder cannot be used with dataloaders passed directly: it builds them again at each "
+                "batch size. Define train_dataloader() on the LightningModule or a LightningDataModule instead"
+            )
         _check_scale_batch_size(mode, lr_scaling, init_val=init_val, max_trials=max_trials,
                                 steps_per_trial=steps_per_trial)  # fmt: skip
         if self.trainer.fast_dev_run:  # a batch or two: nothing to find
@@ -127,7 +139,11 @@ class Tuner:
     def lr_find(
         self,
         model: Module,
+        train_dataloaders: Iterable | DataModule | None = None,
+        val_dataloaders: Iterable | None = None,
+        dataloaders: Iterable | None = None,
         datamodule: DataModule | None = None,
+        method: Literal["fit"] = "fit",
         min_lr: float = 1e-8,
         max_lr: float = 1.0,
         num_training: int = 100,
@@ -141,11 +157,16 @@ class Tuner:
         Returns the loss curve with a suggested learning rate (where the loss falls fastest); stops
         early once the loss exceeds ``early_stop_threshold`` times its best. ``update_attr`` sets the
         suggestion as the module's ``lr`` / ``learning_rate`` (attribute or hyperparameter), or as the
-        one ``attr_name`` names. Under ``fast_dev_run`` nothing runs: a warning, and None.
+        one ``attr_name`` names. Under ``fast_dev_run`` nothing runs: a warning, and None. The steps read
+        ``train_dataloaders`` (or a datamodule given there), else the module's or the datamodule's loader, as in
+        Lightning; the sweep does not validate (``val_dataloaders`` is taken and not read).
         """
+        datamodule = _check_tuner_data(train_dataloaders, dataloaders, datamodule, method, "lr finder")
+        given = None if isinstance(train_dataloaders, DataModule) else train_dataloaders
         return find_lr(
-            self.trainer, model, datamodule=datamodule, min_lr=min_lr, max_lr=max_lr, num_training=num_training,
-            mode=mode, early_stop_threshold=early_stop_threshold, update_attr=update_attr, attr_name=attr_name,
+            self.trainer, model, datamodule=datamodule, train_dataloaders=given, min_lr=min_lr, max_lr=max_lr,
+            num_training=num_training, mode=mode, early_stop_threshold=early_stop_threshold, update_attr=update_attr,
+            attr_name=attr_name,
         )  # fmt: skip
 
 
@@ -155,6 +176,7 @@ def find_lr(
     *,
     datamodule: DataModule | None = None,
     loader: Iterable | None = None,
+    train_dataloaders: Iterable | None = None,
     min_lr: float,
     max_lr: float,
     num_training: int,
@@ -164,14 +186,15 @@ def find_lr(
     attr_name: str,
 ) -> LRFinder | None:
     """The learning-rate sweep of ``Tuner.lr_find`` and of the ``LearningRateFinder`` callback. Outside ``fit`` the
-    trials attach the module and read its (or the datamodule's) ``train_dataloader()``; inside, ``loader`` is
-    fit's training loader."""
+    trials attach the module and read ``train_dataloaders``, else its (or the datamodule's) ``train_dataloader()``;
+    inside, ``loader`` is fit's training loader."""
     check_lr_find(mode, min_lr, max_lr, num_training)
     if trainer.fast_dev_run:
         rank_zero_warn("Skipping learning rate finder since `fast_dev_run` is enabled.")  # Lightning's words
         return None
     attribute = _lr_attribute(module, attr_name) if update_attr else None  # missing: fail before any step
-    args = (trainer, module, datamodule, loader, min_lr, max_lr, num_training, mode, early_stop_threshold)
+    args = (trainer, module, datamodule, loader, train_dataloaders, min_lr, max_lr, num_training, mode,
+            early_stop_threshold)  # fmt: skip
     # Outside fit the sweep joins the job's processes, as fit would, started for it if no launcher did (it may
     # run in workers started from inside this process); inside fit it runs on fit's ranks.
     finder = _sweep(*args) if loader is not None else trainer.strategy.launch(_joined_sweep, *args)
@@ -186,8 +209,9 @@ def _joined_sweep(trainer: Trainer, *args: Any) -> LRFinder:
 
 
 def _sweep(
-    trainer: Trainer, module: Module, datamodule: DataModule | None, loader: Iterable | None, min_lr: float,
-    max_lr: float, num_training: int, mode: str, early_stop_threshold: float | None,
+    trainer: Trainer, module: Module, datamodule: DataModule | None, loader: Iterable | None,
+    train_dataloaders: Iterable | None, min_lr: float, max_lr: float, num_training: int, mode: str,
+    early_stop_threshold: float | None,
 ) -> LRFinder:  # fmt: skip
     """The sweep on this rank (the ranks agree on the suggestion)."""
 
@@ -198,7 +222,7 @@ def _sweep(
         return min_lr + (max_lr - min_lr) * fraction
 
     finder = LRFinder(mode=mode, min_lr=min_lr, max_lr=max_lr)
-    trials = _Trials(trainer, module, datamodule, num_training, max_memory=None, loader=loader)
+    trials = _Trials(trainer, module, datamodule, num_training, None, loader, train_dataloaders)
     display = _display(trainer, "lr_find", num_training)
 
     def record(step: int, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None) -> bool:
@@ -231,6 +255,19 @@ def _sweep(
     return finder
 
 
+def _check_tuner_data(train_dataloaders: Any, dataloaders: Any, datamodule: DataModule | None, method: str,
+                      tool: str) -> DataModule | None:  # fmt: skip
+    """The datamodule to tune with (as in Lightning's ``fit``, one may be given as ``train_dataloaders``), once
+    ``method`` and the loaders are checked as Lightning's tuner checks them."""
+    if method != "fit":
+        raise MisconfigurationException(
+            f"method={method!r}: method='fit' is the only valid configuration to run {tool} (it tunes training)"
+        )
+    if dataloaders is not None:
+        raise MisconfigurationException("In tuner with method='fit', pass train_dataloaders, not dataloaders")
+    return train_dataloaders if isinstance(train_dataloaders, DataModule) else datamodule
+
+
 def _check_scale_batch_size(mode: str, lr_scaling: str | None, **counts: int) -> None:
     if mode not in ("power", "binsearch"):
         raise MisconfigurationException(f"scale_batch_size(mode={mode!r}): choose 'power' or 'binsearch'")
@@ -252,6 +289,7 @@ class _Trials:
         steps: int,
         max_memory: int | None,
         loader: Iterable | None = None,
+        train_dataloaders: Iterable | None = None,
     ) -> None:
         if not module.automatic_optimization:
             raise MisconfigurationException(
@@ -260,7 +298,9 @@ class _Trials:
             )
         self.trainer, self.module, self.datamodule = trainer, module, datamodule
         self.steps, self.max_memory = steps, max_memory
-        self.loader = loader  # fit's, when the trials run inside it (fit has attached everything then)
+        # Fit's when the trials run inside it (fit has attached everything then), else the one given, else None:
+        # the module's or the datamodule's, built at each trial.
+        self.loader = loader if loader is not None else train_dataloaders
         self.dataset_size = math.inf
         if loader is None:
             # Attached as fit attaches them: the module's configure_optimizers may read the Trainer (its
@@ -394,8 +434,8 @@ def _train_loader(hooks: Hooks) -> Iterable:
     if loader is not None:
         return loader
     raise MisconfigurationException(
-        "the tuner builds loaders at each trial's batch size, so it needs train_dataloader() on the Module or a "
-        "DataModule (loaders passed to fit cannot change their batch size)"
+        "`train_dataloader` must be implemented to be used with the tuner: pass train_dataloaders to lr_find, or "
+        "define train_dataloader() on the Module or a DataModule (scale_batch_size builds it again at each size)"
     )
 
 
