@@ -90,6 +90,8 @@ class LossCheck:
 def batch_end_output(output: Any, loss: torch.Tensor | None, divisor: int) -> dict[str, Any]:
     """What ``on_train_batch_end`` receives, as in Lightning: the step's output as a dict (``{}`` for None) whose
     ``"loss"`` is the loss detached and divided by ``divisor`` (``accumulate_grad_batches``, as the gradients are)."""
+    if divisor == 1 and type(output) is torch.Tensor:  # the usual step, per batch: no more work than the dict
+        return {"loss": loss}
     extra = {key: item for key, item in output.items() if key != "loss"} if isinstance(output, Mapping) else {}
     if loss is None:
         return extra
