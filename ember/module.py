@@ -498,15 +498,15 @@ class DataModule(HyperparametersMixin, DataHooks):
     @classmethod
     def from_datasets(
         cls,
-        train_dataset: Dataset | None = None,
-        val_dataset: Dataset | Sequence[Dataset] | None = None,
-        test_dataset: Dataset | Sequence[Dataset] | None = None,
-        predict_dataset: Dataset | Sequence[Dataset] | None = None,
+        train_dataset: Dataset | Sequence[Dataset] | Mapping[str, Dataset] | None = None,
+        val_dataset: Dataset | Sequence[Dataset] | Mapping[str, Dataset] | None = None,
+        test_dataset: Dataset | Sequence[Dataset] | Mapping[str, Dataset] | None = None,
+        predict_dataset: Dataset | Sequence[Dataset] | Mapping[str, Dataset] | None = None,
         batch_size: int = 1,
         num_workers: int = 0,
         **datamodule_kwargs: Any,
     ) -> DataModule:
-        """A data module whose loaders read the given datasets (a list of datasets gives several loaders).
+        """A data module whose loaders read the given datasets (a list or dict of datasets gives several loaders).
 
         The training loader shuffles (unless its dataset is iterable); the others keep their order. Only the
         loaders of the datasets given exist. ``datamodule_kwargs`` go to the class's ``__init__``, and so do
@@ -518,11 +518,12 @@ class DataModule(HyperparametersMixin, DataHooks):
                    if takes_any or name in accepted}  # fmt: skip
         datamodule = cls(**datamodule_kwargs, **loading)
 
-        def loaders(datasets: Dataset | Sequence[Dataset], shuffle: bool) -> DataLoader | list[DataLoader]:
+        def loaders(datasets: Any, shuffle: bool) -> Any:
+            """A loader for each dataset, in the collection's shape (a dict of datasets gives a dict of loaders)."""
             if isinstance(datasets, Mapping):
-                raise TypeError("DataModule.from_datasets: give a dataset or a list of datasets, not a dict")
+                return {key: loaders(dataset, shuffle) for key, dataset in datasets.items()}
             if isinstance(datasets, (list, tuple)):
-                return [loaders(dataset, shuffle) for dataset in datasets]  # type: ignore[misc]
+                return [loaders(dataset, shuffle) for dataset in datasets]
             dataset = cast(Dataset, datasets)
             shuffle = shuffle and not isinstance(dataset, IterableDataset)
             return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import random
 import sys
@@ -14,22 +15,26 @@ from ember.rank_zero import rank_zero_print
 _MAX_SEED = 2**32 - 1
 
 
-def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+def seed_everything(seed: int | str | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed Python's ``random``, NumPy (when installed) and torch on every device; return the seed.
 
-    Without ``seed`` one is read from ``EMBER_GLOBAL_SEED`` or drawn at random (and printed, so the
-    run can be repeated). The Trainer derives its data order and DataLoader workers' seeds from the
-    seed as well, so ``workers`` (kept for Lightning compatibility) changes nothing: workers are
-    always seeded. ``verbose=False`` keeps a drawn seed unprinted.
+    Without ``seed`` one is read from ``EMBER_GLOBAL_SEED`` (or Lightning's ``PL_GLOBAL_SEED``) or drawn
+    at random (and printed, so the run can be repeated); a seed given as a string of digits is its number.
+    The Trainer derives its data order and DataLoader workers' seeds from the seed as well, so ``workers``
+    changes nothing: workers are always seeded. As Lightning's, it sets ``PL_GLOBAL_SEED`` and
+    ``PL_SEED_WORKERS`` (``"1"`` with ``workers=True``), which Lightning programs read.
+    ``verbose=False`` keeps a drawn seed unprinted.
     """
     if seed is None:
-        env_seed = os.environ.get("EMBER_GLOBAL_SEED")
+        env_seed = os.environ.get("EMBER_GLOBAL_SEED", os.environ.get("PL_GLOBAL_SEED"))
         seed = int(env_seed) if env_seed is not None else random.randint(0, _MAX_SEED)
         if env_seed is None and verbose:
             rank_zero_print(f"seed_everything: no seed given, using {seed}")
+    seed = _as_number(seed)
     if not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed_everything(seed={seed}): the seed must be between 0 and {_MAX_SEED}")
-    os.environ["EMBER_GLOBAL_SEED"] = str(seed)
+    os.environ["EMBER_GLOBAL_SEED"] = os.environ["PL_GLOBAL_SEED"] = str(seed)
+    os.environ["PL_SEED_WORKERS"] = str(int(workers))
     random.seed(seed)
     torch.manual_seed(seed)  # seeds CUDA generators as well
     try:
@@ -39,6 +44,13 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     else:
         numpy.random.seed(seed)
     return seed
+
+
+def _as_number(seed: int | str) -> int:
+    try:  # operator.index takes NumPy's integers too, and refuses floats that would lose a part
+        return int(seed) if isinstance(seed, str) else operator.index(seed)
+    except (TypeError, ValueError):
+        raise TypeError(f"seed_everything(seed={seed!r}): expected an int (or a string of digits)") from None
 
 
 def random_state() -> dict[str, Any]:

@@ -342,6 +342,22 @@ def test_datamodule_from_datasets() -> None:
     assert isinstance(train.sampler, torch.utils.data.RandomSampler)
 
 
+def test_from_datasets_takes_a_dict_of_datasets_as_lightning_does() -> None:
+    data = ember.DataModule.from_datasets(
+        train_dataset={"a": make_data(16), "b": make_data(32)}, val_dataset={"x": make_data(8)}, batch_size=8
+    )
+    train = data.train_dataloader()
+    assert isinstance(train, dict) and {key: len(loader) for key, loader in train.items()} == {"a": 2, "b": 4}
+
+    class OnA(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch["a"], batch_idx)
+
+    trainer = quiet_trainer(max_epochs=1)
+    trainer.fit(OnA(), datamodule=data)
+    assert trainer.num_training_batches == 4 and trainer.num_val_batches == [1]  # "max_size_cycle"
+
+
 def test_from_datasets_gives_the_loading_settings_to_an_init_that_takes_them() -> None:
     class Named(ember.DataModule):
         def __init__(self, other: int, batch_size: int = 1) -> None:
@@ -1170,12 +1186,28 @@ def test_the_tuner_runs_the_modules_step_hooks() -> None:
 
 
 def test_seed_everything_quiet(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("EMBER_GLOBAL_SEED", raising=False)
+    for name in ("EMBER_GLOBAL_SEED", "PL_GLOBAL_SEED"):
+        monkeypatch.delenv(name, raising=False)
     ember.seed_everything(verbose=False)
     assert capsys.readouterr().out == ""
     monkeypatch.delenv("EMBER_GLOBAL_SEED")
+    monkeypatch.delenv("PL_GLOBAL_SEED")
     ember.seed_everything()
     assert "no seed given" in capsys.readouterr().out
+
+
+def test_seed_everything_sets_and_reads_lightnings_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("EMBER_GLOBAL_SEED", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+    assert ember.seed_everything("7", workers=True) == 7  # a seed read from the command line as text
+    assert (os.environ["PL_GLOBAL_SEED"], os.environ["PL_SEED_WORKERS"]) == ("7", "1")
+    ember.seed_everything(8)
+    assert (os.environ["PL_GLOBAL_SEED"], os.environ["PL_SEED_WORKERS"]) == ("8", "0")
+    monkeypatch.delenv("EMBER_GLOBAL_SEED")
+    monkeypatch.setenv("PL_GLOBAL_SEED", "11")  # set by a Lightning launcher or script
+    assert ember.seed_everything() == 11
+    with pytest.raises(TypeError, match=r"seed_everything\(seed='x'\): expected an int"):
+        ember.seed_everything("x")
 
 
 def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() -> None:
