@@ -266,8 +266,8 @@ class TrainerConfig:
         if self.benchmark is not None:
             _check_bool("benchmark", self.benchmark, also="None")
         self._check_distributed()
-        if self.deterministic and self.benchmark:
-            raise FlagError("benchmark=True picks kernels by speed, which deterministic=True forbids")
+        if self.deterministic and self.benchmark:  # as Lightning: allowed, since the user set both
+            rank_zero_warn("You passed deterministic=True and benchmark=True: PyTorch then ignores cudnn.deterministic")
         self._check_gpus()
         self._check_barebones()
         if self.plugins is not None:

@@ -38,7 +38,7 @@ def set_determinism(config: TrainerConfig) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=config.deterministic == "warn")
         torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.benchmark = bool(config.benchmark)  # benchmark=True too only where asked for, warned
     elif config.benchmark is not None:
         torch.backends.cudnn.benchmark = config.benchmark
 

@@ -119,3 +119,15 @@ def test_the_trainer_gives_its_flags_in_lightnings_convention() -> None:
         assert trainer.fast_dev_run is shown
         assert trainer.limit_train_batches == trainer.limit_val_batches == trainer.limit_predict_batches == int(runs)
         assert trainer.num_sanity_val_steps == 0 and trainer.max_epochs == 1
+
+
+def test_deterministic_with_benchmark_is_warned_and_both_are_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *args, **kwargs: None)  # left as it was
+    with pytest.warns(UserWarning, match="deterministic=True and benchmark=True"):
+        trainer = ember.Trainer(deterministic=True, benchmark=True, logger=False, enable_checkpointing=False)
+    assert trainer.config.benchmark is True
+    assert torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
