@@ -335,7 +335,7 @@ def count_batches(loader: Iterable, limit: int | float | None, flag: str, strate
     if math.isinf(available):
         if limit == 1.0:
             return available
-        raise ValueError(
+        raise MisconfigurationException(
             f"{flag}={limit} is a fraction, but the dataloader has no length; pass a number of batches instead"
         )
     if limit > 0 and available * limit < 1:  # as Lightning: not silently one batch more than was asked for

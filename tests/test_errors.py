@@ -50,6 +50,12 @@ def test_bad_flags_name_the_flag(flags: dict[str, Any], message: str) -> None:
         ember.Trainer(**flags)
 
 
+@pytest.mark.parametrize("devices", [0, "0", (os.cpu_count() or 1) + 1])
+def test_a_device_count_the_machine_cannot_give_is_a_misconfiguration(devices: int | str) -> None:
+    with pytest.raises(MisconfigurationException, match=f"devices={devices}"):  # as Lightning's
+        ember.Trainer(accelerator="cpu", devices=devices)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_without_a_gpu_is_refused() -> None:
     with pytest.raises(ValueError, match="accelerator='cuda': no CUDA device"):
@@ -70,7 +76,7 @@ def test_an_accelerator_the_machine_lacks_says_what_to_pass_instead(
     expected = rf"accelerator='{accelerator}': {re.escape(missing)} is available on this machine; pass "
     expected += "accelerator='cpu'"
     for devices in ("auto", 1):
-        with pytest.raises(ValueError, match=expected) as error:
+        with pytest.raises(MisconfigurationException, match=expected) as error:  # Lightning's type for it
             ember.Trainer(accelerator=accelerator, devices=devices)
         assert "'auto'" in str(error.value) and "devices=0" not in str(error.value)
 
@@ -201,9 +207,10 @@ def test_fraction_of_a_loader_without_length() -> None:
         def __iter__(self) -> Any:
             return iter(make_loader(16).dataset)
 
-    with pytest.raises(ValueError, match="limit_train_batches=0.5 is a fraction, but the dataloader has no length"):
+    # MisconfigurationException, as Lightning raises for both
+    with pytest.raises(MisconfigurationException, match="limit_train_batches=0.5 is a fraction, but the dataloader"):
         quiet_trainer(max_epochs=1, limit_train_batches=0.5).fit(Regressor(), DataLoader(Stream(), batch_size=4))
-    with pytest.raises(ValueError, match="val_check_interval=0.5 is a fraction of an epoch"):
+    with pytest.raises(MisconfigurationException, match="val_check_interval=0.5 is a fraction of an epoch"):
         quiet_trainer(max_epochs=1, val_check_interval=0.5).fit(Regressor(), DataLoader(Stream(), batch_size=4))
 
 

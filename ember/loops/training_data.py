@@ -207,8 +207,8 @@ class ValidationSchedule:
 
 def _fraction_of_epoch(fraction: float, num_batches: float) -> int:
     if math.isinf(num_batches):
-        raise ValueError(
+        raise MisconfigurationException(
             f"val_check_interval={fraction} is a fraction of an epoch, but the train dataloader has no "
-            "length; pass a number of batches instead"
+            "length; pass a number of batches (an int), 1.0, or a duration instead"
         )
     return max(1, int(num_batches * fraction))

@@ -48,7 +48,7 @@ def _device_type(accelerator: str) -> str:
         return "cuda" if cuda else "mps" if mps else "cpu"
     if not {"cpu": True, "cuda": cuda, "mps": mps, "gpu": cuda or mps}[accelerator]:
         missing = {"gpu": "no GPU (CUDA or Apple MPS)", "cuda": "no CUDA device", "mps": "no Apple MPS device"}
-        raise ValueError(
+        raise MisconfigurationException(
             f"accelerator={accelerator!r}: {missing[accelerator]} is available on this machine; pass "
             "accelerator='cpu', or 'auto' to use whatever device it has"
         )
@@ -79,9 +79,9 @@ def _parse_devices(devices: int | str | Sequence[int], device_type: str, launche
         if devices == -1:
             devices = available if device_type != "cpu" else 1
         if devices < 1:
-            raise ValueError(f"devices={devices}: at least one device is needed (-1 means all)")
+            raise MisconfigurationException(f"devices={devices}: at least one device is needed (-1 means all)")
         if devices > available and not own_device:
-            raise ValueError(
+            raise MisconfigurationException(
                 f"devices={devices}, but this machine has {available} {what}; pass devices={available} or fewer"
             )
         indices = list(range(devices))
@@ -91,7 +91,9 @@ def _parse_devices(devices: int | str | Sequence[int], device_type: str, launche
             raise ValueError(f"devices={devices!r}: give a non-empty list of distinct indices")
         bad = [index for index in indices if not isinstance(index, int) or not 0 <= index < available]
         if bad:
-            raise ValueError(f"devices={devices!r}: {bad} out of range; this machine has {available} {what}")
+            raise MisconfigurationException(
+                f"devices={devices!r}: {bad} out of range; this machine has {available} {what}"
+            )
     if device_type == "cpu":
         return [torch.device("cpu")] * len(indices)
     if own_device:
@@ -149,7 +151,8 @@ def select_strategy(
     else:
         hint = missing_strategy_hint(strategy)
         raise ValueError(
-            f"strategy={strategy!r} is not supported" + (f": {hint}" if hint else "")
+            f"strategy={strategy!r} is not supported"
+            + (f": {hint}" if hint else "")
             + f"; choose one of {['auto', *_STRATEGIES]} (or the 'ddp_*' names Lightning registers)"
         )
     if isinstance(chosen, SingleDeviceStrategy) and processes > 1:
