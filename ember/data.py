@@ -39,7 +39,7 @@ from ember.data_failures import SampleNamed
 from ember.data_workers import WorkerSuggestion as WorkerSuggestion  # served here too (ember.data.X)
 from ember.data_workers import cores_per_process as cores_per_process
 from ember.data_workers import suggest_num_workers as suggest_num_workers
-from ember.exceptions import MisconfigurationException
+from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
 if TYPE_CHECKING:
@@ -177,6 +177,10 @@ def prepare_loaders(
     loaders = combined.flattened if combined is not None else [given]
     if overfit_batches and kind in ("train", "val"):
         loaders = [in_order(loader, kind) for loader in loaders]
+    if kind != "train" and any(isinstance(getattr(loader, "sampler", None), RandomSampler) for loader in loaders):
+        rank_zero_warn(  # as Lightning's: an evaluation's order changes none of its results, so it is likely a slip
+            f"Your `{kind}_dataloader`'s sampler has shuffling enabled; it is recommended to turn shuffling off for "
+            "val/test/predict dataloaders", PossibleUserWarning, stacklevel=5)  # fmt: skip
     prepared = [prepare_loader(loader, strategy, train=kind == "train", shard=shard) for loader in loaders]
     if combined is None:
         return loaders[0], prepared

@@ -175,6 +175,24 @@ def test_overfit_batches_reads_in_order_and_says_so() -> None:
     assert isinstance(trainer.val_dataloaders.sampler, SequentialSampler) and trainer.num_training_batches == 2
 
 
+@pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
+def test_a_shuffling_evaluation_loader_is_warned_about(stage: str) -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    kind = {"fit": "val", "validate": "val"}.get(stage, stage)
+    with pytest.warns(PossibleUserWarning, match=f"Your `{kind}_dataloader`'s sampler has shuffling enabled"):
+        if stage == "fit":
+            trainer.fit(Regressor(), make_loader(16), make_loader(16, shuffle=True))
+        elif stage == "predict":  # a loader of inputs alone, which the module's forward takes
+            trainer.predict(Regressor(), DataLoader(torch.randn(16, 4), batch_size=8, shuffle=True))
+        else:
+            getattr(trainer, stage)(Regressor(), make_loader(16, shuffle=True))
+    with warnings.catch_warnings():  # a training loader that shuffles, or one read in order, is not
+        warnings.simplefilter("error", PossibleUserWarning)
+        quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False, log_every_n_steps=1).fit(
+            Regressor(), make_loader(16, shuffle=True), make_loader(16)
+        )
+
+
 # --------------------------------------------------------------------------- when loaders are asked for
 class _Recording(Regressor):
     """Records each call of its loader hooks: (kind, epoch, whether the sanity check runs)."""
