@@ -100,16 +100,24 @@ class CombinedLoader:
         return CombinedLoader(_rebuilt(self.iterables, iter(loaders)), self.mode)
 
 
+def _holds_loaders(tree: Any) -> bool:
+    """Whether ``tree`` is a dict, list or tuple of loaders. As in Lightning, one of numbers or strings alone (or an
+    empty one) is itself a loader: ``[0, 1, 2]`` is read as the iterable it is."""
+    items = tree.values() if isinstance(tree, Mapping) else tree if isinstance(tree, (list, tuple)) else None
+    return items is not None and not all(isinstance(item, (int, float, str)) for item in items)
+
+
 def _leaves(tree: Any) -> list[Any]:
-    if isinstance(tree, Mapping):
-        return [leaf for value in tree.values() for leaf in _leaves(value)]
-    if isinstance(tree, (list, tuple)):
-        return [leaf for item in tree for leaf in _leaves(item)]
-    return [tree]
+    if not _holds_loaders(tree):
+        return [tree]
+    items = tree.values() if isinstance(tree, Mapping) else tree
+    return [leaf for item in items for leaf in _leaves(item)]
 
 
 def _rebuilt(tree: Any, leaves: Iterator[Any]) -> Any:
     """``tree`` with its leaves replaced, in order, by the items of ``leaves``."""
+    if not _holds_loaders(tree):
+        return next(leaves)
     if isinstance(tree, Mapping):
         return {key: _rebuilt(value, leaves) for key, value in tree.items()}
     if isinstance(tree, list):

@@ -89,6 +89,15 @@ def test_a_dict_of_training_loaders_cycles_the_shorter_ones() -> None:
     assert len(combined) == 8 and [index for _, index, _ in combined] == list(range(8))
 
 
+def test_a_list_of_numbers_in_a_combined_loader_is_one_iterable() -> None:
+    combined = CombinedLoader({"numbers": [10, 11, 12], "more": {"letters": ("a", "b")}, "range": range(3)})
+    assert combined.flattened == [[10, 11, 12], ("a", "b"), range(3)]
+    assert [batch for batch, _, _ in combined] == [{"numbers": 10, "more": {"letters": "a"}, "range": 0},
+                                                   {"numbers": 11, "more": {"letters": "b"}, "range": 1}]  # fmt: skip
+    sequential = CombinedLoader([[1, 2], [], range(1)], "sequential")
+    assert list(sequential) == [(1, 0, 0), (2, 1, 0), (0, 0, 2)] and len(sequential) == 3
+
+
 def test_combined_loader_is_served_at_lightnings_paths() -> None:
     with served_by_ember():
         from lightning.pytorch.utilities import CombinedLoader as FromUtilities
