@@ -238,7 +238,8 @@ def check_module(model: Any, stage: str) -> None:
                 "test": ("test_step",), "predict": ()}[stage]  # fmt: skip
     missing = [name for name in required if not replaces(name, model, Module)]
     if missing:
-        raise NotImplementedError(f"Trainer.{stage}() needs {type(model).__name__} to define {', '.join(missing)}")
+        needs = f"Trainer.{stage}() needs {type(model).__name__} to define {', '.join(missing)}"
+        raise MisconfigurationException(f"No `{missing[0]}()` method defined to run `Trainer.{stage}`: {needs}")
 
 
 def _same(first: Any, second: Any) -> bool:

@@ -183,8 +183,13 @@ def test_missing_training_step_and_missing_data() -> None:
         def configure_optimizers(self) -> Any:
             return None
 
-    with pytest.raises(NotImplementedError, match="needs NoStep to define training_step"):
+    with pytest.raises(MisconfigurationException, match="needs NoStep to define training_step"):
         quiet_trainer().fit(NoStep(), make_loader())
+    for stage, step in (("validate", "validation_step"), ("test", "test_step")):  # Lightning's words first
+        with pytest.raises(
+            MisconfigurationException, match=rf"^No `{step}\(\)` method defined to run `Trainer.{stage}`"
+        ):
+            getattr(quiet_trainer(), stage)(NoStep(), make_loader())
     with pytest.raises(MisconfigurationException, match="`train_dataloader` must be implemented.*no train data"):
         quiet_trainer().fit(Regressor())
     with pytest.raises(TypeError, match="needs an ember.Module; got Linear"):

@@ -590,7 +590,7 @@ def test_the_steps_and_loaders_have_lightnings_defaults_and_a_stage_runs_only_wh
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
 
-    with pytest.raises(NotImplementedError, match="to define training_step"):
+    with pytest.raises(MisconfigurationException, match="to define training_step"):
         quiet_trainer(max_epochs=1, logger=False).fit(Untrainable(), make_loader(8))
 
 

@@ -48,7 +48,7 @@ def test_a_loader_hook_set_to_none_is_absent() -> None:
     trainer.fit(model)
     assert trainer.global_step == 2 and trainer.num_val_batches == []
     model.test_step = None  # type: ignore[assignment,method-assign]
-    with pytest.raises(NotImplementedError, match="test_step"):
+    with pytest.raises(MisconfigurationException, match=r"No `test_step\(\)` method defined"):
         trainer.test(model, make_loader(8))
 
 
