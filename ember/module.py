@@ -544,3 +544,17 @@ _LOADER_TITLES = (("Train dataloader", "train_dataloader"), ("Validation dataloa
 def _dataset_size(loader: Any) -> str:
     size = sized_len(getattr(loader, "dataset", None))
     return "NA" if size is None else str(size)
+
+
+def data_source(stage: str, loaders: Any, datamodule: DataModule | None, val_loaders: Any = None) -> tuple[Any, Any]:
+    """The loaders and the datamodule a stage reads: a DataModule passed where the loaders go is the datamodule.
+    Loaders and a datamodule together are refused, as in Lightning: only one of them would be read."""
+    if isinstance(loaders, DataModule):
+        loaders, datamodule = None, loaders
+    if datamodule is not None and (loaders is not None or val_loaders is not None):
+        # Lightning's words first, for code that matches them
+        given = "`train_dataloader` or `val_dataloaders` to" if stage == "fit" else "both"
+        arguments = "datamodule=..." if stage == "fit" else "dataloaders=..., datamodule=..."
+        raise MisconfigurationException(f"You cannot pass {given} `trainer.{stage}({arguments})`: a stage reads the "
+                                        "loaders of one; pass the loaders or the datamodule")  # fmt: skip
+    return loaders, datamodule

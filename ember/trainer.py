@@ -32,7 +32,7 @@ from ember.loops.evaluate import EvaluationLoop, PredictionLoop
 from ember.loops.fit import FitLoop
 from ember.loops.hooks import Hooks
 from ember.metrics import RunMetrics
-from ember.module import DataModule, Module
+from ember.module import DataModule, Module, data_source
 from ember.module_hooks import not_implemented
 from ember.optim import LRSchedulerConfig
 from ember.profilers import Profiler, select_profiler
@@ -368,8 +368,7 @@ class Trainer:
         ``weights_only=False`` allows checkpoints that carry arbitrary pickled objects: only for
         files from a source you trust, since loading them can run code.
         """
-        if isinstance(train_dataloaders, DataModule):
-            datamodule, train_dataloaders = train_dataloaders, None
+        train_dataloaders, datamodule = data_source("fit", train_dataloaders, datamodule, val_dataloaders)
         check_module(model, "fit")
         self.config = self.config.for_fit()
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -443,8 +442,7 @@ class Trainer:
                   ckpt_path: str | os.PathLike | None, datamodule: DataModule | None, option: bool,
                   weights_only: bool | None) -> Any:  # fmt: skip
         """``validate``, ``test`` and ``predict``: ``option`` is their ``verbose`` or ``return_predictions``."""
-        if isinstance(dataloaders, DataModule):
-            datamodule, dataloaders = dataloaders, None
+        dataloaders, datamodule = data_source(loop.stage, dataloaders, datamodule)
         model, ckpt_path = evaluated_module(self, model, loop.stage, ckpt_path)
         check_module(model, loop.stage)
         args = (loop, model, dataloaders, checked_path(ckpt_path), datamodule, option, weights_only)

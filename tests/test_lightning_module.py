@@ -103,6 +103,22 @@ def test_a_datamodule_class_named_as_another_checkpoint_entry_is_refused_when_sa
         quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), datamodule=clashing())
 
 
+def test_loaders_and_a_datamodule_together_are_refused_before_the_stage_starts() -> None:
+    class Counted(ember.DataModule):
+        def setup(self, stage: str) -> None:
+            raise AssertionError("the stage started")
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    fit = r"You cannot pass `train_dataloader` or `val_dataloaders` to `trainer.fit\(datamodule=...\)`"
+    for loaders in ({"train_dataloaders": make_loader(8)}, {"val_dataloaders": make_loader(8)}):
+        with pytest.raises(MisconfigurationException, match=fit):
+            trainer.fit(Regressor(), datamodule=Counted(), **loaders)
+    with pytest.raises(MisconfigurationException, match="You cannot pass both `trainer.validate"):
+        trainer.validate(Regressor(), make_loader(8), datamodule=Counted())
+    with pytest.raises(MisconfigurationException, match="You cannot pass both `trainer.test"):
+        trainer.test(Regressor(), dataloaders=make_loader(8), datamodule=Counted())
+
+
 def test_an_object_built_in_another_s_init_records_its_arguments_too() -> None:
     class Head(ember.Module):
         def __init__(self, width: int, dropout: float) -> None:
@@ -455,7 +471,7 @@ def test_max_epochs_is_resolved_when_fit_starts() -> None:
      {"log_every_n_steps": 1}, {"num_sanity_val_steps": 1}, {"fast_dev_run": 1}, {"profiler": "simple"}],
 )  # fmt: skip
 def test_barebones_refuses_a_feature_asked_for(flags: dict[str, Any]) -> None:
-    (flag, value), = flags.items()
+    ((flag, value),) = flags.items()
     with pytest.raises(MisconfigurationException, match=rf"`Trainer\(barebones=True, {flag}={value!r}\)` was passed"):
         ember.Trainer(barebones=True, **flags)
 
