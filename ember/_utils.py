@@ -28,6 +28,19 @@ class AttributeDict(dict):
     def __setattr__(self, key: str, value: Any) -> None:
         self[key] = value
 
+    def __delattr__(self, key: str) -> None:
+        try:
+            del self[key]
+        except KeyError as err:
+            raise AttributeError(f"no hyperparameter named {key!r}") from err
+
+    def __repr__(self) -> str:
+        """One ``"name": value`` line per key, sorted and aligned (empty when there are none), as Lightning prints
+        ``hparams``."""
+        width = max((len(str(key)) for key in self), default=0) + 3
+        names = {key: f'"{key}":' for key in self}
+        return "\n".join(f"{names[key]:<{width}} {self[key]}" for key in sorted(self, key=str))
+
 
 T = TypeVar("T")
 

@@ -150,6 +150,20 @@ def test_hyperparameters_of_any_class() -> None:
     assert Settings(lr=0.2).hparams == {"lr": 0.2}
 
 
+def test_hparams_print_as_lightnings_and_lose_an_attribute_deleted() -> None:
+    class Data(ember.DataModule):
+        def __init__(self, batch_size: int = 4, data_dir: str = "data", sizes: tuple = (1, 2)) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    hparams = Data().hparams
+    assert repr(hparams) == str(hparams) == '"batch_size": 4\n"data_dir":   data\n"sizes":      (1, 2)'
+    del hparams.sizes
+    assert hparams == {"batch_size": 4, "data_dir": "data"} and repr(type(hparams)()) == ""
+    with pytest.raises(AttributeError, match="no hyperparameter named 'sizes'"):
+        del hparams.sizes
+
+
 @pytest.mark.parametrize("value", [42, 3.5, True])
 def test_a_primitive_is_no_config(value: Any) -> None:
     class Model(ember.Module):
