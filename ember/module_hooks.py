@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 class DataHooks:
     """How batches reach the device; a ``DataModule``'s override wins over its ``Module``'s."""
 
+    #: Whether ``prepare_data`` runs on every machine (on its local rank zero), as by default, or only on global
+    #: rank zero (False: where the machines share the storage it writes to).
+    prepare_data_per_node: bool = True
+
     def prepare_data(self) -> None:
         """Called once per machine (on local rank zero) when a stage starts: download, tokenize to disk."""
 

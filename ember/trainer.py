@@ -529,8 +529,7 @@ class Trainer:
         # with "last" continues its predecessor's directory in place; any other run has one of its own.
         self._run_directory.settle(continuing=path if stage == "fit" and ckpt_path == "last" else None)
         self.profiler.setup(self, stage)  # from prepare_data to teardown, as Lightning times the hooks
-        if self.local_rank == 0:  # once per machine
-            hooks.prepare_data()
+        hooks.prepare_data()  # once per machine, or once in all (prepare_data_per_node=False)
         self.strategy.barrier()
         hooks.setup(stage)
         hooks.configure_model()

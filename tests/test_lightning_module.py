@@ -103,6 +103,36 @@ def test_a_datamodule_class_named_as_another_checkpoint_entry_is_refused_when_sa
         quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), datamodule=clashing())
 
 
+@pytest.mark.parametrize(("per_node", "global_rank", "called"), [(True, 1, True), (False, 1, False), (False, 0, True)])
+def test_prepare_data_per_node_false_prepares_on_global_rank_zero_alone(
+    per_node: bool, global_rank: int, called: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+
+    class Data(ember.DataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.prepare_data_per_node = per_node
+
+        def prepare_data(self) -> None:
+            calls.append("datamodule")
+
+        def test_dataloader(self) -> DataLoader:
+            return make_loader(8)
+
+    class Model(Regressor):
+        def prepare_data(self) -> None:
+            calls.append("module")
+
+    assert ember.DataModule().prepare_data_per_node and Regressor().prepare_data_per_node  # Lightning's default
+    model = Model()
+    model.prepare_data_per_node = per_node
+    trainer = quiet_trainer(logger=False)
+    monkeypatch.setattr(type(trainer.strategy), "global_rank", property(lambda self: global_rank))  # local rank 0
+    trainer.test(model, datamodule=Data(), verbose=False)
+    assert calls == (["datamodule", "module"] if called else [])
+
+
 def test_loaders_and_a_datamodule_together_are_refused_before_the_stage_starts() -> None:
     class Counted(ember.DataModule):
         def setup(self, stage: str) -> None:

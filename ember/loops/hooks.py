@@ -229,9 +229,13 @@ class Hooks:
             self.call_module("configure_model")
 
     def prepare_data(self) -> None:
-        """``prepare_data()`` of the datamodule, then of the module."""
-        self.call_datamodule("prepare_data")
-        self.call_module("prepare_data")
+        """``prepare_data()`` of the datamodule, then of the module: on each machine's local rank zero, or on global
+        rank zero alone for one whose ``prepare_data_per_node`` is False (its data on storage the machines share)."""
+        trainer = self._trainer
+        for owner, call in ((self._datamodule, self.call_datamodule), (self._module, self.call_module)):
+            per_node = getattr(owner, "prepare_data_per_node", True)
+            if (trainer.local_rank if per_node else trainer.global_rank) == 0:
+                call("prepare_data")
 
     def setup(self, stage: str) -> None:
         """``setup(stage=...)`` of the datamodule, each callback and the module; ``stage`` is a ``TrainerFn`` ("fit",
