@@ -95,6 +95,16 @@ class CombinedLoader:
             ended[:] = [True] * len(ended)
         return batch
 
+    @property
+    def sampler(self) -> Any:
+        """Each loader's ``sampler`` (None for one without), in the structure of ``iterables``, as Lightning's."""
+        return _rebuilt(self.iterables, (getattr(loader, "sampler", None) for loader in self.flattened))
+
+    @property
+    def batch_sampler(self) -> Any:
+        """Each loader's ``batch_sampler`` (None for one without), in the structure of ``iterables``."""
+        return _rebuilt(self.iterables, (getattr(loader, "batch_sampler", None) for loader in self.flattened))
+
     def replaced(self, loaders: list[Iterable]) -> CombinedLoader:
         """A ``CombinedLoader`` of the same structure and mode over ``loaders`` (in the order of ``flattened``)."""
         return CombinedLoader(_rebuilt(self.iterables, iter(loaders)), self.mode)

@@ -98,6 +98,14 @@ def test_a_list_of_numbers_in_a_combined_loader_is_one_iterable() -> None:
     assert list(sequential) == [(1, 0, 0), (2, 1, 0), (0, 0, 2)] and len(sequential) == 3
 
 
+def test_a_combined_loader_gives_its_loaders_samplers_in_their_structure() -> None:
+    shuffled, ordered = make_loader(8, shuffle=True), make_loader(8)
+    combined = CombinedLoader({"a": shuffled, "b": [ordered, range(3)]})
+    assert combined.sampler == {"a": shuffled.sampler, "b": [ordered.sampler, None]}
+    assert combined.batch_sampler == {"a": shuffled.batch_sampler, "b": [ordered.batch_sampler, None]}
+    assert CombinedLoader(ordered).sampler is ordered.sampler
+
+
 def test_combined_loader_is_served_at_lightnings_paths() -> None:
     with served_by_ember():
         from lightning.pytorch.utilities import CombinedLoader as FromUtilities
