@@ -210,6 +210,30 @@ def test_a_shuffling_evaluation_loader_is_warned_about(stage: str) -> None:
         )
 
 
+def test_an_evaluation_without_batches_is_skipped_with_its_hooks() -> None:
+    calls: list[str] = []
+
+    class Hooked(Regressor):
+        def on_test_start(self) -> None:
+            calls.append("on_test_start")
+
+        def on_validation_epoch_end(self) -> None:
+            calls.append("on_validation_epoch_end")
+
+        def on_predict_start(self) -> None:
+            calls.append("on_predict_start")
+
+    trainer = quiet_trainer(logger=False)
+    with pytest.warns(UserWarning, match="Total length of `DataLoader` across ranks is zero"):
+        assert trainer.test(Hooked(), make_loader(0), verbose=False) == [] and trainer.num_test_batches == [0]
+    assert trainer.test(Hooked(), [], verbose=False) == []
+    assert quiet_trainer(limit_val_batches=0).validate(Hooked(), make_loader(8), verbose=False) == []
+    assert quiet_trainer(limit_predict_batches=0).predict(Hooked(), DataLoader(torch.randn(8, 4))) is None
+    assert calls == []
+    assert list(trainer.test(Hooked(), make_loader(8), verbose=False)[0]) == ["test_loss"]  # with a batch: run
+    assert calls == ["on_test_start"]
+
+
 # --------------------------------------------------------------------------- when loaders are asked for
 class _Recording(Regressor):
     """Records each call of its loader hooks: (kind, epoch, whether the sanity check runs)."""

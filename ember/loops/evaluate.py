@@ -58,10 +58,19 @@ class EvaluationLoop:
     def evaluate(self, loaders: list[Iterable], verbose: bool) -> Any:
         """``Trainer.validate`` and ``Trainer.test`` once their stage has begun: the metrics per loader, printed
         on the global-zero process when ``verbose``."""
-        results = self.run(loaders, self.count(loaders))
+        counts = self.count(loaders)
+        if self._nothing_to_run(counts):
+            return []
+        results = self.run(loaders, counts)
         if verbose and self.trainer.is_global_zero:
             _print_results(self.stage, results)
         return results
+
+    def _nothing_to_run(self, counts: list[float]) -> bool:
+        """Whether no loader has a batch for this stage (``counts`` become ``num_batches``): as in Lightning, the
+        loop is then skipped, its hooks included, and gives no results."""
+        self.num_batches = counts
+        return not any(counts)
 
     @property
     def num_sanity_batches(self) -> list[float]:
@@ -171,7 +180,10 @@ class PredictionLoop(EvaluationLoop):
         """``Trainer.predict`` once its stage has begun: the outputs, when ``return_predictions``."""
         trainer = self.trainer
         self._keeps = return_predictions or any(callback.wants_predictions for callback in trainer.callbacks)
-        predictions = self.run(loaders, self.count(loaders))
+        counts = self.count(loaders)
+        if self._nothing_to_run(counts):
+            return None
+        predictions = self.run(loaders, counts)
         return predictions if return_predictions else None
 
     def _begin(self, loaders: int) -> None:
