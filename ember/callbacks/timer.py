@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ember.module import Module
     from ember.trainer import Trainer
 
-Stage = Literal["train", "validate", "test", "predict"]
+Stage = Literal["train", "sanity_check", "validate", "test", "predict"]
 
 
 class Timer(Callback):
@@ -127,7 +127,7 @@ class Timer(Callback):
         self._finish("predict")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in get_args(Stage) if stage in self._start}}
+        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in get_args(Stage)}}  # as Lightning: all
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._offset = state_dict.get("time_elapsed", {}).get("train", 0.0)
