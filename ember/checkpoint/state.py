@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
@@ -21,6 +21,9 @@ from ember.hparams import checkpoint_entries
 from ember.loggers.logger import VersionedLogger, run_versions
 from ember.rank_zero import announce, rank_zero_warn
 from ember.version import __version__
+
+#: Where a checkpoint is read from: a path, or a file object open for reading (as Lightning's loaders take).
+CheckpointSource = str | os.PathLike | BinaryIO
 
 if TYPE_CHECKING:
     from ember.module import DataModule, Module
@@ -194,7 +197,9 @@ def _restore_callbacks(trainer: Trainer, saved: dict[str, Any], path: str) -> No
         )
 
 
-def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: str) -> None:
+def load_weights(
+    load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: CheckpointSource
+) -> None:
     """``load(checkpoint["state_dict"])``, or an error that says the checkpoint is another model's."""
     _check_not_bare(checkpoint, path)
     state = checkpoint.get("state_dict")
@@ -213,7 +218,7 @@ def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpo
         ) from None
 
 
-def _check_not_bare(checkpoint: dict[str, Any], path: str) -> None:
+def _check_not_bare(checkpoint: dict[str, Any], path: CheckpointSource) -> None:
     """A bare state_dict (what ``torch.save(model.state_dict(), path)`` writes) is no checkpoint: say what to do."""
     if checkpoint and "state_dict" not in checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
         raise CheckpointError(
