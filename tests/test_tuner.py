@@ -140,7 +140,7 @@ def test_tuner_errors_name_what_is_missing() -> None:
             super().__init__()
             del self.hparams["batch_size"]
 
-    with pytest.raises(AttributeError, match="no batch size to tune: give the module or datamodule an attribute"):
+    with pytest.raises(MisconfigurationException, match="Field batch_size not found in `model`, `datamodule`, nor"):
         Tuner(quiet_trainer()).scale_batch_size(NoSize())
     with pytest.raises(ValueError, match="mode='triple'"):
         Tuner(quiet_trainer()).scale_batch_size(_Sized(), mode="triple")  # type: ignore[arg-type]

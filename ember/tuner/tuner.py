@@ -533,8 +533,9 @@ def _attribute_owner(names: str | tuple[str, ...], module: Module, datamodule: D
     for owner in (datamodule, module):
         if owner is not None and any(_has(owner, name) for name in names):
             return owner
-    raise AttributeError(
-        f"no {what} to tune: give the module or datamodule an attribute or hyperparameter named "
-        f"{' or '.join(repr(name) for name in names)} (self.save_hyperparameters() records it) that its "
-        "train_dataloader() / configure_optimizers() reads"
+    fields = " or ".join(names)
+    raise MisconfigurationException(  # Lightning's exception and first sentence, then what to do
+        f"Field {fields} not found in `model`, `datamodule`, nor their `hparams` attributes: no {what} to tune; give "
+        "the module or datamodule an attribute or hyperparameter by that name (self.save_hyperparameters() records "
+        "it) that its train_dataloader() / configure_optimizers() reads"
     )
