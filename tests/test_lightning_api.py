@@ -1277,6 +1277,8 @@ def test_received_sigterm_after_a_fit_that_sigterm_stopped(tmp_path: Any) -> Non
 
 def test_save_checkpoint_takes_lightnings_arguments(tmp_path: Any) -> None:
     trainer = quiet_trainer(max_epochs=1, logger=False)
+    with pytest.raises(AttributeError, match="only possible if a model is attached to the Trainer"):  # as Lightning
+        trainer.save_checkpoint(tmp_path / "before.ckpt")
     trainer.fit(Regressor(), make_loader())
     trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=None)  # None: the whole state, as False
     assert "optimizer_states" in torch.load(tmp_path / "weights.ckpt", weights_only=True)

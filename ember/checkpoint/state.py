@@ -326,5 +326,8 @@ def _problem(path: str) -> str | None:
 def _module(trainer: Trainer) -> Module:
     module = trainer.lightning_module
     if module is None:
-        raise RuntimeError("no module is attached; call fit, validate, test or predict first")
+        raise AttributeError(  # Lightning's exception and words: a save before any stage has no module to save
+            "Saving a checkpoint is only possible if a model is attached to the Trainer: call fit, validate, test or "
+            "predict first"
+        )
     return module
