@@ -126,11 +126,11 @@ def test_the_datamodule_alone_is_enough_after_fit() -> None:
 
 def test_evaluating_without_a_module_before_fit_is_a_clear_error() -> None:
     trainer = quiet_trainer()
-    with pytest.raises(ValueError, match=r"Trainer.test\(\) needs a module: pass one, or call fit\(\) first"):
+    with pytest.raises(TypeError, match=r"`Trainer.test\(\)` requires a `LightningModule` when it hasn't been passed"):
         trainer.test(dataloaders=make_loader())
     fitted = quiet_trainer(max_epochs=1, enable_checkpointing=False)
     fitted.fit(Regressor(), make_loader())
-    with pytest.raises(FileNotFoundError, match=r"ckpt_path='best'.*no ModelCheckpoint"):
+    with pytest.raises(ValueError, match=r'test\(ckpt_path="best"\)` is set but `ModelCheckpoint` is not configured:'):
         fitted.test(dataloaders=make_loader(), ckpt_path="best")
     # as Lightning: without a module, the best weights are meant, and there are none
     with pytest.raises(ValueError, match=r"implied without a model, but ModelCheckpoint is not configured"):

@@ -111,10 +111,11 @@ def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:
     found = find_checkpoint(trainer, ckpt_path) if trainer.is_global_zero else None
     found = trainer.strategy.broadcast(found)
     if found is None:
-        if ckpt_path == "best":
-            why = "no ModelCheckpoint saved one" if trainer.checkpoint_callback is None else "none was saved"
-            raise FileNotFoundError(
-                f"ckpt_path='best': no best checkpoint is known ({why} under {trainer.config.root_dir!r})"
+        if ckpt_path == "best":  # Lightning's exception and words, then where Ember looked
+            what = "" if trainer.checkpoint_callback is None else " to save the best model"
+            raise ValueError(
+                f'`.{trainer.stage}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured{what}: no best '
+                f"checkpoint is known (none was saved under {trainer.config.root_dir!r})"
             )
         # Not a warning: "last" on a run's first start is the usual way to write a script that continues.
         announce('ckpt_path="last": no checkpoint of this run yet, so training starts afresh')
