@@ -300,6 +300,8 @@ def test_a_timer_state_names_every_stage_from_the_start() -> None:
     quiet_trainer(max_epochs=1, limit_train_batches=2, callbacks=[timer]).fit(Regressor(), make_loader())
     elapsed = timer.state_dict()["time_elapsed"]
     assert list(elapsed) == stages and elapsed["train"] > 0 and elapsed["test"] == 0.0
+    with pytest.raises(ValueError, match="'fitting' is not a valid RunningStage"):
+        timer.time_elapsed("fitting")  # type: ignore[arg-type]
 
 
 def test_timer_configuration_errors() -> None:
