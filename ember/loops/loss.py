@@ -20,12 +20,12 @@ def training_loss(output: Any, module: torch.nn.Module | None = None) -> torch.T
     loss: Any = output
     if not isinstance(output, torch.Tensor) and isinstance(output, Mapping):  # a tensor first: the cheaper test
         loss = output.get("loss")
-    if loss is None:  # Lightning's error (the dict must hold the loss to step on under automatic optimization)
-        raise MisconfigurationException(
-            "In automatic_optimization, when `training_step` returns a dict, the 'loss' key needs to be present "
-            f"(its keys: {list(output)})"
-        )
     if not isinstance(loss, torch.Tensor):
+        if loss is None:  # Lightning's error (the dict must hold the loss to step on under automatic optimization)
+            raise MisconfigurationException(
+                "In automatic_optimization, when `training_step` returns a dict, the 'loss' key needs to be present "
+                f"(its keys: {list(output)})"
+            )
         raise TypeError(
             "training_step must return the loss tensor, a dict with a 'loss' tensor, or None to skip the "
             f"batch; it returned {type(output).__name__}"
