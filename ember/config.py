@@ -402,17 +402,17 @@ class TrainerConfig:
 
     def for_fit(self) -> TrainerConfig:
         """The flags as ``fit`` applies them, as Lightning resolves them when ``fit`` starts: ``max_epochs`` is the
-        limit it comes to (1000, with a warning, when no limit is given at all; -1 when another one is)."""
-        if self.max_epochs is not None:
-            return self
-        if self.epoch_limit != -1:  # at each such fit, as Lightning (Python shows it once per line that calls fit)
+        limit it comes to (1000, with a warning, when no limit is given at all; -1 when another one is); ``min_epochs``
+        not given is 0, or 1 with ``min_steps`` (an epoch then ends before a stop that was asked for)."""
+        if self.max_epochs is None and self.epoch_limit != -1:  # at each such fit, as Lightning (once per line)
             rank_zero_warn(
                 "`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set "
                 "`max_epochs=-1`.",
                 PossibleUserWarning,
                 stacklevel=5,  # the line calling fit (this function, fit, and rank_zero_warn with its decorator)
             )
-        return dataclasses.replace(self, max_epochs=self.epoch_limit)
+        min_epochs = int(self.min_steps is not None) if self.min_epochs is None else self.min_epochs
+        return dataclasses.replace(self, max_epochs=self.epoch_limit, min_epochs=min_epochs)
 
     def resolved(self) -> TrainerConfig:
         """The flags as the loops apply them: ``fast_dev_run``, ``overfit_batches`` and ``barebones`` set the

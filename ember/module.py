@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Literal, cast
 
 import torch
 from torch import nn
@@ -377,7 +378,7 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     @class_only_method
     def load_from_checkpoint(
         cls,
-        checkpoint_path: str,
+        checkpoint_path: str | os.PathLike | BinaryIO,
         map_location: Any = "cpu",
         hparams_file: str | None = None,
         strict: bool = True,
@@ -482,7 +483,7 @@ class DataModule(HyperparametersMixin, DataHooks):
     @class_only_method
     def load_from_checkpoint(
         cls,
-        checkpoint_path: str,
+        checkpoint_path: str | os.PathLike | BinaryIO,
         map_location: Any = "cpu",
         hparams_file: str | None = None,
         weights_only: bool = True,

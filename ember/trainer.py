@@ -34,7 +34,6 @@ from ember.loops.hooks import Hooks
 from ember.metrics import RunMetrics
 from ember.module import DataModule, Module, data_source
 from ember.module_hooks import not_implemented
-from ember.optim import LRSchedulerConfig
 from ember.profilers import Profiler, select_profiler
 from ember.rank_zero import announce, rank_zero_only
 from ember.run_directory import RunDirectory
@@ -50,6 +49,7 @@ from ember.trainer_parts import (
     set_determinism,
     with_module_callbacks,
 )
+from ember.trainer_properties import LightningProperties
 from ember.trainer_results import StageResults
 from ember.trainer_state import TrainerState
 
@@ -65,7 +65,7 @@ def _inf_if_all(steps: int) -> int | float:
     return math.inf if steps == -1 else steps
 
 
-class Trainer:
+class Trainer(LightningProperties):
     """Runs a ``Module``'s steps: ``fit`` trains (and validates), ``validate``/``test`` evaluate, ``predict`` infers.
 
     All flags are keyword-only and follow PyTorch Lightning's names and meanings; ``TrainerConfig``
@@ -246,10 +246,6 @@ class Trainer:
     interrupted: Reads[bool] = Reads("state.stopped")  # the latest entry point ended with an exception
 
     @property
-    def num_devices(self) -> int:
-        return len(self.strategy.parallel_devices)
-
-    @property
     def hooks(self) -> Hooks:
         """The hooks of the latest stage: the module's, the datamodule's and the callbacks' implementations."""
         if self._hooks is None:
@@ -282,11 +278,6 @@ class Trainer:
     @property
     def predict_dataloaders(self) -> Any:
         return self._latest_loaders.get("predict")
-
-    @property
-    def lr_scheduler_configs(self) -> list[LRSchedulerConfig]:
-        runner = self.fit_loop.runner
-        return runner.scheduler_configs if runner is not None else []
 
     @property
     def estimated_stepping_batches(self) -> float:
@@ -457,15 +448,21 @@ class Trainer:
             return loop.evaluate(loaders, option)
 
     # ------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:
+    def save_checkpoint(
+        self, filepath: str | os.PathLike, weights_only: bool | None = False, storage_options: Any = None
+    ) -> None:
         """Write the training state (or only the weights) to ``filepath``; call it on every rank.
 
         Non-finite weights are never saved: a NaN or infinity raises a ``FloatingPointError`` instead, and
-        the checkpoints saved before stay as they are.
+        the checkpoints saved before stay as they are. ``storage_options`` (Lightning's, for its checkpoint
+        plugins) must be None: files are written to the local file system.
         """
+        if storage_options is not None:
+            raise TypeError(f"Trainer.save_checkpoint(storage_options={storage_options!r}): Ember writes checkpoints "
+                            "to the local file system and takes no storage options; leave it None")  # fmt: skip
         self.fit_loop.check_losses()  # a NaN loss must never be saved over a good checkpoint
         checkpoint_state.refuse_nonfinite_weights(self, os.fspath(filepath))
-        checkpoint = checkpoint_state.training_state(self, weights_only=weights_only)
+        checkpoint = checkpoint_state.training_state(self, weights_only=bool(weights_only))
         self.strategy.save_checkpoint(checkpoint, os.fspath(filepath))
 
     # ------------------------------------------------------------------------------ stages
@@ -491,6 +488,7 @@ class Trainer:
                 status = "interrupted"
             hints.explain(exception)  # a note on what a common mistake (a batch's structure, ...) looks like
             earlier = self.strategy.announce_failure(exception) if isinstance(exception, Exception) else None
+            self.state.end(interrupted=True)  # as Lightning, before on_exception
             if self._hooks is not None:
                 self._hooks.call_callbacks("on_exception", exception)
                 self._hooks.call_datamodule("on_exception", exception)

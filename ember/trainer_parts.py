@@ -257,7 +257,8 @@ def evaluated_module(
     if model is not None:
         return model, ckpt_path
     if trainer.lightning_module is None:
-        raise ValueError(f"Trainer.{stage}() needs a module: pass one, or call fit() first to use the fitted one")
+        raise TypeError(f"`Trainer.{stage}()` requires a `LightningModule` when it hasn't been passed in a previous "
+                        "run: pass one, or call fit() first to use the fitted one")  # (Lightning's words)  # fmt: skip
     if ckpt_path is None:
         # As Lightning: the fitted module is evaluated with its best weights, never silently with the last ones.
         if trainer.checkpoint_callback is None or trainer.config.fast_dev_run:

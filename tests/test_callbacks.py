@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import sys
 import time
+import types
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from torch import nn
 import ember
 from ember.callbacks import DeviceStatsMonitor, ModelSummary, ProgressBar, Timer
 from ember.callbacks.model_summary import summarize
+from ember.exceptions import MisconfigurationException
 from ember.model_summary import ModelSummary as ModelSummaryObject
 from ember.model_summary import readable_count
 
@@ -92,27 +95,47 @@ def test_a_model_summary_object_measures_layers_with_the_example_input() -> None
 
 
 def test_device_stats_are_logged_at_the_logging_steps() -> None:
-    trainer = quiet_trainer(max_epochs=1, callbacks=[DeviceStatsMonitor()], log_every_n_steps=2)
-    trainer.fit(Regressor(), make_loader(64))
+    trainer = quiet_trainer(max_epochs=1, callbacks=[DeviceStatsMonitor()], log_every_n_steps=2, limit_val_batches=1)
+    trainer.fit(Regressor(), make_loader(64), make_loader(16))
     with open(os.path.join(trainer.log_dir, "metrics.csv"), newline="") as file:
-        rows = [row for row in csv.DictReader(file) if row.get("device_stats/cpu_rss_mb")]
-    assert [row["step"] for row in rows] == ["1", "3", "5", "7"]  # each logging step's index, as Lightning labels
-    assert all(0 < float(row["device_stats/cpu_rss_mb"]) <= float(row["device_stats/cpu_peak_rss_mb"]) for row in rows)
+        rows = [row for row in csv.DictReader(file) if any(v for k, v in row.items() if k.startswith("DeviceStats"))]
+    hooks = ("on_train_batch_start", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end")
+    names = {f"DeviceStatsMonitor.{hook}/cpu_{figure}" for hook in hooks for figure in ("rss_mb", "peak_rss_mb")}
+    assert names <= set(rows[0]) and not any(row.get("epoch") for row in rows)  # no epoch, as Lightning writes them
+    # Each logging step's figures, labelled with the steps before its batch; the epoch's validation after batch 7.
+    written = [(row["step"], hook) for row in rows for hook in hooks if row[f"DeviceStatsMonitor.{hook}/cpu_rss_mb"]]
+    assert written == [(step, hook) for step in "1357" for hook in hooks[:2]] + [("7", hook) for hook in hooks[2:]]
+    assert "DeviceStatsMonitor.on_train_batch_end/cpu_rss_mb" not in trainer.logged_metrics
     assert DeviceStatsMonitor(cpu_stats=False).stats(torch.device("cpu")) == {}
-    with pytest.raises(ValueError, match="DeviceStatsMonitor needs a logger"):
+    with pytest.raises(
+        MisconfigurationException, match=r"Cannot use `DeviceStatsMonitor` callback with `Trainer\(logger"
+    ):
         quiet_trainer(max_steps=1, logger=False, callbacks=[DeviceStatsMonitor()]).fit(Regressor(), make_loader())
     with pytest.raises(ValueError, match=r"cpu_stats='yes'"):
         DeviceStatsMonitor(cpu_stats="yes")  # type: ignore[arg-type]
 
 
+def test_device_stats_of_the_cpu_are_lightnings_with_psutil(monkeypatch: pytest.MonkeyPatch) -> None:
+    usage = types.SimpleNamespace(percent=12.5)
+    psutil = types.SimpleNamespace(cpu_percent=lambda: 50.0, virtual_memory=lambda: usage, swap_memory=lambda: usage)
+    monkeypatch.setitem(sys.modules, "psutil", psutil)
+    stats = {"cpu_percent": 50.0, "cpu_vm_percent": 12.5, "cpu_swap_percent": 12.5}
+    assert DeviceStatsMonitor().stats(torch.device("cpu")) == stats
+    assert quiet_trainer().accelerator.get_device_stats("cpu") == stats
+
+
 @pytest.mark.cuda
 def test_device_stats_on_a_gpu() -> None:
     stats = DeviceStatsMonitor().stats(torch.device("cuda", 0))
-    assert set(stats) == {f"device_stats/cuda_memory_{kind}_mb" for kind in ("allocated", "reserved", "peak")}
+    assert "allocated_bytes.all.current" in stats and "cpu_rss_mb" not in stats  # torch.cuda.memory_stats's
     trainer = quiet_trainer(accelerator="cuda", devices=1, max_steps=4, callbacks=[DeviceStatsMonitor()],
                             log_every_n_steps=2)  # fmt: skip
     trainer.fit(Regressor(), make_loader())
-    assert float(trainer.logged_metrics["device_stats/cuda_memory_peak_mb"]) > 0
+    with open(os.path.join(trainer.log_dir, "metrics.csv"), newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert any(
+        float(row.get("DeviceStatsMonitor.on_train_batch_end/allocated_bytes.all.peak") or 0) > 0 for row in rows
+    )
 
 
 class _Slow(Regressor):

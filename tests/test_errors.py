@@ -108,8 +108,8 @@ class _Returns(Regressor):
         ("a string", TypeError, r"training_step must return the loss tensor.*it returned str"),
         (
             {"logits": torch.ones(1)},
-            TypeError,
-            r"a dict with a 'loss' tensor.*without a 'loss' key \(keys: \['logits'\]\)",
+            MisconfigurationException,
+            r"returns a dict, the 'loss' key needs to be present \(its keys: \['logits'\]\)",
         ),
         (lambda self, batch: self(batch[0]).sum(dim=1), ValueError, r"returned a loss of shape \(8,\); reduce it"),
         (torch.tensor(1.0), ValueError, "does not require grad"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import functools
 import os
+import signal
 from typing import Any
 
 import pytest
@@ -125,11 +126,11 @@ def test_the_datamodule_alone_is_enough_after_fit() -> None:
 
 def test_evaluating_without_a_module_before_fit_is_a_clear_error() -> None:
     trainer = quiet_trainer()
-    with pytest.raises(ValueError, match=r"Trainer.test\(\) needs a module: pass one, or call fit\(\) first"):
+    with pytest.raises(TypeError, match=r"`Trainer.test\(\)` requires a `LightningModule` when it hasn't been passed"):
         trainer.test(dataloaders=make_loader())
     fitted = quiet_trainer(max_epochs=1, enable_checkpointing=False)
     fitted.fit(Regressor(), make_loader())
-    with pytest.raises(FileNotFoundError, match=r"ckpt_path='best'.*no ModelCheckpoint"):
+    with pytest.raises(ValueError, match=r'test\(ckpt_path="best"\)` is set but `ModelCheckpoint` is not configured:'):
         fitted.test(dataloaders=make_loader(), ckpt_path="best")
     # as Lightning: without a module, the best weights are meant, and there are none
     with pytest.raises(ValueError, match=r"implied without a model, but ModelCheckpoint is not configured"):
@@ -889,6 +890,17 @@ def test_min_epochs_and_min_steps_hold_off_stopping() -> None:
     assert trainer.global_step == 11
 
 
+def test_min_epochs_not_given_reads_as_lightning_resolves_it() -> None:
+    trainer = quiet_trainer(max_epochs=10, callbacks=[_StopAtOnce()], logger=False)
+    assert trainer.min_epochs is None  # until fit starts
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.min_epochs == 0
+    # With min_steps alone, min_epochs is 1, as in Lightning: a stop asked for after min_steps waits for the epoch.
+    trainer = quiet_trainer(max_epochs=10, min_steps=3, callbacks=[_StopAtOnce()], logger=False)
+    trainer.fit(Regressor(), make_loader())  # 8 batches per epoch
+    assert (trainer.min_epochs, trainer.global_step, trainer.current_epoch) == (1, 8, 1)
+
+
 def test_fast_dev_run_runs_a_few_batches_of_each_loop_and_keeps_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     model = _Tracked()
     trainer = quiet_trainer(fast_dev_run=True, max_epochs=5, callbacks=[ModelCheckpoint(monitor="val_loss")])
@@ -1239,9 +1251,71 @@ def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() ->
         def test_step(self, batch: Any, batch_idx: int) -> None:
             raise RuntimeError("the step fails")
 
+    class Status(ember.callbacks.Callback):
+        def on_exception(self, trainer: ember.Trainer, module: Any, exception: BaseException) -> None:
+            seen.append((trainer.state.status, str(exception)))
+
+    seen.clear()
+    trainer = quiet_trainer(callbacks=[Status()], **flags)
     with pytest.raises(RuntimeError, match="the step fails"):
         trainer.test(Fails(), make_loader(16), verbose=False)
     assert trainer.interrupted and trainer.state.status == TrainerStatus.INTERRUPTED
+    assert seen == [(TrainerStatus.INTERRUPTED, "the step fails")]  # already so in on_exception, as in Lightning
+
+
+def test_the_trainers_devices_and_flags_under_lightnings_names() -> None:
+    trainer = quiet_trainer(max_epochs=1, val_check_interval=0.5, reload_dataloaders_every_n_epochs=2, logger=False)
+    assert (trainer.device_ids, trainer.num_devices, trainer.distributed_sampler_kwargs, trainer.scaler) == (
+        [0],
+        1,
+        None,
+        None,
+    )
+    assert (trainer.reload_dataloaders_every_n_epochs, trainer.overfit_batches, trainer.enable_autolog_hparams) == (
+        2,
+        0.0,
+        True,
+    )
+    accelerator = trainer.accelerator
+    assert accelerator.device_type == "cpu" and accelerator.is_available() and accelerator.auto_device_count() == 1
+    assert not trainer.received_sigterm and trainer.val_check_batch is None  # before fit
+    trainer.fit(Regressor(), make_loader(), make_loader(16))  # 8 batches, validated every 4
+    assert trainer.val_check_batch == 4 and not trainer.received_sigterm
+    trainer = quiet_trainer(max_epochs=1, overfit_batches=3, logger=False)
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.overfit_batches == 3 and trainer.val_check_batch == 3  # once an epoch: all its batches
+
+
+def test_init_module_builds_on_the_device_in_a_true_precisions_dtype() -> None:
+    with quiet_trainer(precision="64-true").init_module():
+        layer = nn.Linear(2, 2)
+    assert layer.weight.dtype == torch.float64 and torch.get_default_dtype() == torch.float32
+    with quiet_trainer(precision="bf16-mixed").init_module(empty_init=True):
+        layer = nn.Linear(2, 2)
+    assert layer.weight.dtype == torch.float32 and layer.weight.device == torch.device("cpu")
+
+
+def test_received_sigterm_after_a_fit_that_sigterm_stopped(tmp_path: Any) -> None:
+    class Terminate(ember.callbacks.Callback):
+        def on_train_batch_end(self, trainer: ember.Trainer, *args: Any) -> None:
+            if trainer.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = quiet_trainer(max_epochs=1, callbacks=[Terminate()], default_root_dir=str(tmp_path), logger=False)
+    with pytest.raises(SystemExit):
+        trainer.fit(Regressor(), make_loader())
+    assert trainer.received_sigterm and trainer.global_step < 8
+
+
+def test_save_checkpoint_takes_lightnings_arguments(tmp_path: Any) -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    with pytest.raises(AttributeError, match="only possible if a model is attached to the Trainer"):  # as Lightning
+        trainer.save_checkpoint(tmp_path / "before.ckpt")
+    trainer.fit(Regressor(), make_loader())
+    trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=None)  # None: the whole state, as False
+    assert "optimizer_states" in torch.load(tmp_path / "weights.ckpt", weights_only=True)
+    with pytest.raises(TypeError, match="storage_options=.*leave it None"):
+        trainer.save_checkpoint(tmp_path / "other.ckpt", storage_options={"anon": True})
 
 
 def test_log_dir_without_a_logger_is_the_root_directory(tmp_path: Any) -> None:

@@ -293,6 +293,17 @@ def test_a_timer_resumed_with_its_time_spent_takes_no_step(tmp_path: Any, caplog
     assert "Time limit reached." in caplog.text and "Signaling Trainer to stop." in caplog.text
 
 
+def test_a_timer_state_names_every_stage_from_the_start() -> None:
+    stages = ["train", "sanity_check", "validate", "test", "predict"]
+    assert Timer().state_dict() == {"time_elapsed": dict.fromkeys(stages, 0.0)}  # as Lightning's, before any stage
+    timer = Timer()
+    quiet_trainer(max_epochs=1, limit_train_batches=2, callbacks=[timer]).fit(Regressor(), make_loader())
+    elapsed = timer.state_dict()["time_elapsed"]
+    assert list(elapsed) == stages and elapsed["train"] > 0 and elapsed["test"] == 0.0
+    with pytest.raises(ValueError, match="'fitting' is not a valid RunningStage"):
+        timer.time_elapsed("fitting")  # type: ignore[arg-type]
+
+
 def test_timer_configuration_errors() -> None:
     for duration in ("6:00:00", "60 minutes"):
         with pytest.raises(MisconfigurationException, match="format DD:HH:MM:SS"):
@@ -344,7 +355,7 @@ def test_lambda_callback_takes_every_hook_and_has_work_in() -> None:
     quiet_trainer(max_epochs=1, limit_train_batches=1, callbacks=[off]).fit(Regressor(), make_loader())
     assert "off" not in called
     for name in ("state_dict", "state_key", "reads_epoch_metrics", "on_epoch_end", "log"):
-        with pytest.raises(MisconfigurationException, match="is not a hook of Callback"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}': it is not a hook of Callback"):
             LambdaCallback(**{name: print})
 
 

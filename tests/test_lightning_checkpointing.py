@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import io
 import logging
 import os
 from datetime import timedelta
@@ -436,3 +437,20 @@ def test_verbose_checkpointing_says_what_ranks_in_lightnings_words(
         f"Epoch 0, global step 1: 'score' reached 2.00000 (best 2.00000), saving model to {path!r} as top 1",
         "Epoch 1, global step 2: 'score' was not in top 1",
     ]
+
+
+def test_load_from_checkpoint_reads_an_open_file_or_bytes_in_memory(tmp_path: Any) -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    model = Regressor()
+    trainer.fit(model, make_loader())
+    path = tmp_path / "model.ckpt"
+    trainer.save_checkpoint(path)
+    with open(path, "rb") as file:  # as Lightning's, which reads a path or a file-like object
+        loaded = Regressor.load_from_checkpoint(file)
+    assert torch.equal(loaded.layer.weight, model.layer.weight)
+    loaded = Regressor.load_from_checkpoint(io.BytesIO(path.read_bytes()))
+    assert torch.equal(loaded.layer.weight, model.layer.weight)
+    with pytest.raises(checkpoint_io.CheckpointError, match="'not-a-checkpoint' is not a readable checkpoint"):
+        named = io.BytesIO(b"PK\x03\x04 cut short")
+        named.name = "not-a-checkpoint"  # type: ignore[misc]
+        Regressor.load_from_checkpoint(named)

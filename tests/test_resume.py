@@ -532,7 +532,7 @@ def test_last_best_and_the_run_directory(tmp_path: Any, capsys: pytest.CaptureFi
         warnings.simplefilter("error")
         best = quiet_trainer(default_root_dir=root).validate(Regressor(), make_loader(16), ckpt_path="best")
     assert best[0]["val_loss"] == pytest.approx(float(more.checkpoint_callback.best_model_score))
-    with pytest.raises(FileNotFoundError, match="ckpt_path='best': no best checkpoint"):
+    with pytest.raises(ValueError, match=r'"best"\)` is set but `ModelCheckpoint` is not configured to save'):
         quiet_trainer(default_root_dir=str(tmp_path / "empty")).validate(Regressor(), make_loader(), ckpt_path="best")
 
 

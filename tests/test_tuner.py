@@ -44,9 +44,17 @@ class _Sized(ember.Module):
 def test_the_largest_batch_that_fits_is_found_and_set(mode: str, found: int) -> None:
     model = _Sized(limit=40)
     before = parameters_of(model)
-    size = Tuner(quiet_trainer()).scale_batch_size(model, mode=mode, init_val=2, steps_per_trial=2)
+    size = Tuner(quiet_trainer()).scale_batch_size(model, mode=mode, init_val=2, steps_per_trial=2, margin=0.0)
     assert size == found and model.hparams.batch_size == found
     assert all(torch.equal(a, b) for a, b in zip(parameters_of(model), before, strict=True))  # weights put back
+
+
+def test_a_binary_search_keeps_a_margin_and_no_size_passes_max_val() -> None:
+    # As Lightning's defaults: 5% below the largest size that fit (40), and sizes up to 8192.
+    assert Tuner(quiet_trainer()).scale_batch_size(_Sized(limit=40), mode="binsearch", steps_per_trial=1) == 38
+    assert Tuner(quiet_trainer()).scale_batch_size(_Sized(limit=40), mode="power", max_val=24) == 24
+    with pytest.raises(MisconfigurationException, match=r"margin=1.0\): choose a fraction in \[0, 1\)"):
+        Tuner(quiet_trainer()).scale_batch_size(_Sized(), mode="binsearch", margin=1.0)
 
 
 def test_batch_size_lr_scaling_and_the_data_set_bound() -> None:
@@ -113,6 +121,7 @@ def test_lr_find_takes_lightnings_arguments_and_loaders_given_to_it() -> None:
     model, loader = _Unsized(), DataLoader(make_data(256), batch_size=16)
     finder = Tuner(quiet_trainer()).lr_find(model, loader, val_dataloaders=loader, method="fit", num_training=12)
     assert finder is not None and len(finder.results["lr"]) == 12
+    assert (finder.lr_min, finder.lr_max, finder.num_training, finder.mode) == (1e-8, 1.0, 12, "exponential")
     finder = Tuner(quiet_trainer()).lr_find(model, train_dataloaders=loader, num_training=12)
     assert finder is not None and len(finder.results["lr"]) == 12
 
@@ -140,7 +149,7 @@ def test_tuner_errors_name_what_is_missing() -> None:
             super().__init__()
             del self.hparams["batch_size"]
 
-    with pytest.raises(AttributeError, match="no batch size to tune: give the module or datamodule an attribute"):
+    with pytest.raises(MisconfigurationException, match="Field batch_size not found in `model`, `datamodule`, nor"):
         Tuner(quiet_trainer()).scale_batch_size(NoSize())
     with pytest.raises(ValueError, match="mode='triple'"):
         Tuner(quiet_trainer()).scale_batch_size(_Sized(), mode="triple")  # type: ignore[arg-type]

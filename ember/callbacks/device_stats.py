@@ -1,4 +1,4 @@
-"""``DeviceStatsMonitor``: log the memory the run uses on its GPU and on the host."""
+"""``DeviceStatsMonitor``: log what the device (and the host) reports of its use, as Lightning's does."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.callbacks.callback import Callback, at_logging_step
+from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
+from ember.trainer_properties import Accelerator
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -19,12 +20,14 @@ _MB = 1e6
 
 
 class DeviceStatsMonitor(Callback):
-    """Log memory figures in MB (10^6 bytes) at the Trainer's logging steps, under ``device_stats/``.
+    """Log the device's figures under ``DeviceStatsMonitor.<hook>/<figure>`` at the training and validation batch
+    hooks of ``fit`` (start and end) whose optimizer step is a ``log_every_n_steps`` multiple, in rows of their own
+    (no ``epoch``), labelled with the optimizer steps taken before the batch, as Lightning's.
 
-    On a CUDA device: ``cuda_memory_allocated_mb`` (held by tensors), ``cuda_memory_reserved_mb`` (held
-    by PyTorch's caching allocator) and ``cuda_memory_peak_mb`` (the most allocated so far). On the host:
-    ``cpu_rss_mb`` (this process's resident memory) and ``cpu_peak_rss_mb``; ``cpu_stats`` None logs these
-    when training on the CPU only, True always, False never. Reading them never waits for the device.
+    The figures are ``trainer.accelerator.get_device_stats(device)``'s: ``torch.cuda.memory_stats`` on a CUDA
+    device; on the CPU ``cpu_percent``, ``cpu_vm_percent`` and ``cpu_swap_percent`` (with ``psutil``; without it,
+    this process's resident memory in MB, ``cpu_rss_mb`` and ``cpu_peak_rss_mb``). ``cpu_stats`` None logs the
+    CPU's figures when training on the CPU only, True always, False never. Reading them never waits for the device.
     """
 
     def __init__(self, cpu_stats: bool | None = None) -> None:
@@ -32,28 +35,55 @@ class DeviceStatsMonitor(Callback):
             raise MisconfigurationException(f"DeviceStatsMonitor(cpu_stats={cpu_stats!r}): choose None, True or False")
         self.cpu_stats = cpu_stats
 
-    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
-        if not trainer.loggers:
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        if stage == "fit" and not trainer.loggers:
             raise MisconfigurationException(
-                "DeviceStatsMonitor needs a logger; the Trainer was built with logger=False"
+                "Cannot use `DeviceStatsMonitor` callback with `Trainer(logger=False)`: it writes to the loggers"
             )
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int) -> None:
+        self._log(trainer, "on_train_batch_start", trainer.fit_loop.logging_step)
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if at_logging_step(trainer):
-            stats = self.stats(trainer.strategy.root_device)
-            # labelled as the batch's other values: with the index of its step
-            trainer.run_metrics.write(stats, trainer.fit_loop.logging_step - 1, trainer.current_epoch)
+        self._log(trainer, "on_train_batch_end", _steps_before_batch(trainer))
+
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: Module, *args: Any) -> None:
+        self._log(trainer, "on_validation_batch_start", _steps_before_batch(trainer))
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: Module, *args: Any) -> None:
+        self._log(trainer, "on_validation_batch_end", _steps_before_batch(trainer))
+
+    def _log(self, trainer: Trainer, hook: str, step: int) -> None:
+        every = trainer.log_every_n_steps  # 0: no step values are written
+        due = every > 0 and ((step + 1) % every == 0 or trainer.should_stop)
+        if not due or trainer.stage != "fit" or not trainer.is_global_zero:
+            return
+        prefix = f"{type(self).__qualname__}.{hook}/"
+        stats = {prefix + name: value for name, value in self.stats(trainer.strategy.root_device).items()}
+        for logger in trainer.loggers:  # as Lightning's: to the loggers only, not to the trainer's metrics
+            logger.log_metrics(stats, step)
 
     def stats(self, device: torch.device) -> dict[str, float]:
-        """The figures for ``device`` (and the host), by name."""
-        stats = {}
-        if device.type == "cuda":
-            stats["device_stats/cuda_memory_allocated_mb"] = torch.cuda.memory_allocated(device) / _MB
-            stats["device_stats/cuda_memory_reserved_mb"] = torch.cuda.memory_reserved(device) / _MB
-            stats["device_stats/cuda_memory_peak_mb"] = torch.cuda.max_memory_allocated(device) / _MB
+        """The figures for ``device`` (and the host's, as ``cpu_stats`` says), by name."""
+        stats: dict[str, float] = {}
+        if device.type != "cpu":
+            stats.update(Accelerator(device.type).get_device_stats(device))
         if self.cpu_stats or (self.cpu_stats is None and device.type == "cpu"):
-            stats.update(_host_memory())
+            stats.update(_host_stats())
         return stats
+
+
+def _steps_before_batch(trainer: Trainer) -> int:
+    """The optimizer steps taken before the latest training batch (the label Lightning gives its figures)."""
+    loop = trainer.fit_loop
+    return loop.logging_step - 1 if loop.stepped else loop.logging_step
+
+
+def _host_stats() -> dict[str, float]:
+    try:
+        return Accelerator("cpu").get_device_stats("cpu")
+    except ModuleNotFoundError:  # no psutil: this process's memory, where the platform tells it
+        return _host_memory()
 
 
 def _host_memory() -> dict[str, float]:
@@ -62,7 +92,7 @@ def _host_memory() -> dict[str, float]:
     try:  # Linux
         with open("/proc/self/statm") as file:
             resident_pages = int(file.read().split()[1])
-        stats["device_stats/cpu_rss_mb"] = resident_pages * os.sysconf("SC_PAGE_SIZE") / _MB
+        stats["cpu_rss_mb"] = resident_pages * os.sysconf("SC_PAGE_SIZE") / _MB
     except (OSError, ValueError, AttributeError):
         pass
     try:
@@ -72,5 +102,5 @@ def _host_memory() -> dict[str, float]:
     peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB
     peak = peak_bytes / _MB
     # The kernel updates the peak lazily, so it can lag a fresh reading of the current size.
-    stats["device_stats/cpu_peak_rss_mb"] = max(peak, stats.get("device_stats/cpu_rss_mb", 0.0))
+    stats["cpu_peak_rss_mb"] = max(peak, stats.get("cpu_rss_mb", 0.0))
     return stats

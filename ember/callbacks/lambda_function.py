@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ember.callbacks.callback import Callback
-from ember.exceptions import MisconfigurationException
 
 # What a checkpoint holds of a callback: not for a function that may return nothing.
 _NOT_HOOKS = ("state_dict", "load_state_dict")
@@ -20,7 +19,8 @@ class LambdaCallback(Callback):
     def __init__(self, **hooks: Callable[..., Any]) -> None:
         for name, function in hooks.items():
             if name.startswith("_") or name in _NOT_HOOKS or not callable(getattr(Callback, name, None)):
-                raise MisconfigurationException(f"LambdaCallback({name}=...): {name!r} is not a hook of Callback")
+                raise TypeError(f"LambdaCallback.__init__() got an unexpected keyword argument {name!r}: it is not a "
+                                "hook of Callback")  # fmt: skip
             if not callable(function):
                 raise TypeError(f"LambdaCallback({name}={function!r}): expected a function")
         self._has_work_in = hooks.pop("has_work_in", None)

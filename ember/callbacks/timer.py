@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ember.module import Module
     from ember.trainer import Trainer
 
-Stage = Literal["train", "validate", "test", "predict"]
+Stage = Literal["train", "sanity_check", "validate", "test", "predict"]
 
 
 class Timer(Callback):
@@ -51,14 +51,14 @@ class Timer(Callback):
         self._offset = 0.0  # training time of the run this one resumed
 
     def start_time(self, stage: Stage = "train") -> float | None:
-        return self._start.get(stage)
+        return self._start.get(_known(stage))
 
     def end_time(self, stage: Stage = "train") -> float | None:
-        return self._end.get(stage)
+        return self._end.get(_known(stage))
 
     def time_elapsed(self, stage: Stage = "train") -> float:
         """Seconds ``stage`` has run (for "train", including the run this one resumed)."""
-        offset = self._offset if stage == "train" else 0.0
+        offset = self._offset if _known(stage) == "train" else 0.0
         start = self._start.get(stage)
         if start is None:
             return offset
@@ -127,10 +127,16 @@ class Timer(Callback):
         self._finish("predict")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in get_args(Stage) if stage in self._start}}
+        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in get_args(Stage)}}  # as Lightning: all
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._offset = state_dict.get("time_elapsed", {}).get("train", 0.0)
+
+
+def _known(stage: str) -> str:
+    if stage not in get_args(Stage):  # Lightning's error for a stage it does not know
+        raise ValueError(f"{stage!r} is not a valid RunningStage: choose one of {get_args(Stage)}")
+    return stage
 
 
 def _readable(seconds: float) -> str:

@@ -305,18 +305,23 @@ def link(source: str | os.PathLike, destination: str | os.PathLike) -> None:
     _fsync_directory(directory)
 
 
-def load_file(path: str | os.PathLike, map_location: Any = "cpu", *, trust_pickles: bool = False) -> dict[str, Any]:
-    """Read a checkpoint file with ``torch.load(weights_only=True)``: tensors and plain Python values only.
+def load_file(
+    path: str | os.PathLike | BinaryIO, map_location: Any = "cpu", *, trust_pickles: bool = False
+) -> dict[str, Any]:
+    """Read a checkpoint file (a path, or a file object open for reading, as Lightning takes) with
+    ``torch.load(weights_only=True)``: tensors and plain Python values only.
 
-    The file is verified first (its length and digest, when Ember wrote it); every way it can fail to
+    A file at a path is verified first (its length and digest, when Ember wrote it); every way it can fail to
     be a checkpoint raises one ``CheckpointError`` that names the path and what is wrong. A file
     carrying pickled objects other than tensors and plain values is refused before any of them is
     built, so nothing in it runs; ``trust_pickles=True`` lifts that for files from a source you trust.
     """
-    path = os.fspath(path)
-    verify(path)
+    source = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+    if isinstance(source, str):
+        verify(source)
+    path = source if isinstance(source, str) else str(getattr(source, "name", "the checkpoint's file object"))
     try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=not trust_pickles)
+        checkpoint = torch.load(source, map_location=map_location, weights_only=not trust_pickles)
     except pickle.UnpicklingError as err:
         if "Weights only load failed" not in str(err):
             raise CheckpointError(f"{path!r} is not a checkpoint: {str(err).splitlines()[0]}") from None

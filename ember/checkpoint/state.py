@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
@@ -21,6 +21,9 @@ from ember.hparams import checkpoint_entries
 from ember.loggers.logger import VersionedLogger, run_versions
 from ember.rank_zero import announce, rank_zero_warn
 from ember.version import __version__
+
+#: Where a checkpoint is read from: a path, or a file object open for reading (as Lightning's loaders take).
+CheckpointSource = str | os.PathLike | BinaryIO
 
 if TYPE_CHECKING:
     from ember.module import DataModule, Module
@@ -108,10 +111,11 @@ def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:
     found = find_checkpoint(trainer, ckpt_path) if trainer.is_global_zero else None
     found = trainer.strategy.broadcast(found)
     if found is None:
-        if ckpt_path == "best":
-            why = "no ModelCheckpoint saved one" if trainer.checkpoint_callback is None else "none was saved"
-            raise FileNotFoundError(
-                f"ckpt_path='best': no best checkpoint is known ({why} under {trainer.config.root_dir!r})"
+        if ckpt_path == "best":  # Lightning's exception and words, then where Ember looked
+            what = "" if trainer.checkpoint_callback is None else " to save the best model"
+            raise ValueError(
+                f'`.{trainer.stage}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured{what}: no best '
+                f"checkpoint is known (none was saved under {trainer.config.root_dir!r})"
             )
         # Not a warning: "last" on a run's first start is the usual way to write a script that continues.
         announce('ckpt_path="last": no checkpoint of this run yet, so training starts afresh')
@@ -194,7 +198,9 @@ def _restore_callbacks(trainer: Trainer, saved: dict[str, Any], path: str) -> No
         )
 
 
-def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: str) -> None:
+def load_weights(
+    load: Callable[[dict[str, Any]], None], module: Module, checkpoint: dict[str, Any], path: CheckpointSource
+) -> None:
     """``load(checkpoint["state_dict"])``, or an error that says the checkpoint is another model's."""
     _check_not_bare(checkpoint, path)
     state = checkpoint.get("state_dict")
@@ -213,7 +219,7 @@ def load_weights(load: Callable[[dict[str, Any]], None], module: Module, checkpo
         ) from None
 
 
-def _check_not_bare(checkpoint: dict[str, Any], path: str) -> None:
+def _check_not_bare(checkpoint: dict[str, Any], path: CheckpointSource) -> None:
     """A bare state_dict (what ``torch.save(model.state_dict(), path)`` writes) is no checkpoint: say what to do."""
     if checkpoint and "state_dict" not in checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
         raise CheckpointError(
@@ -321,5 +327,8 @@ def _problem(path: str) -> str | None:
 def _module(trainer: Trainer) -> Module:
     module = trainer.lightning_module
     if module is None:
-        raise RuntimeError("no module is attached; call fit, validate, test or predict first")
+        raise AttributeError(  # Lightning's exception and words: a save before any stage has no module to save
+            "Saving a checkpoint is only possible if a model is attached to the Trainer: call fit, validate, test or "
+            "predict first"
+        )
     return module

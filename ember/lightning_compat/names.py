@@ -284,7 +284,8 @@ LIGHTNING: Names = {
 #: what to use instead. "plugins" and "accelerators" are served empty, so that the message names the class.
 MISSING_MODULES = {
     "plugins": _PLUGINS,
-    "accelerators": "pass Trainer(accelerator='cpu' | 'gpu' | 'mps' | 'auto'); Ember has no Accelerator classes",
+    "accelerators": "pass Trainer(accelerator='cpu' | 'gpu' | 'mps' | 'auto'); trainer.accelerator is Ember's one "
+    "Accelerator class, whose device_type says which",
     "loggers.wandb": _LOGGER,
     "loggers.comet": _LOGGER,
     "loggers.neptune": _LOGGER,

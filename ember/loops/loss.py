@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ember.exceptions import MisconfigurationException
+
 
 def training_loss(output: Any, module: torch.nn.Module | None = None) -> torch.Tensor | None:
     """The loss in what ``training_step`` returned (None skips the batch), or a clear error."""
@@ -19,6 +21,11 @@ def training_loss(output: Any, module: torch.nn.Module | None = None) -> torch.T
     if not isinstance(output, torch.Tensor) and isinstance(output, Mapping):  # a tensor first: the cheaper test
         loss = output.get("loss")
     if not isinstance(loss, torch.Tensor):
+        if loss is None:  # Lightning's error (the dict must hold the loss to step on under automatic optimization)
+            raise MisconfigurationException(
+                "In automatic_optimization, when `training_step` returns a dict, the 'loss' key needs to be present "
+                f"(its keys: {list(output)})"
+            )
         raise TypeError(
             "training_step must return the loss tensor, a dict with a 'loss' tensor, or None to skip the "
             f"batch; it returned {type(output).__name__}"

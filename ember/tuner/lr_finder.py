@@ -6,15 +6,20 @@ import math
 import os
 from typing import Any
 
+from ember._utils import Reads
+
 
 class LRFinder:
     """What ``Tuner.lr_find`` measured: ``results["lr"]`` and ``results["loss"]`` (smoothed), and a suggestion."""
 
     #: Weight of the past in the loss's exponential moving average (single steps are noisy).
     SMOOTHING = 0.98
+    # Lightning's names of the sweep's bounds.
+    lr_min: Reads[float] = Reads("min_lr")
+    lr_max: Reads[float] = Reads("max_lr")
 
-    def __init__(self, mode: str, min_lr: float, max_lr: float) -> None:
-        self.mode, self.min_lr, self.max_lr = mode, min_lr, max_lr
+    def __init__(self, mode: str, min_lr: float, max_lr: float, num_training: int) -> None:
+        self.mode, self.min_lr, self.max_lr, self.num_training = mode, min_lr, max_lr, num_training
         self.results: dict[str, list[float]] = {"lr": [], "loss": []}
         self.suggested_lr: float | None = None
         self._average = 0.0

@@ -59,6 +59,8 @@ class Tuner:
         batch_arg_name: str = "batch_size",
         max_memory: int | None = None,
         lr_scaling: Literal["linear", "sqrt"] | None = None,
+        margin: float = 0.05,
+        max_val: int = 8192,
     ) -> int | None:
         """The largest batch size that trains without running out of memory; set on the module/datamodule.
 
@@ -70,7 +72,8 @@ class Tuner:
         the LR; "sqrt": by the square root), from the size the module had before. Under ``fast_dev_run`` it
         does nothing: a warning, and None (as Lightning's). As in Lightning, the loaders must come from the module
         or the datamodule (they are built again at each size; a datamodule may be passed as ``train_dataloaders``),
-        and ``method`` is "fit" (Ember sizes the training loader).
+        and ``method`` is "fit" (Ember sizes the training loader). As Lightning's, no size above ``max_val`` is tried,
+        and ``"binsearch"`` keeps ``margin`` (a fraction) below the largest size that fit, as a safety buffer.
         """
         datamodule = _check_tuner_data(train_dataloaders, dataloaders, datamodule, method, "the batch size finder")
         if (train_dataloaders is not None and train_dataloaders is not datamodule) or val_dataloaders is not None:
@@ -78,15 +81,18 @@ class Tuner:
                 "The Batch size finder cannot be used with dataloaders passed directly: it builds them again at each "
                 "batch size. Define train_dataloader() on the LightningModule or a LightningDataModule instead"
             )
-        _check_scale_batch_size(mode, lr_scaling, init_val=init_val, max_trials=max_trials,
-                                steps_per_trial=steps_per_trial)  # fmt: skip
+        _check_scale_batch_size(mode, lr_scaling, margin, init_val=init_val, max_trials=max_trials,
+                                steps_per_trial=steps_per_trial, max_val=max_val)  # fmt: skip
         if self.trainer.fast_dev_run:  # a batch or two: nothing to find
             rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
             return None
         owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
         original = _get(owner, batch_arg_name)
-        args = (model, datamodule, mode, init_val, max_trials, steps_per_trial, batch_arg_name, max_memory)
+        args = (model, datamodule, mode, init_val, max_trials, steps_per_trial, batch_arg_name, max_memory, max_val)
         good = self.trainer.strategy.launch(self._search_batch_size, *args)
+        if mode == "binsearch" and int(good * (1 - margin)) < good:
+            announce(f"scale_batch_size: {margin:.1%} below {good}, as margin={margin} asks")
+            good = max(1, int(good * (1 - margin)))
         _set(owner, batch_arg_name, good)  # here: the search may have run in processes started for it
         if lr_scaling is not None and original:
             factor = good / original if lr_scaling == "linear" else math.sqrt(good / original)
@@ -98,7 +104,7 @@ class Tuner:
 
     def _search_batch_size(
         self, model: Module, datamodule: DataModule | None, mode: str, init_val: int, max_trials: int,
-        steps_per_trial: int, batch_arg_name: str, max_memory: int | None,
+        steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int,
     ) -> int:  # fmt: skip
         """The largest batch size that fits on every rank (an error if none does)."""
         owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
@@ -107,16 +113,17 @@ class Tuner:
         fits = _Trials(self.trainer, model, datamodule, steps_per_trial, max_memory)
 
         good, bad = 0, 0  # the largest size that fit, the smallest that did not (0: none yet)
-        size = init_val
+        size = min(init_val, max_val)
         for trial in range(1, max_trials + 1):
             _set(owner, batch_arg_name, size)
             fit, outcome = fits()
             announce(f"scale_batch_size: trial {trial}, {batch_arg_name}={size}: {outcome}")
             if fit:
                 good = size
-                if size >= fits.dataset_size:
-                    break  # one batch holds the whole data set: nothing larger to try
-                size = int(min(size * 2, fits.dataset_size)) if not bad else (good + bad) // 2
+                largest = min(fits.dataset_size, max_val)  # (the data set's size is known once a trial ran)
+                if size >= largest:
+                    break  # one batch holds the whole data set (or max_val is reached): nothing larger to try
+                size = int(min(size * 2, largest)) if not bad else (good + bad) // 2
             else:
                 bad = size
                 if mode == "power" and good:
@@ -221,7 +228,7 @@ def _sweep(
             return min_lr * (max_lr / min_lr) ** fraction
         return min_lr + (max_lr - min_lr) * fraction
 
-    finder = LRFinder(mode=mode, min_lr=min_lr, max_lr=max_lr)
+    finder = LRFinder(mode=mode, min_lr=min_lr, max_lr=max_lr, num_training=num_training)
     trials = _Trials(trainer, module, datamodule, num_training, None, loader, train_dataloaders)
     display = _display(trainer, "lr_find", num_training)
 
@@ -268,9 +275,11 @@ def _check_tuner_data(train_dataloaders: Any, dataloaders: Any, datamodule: Data
     return train_dataloaders if isinstance(train_dataloaders, DataModule) else datamodule
 
 
-def _check_scale_batch_size(mode: str, lr_scaling: str | None, **counts: int) -> None:
+def _check_scale_batch_size(mode: str, lr_scaling: str | None, margin: float, **counts: int) -> None:
     if mode not in ("power", "binsearch"):
         raise MisconfigurationException(f"scale_batch_size(mode={mode!r}): choose 'power' or 'binsearch'")
+    if not 0.0 <= margin < 1.0:
+        raise MisconfigurationException(f"scale_batch_size(margin={margin!r}): choose a fraction in [0, 1)")
     if lr_scaling not in (None, "linear", "sqrt"):
         raise MisconfigurationException(f"scale_batch_size(lr_scaling={lr_scaling!r}): choose None, 'linear' or 'sqrt'")
     for name, value in counts.items():
@@ -533,8 +542,9 @@ def _attribute_owner(names: str | tuple[str, ...], module: Module, datamodule: D
     for owner in (datamodule, module):
         if owner is not None and any(_has(owner, name) for name in names):
             return owner
-    raise AttributeError(
-        f"no {what} to tune: give the module or datamodule an attribute or hyperparameter named "
-        f"{' or '.join(repr(name) for name in names)} (self.save_hyperparameters() records it) that its "
-        "train_dataloader() / configure_optimizers() reads"
+    fields = " or ".join(names)
+    raise MisconfigurationException(  # Lightning's exception and first sentence, then what to do
+        f"Field {fields} not found in `model`, `datamodule`, nor their `hparams` attributes: no {what} to tune; give "
+        "the module or datamodule an attribute or hyperparameter by that name (self.save_hyperparameters() records "
+        "it) that its train_dataloader() / configure_optimizers() reads"
     )

@@ -1,0 +1,123 @@
+"""What the Trainer tells of its devices and flags under Lightning's public names (``trainer.device_ids``,
+``trainer.accelerator``, ``trainer.init_module()``, ...): read from the strategy, the config and the fit loop,
+never kept apart from them."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember._utils import Reads
+
+if TYPE_CHECKING:
+    from ember.config import TrainerConfig
+    from ember.loops.fit import FitLoop
+    from ember.optim import LRSchedulerConfig
+    from ember.strategies import Strategy
+
+
+class Accelerator:
+    """The kind of device a Trainer runs on (``trainer.accelerator``), with Lightning's methods that apply to it."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def setup_device(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    def teardown(self) -> None:
+        """Nothing to release: the strategy frees the device's cached memory when a stage ends."""
+
+    def get_device_stats(self, device: torch.device | str) -> dict[str, Any]:
+        """The device's figures: ``torch.cuda.memory_stats`` on a GPU; the host's use of CPU, memory and swap (in
+        percent, read with ``psutil``) on the CPU."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            return torch.cuda.memory_stats(device)
+        try:
+            import psutil  # type: ignore[import-untyped, unused-ignore]
+        except ImportError as error:
+            raise ModuleNotFoundError("the CPU's device stats are read with psutil: pip install psutil") from error
+        return {
+            "cpu_percent": psutil.cpu_percent(),
+            "cpu_vm_percent": psutil.virtual_memory().percent,
+            "cpu_swap_percent": psutil.swap_memory().percent,
+        }
+
+    def auto_device_count(self) -> int:
+        return torch.cuda.device_count() if self.device_type == "cuda" else 1
+
+    def is_available(self) -> bool:
+        if self.device_type == "cuda":
+            return torch.cuda.is_available()
+        return self.device_type != "mps" or torch.backends.mps.is_available()
+
+    def __repr__(self) -> str:
+        return f"Accelerator({self.device_type!r})"
+
+
+class LightningProperties:
+    """The Trainer's attributes in Lightning's names that only forward what its parts hold (a base of ``Trainer``)."""
+
+    config: TrainerConfig
+    strategy: Strategy
+    fit_loop: FitLoop
+
+    reload_dataloaders_every_n_epochs: Reads[int] = Reads("config.reload_dataloaders_every_n_epochs")
+    overfit_batches: Reads[int | float] = Reads("config.overfit_batches")
+    enable_autolog_hparams: Reads[bool] = Reads("config.enable_autolog_hparams")
+    distributed_sampler_kwargs: Reads[dict[str, int] | None] = Reads("strategy.distributed_sampler_kwargs")
+    #: The gradient scaler of "16-mixed" (None under another precision).
+    scaler: Reads[torch.amp.GradScaler | None] = Reads("strategy.precision", lambda p: getattr(p, "scaler", None))
+    accelerator: Reads[Accelerator] = Reads("strategy.root_device.type", Accelerator)
+
+    @property
+    def device_ids(self) -> list[int]:
+        """The index of each device this node's processes use (0 for the CPU)."""
+        return [device.index or position for position, device in enumerate(self.strategy.parallel_devices)]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.strategy.parallel_devices)
+
+    @property
+    def lr_scheduler_configs(self) -> list[LRSchedulerConfig]:
+        runner = self.fit_loop.runner
+        return runner.scheduler_configs if runner is not None else []
+
+    @property
+    def received_sigterm(self) -> bool:
+        """Whether the latest ``fit`` received SIGTERM (it then saved ``last.ckpt`` and stopped)."""
+        stopping = self.fit_loop.stopping
+        return signal.SIGTERM in (stopping.stop_signal, stopping.interruptions.signal_received)
+
+    @property
+    def val_check_batch(self) -> int | float | None:
+        """Training batches between validations in the latest ``fit`` (None before it, and when
+        ``val_check_interval`` is a duration)."""
+        data = self.fit_loop.data
+        if data is None:
+            return None
+        if self.config.val_check_interval == 1.0:
+            return data.num_batches
+        return data.validation.every
+
+    @contextlib.contextmanager
+    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Build a module's tensors on the device it will run on, in the dtype of a "-true" precision; the weights
+        are initialised as usual whatever ``empty_init`` says (the strategy loads a checkpoint over them)."""
+        precision = self.strategy.precision
+        dtype = getattr(precision, "dtype", None) if precision.name.endswith("-true") else None
+        previous = torch.get_default_dtype()
+        with torch.device(self.strategy.root_device):
+            if dtype is not None:
+                torch.set_default_dtype(dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(previous)
