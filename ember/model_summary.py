@@ -5,6 +5,7 @@ Lightning's table. The ``ModelSummary`` callback prints Ember's shorter table wh
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -41,13 +42,19 @@ def batch_shape(value: Any) -> list[Any] | str:
     return UNKNOWN_SIZE
 
 
-def _count(parameters: Any, trainable_only: bool = False) -> int:
-    """Elements of ``parameters``; a lazy layer's, whose shape is not known yet, count as 0."""
-    return sum(
-        0 if isinstance(parameter, nn.parameter.UninitializedParameter) else parameter.numel()
-        for parameter in parameters
-        if parameter.requires_grad or not trainable_only
-    )
+def parameter_counts(parameters: Iterable[nn.Parameter]) -> tuple[int, int, int]:
+    """(trainable, total, bytes) of ``parameters``; a lazy layer's, whose shape is not known yet, count as 0, and a
+    DTensor's numel() is that of the whole, unsharded tensor."""
+    trainable = total = size = 0
+    for parameter in parameters:
+        if isinstance(parameter, nn.parameter.UninitializedParameter):
+            continue
+        count = parameter.numel()
+        total += count
+        size += count * parameter.element_size()
+        if parameter.requires_grad:
+            trainable += count
+    return trainable, total, size
 
 
 class LayerSummary:
@@ -87,7 +94,7 @@ class LayerSummary:
 
     @property
     def num_parameters(self) -> int:
-        return _count(self._module.parameters())
+        return parameter_counts(self._module.parameters())[1]
 
     @property
     def training(self) -> bool:
@@ -189,11 +196,11 @@ class ModelSummary:
 
     @property
     def total_parameters(self) -> int:
-        return _count(self._model.parameters())
+        return parameter_counts(self._model.parameters())[1]
 
     @property
     def trainable_parameters(self) -> int:
-        return _count(self._model.parameters(), trainable_only=True)
+        return parameter_counts(self._model.parameters())[0]
 
     @property
     def total_layer_params(self) -> int:

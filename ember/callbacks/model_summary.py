@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
+from ember.model_summary import parameter_counts
 from ember.rank_zero import announce
 
 if TYPE_CHECKING:
@@ -39,11 +39,11 @@ class ModelSummary(Callback):
 def summarize(model: nn.Module, max_depth: int = 1) -> str:
     """The summary table of ``model`` as text (what ``ModelSummary`` prints)."""
     rows = [
-        (name, type(layer).__name__, *_counts(layer.parameters()))
+        (name, type(layer).__name__, *parameter_counts(layer.parameters()))
         for name, layer in model.named_modules()
         if name and (max_depth == -1 or name.count(".") < max_depth)
     ]
-    trainable, total, size = _counts(model.parameters())
+    trainable, total, size = parameter_counts(model.parameters())
     headers = ("Name", "Type", "Params", "Trainable")
     table = [headers] + [(name, kind, _readable(count), _readable(train)) for name, kind, train, count, _ in rows]
     widths = [max(len(row[column]) for row in table) for column in range(len(headers))]
@@ -64,20 +64,6 @@ def summarize(model: nn.Module, max_depth: int = 1) -> str:
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
         lines.append("(lazy layers whose parameters are not initialized yet count as 0)")
     return "\n".join(lines)
-
-
-def _counts(parameters: Iterable[nn.Parameter]) -> tuple[int, int, int]:
-    """(trainable, total, bytes) of ``parameters``; a DTensor's numel() is that of the whole, unsharded tensor."""
-    trainable = total = size = 0
-    for parameter in parameters:
-        if isinstance(parameter, nn.parameter.UninitializedParameter):
-            continue
-        count = parameter.numel()
-        total += count
-        size += count * parameter.element_size()
-        if parameter.requires_grad:
-            trainable += count
-    return trainable, total, size
 
 
 def _readable(count: int) -> str:
