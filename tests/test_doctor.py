@@ -224,6 +224,32 @@ def test_graphs_kept() -> None:
     assert "1.00 MB" in kept.measured
 
 
+KEPT_LOSSES: list[torch.Tensor] = []
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+
+def test_kept_graphs_are_traced_to_the_global_or_the_attribute_holding_them() -> None:
+    module, recorder, weight = Regressor(), _Recorder(), torch.ones(2, requires_grad=True)
+    module.outputs = []  # as a LightningModule collecting its step outputs
+    for _ in range(3):
+        KEPT_LOSSES.append(weight * 2)
+        recorder.losses.append(weight * 3)  # an object whose attributes Python keeps in the object itself
+        module.outputs.append(weight * 4)
+    try:
+        places = probe._holders(KEPT_LOSSES + recorder.losses + module.outputs)
+    finally:
+        KEPT_LOSSES.clear()
+    assert sorted(places) == [
+        f"list 'KEPT_LOSSES', a global of {__file__} (3 of the tensors sampled)",
+        "list in attribute 'losses' of a _Recorder (3 of the tensors sampled)",
+        "list in attribute 'outputs' of a Regressor (3 of the tensors sampled)",
+    ]
+
+
 def test_host_syncs() -> None:
     assert findings.host_syncs(_measured(syncs=Counter({"a.py:1 in f (item)": 24}))) is None
     syncs = findings.host_syncs(_measured(syncs=Counter({"a.py:1 in f (item)": 50}), sync_seconds=0.05))

@@ -85,25 +85,40 @@ def graph_tensors() -> list[torch.Tensor]:
 
 
 def _holders(tensors: list[torch.Tensor]) -> list[str]:
-    """Where tensors are kept: a global variable or an object's attribute holding the containers they are in."""
+    """Where tensors are kept: a global variable or an object's attribute holding the containers they are in.
+    Each level is one search of the heap for the referrers of all its objects at once (a search takes as long as
+    the heap is large, whatever it looks for)."""
+    sampled = {id(tensor) for tensor in tensors}
+    containers = [c for c in gc.get_referrers(*tensors) if isinstance(c, (list, dict, tuple, set))]
+    held = {id(c): len(sampled.intersection(map(id, gc.get_referents(c)))) for c in containers}
+    referrers = gc.get_referrers(*containers)
+    dicts = [r for r in referrers if isinstance(r, dict)]
+    # An object's attributes are in a dict of its own, found above, or (Python 3.11+, until that dict is first
+    # asked for) in the object itself, found in its place.
+    namespaces: dict[int, tuple[dict[str, Any], object]] = {id(d): (d, None) for d in dicts}
+    for holder in [*referrers, *gc.get_referrers(*dicts)]:
+        if (attributes := _attributes(holder)) is not None:
+            namespaces[id(attributes)] = (attributes, holder)
     places: Counter[str] = Counter()
-    for tensor in tensors:
-        for container in gc.get_referrers(tensor):
-            if not isinstance(container, (list, dict, tuple, set)):
+    for namespace, holder in namespaces.values():
+        for name, value in namespace.items():
+            if id(value) not in held:  # the containers are alive: no other object has their id
                 continue
-            for owner in gc.get_referrers(container):
-                if not isinstance(owner, dict):
-                    continue
-                name = next((key for key, value in owner.items() if value is container), None)
-                if name is None:
-                    continue
-                if "__name__" in owner and "__file__" in owner:
-                    places[f"{type(container).__name__} {name!r}, a global of {owner['__file__']}"] += 1
-                else:
-                    holder = next((o for o in gc.get_referrers(owner) if getattr(o, "__dict__", None) is owner), None)
-                    kind = f" of a {type(holder).__name__}" if holder is not None else ""
-                    places[f"{type(container).__name__} in attribute {name!r}{kind}"] += 1
+            if "__name__" in namespace and "__file__" in namespace:
+                place = f"{type(value).__name__} {name!r}, a global of {namespace['__file__']}"
+            else:
+                kind = f" of a {type(holder).__name__}" if holder is not None else ""
+                place = f"{type(value).__name__} in attribute {name!r}{kind}"
+            places[place] += held[id(value)]
     return [f"{place} ({count} of the tensors sampled)" for place, count in places.most_common(3)]
+
+
+def _attributes(holder: object) -> dict[str, Any] | None:
+    try:  # whatever the heap holds: some objects compute their attributes, and may fail to
+        attributes = getattr(holder, "__dict__", None)
+    except Exception:
+        return None
+    return attributes if isinstance(attributes, dict) else None
 
 
 def _time_step(trainer: Trainer, batch: Any, dtype: torch.dtype | None, repeats: int = _REPEATS) -> Timings:
