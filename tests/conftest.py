@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import compileall
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from filelock import FileLock
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
@@ -26,6 +29,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The slow tests first: the workers take tests in this order, so the last ones to run are short and no worker
+    # is left alone with a long one at the end (the sort is stable: the same order in every worker).
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -44,6 +50,22 @@ def _in_tmp_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 def _warnings_given_again() -> None:
     """Warnings given once per process (rank_zero_warn_once) are given again in each test that expects them."""
     ember.rank_zero._warned.clear()
+
+
+def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[str], None]) -> str:
+    """The directory ``name``, filled by ``build`` once in the whole session: the test workers share it (the first
+    to ask builds it while the others wait), so a costly reference run is made once however tests are spread."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each worker's own
+    directory = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (directory / "built").exists():
+            shutil.rmtree(directory, ignore_errors=True)  # what a failed attempt left
+            directory.mkdir()
+            build(str(directory))
+            (directory / "built").touch()
+    return str(directory)
 
 
 def make_data(n: int = 64, features: int = 4, seed: int = 0) -> TensorDataset:
@@ -136,3 +158,4 @@ def _command_line(pid: int) -> str:
             return file.read()
     except OSError:
         return ""
+

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Regressor, make_loader, quiet_trainer
+from conftest import Regressor, built_once, make_loader, quiet_trainer
 from test_distributed import _run
 from torch import nn
 from torch.utils.data import DataLoader
@@ -30,12 +30,13 @@ sys.path.insert(0, os.path.dirname(SCRIPT))
 import train_sharded as jobs  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = str(tmp_path_factory.mktemp("sharded"))
-    result = _run([sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", SCRIPT, "--out", out], out, 240)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out
+    def build(out: str) -> None:
+        result = _run([sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", SCRIPT, "--out", out], out, 240)
+        assert result.returncode == 0, result.stderr[-4000:]
+
+    return built_once(tmp_path_factory, "sharded", build)
 
 
 def _ranks(out: str, job: str) -> list[dict[str, Any]]:

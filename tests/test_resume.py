@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import (
     Regressor,
+    built_once,
     descendants,
     make_data,
     make_loader,
@@ -61,18 +62,16 @@ def _assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), [(x - y).abs().max() for x, y in zip(a, b)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], str]:
     """The directory of an uninterrupted 70-step run, per (processes, accumulation); computed once."""
-    runs: dict[tuple[int, int], str] = {}
 
     def get(processes: int, accumulate: int) -> str:
-        if (processes, accumulate) not in runs:
-            out = str(tmp_path_factory.mktemp(f"uninterrupted-{processes}-{accumulate}"))
+        def build(out: str) -> None:
             result = _job(out, "--accumulate", str(accumulate), processes=processes)
             assert result.returncode == 0, result.stderr[-3000:]
-            runs[processes, accumulate] = out
-        return runs[processes, accumulate]
+
+        return built_once(tmp_path_factory, f"uninterrupted-{processes}-{accumulate}", build)
 
     return get
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import built_once
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "strategy_cases.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
@@ -35,19 +36,21 @@ CASES = (
 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    out = str(tmp_path_factory.mktemp("cases"))
-    command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", SCRIPT, "--out", out,
-               "--cases", ",".join(CASES)]  # fmt: skip
-    process = subprocess.Popen(command, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail("the two-process cases timed out")
-    assert process.returncode == 0, stderr[-4000:]
+    def build(out: str) -> None:
+        command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", SCRIPT, "--out", out,
+                   "--cases", ",".join(CASES)]  # fmt: skip
+        process = subprocess.Popen(command, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)  # fmt: skip
+        try:
+            _, stderr = process.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail("the two-process cases timed out")
+        assert process.returncode == 0, stderr[-4000:]
+
+    out = built_once(tmp_path_factory, "cases", build)
     return {
         case: [torch.load(os.path.join(out, f"{case}-devices2-rank{rank}.pt")) for rank in range(2)] for case in CASES
     }
