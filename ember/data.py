@@ -8,13 +8,10 @@ skip exactly the batches its predecessor consumed by skipping their indices, wit
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
-import os
-import random
-import signal
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
@@ -36,6 +33,7 @@ from ember.combined_loader import CombinedLoader
 from ember.data_failures import DataLoadingError as DataLoadingError  # served here too (ember.data.X)
 from ember.data_failures import SampleError as SampleError
 from ember.data_failures import SampleNamed
+from ember.data_workers import WorkerStart, stop_signals_held
 from ember.data_workers import WorkerSuggestion as WorkerSuggestion  # served here too (ember.data.X)
 from ember.data_workers import cores_per_process as cores_per_process
 from ember.data_workers import suggest_num_workers as suggest_num_workers
@@ -156,7 +154,7 @@ def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: 
         else:
             prepared.collate_fn = functools.partial(_pinned, loader.collate_fn)
     if loader.num_workers > 0:
-        prepared.worker_init_fn = _WorkerStart(loader.worker_init_fn)
+        prepared.worker_init_fn = WorkerStart(loader.worker_init_fn)
     return prepared
 
 
@@ -253,48 +251,6 @@ def _shardable(loader: DataLoader) -> bool:
     return True
 
 
-class _WorkerStart:
-    """What a loader worker runs first: it leaves the signals that stop training to the main process, then
-    seeds the worker (unless the user's ``worker_init_fn``, run instead, does its own seeding)."""
-
-    def __init__(self, user_init: Callable[[int], None] | None) -> None:
-        self.user_init = user_init
-        self.main_pid = os.getpid()  # the process that reads the batches
-
-    def __call__(self, worker_id: int) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _obey_only_the_main_process(self.main_pid)
-        if self.user_init is not None:
-            self.user_init(worker_id)
-        else:
-            _seed_worker(worker_id)
-
-
-def _obey_only_the_main_process(main_pid: int) -> None:
-    """In a loader worker: end on SIGTERM (or SLURM's SIGUSR1) only when the main process sends it.
-
-    A launcher or scheduler (torchrun's agent, SLURM's ``scancel``, often both, one after the other) signals
-    every process of the job: were the workers to die of it, the main process could not fetch the batches
-    it needs to reach the step where it saves. The main process ends its workers with the same SIGTERM
-    (when it shuts the loader down, or at exit), so only the sender tells them apart, as torch's own
-    handler in the worker does; Python's handlers are not told the sender, so the signals are blocked and
-    a thread waits for them (programs a worker starts inherit them blocked, as they inherit Ctrl-C ignored).
-    Where that cannot be done (no ``sigwaitinfo``), torch's handling stays.
-    """
-    if not hasattr(signal, "sigwaitinfo"):
-        return
-    stops = {signal.SIGTERM, signal.SIGUSR1}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # in every thread started from here on too
-    threading.Thread(target=_wait_for_the_main_process, args=(stops, main_pid), daemon=True).start()
-
-
-def _wait_for_the_main_process(stops: set[signal.Signals], main_pid: int) -> None:
-    while True:
-        sender = signal.sigwaitinfo(stops).si_pid
-        if sender in (main_pid, os.getppid()):
-            os._exit(0)  # as torch's handler does: a clean exit, which the main process does not report
-
-
 def release_workers(loader: Iterable) -> None:
     """End the worker processes a loader with ``persistent_workers`` keeps between epochs (they would
     otherwise be left to the interpreter's exit, which waits for them)."""
@@ -307,22 +263,6 @@ def release_workers(loader: Iterable) -> None:
     if shutdown is not None:
         shutdown()
         object.__setattr__(loader, "_iterator", None)
-
-
-def _seed_worker(worker_id: int) -> None:
-    """Seed Python's and NumPy's generators in a worker from its torch seed.
-
-    The DataLoader gives each worker the torch seed base_seed + worker_id, and the base seed comes
-    from the loader's generator, which the Trainer seeds from the run's data seed, the epoch and
-    the rank: workers are seeded the same way again when a run resumes.
-    """
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    try:
-        import numpy
-    except ImportError:
-        return
-    numpy.random.seed(seed)
 
 
 def count_batches(loader: Iterable, limit: int | float | None, flag: str, strategy: Strategy | None = None) -> float:
@@ -442,7 +382,9 @@ def loader_batches(loader: Iterable) -> Iterator[Any]:
     stops)."""
     if isinstance(loader, CombinedLoader):
         return loader.batches(loader_batches)
-    iterator = iter(loader)
+    starts_workers = isinstance(loader, DataLoader) and isinstance(loader.worker_init_fn, WorkerStart)
+    with stop_signals_held() if starts_workers else contextlib.nullcontext():
+        iterator = iter(loader)
     if isinstance(loader, DataLoader) and loader.num_workers > 0 and not loader.persistent_workers:
         return _ending_workers(iterator)
     return iterator

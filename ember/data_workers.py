@@ -1,13 +1,98 @@
-"""How many loader workers to use: ``suggest_num_workers`` measures a loader's throughput with each count."""
+"""Loader workers: how each starts (signals, seeds), and how many to use (``suggest_num_workers`` measures a
+loader's throughput with each count)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
+
+
+class WorkerStart:
+    """What a loader worker runs first: it leaves the signals that stop training to the main process, then
+    seeds the worker (unless the user's ``worker_init_fn``, run instead, does its own seeding)."""
+
+    def __init__(self, user_init: Callable[[int], None] | None) -> None:
+        self.user_init = user_init
+        self.main_pid = os.getpid()  # the process that reads the batches
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _obey_only_the_main_process(self.main_pid)
+        if self.user_init is not None:
+            self.user_init(worker_id)
+        else:
+            _seed_worker(worker_id)
+
+
+#: The signals that stop training, which only the main process may give a loader worker.
+_STOPS = {signal.SIGTERM, signal.SIGUSR1} if hasattr(signal, "SIGUSR1") else {signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Blocks the signals that stop training in this thread while it starts loader workers, which inherit the
+    block in each of their threads: those their first code starts, and also those a forked process has from the
+    start (the OpenMP runtime's, started again at once in a child of a process that used more threads than it
+    now does), which would otherwise take such a signal and die of it. A signal that comes meanwhile waits here,
+    and is handled as this ends."""
+    if not hasattr(signal, "sigwaitinfo"):  # the workers keep torch's handling (below): nothing to hold
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _obey_only_the_main_process(main_pid: int) -> None:
+    """In a loader worker: end on SIGTERM (or SLURM's SIGUSR1) only when the main process sends it.
+
+    A launcher or scheduler (torchrun's agent, SLURM's ``scancel``, often both, one after the other) signals
+    every process of the job: were the workers to die of it, the main process could not fetch the batches
+    it needs to reach the step where it saves. The main process ends its workers with the same SIGTERM
+    (when it shuts the loader down, or at exit), so only the sender tells them apart, as torch's own
+    handler in the worker does; Python's handlers are not told the sender, so the signals are blocked and
+    a thread waits for them (programs a worker starts inherit them blocked, as they inherit Ctrl-C ignored).
+    Where that cannot be done (no ``sigwaitinfo``), torch's handling stays.
+    """
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)  # in the threads started from here on too
+    threading.Thread(target=_wait_for_the_main_process, args=(_STOPS, main_pid), daemon=True).start()
+
+
+def _wait_for_the_main_process(stops: set[signal.Signals], main_pid: int) -> None:
+    while True:
+        sender = signal.sigwaitinfo(stops).si_pid
+        if sender in (main_pid, os.getppid()):
+            os._exit(0)  # as torch's handler does: a clean exit, which the main process does not report
+
+
+def _seed_worker(worker_id: int) -> None:
+    """Seed Python's and NumPy's generators in a worker from its torch seed.
+
+    The DataLoader gives each worker the torch seed base_seed + worker_id, and the base seed comes
+    from the loader's generator, which the Trainer seeds from the run's data seed, the epoch and
+    the rank: workers are seeded the same way again when a run resumes.
+    """
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
 
 
 class WorkerSuggestion:

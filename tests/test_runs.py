@@ -572,7 +572,13 @@ class _SignalTheLoaderWorkers(Callback):
             subprocess.run([sys.executable, "-c", send, *workers], check=True, timeout=30)
 
 
-def test_loader_workers_outlive_signals_that_are_not_from_their_main_process(tmp_path: Any) -> None:
+@pytest.mark.parametrize("threads_used_before", [0, 2], ids=["threads as set", "more threads used before"])
+def test_loader_workers_outlive_signals_that_are_not_from_their_main_process(threads_used_before: int) -> None:
+    if threads_used_before:  # the OpenMP runtime then starts its threads again in each forked worker, at once
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads + threads_used_before)
+        torch.mm(torch.randn(256, 256), torch.randn(256, 256))
+        torch.set_num_threads(threads)
     signals = _SignalTheLoaderWorkers()
     trainer = quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False, callbacks=[signals])
     trainer.fit(Regressor(), make_loader(64, num_workers=2))
