@@ -780,6 +780,100 @@ def test_manual_optimization_hooks_and_flags() -> None:
         quiet_trainer(max_steps=1, gradient_clip_val=1.0).fit(Manual(), make_loader())
 
 
+def test_a_fit_without_an_optimizer_warns_and_runs_its_steps() -> None:
+    class NoOptimizer(Regressor):
+        def configure_optimizers(self) -> None:
+            return None
+
+    model = NoOptimizer()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    with pytest.warns(UserWarning, match="returned `None`, this fit will run with no optimizer"):
+        trainer.fit(model, make_loader(24))
+    assert trainer.global_step == 3
+    assert all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
+
+
+class _ManualWithScheduler(Regressor):
+    def __init__(self, scheduler: Any) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.scheduler = scheduler
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(F.mse_loss(self(batch[0]), batch[1]))
+        optimizer.step()
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [self.scheduler(optimizer)]
+
+
+def test_manual_optimization_ignores_the_keys_that_would_step_its_schedulers() -> None:
+    # The module steps its schedulers itself: a plateau scheduler needs no monitor, and the keys that only the
+    # Trainer's stepping reads are warned about and left out.
+    plateau = _ManualWithScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau)
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    trainer.fit(plateau, make_loader())
+    assert trainer.lr_scheduler_configs[0].monitor is None
+
+    in_dict = _ManualWithScheduler(
+        lambda optimizer: {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer), "monitor": "loss",
+                           "strict": False, "interval": "step"}
+    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    with pytest.warns(RuntimeWarning, match=r"contains the key\(s\) \['monitor', 'strict'\], but the keys will be ig"):
+        trainer.fit(in_dict, make_loader())
+    config = trainer.lr_scheduler_configs[0]
+    assert (config.interval, config.monitor, config.strict, config.reduce_on_plateau) == ("step", None, True, False)
+
+
+class _OwnStepScheduler:
+    """A scheduler whose ``step`` takes what PyTorch's does not: the module steps it in ``lr_scheduler_step``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.steps: list[int] = []
+
+    def step(self, epoch: int) -> None:
+        self.steps.append(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = state["steps"]
+
+
+def test_a_scheduler_of_another_api_is_stepped_by_the_modules_lr_scheduler_step() -> None:
+    class OwnStep(Regressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            self.scheduler = _OwnStepScheduler(optimizer)
+            return [optimizer], [self.scheduler]
+
+        def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+            scheduler.step(epoch=self.current_epoch)
+
+    model = OwnStep()
+    quiet_trainer(max_epochs=2, logger=False).fit(model, make_loader(16))
+    assert model.scheduler.steps == [0, 1]
+    manual = _ManualWithScheduler(_OwnStepScheduler)  # stepped by training_step: nothing to check
+    quiet_trainer(max_steps=1, logger=False).fit(manual, make_loader())
+
+
+def test_a_one_cycle_schedule_per_epoch_is_warned_about() -> None:
+    class OneCycle(Regressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [optimizer], [torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)]
+
+    with pytest.warns(RuntimeWarning, match="A `OneCycleLR` scheduler is using 'interval': 'epoch'"):
+        quiet_trainer(max_steps=1, logger=False).fit(OneCycle(), make_loader())
+
+
 def test_toggle_model_freezes_the_other_optimizers_parameters_as_lightning_does() -> None:
     seen: list[tuple[bool, bool]] = []
 

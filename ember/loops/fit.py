@@ -24,7 +24,7 @@ from ember.loops.progress import Progress
 from ember.loops.step import ManualOptimizer, StepResult, StepRunner, Window
 from ember.loops.stopping import Stopping, reached_limit
 from ember.loops.training_data import TrainingData
-from ember.optim import check_automatic, parse_optimizers
+from ember.optim import configure_optimization
 from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
 from ember.seed import random_state, set_random_state
 from ember.trainer_parts import log_hyperparameters
@@ -124,9 +124,8 @@ class FitLoop:
         trainer = self.trainer
         config, strategy, module, hooks = trainer.config, trainer.strategy, trainer.lightning_module, trainer.hooks
         assert module is not None
-        optimizers, scheduler_configs = parse_optimizers(hooks.call_module("configure_optimizers"))
-        if module.automatic_optimization:
-            check_automatic(optimizers)
+        result, own_step = hooks.call_module("configure_optimizers"), hooks.module_hook("lr_scheduler_step")
+        optimizers, scheduler_configs = configure_optimization(result, module.automatic_optimization, own_step)
         strategy.setup_optimizers(optimizers)
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
