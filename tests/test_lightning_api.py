@@ -20,6 +20,7 @@ import ember
 from ember.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from ember.exceptions import MisconfigurationException
 from ember.loggers import CSVLogger
+from ember.optim import LightningOptimizer
 
 
 # ------------------------------------------------------------------------- metrics per stage
@@ -872,6 +873,143 @@ def test_a_one_cycle_schedule_per_epoch_is_warned_about() -> None:
 
     with pytest.warns(RuntimeWarning, match="A `OneCycleLR` scheduler is using 'interval': 'epoch'"):
         quiet_trainer(max_steps=1, logger=False).fit(OneCycle(), make_loader())
+
+
+def test_the_optimizers_a_module_is_given_are_instances_of_their_own_class() -> None:
+    seen: list[Any] = []
+
+    class Checked(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            optimizer = self.optimizers()
+            seen.append((type(optimizer).__name__, isinstance(optimizer, torch.optim.SGD), str(optimizer)[:13]))
+            seen.append(optimizer.optimizer is self.trainer.optimizers[0] is self.optimizers(use_pl_optimizer=False))
+            return super().training_step(batch, batch_idx)
+
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            seen.append(isinstance(optimizer, LightningOptimizer) and isinstance(optimizer, torch.optim.SGD))
+            seen.append(torch.is_tensor(optimizer.step(closure=optimizer_closure)))  # what the closure returned
+
+    quiet_trainer(max_steps=1, logger=False).fit(Checked(), make_loader())
+    # optimizer_step runs first: training_step runs inside the closure it hands to optimizer.step.
+    assert seen == [True, ("LightningSGD", True, "LightningSGD "), True, True]
+
+
+def test_a_lightning_optimizer_made_by_hand_shares_its_optimizers_state() -> None:
+    layer = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.1)
+    wrapped = LightningOptimizer(optimizer)
+    assert isinstance(wrapped, torch.optim.Adam) and type(wrapped).__name__ == "LightningAdam"
+    assert wrapped.state is optimizer.state and wrapped.param_groups is optimizer.param_groups
+    assert str(wrapped) == "Lightning" + str(optimizer)
+    saved = wrapped.state_dict()
+    saved["param_groups"][0]["lr"] = 0.5
+    wrapped.load_state_dict(saved)  # loads into the optimizer itself
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    layer(torch.ones(1, 3)).sum().backward()
+    assert wrapped.step() is None  # outside a fit, the optimizer's own step
+    wrapped.zero_grad()
+    assert all(parameter.grad is None for parameter in layer.parameters())
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An SGD that counts the calls of its ``zero_grad`` and records the extra arguments of its ``step``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.zero_grads = 0
+        self.step_arguments: list[dict[str, Any]] = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grads += 1
+        super().zero_grad(set_to_none)
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.step_arguments.append(kwargs)
+        return super().step(closure)
+
+
+def test_a_manual_step_gives_the_optimizer_its_closure_and_arguments() -> None:
+    calls: list[str] = []
+
+    class ClosureSteps(Regressor):
+        def __init__(self, optimizer: type[torch.optim.Optimizer], **options: Any) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.make = functools.partial(optimizer, **options)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            optimizer = self.optimizers()
+
+            def closure() -> torch.Tensor:
+                calls.append("closure")
+                optimizer.zero_grad()
+                loss = F.mse_loss(self(batch[0]), batch[1])
+                self.manual_backward(loss)
+                return loss
+
+            return optimizer.step(closure=closure, **({"mode": "x"} if isinstance(optimizer, _CountingSGD) else {}))
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            calls.append("on_before_optimizer_step")
+
+        def configure_optimizers(self) -> Any:
+            return self.make(self.parameters())
+
+    # LBFGS evaluates the closure several times in one step: each run is then shown to the hooks.
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    trainer.fit(ClosureSteps(torch.optim.LBFGS, max_iter=3), make_loader())
+    assert calls == ["closure", "on_before_optimizer_step"] * 3 and trainer.global_step == 1
+    model = ClosureSteps(_CountingSGD, lr=0.1)
+    quiet_trainer(max_steps=2, logger=False).fit(model, make_loader())
+    assert model.optimizers(use_pl_optimizer=False).step_arguments == [{"mode": "x"}] * 2
+
+
+def test_a_step_with_a_closure_that_cannot_be_called_is_refused() -> None:
+    class NotCallable(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            self.optimizers().step(closure=1.0)
+
+    with pytest.raises(MisconfigurationException, match="the closure should be callable: got float 1.0"):
+        quiet_trainer(max_steps=1, logger=False).fit(NotCallable(), make_loader())
+
+
+def test_manual_backward_gives_backward_its_arguments() -> None:
+    class Twice(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            optimizer = self.optimizers()
+            loss = F.mse_loss(self(batch[0]), batch[1])
+            self.manual_backward(loss, retain_graph=True)
+            once = self.layer.weight.grad.clone()
+            self.manual_backward(loss)  # the graph was kept for a second backward
+            torch.testing.assert_close(self.layer.weight.grad, 2 * once)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    trainer = quiet_trainer(max_steps=2, logger=False)
+    trainer.fit(Twice(), make_loader())
+    assert trainer.global_step == 2
+
+
+def test_the_optimizers_zero_grad_is_called_only_where_the_hooks_call_it() -> None:
+    class EveryOther(Regressor):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            if batch_idx % 2 == 0:
+                optimizer.zero_grad()
+
+        def configure_optimizers(self) -> Any:
+            return _CountingSGD(self.parameters(), lr=0.1)
+
+    model = EveryOther()
+    quiet_trainer(max_epochs=1, logger=False).fit(model, make_loader(64))
+    assert model.optimizers(use_pl_optimizer=False).zero_grads == 4  # of 8 batches: none before training
 
 
 def test_toggle_model_freezes_the_other_optimizers_parameters_as_lightning_does() -> None:

@@ -341,8 +341,11 @@ class Strategy:
         torch.nn.utils.clip_grad_value_(parameters, max_value)
         return None
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.precision.optimizer_step(optimizer)
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """Step ``optimizer`` through the precision; ``closure`` and ``kwargs`` go to its ``step``."""
+        return self.precision.optimizer_step(optimizer, closure, **kwargs)
 
     @property
     def averages_split_gradients(self) -> bool:
