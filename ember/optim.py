@@ -310,11 +310,12 @@ def _check_scheduler(config: LRSchedulerConfig, optimizers: list[torch.optim.Opt
         )
 
 
-def monitored_value(config: LRSchedulerConfig, metrics: Mapping[str, Any]) -> float | None:
-    """The value of the metric that ``config``'s scheduler watches; when it was not logged, as in Lightning, a
+def monitored_value(config: LRSchedulerConfig, metrics: Mapping[str, Any]) -> Any | None:
+    """The value of the metric that ``config``'s scheduler watches, as the callback metrics hold it (a tensor, given
+    to ``lr_scheduler_step`` as in Lightning); when it was not logged, as in Lightning, a
     ``MisconfigurationException``, or with ``strict=False`` a ``RuntimeWarning`` and None (the step is skipped)."""
     if config.monitor is not None and config.monitor in metrics:
-        return float(metrics[config.monitor])
+        return metrics[config.monitor]
     message = f"ReduceLROnPlateau conditioned on metric {config.monitor} which is not available"
     if config.strict:
         raise MisconfigurationException(

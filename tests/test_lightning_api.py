@@ -865,6 +865,25 @@ def test_a_scheduler_of_another_api_is_stepped_by_the_modules_lr_scheduler_step(
     quiet_trainer(max_steps=1, logger=False).fit(manual, make_loader())
 
 
+def test_lr_scheduler_step_is_given_the_monitored_metric_as_it_was_logged() -> None:
+    metrics: list[Any] = []
+
+    class Plateau(Regressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
+
+        def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+            metrics.append(metric)
+            scheduler.step(metric.item())
+
+    trainer = quiet_trainer(max_epochs=2, logger=False)
+    trainer.fit(Plateau(), make_loader(16), make_loader(16))
+    assert len(metrics) == 2 and all(torch.is_tensor(metric) for metric in metrics)
+    assert metrics[-1] == trainer.callback_metrics["val_loss"]
+
+
 def test_a_one_cycle_schedule_per_epoch_is_warned_about() -> None:
     class OneCycle(Regressor):
         def configure_optimizers(self) -> Any:

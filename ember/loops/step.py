@@ -549,7 +549,7 @@ def _backward_with(backward: Hook, args: tuple[Any, ...], kwargs: dict[str, Any]
     backward(loss, *args, **kwargs)
 
 
-def _step_scheduler(scheduler: Any, metric: float | None) -> None:
+def _step_scheduler(scheduler: Any, metric: Any | None) -> None:
     if metric is None:
         scheduler.step()
     else:
