@@ -4,6 +4,7 @@ optimization flags that the module's optimization cannot honour."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,11 +56,11 @@ class LRSchedulerConfig:
 class TrainerStep(Protocol):
     """What steps a ``LightningOptimizer`` during a fit (the Trainer's step runner)."""
 
+    module: Module
+    strategy: Strategy
+
     def step_optimizer(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         """``optimizer.step(closure, **kwargs)`` through the precision and the hooks; returns what it returns."""
-
-    def toggled(self, optimizer: torch.optim.Optimizer, sync_grad: bool) -> contextlib.AbstractContextManager[None]:
-        """Only ``optimizer``'s parameters receive gradients while active, synchronised only if ``sync_grad``."""
 
 
 class LightningOptimizer:
@@ -100,8 +101,13 @@ class LightningOptimizer:
         ``sync_grad=False`` on all micro-batches but the last."""
         if self._trainer_step is None:
             raise RuntimeError("toggle_model() is available during fit only")
-        with self._trainer_step.toggled(self._wrapped, sync_grad):
-            yield
+        module, strategy = self._trainer_step.module, self._trainer_step.strategy
+        module.toggle_optimizer(self._wrapped)
+        try:
+            with strategy.no_sync(not sync_grad):
+                yield
+        finally:
+            module.untoggle_optimizer(self._wrapped)
 
     # What changes the optimizer changes the wrapped one (the wrapper's class has the optimizer's methods).
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -142,6 +148,13 @@ def clear_gradients(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             parameter.grad = None
+
+
+def needs_closure(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """Whether the first of ``optimizers`` must be given a closure by its ``step``, which may run it several times
+    (LBFGS)."""
+    closure = inspect.signature(optimizers[0].step).parameters.get("closure") if optimizers else None
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:

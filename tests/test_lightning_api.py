@@ -983,6 +983,49 @@ def test_a_manual_step_gives_the_optimizer_its_closure_and_arguments() -> None:
     assert model.optimizers(use_pl_optimizer=False).step_arguments == [{"mode": "x"}] * 2
 
 
+class _Quasi(Regressor):
+    """A regression fitted by LBFGS, whose ``step`` evaluates the closure it is given several times."""
+
+    def __init__(self, override_step: bool = False) -> None:
+        super().__init__()
+        self.evaluations = self.shown = 0
+        if override_step:
+            self.optimizer_step = self._step_with_the_closure  # type: ignore[method-assign]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.evaluations += 1
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.shown += 1
+
+    def _step_with_the_closure(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any) -> None:
+        optimizer.step(closure=optimizer_closure)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), max_iter=3)
+
+
+@pytest.mark.parametrize("override_step", [False, True])
+def test_an_optimizer_that_runs_the_closure_itself_steps_under_automatic_optimization(override_step: bool) -> None:
+    model, reference = _Quasi(override_step), _Quasi()
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(model, make_loader(16))
+    assert trainer.global_step == 2 and model.evaluations == model.shown == 2 * 3
+    optimizer = torch.optim.LBFGS(reference.parameters(), max_iter=3)
+    for x, y in make_loader(16):  # the same steps by hand: each evaluation starts from no gradients
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = F.mse_loss(reference(x), y)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    for trained, by_hand in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(trained, by_hand)
+
+
 def test_a_step_with_a_closure_that_cannot_be_called_is_refused() -> None:
     class NotCallable(Regressor):
         def __init__(self) -> None:

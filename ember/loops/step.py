@@ -10,12 +10,11 @@ steps through ``optimizer_step`` (unscaling, the hooks, clipping, the step). Eac
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -29,6 +28,7 @@ from ember.optim import (
     check_optimization_flags,
     clear_gradients,
     monitored_value,
+    needs_closure,
 )
 
 if TYPE_CHECKING:
@@ -177,7 +177,9 @@ class StepRunner:
         self._clips = bool(clip_val) or hooks.configure_gradient_clipping is not None
         # Whether a step has anything to do before the optimizer's (a plain step goes straight to it).
         self._prepares = self._clips or bool(self.before_step_hooks) or calls.unscale is not None
-        self._hooked = hooks.any  # Lightning's order of the hooks of a step, with its closure
+        #: Whether the optimizer must run the step's closure itself, maybe several times (LBFGS).
+        self.closure_steps = module.automatic_optimization and needs_closure(self.optimizers)
+        self._hooked = hooks.any or self.closure_steps  # Lightning's order of the hooks of a step, with its closure
         self._manual_steps = 0  # the optimizer steps of the manual batch being run
         #: Optimizer steps that fault tolerance dropped (the replica groups' vote did not commit them).
         self.dropped_steps = 0
@@ -326,6 +328,8 @@ class StepRunner:
         if window is None:
             self._manual_steps += 1
             return self._step_with(optimizer, closure, kwargs, 1.0, clip=False)
+        if self.closure_steps:
+            return self._step_with(optimizer, closure, kwargs, window.gradient_scale, clip=True)
         result = closure() if closure is not None else None
         if window.has_gradients:
             self._step_with(optimizer, None, kwargs, window.gradient_scale, clip=True)
@@ -351,18 +355,6 @@ class StepRunner:
             self.strategy.optimizer_step(optimizer, **kwargs)
         return result
 
-    @contextlib.contextmanager
-    def toggled(self, optimizer: torch.optim.Optimizer, sync_grad: bool) -> Iterator[None]:
-        """``LightningOptimizer.toggle_model``: only ``optimizer``'s parameters receive gradients (the module's
-        ``toggle_optimizer``), and ``manual_backward`` averages gradients across ranks only if ``sync_grad``."""
-        module = self.module
-        module.toggle_optimizer(optimizer)
-        try:
-            with self.strategy.no_sync(not sync_grad):
-                yield
-        finally:
-            module.untoggle_optimizer(optimizer)
-
     def _close(self, window: Window, batch_idx: int, closure: _Closure | None = None) -> int:
         """The optimizer step that ends ``window``, through the module's ``optimizer_step`` where it overrides it
         (handing it ``closure``, the last micro-batch, to run), with what follows a step; returns the steps
@@ -380,6 +372,8 @@ class StepRunner:
                     "call optimizer.step(closure=optimizer_closure), or optimizer_closure() to run the step's "
                     "training_step and backward without stepping"
                 )
+        elif self.closure_steps and closure is not None:
+            self._step_with(optimizer, closure, {}, window.gradient_scale, clip=True)
         else:
             if closure is not None:
                 closure()
@@ -522,12 +516,13 @@ class _Closure:
         self.loss: torch.Tensor | None = None
 
     def __call__(self) -> torch.Tensor | None:
-        if self.ran:
+        runner, window, again = self._runner, self._window, self.ran
+        if again and not runner.closure_steps:
             raise RuntimeError("optimizer_closure was called twice; each micro-batch runs its step once")
         self.ran = True
-        runner, window = self._runner, self._window
+        # An optimizer that runs the closure again (LBFGS) asks for the loss and gradients afresh each time.
         self.output, loss = runner.forward_backward(
-            self._batch, self._batch_idx, divisor=window.size, sync=window.closing, reset=window.seen == 1
+            self._batch, self._batch_idx, divisor=window.size, sync=window.closing, reset=window.seen == 1 or again
         )
         if loss is not None:
             window.has_gradients = True
