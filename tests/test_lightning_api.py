@@ -7,6 +7,7 @@ import functools
 import os
 import signal
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -1024,6 +1025,26 @@ def test_an_optimizer_that_runs_the_closure_itself_steps_under_automatic_optimiz
         optimizer.step(closure)
     for trained, by_hand in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(trained, by_hand)
+
+
+@pytest.mark.parametrize("automatic", [True, False])
+def test_a_mock_of_the_strategys_backward_counts_every_backward(automatic: bool) -> None:
+    class Steps(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = automatic
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            if not automatic:
+                self.manual_backward(loss)
+                self.optimizers().step()
+            return loss
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    with mock.patch.object(ember.strategies.Strategy, "backward", wraps=trainer.strategy.backward) as backward:
+        trainer.fit(Steps(), make_loader(24))
+    assert backward.call_count == trainer.global_step == 3
 
 
 def test_a_step_with_a_closure_that_cannot_be_called_is_refused() -> None:
