@@ -914,6 +914,18 @@ def test_the_optimizers_a_module_is_given_are_instances_of_their_own_class() -> 
     assert seen == [True, ("LightningSGD", True, "LightningSGD "), True, True]
 
 
+def test_a_module_that_was_not_fitted_has_no_optimizers_in_other_stages() -> None:
+    seen: list[Any] = []
+
+    class Asks(Regressor):
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            seen.append((self.optimizers(), self.optimizers(use_pl_optimizer=False), self.lr_schedulers()))
+
+    trainer = quiet_trainer(logger=False)
+    trainer.test(Asks(), make_loader(8))
+    assert seen == [([], [], None)] and trainer.optimizers == []
+
+
 def test_a_lightning_optimizer_made_by_hand_shares_its_optimizers_state() -> None:
     layer = nn.Linear(3, 2)
     optimizer = torch.optim.Adam(layer.parameters(), lr=0.1)

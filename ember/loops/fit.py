@@ -384,9 +384,7 @@ class FitLoop:
 
     @property
     def lightning_optimizers(self) -> list[LightningOptimizer]:
-        if self.runner is None:
-            raise RuntimeError("optimizers() is available during fit only")
-        return self.runner.lightning_optimizers
+        return self.runner.lightning_optimizers if self.runner is not None else []
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``Module.manual_backward``: the backward of the step runner, with its hooks."""
