@@ -1,5 +1,6 @@
-"""What ``configure_optimizers`` may return, parsed into optimizers and scheduler configurations, and the Trainer's
-optimization flags that the module's optimization cannot honour."""
+"""What ``configure_optimizers`` may return, parsed into optimizers and scheduler configurations and checked as
+Lightning checks them; the Trainer's optimization flags that the module's optimization cannot honour; and
+``LightningOptimizer``, the optimizers as the module's hooks and ``self.optimizers()`` give them."""
 
 from __future__ import annotations
 
