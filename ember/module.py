@@ -211,7 +211,7 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         """The optimizer (or list of them) from ``configure_optimizers``, wrapped so that ``step()`` goes through the
         precision, or as it returned them (``use_pl_optimizer=False``, as in Lightning)."""
         loop = self.trainer.fit_loop
-        optimizers = loop.manual_optimizers if use_pl_optimizer else loop.optimizers
+        optimizers = loop.lightning_optimizers if use_pl_optimizer else loop.optimizers
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
     def lr_schedulers(self) -> Any:
@@ -282,10 +282,10 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
             parameter.requires_grad_(True)
         self.train()
 
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` as the strategy and precision need it (loss scaling, gradient sync), between the
-        ``on_before_backward`` and ``on_after_backward`` hooks."""
-        self.trainer.fit_loop.manual_backward(loss)
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward(*args, **kwargs)`` (``retain_graph=True``, ...) as the strategy and precision need it (loss
+        scaling, gradient sync), between the ``on_before_backward`` and ``on_after_backward`` hooks."""
+        self.trainer.fit_loop.manual_backward(loss, *args, **kwargs)
 
     def clip_gradients(
         self,
@@ -300,7 +300,10 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         clip_val = _one_of("gradient_clip_val", config.gradient_clip_val, gradient_clip_val)
         algorithm = _one_of("gradient_clip_algorithm", config.gradient_clip_algorithm, gradient_clip_algorithm)
         if algorithm not in (None, "norm", "value"):
-            raise MisconfigurationException(f"clip_gradients(gradient_clip_algorithm={algorithm!r}): 'norm' or 'value'")
+            raise MisconfigurationException(
+                f"`gradient_clip_algorithm` {algorithm} is invalid. Allowed algorithms: ['value', 'norm'] "
+                f"(clip_gradients(gradient_clip_algorithm={algorithm!r}))"
+            )
         if not clip_val:
             return
         strategy = self.trainer.strategy

@@ -66,8 +66,12 @@ class Precision:
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients to their true scale before they are clipped or inspected."""
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """Step ``optimizer``; a ``closure`` (and ``kwargs``) go to its ``step``, which runs it and returns what it
+        returns."""
+        return optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -134,10 +138,13 @@ class MixedPrecision(Precision):
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any
+    ) -> Any:
         if self.scaler is None:
-            optimizer.step()
-            return
+            return super().optimizer_step(optimizer, closure, **kwargs)
+        # The scaler steps (or skips) once it knows the gradients: the closure runs first, once, as in Lightning.
+        result = closure() if closure is not None else None
         if not getattr(optimizer, "_step_supports_amp_scaling", False) and not self._told_of_sync:
             self._told_of_sync = True
             rank_zero_warn(
@@ -148,9 +155,10 @@ class MixedPrecision(Precision):
             )
         # Skipped when the gradients hold inf or NaN: a fused optimizer checks on the device, any other is
         # stepped (or not) after GradScaler reads the overflow flag with .item().
-        self.scaler.step(optimizer)
+        self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         self._unscaled.clear()
+        return result
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

@@ -137,6 +137,26 @@ def test_a_backward_that_fails_for_its_own_reason_is_not_blamed_on_the_loss() ->
         quiet_trainer(max_steps=1, logger=False).fit(returned, make_loader())
 
 
+class _StepOnly:
+    """A scheduler that cannot be saved: it has no ``state_dict``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        pass
+
+
+class _OwnScheduler(_StepOnly):
+    """A scheduler that can be saved but whose ``step`` is not PyTorch's: the module must step it itself."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
 class _Optimizers(Regressor):
     def __init__(self, make: Any) -> None:
         super().__init__()
@@ -155,11 +175,10 @@ class _Optimizers(Regressor):
         (lambda self: [torch.optim.SGD(self.parameters(), lr=0.1)] * 2, RuntimeError,
          "Training with multiple optimizers is only supported with manual optimization: configure_optimizers"
          r"\(\) returned 2"),
-        (lambda self: None, ValueError, "configure_optimizers\\(\\) returned no optimizer"),
         (
             lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
                           "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1), "interval": "batch"}},
-            MisconfigurationException, 'The "interval" key in lr scheduler dict must be "step" or "epoch", not .batch',
+            MisconfigurationException, '"interval" key in lr scheduler dict must be "step" or "epoch" but is "batch"',
         ),
         (
             lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
@@ -169,7 +188,22 @@ class _Optimizers(Regressor):
         (
             lambda self: {"optimizer": torch.optim.SGD(self.parameters(), lr=0.1),
                           "lr_scheduler": {"interval": "step"}},
-            MisconfigurationException, 'the lr scheduler dict must have the key "scheduler"',
+            MisconfigurationException, 'The lr scheduler dict must have the key "scheduler"',
+        ),
+        (
+            lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
+                          "lr_scheduler": _StepOnly(o)},
+            TypeError, "The provided lr scheduler `_StepOnly` is invalid. It should have `state_dict`",
+        ),
+        (
+            lambda self: {"optimizer": (o := torch.optim.SGD(self.parameters(), lr=0.1)),
+                          "lr_scheduler": _OwnScheduler(o)},
+            MisconfigurationException, "`_OwnScheduler` doesn't follow PyTorch's LRScheduler API. You should override",
+        ),
+        (
+            lambda self: ([torch.optim.SGD(self.parameters(), lr=0.1)],
+                          [torch.optim.lr_scheduler.StepLR(torch.optim.SGD(self.parameters(), lr=0.1), 1)]),
+            MisconfigurationException, "attached with an optimizer that wasn't returned from `configure_optimizers`",
         ),
     ],
 )  # fmt: skip

@@ -116,7 +116,7 @@ class _Trainer:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.run_metrics = _Logs()
         self.config = SimpleNamespace(barebones=False)
-        self.fit_loop = SimpleNamespace(manual_optimizers=[optimizer])
+        self.fit_loop = SimpleNamespace(lightning_optimizers=[optimizer])
 
 
 class _Shares(torch.nn.Module):

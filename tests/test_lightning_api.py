@@ -7,6 +7,7 @@ import functools
 import os
 import signal
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import ember
 from ember.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from ember.exceptions import MisconfigurationException
 from ember.loggers import CSVLogger
+from ember.optim import LightningOptimizer
 
 
 # ------------------------------------------------------------------------- metrics per stage
@@ -778,6 +780,331 @@ def test_manual_optimization_hooks_and_flags() -> None:
         quiet_trainer(max_steps=1, accumulate_grad_batches=2).fit(Manual(), make_loader())
     with pytest.raises(MisconfigurationException, match="gradient clipping is not supported for manual optimization"):
         quiet_trainer(max_steps=1, gradient_clip_val=1.0).fit(Manual(), make_loader())
+
+
+def test_a_fit_without_an_optimizer_warns_and_runs_its_steps() -> None:
+    class NoOptimizer(Regressor):
+        def configure_optimizers(self) -> None:
+            return None
+
+    model = NoOptimizer()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    with pytest.warns(UserWarning, match="returned `None`, this fit will run with no optimizer"):
+        trainer.fit(model, make_loader(24))
+    assert trainer.global_step == 3
+    assert all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
+
+
+class _ManualWithScheduler(Regressor):
+    def __init__(self, scheduler: Any) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.scheduler = scheduler
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(F.mse_loss(self(batch[0]), batch[1]))
+        optimizer.step()
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [self.scheduler(optimizer)]
+
+
+def test_manual_optimization_ignores_the_keys_that_would_step_its_schedulers() -> None:
+    # The module steps its schedulers itself: a plateau scheduler needs no monitor, and the keys that only the
+    # Trainer's stepping reads are warned about and left out.
+    plateau = _ManualWithScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau)
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    trainer.fit(plateau, make_loader())
+    assert trainer.lr_scheduler_configs[0].monitor is None
+
+    in_dict = _ManualWithScheduler(
+        lambda optimizer: {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer), "monitor": "loss",
+                           "strict": False, "interval": "step"}
+    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    with pytest.warns(RuntimeWarning, match=r"contains the key\(s\) \['monitor', 'strict'\], but the keys will be ig"):
+        trainer.fit(in_dict, make_loader())
+    config = trainer.lr_scheduler_configs[0]
+    assert (config.interval, config.monitor, config.strict, config.reduce_on_plateau) == ("step", None, True, False)
+
+
+class _OwnStepScheduler:
+    """A scheduler whose ``step`` takes what PyTorch's does not: the module steps it in ``lr_scheduler_step``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.steps: list[int] = []
+
+    def step(self, epoch: int) -> None:
+        self.steps.append(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = state["steps"]
+
+
+def test_a_scheduler_of_another_api_is_stepped_by_the_modules_lr_scheduler_step() -> None:
+    class OwnStep(Regressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            self.scheduler = _OwnStepScheduler(optimizer)
+            return [optimizer], [self.scheduler]
+
+        def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+            scheduler.step(epoch=self.current_epoch)
+
+    model = OwnStep()
+    quiet_trainer(max_epochs=2, logger=False).fit(model, make_loader(16))
+    assert model.scheduler.steps == [0, 1]
+    manual = _ManualWithScheduler(_OwnStepScheduler)  # stepped by training_step: nothing to check
+    quiet_trainer(max_steps=1, logger=False).fit(manual, make_loader())
+
+
+def test_lr_scheduler_step_is_given_the_monitored_metric_as_it_was_logged() -> None:
+    metrics: list[Any] = []
+
+    class Plateau(Regressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
+
+        def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+            metrics.append(metric)
+            scheduler.step(metric.item())
+
+    trainer = quiet_trainer(max_epochs=2, logger=False)
+    trainer.fit(Plateau(), make_loader(16), make_loader(16))
+    assert len(metrics) == 2 and all(torch.is_tensor(metric) for metric in metrics)
+    assert metrics[-1] == trainer.callback_metrics["val_loss"]
+
+
+def test_a_one_cycle_schedule_per_epoch_is_warned_about() -> None:
+    class OneCycle(Regressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [optimizer], [torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)]
+
+    with pytest.warns(RuntimeWarning, match="A `OneCycleLR` scheduler is using 'interval': 'epoch'"):
+        quiet_trainer(max_steps=1, logger=False).fit(OneCycle(), make_loader())
+
+
+def test_the_optimizers_a_module_is_given_are_instances_of_their_own_class() -> None:
+    seen: list[Any] = []
+
+    class Checked(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            optimizer = self.optimizers()
+            seen.append((type(optimizer).__name__, isinstance(optimizer, torch.optim.SGD), str(optimizer)[:13]))
+            seen.append(optimizer.optimizer is self.trainer.optimizers[0] is self.optimizers(use_pl_optimizer=False))
+            return super().training_step(batch, batch_idx)
+
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            seen.append(isinstance(optimizer, LightningOptimizer) and isinstance(optimizer, torch.optim.SGD))
+            seen.append(torch.is_tensor(optimizer.step(closure=optimizer_closure)))  # what the closure returned
+
+    quiet_trainer(max_steps=1, logger=False).fit(Checked(), make_loader())
+    # optimizer_step runs first: training_step runs inside the closure it hands to optimizer.step.
+    assert seen == [True, ("LightningSGD", True, "LightningSGD "), True, True]
+
+
+def test_a_module_that_was_not_fitted_has_no_optimizers_in_other_stages() -> None:
+    seen: list[Any] = []
+
+    class Asks(Regressor):
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            seen.append((self.optimizers(), self.optimizers(use_pl_optimizer=False), self.lr_schedulers()))
+
+    trainer = quiet_trainer(logger=False)
+    trainer.test(Asks(), make_loader(8))
+    assert seen == [([], [], None)] and trainer.optimizers == []
+
+
+def test_a_lightning_optimizer_made_by_hand_shares_its_optimizers_state() -> None:
+    layer = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.1)
+    wrapped = LightningOptimizer(optimizer)
+    assert isinstance(wrapped, torch.optim.Adam) and type(wrapped).__name__ == "LightningAdam"
+    assert wrapped.state is optimizer.state and wrapped.param_groups is optimizer.param_groups
+    assert str(wrapped) == "Lightning" + str(optimizer)
+    saved = wrapped.state_dict()
+    saved["param_groups"][0]["lr"] = 0.5
+    wrapped.load_state_dict(saved)  # loads into the optimizer itself
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    layer(torch.ones(1, 3)).sum().backward()
+    assert wrapped.step() is None  # outside a fit, the optimizer's own step
+    wrapped.zero_grad()
+    assert all(parameter.grad is None for parameter in layer.parameters())
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An SGD that counts the calls of its ``zero_grad`` and records the extra arguments of its ``step``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.zero_grads = 0
+        self.step_arguments: list[dict[str, Any]] = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grads += 1
+        super().zero_grad(set_to_none)
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.step_arguments.append(kwargs)
+        return super().step(closure)
+
+
+def test_a_manual_step_gives_the_optimizer_its_closure_and_arguments() -> None:
+    calls: list[str] = []
+
+    class ClosureSteps(Regressor):
+        def __init__(self, optimizer: type[torch.optim.Optimizer], **options: Any) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.make = functools.partial(optimizer, **options)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            optimizer = self.optimizers()
+
+            def closure() -> torch.Tensor:
+                calls.append("closure")
+                optimizer.zero_grad()
+                loss = F.mse_loss(self(batch[0]), batch[1])
+                self.manual_backward(loss)
+                return loss
+
+            return optimizer.step(closure=closure, **({"mode": "x"} if isinstance(optimizer, _CountingSGD) else {}))
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            calls.append("on_before_optimizer_step")
+
+        def configure_optimizers(self) -> Any:
+            return self.make(self.parameters())
+
+    # LBFGS evaluates the closure several times in one step: each run is then shown to the hooks.
+    trainer = quiet_trainer(max_steps=1, logger=False)
+    trainer.fit(ClosureSteps(torch.optim.LBFGS, max_iter=3), make_loader())
+    assert calls == ["closure", "on_before_optimizer_step"] * 3 and trainer.global_step == 1
+    model = ClosureSteps(_CountingSGD, lr=0.1)
+    quiet_trainer(max_steps=2, logger=False).fit(model, make_loader())
+    assert model.optimizers(use_pl_optimizer=False).step_arguments == [{"mode": "x"}] * 2
+
+
+class _Quasi(Regressor):
+    """A regression fitted by LBFGS, whose ``step`` evaluates the closure it is given several times."""
+
+    def __init__(self, override_step: bool = False) -> None:
+        super().__init__()
+        self.evaluations = self.shown = 0
+        if override_step:
+            self.optimizer_step = self._step_with_the_closure  # type: ignore[method-assign]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.evaluations += 1
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.shown += 1
+
+    def _step_with_the_closure(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any) -> None:
+        optimizer.step(closure=optimizer_closure)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), max_iter=3)
+
+
+@pytest.mark.parametrize("override_step", [False, True])
+def test_an_optimizer_that_runs_the_closure_itself_steps_under_automatic_optimization(override_step: bool) -> None:
+    model, reference = _Quasi(override_step), _Quasi()
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(model, make_loader(16))
+    assert trainer.global_step == 2 and model.evaluations == model.shown == 2 * 3
+    optimizer = torch.optim.LBFGS(reference.parameters(), max_iter=3)
+    for x, y in make_loader(16):  # the same steps by hand: each evaluation starts from no gradients
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = F.mse_loss(reference(x), y)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    for trained, by_hand in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(trained, by_hand)
+
+
+@pytest.mark.parametrize("automatic", [True, False])
+def test_a_mock_of_the_strategys_backward_counts_every_backward(automatic: bool) -> None:
+    class Steps(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = automatic
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            if not automatic:
+                self.manual_backward(loss)
+                self.optimizers().step()
+            return loss
+
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    with mock.patch.object(ember.strategies.Strategy, "backward", wraps=trainer.strategy.backward) as backward:
+        trainer.fit(Steps(), make_loader(24))
+    assert backward.call_count == trainer.global_step == 3
+
+
+def test_a_step_with_a_closure_that_cannot_be_called_is_refused() -> None:
+    class NotCallable(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            self.optimizers().step(closure=1.0)
+
+    with pytest.raises(MisconfigurationException, match="the closure should be callable: got float 1.0"):
+        quiet_trainer(max_steps=1, logger=False).fit(NotCallable(), make_loader())
+
+
+def test_manual_backward_gives_backward_its_arguments() -> None:
+    class Twice(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            optimizer = self.optimizers()
+            loss = F.mse_loss(self(batch[0]), batch[1])
+            self.manual_backward(loss, retain_graph=True)
+            once = self.layer.weight.grad.clone()
+            self.manual_backward(loss)  # the graph was kept for a second backward
+            torch.testing.assert_close(self.layer.weight.grad, 2 * once)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    trainer = quiet_trainer(max_steps=2, logger=False)
+    trainer.fit(Twice(), make_loader())
+    assert trainer.global_step == 2
+
+
+def test_the_optimizers_zero_grad_is_called_only_where_the_hooks_call_it() -> None:
+    class EveryOther(Regressor):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            if batch_idx % 2 == 0:
+                optimizer.zero_grad()
+
+        def configure_optimizers(self) -> Any:
+            return _CountingSGD(self.parameters(), lr=0.1)
+
+    model = EveryOther()
+    quiet_trainer(max_epochs=1, logger=False).fit(model, make_loader(64))
+    assert model.optimizers(use_pl_optimizer=False).zero_grads == 4  # of 8 batches: none before training
 
 
 def test_toggle_model_freezes_the_other_optimizers_parameters_as_lightning_does() -> None:

@@ -659,13 +659,13 @@ def test_gradients_are_reset_after_each_step_without_torchs_profiler_range_unles
     )
     assert after_steps.cleared == [True, True, True]
     assert opened.names.count("Optimizer.step#SGD.step") == 3
-    assert opened.names.count("Optimizer.zero_grad#SGD.zero_grad") == 1  # once before training, in no step
+    assert opened.names.count("Optimizer.zero_grad#SGD.zero_grad") == 0  # in no step, nor before training
 
     # Under a profiler the reset is torch's own, so that its trace shows the range as always.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         quiet_trainer(max_steps=3, logger=False, enable_checkpointing=False).fit(Regressor(), make_loader())
     names = [event.name for event in profile.events()]
-    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 1 + 3
+    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 3
 
 
 class _CountedZeroGrad(torch.optim.SGD):
@@ -697,7 +697,7 @@ def test_an_optimizer_with_its_own_zero_grad_has_it_called_and_added_parameter_g
     _CountedZeroGrad.calls = 0
     module = OwnReset()
     quiet_trainer(max_steps=3, logger=False, enable_checkpointing=False).fit(module, make_loader())
-    assert _CountedZeroGrad.calls == 1 + 3  # once before training, then after each step
+    assert _CountedZeroGrad.calls == 3  # after each step (none before training, as in Lightning)
     assert all(p.grad is not None and not p.grad.any() for p in module.parameters())  # zeroed in place, as it does
 
     class WithExtra(Regressor):
@@ -723,10 +723,10 @@ def test_a_manual_step_resets_gradients_as_zero_grad_does_without_the_profiler_r
     trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
     trainer.fit(model, make_loader(32, batch_size=8))
     assert opened.names.count("Optimizer.step#SGD.step") == 2 * 4
-    assert opened.names.count("Optimizer.zero_grad#SGD.zero_grad") == 2  # each optimizer's, before training
+    assert opened.names.count("Optimizer.zero_grad#SGD.zero_grad") == 0  # none, not even before training
     assert all(p.grad is not None for p in model.parameters())  # from the last step: nothing reset them since
 
-    manual = trainer.fit_loop.manual_optimizers  # what self.optimizers() gave; zero_grad works after fit too
+    manual = model.optimizers()  # the wrappers; zero_grad works after fit too
     manual[0].zero_grad(set_to_none=False)
     assert all(p.grad is not None and not p.grad.any() for p in model.layer.parameters())
     manual[0].zero_grad()

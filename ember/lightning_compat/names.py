@@ -184,6 +184,7 @@ PYTORCH: dict[str, Names] = {
     "core.datamodule": _DATAMODULE,
     "core.mixins": {"HyperparametersMixin": "ember.hparams:HyperparametersMixin"},
     "core.mixins.hparams_mixin": {"HyperparametersMixin": "ember.hparams:HyperparametersMixin"},
+    "core.optimizer": {"LightningOptimizer": "ember.optim:LightningOptimizer"},
     "core.saving": {
         name: f"ember.loggers.logger:{name}" for name in ("save_hparams_to_yaml", "load_hparams_from_yaml")
     },

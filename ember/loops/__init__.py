@@ -3,6 +3,6 @@
 runs training steps shares, exported here: the progress record a checkpoint saves and the one step runner."""
 
 from ember.loops.progress import Progress
-from ember.loops.step import ManualOptimizer, StepResult, StepRunner, training_loss
+from ember.loops.step import StepResult, StepRunner, training_loss
 
-__all__ = ["ManualOptimizer", "Progress", "StepResult", "StepRunner", "training_loss"]
+__all__ = ["Progress", "StepResult", "StepRunner", "training_loss"]

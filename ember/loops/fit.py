@@ -21,10 +21,10 @@ from ember.checkpoint.resume import LoopState
 from ember.exceptions import PossibleUserWarning
 from ember.loops.loss import LossCheck, batch_end_output
 from ember.loops.progress import Progress
-from ember.loops.step import ManualOptimizer, StepResult, StepRunner, Window
+from ember.loops.step import StepResult, StepRunner, Window
 from ember.loops.stopping import Stopping, reached_limit
 from ember.loops.training_data import TrainingData
-from ember.optim import check_automatic, parse_optimizers
+from ember.optim import LightningOptimizer, configure_optimization, drop_gradients
 from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
 from ember.seed import random_state, set_random_state
 from ember.trainer_parts import log_hyperparameters
@@ -124,12 +124,11 @@ class FitLoop:
         trainer = self.trainer
         config, strategy, module, hooks = trainer.config, trainer.strategy, trainer.lightning_module, trainer.hooks
         assert module is not None
-        optimizers, scheduler_configs = parse_optimizers(hooks.call_module("configure_optimizers"))
-        if module.automatic_optimization:
-            check_automatic(optimizers)
+        result, own_step = hooks.call_module("configure_optimizers"), hooks.module_hook("lr_scheduler_step")
+        optimizers, scheduler_configs = configure_optimization(result, module.automatic_optimization, own_step)
         strategy.setup_optimizers(optimizers)
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:  # no gradient from before the fit reaches its first step
+            drop_gradients(optimizer)
         return StepRunner(
             strategy, module, optimizers, scheduler_configs, self.progress, accumulate=config.accumulate_grad_batches,
             clip_val=config.gradient_clip_val, clip_algorithm=config.gradient_clip_algorithm,
@@ -384,13 +383,11 @@ class FitLoop:
         return self.runner.optimizers if self.runner is not None else []
 
     @property
-    def manual_optimizers(self) -> list[ManualOptimizer]:
-        if self.runner is None:
-            raise RuntimeError("optimizers() is available during fit only")
-        return self.runner.manual_optimizers
+    def lightning_optimizers(self) -> list[LightningOptimizer]:
+        return self.runner.lightning_optimizers if self.runner is not None else []
 
-    def manual_backward(self, loss: torch.Tensor) -> None:
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``Module.manual_backward``: the backward of the step runner, with its hooks."""
         if self.runner is None:
             raise RuntimeError("manual_backward() is available during fit only")
-        self.runner.backward(loss)
+        self.runner.backward(loss, *args, **kwargs)

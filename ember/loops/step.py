@@ -10,11 +10,11 @@ steps through ``optimizer_step`` (unscaling, the hooks, clipping, the step). Eac
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import inspect
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -22,7 +22,14 @@ import torch
 from ember._utils import batch_size_of, split_batch
 from ember.loops.loss import training_loss
 from ember.loops.progress import Progress
-from ember.optim import LRSchedulerConfig, check_optimization_flags, monitored_value
+from ember.optim import (
+    LightningOptimizer,
+    LRSchedulerConfig,
+    check_optimization_flags,
+    clear_gradients,
+    monitored_value,
+    needs_closure,
+)
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -159,15 +166,20 @@ class StepRunner:
         self.accumulate = accumulate if isinstance(accumulate, int) and accumulate > 1 else None
         #: With ``accumulate_grad_batches="auto"``: the pieces each batch is cut into to fit in memory.
         self.micro_batches = 1
-        #: What ``Module.optimizers()`` returns under manual optimization.
-        self.manual_optimizers = [ManualOptimizer(optimizer, self) for optimizer in self.optimizers]
+        #: What ``Module.optimizers()`` returns: the optimizers wrapped so that ``step()`` comes back here.
+        self.lightning_optimizers = [LightningOptimizer(optimizer, self) for optimizer in self.optimizers]
+        self._closing: Window | None = None  # the window whose step the module's optimizer_step hook is taking
         # Outputs of a forward that CUDA graphs replay are overwritten by the next replay: what outlives
         # the step must be a copy.
         self._copy_outputs = strategy.reuses_outputs
         self._calls = calls = strategy.step_calls()
         self._backward = self.backward if hooks.around_backward else calls.backward
         self._clips = bool(clip_val) or hooks.configure_gradient_clipping is not None
-        self._hooked = hooks.any  # Lightning's order of the hooks of a step, with its closure
+        # Whether a step has anything to do before the optimizer's (a plain step goes straight to it).
+        self._prepares = self._clips or bool(self.before_step_hooks) or calls.unscale is not None
+        #: Whether the optimizer must run the step's closure itself, maybe several times (LBFGS).
+        self.closure_steps = module.automatic_optimization and needs_closure(self.optimizers)
+        self._hooked = hooks.any or self.closure_steps  # Lightning's order of the hooks of a step, with its closure
         self._manual_steps = 0  # the optimizer steps of the manual batch being run
         #: Optimizer steps that fault tolerance dropped (the replica groups' vote did not commit them).
         self.dropped_steps = 0
@@ -239,7 +251,7 @@ class StepRunner:
         return StepResult(output, loss, self._close(window, batch_idx))
 
     def _manual_batch(self, batch: Any, batch_idx: int, window: Window) -> StepResult:
-        """A training step that steps its optimizers itself (``ManualOptimizer.step``)."""
+        """A training step that steps its optimizers itself (``LightningOptimizer.step``)."""
         self._manual_steps = 0
         output = self.training_step(batch, batch_idx)
         loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -280,9 +292,22 @@ class StepRunner:
         shown to the ``on_before_optimizer_step`` hooks, clipped (``clip``: the Trainer's flag or the module's
         ``configure_gradient_clipping``; under manual optimization the module clips), then stepped."""
         calls = self._calls
-        if calls.commit is not None and not calls.commit():
-            self._dropped = True  # the replica groups did not all apply these gradients: neither does this one
+        if calls.commit is not None and not self._committed():
             return
+        if self._prepares or gradient_scale != 1.0:
+            self._prepare(optimizer, gradient_scale, clip)
+        calls.optimizer_step(optimizer)
+
+    def _committed(self) -> bool:
+        """Fault tolerance's vote on the step under way, once its gradients are complete."""
+        assert self._calls.commit is not None
+        if self._calls.commit():
+            return True
+        self._dropped = True  # the replica groups did not all apply these gradients: neither does this one
+        return False
+
+    def _prepare(self, optimizer: torch.optim.Optimizer, gradient_scale: float, clip: bool) -> None:
+        calls = self._calls
         if gradient_scale != 1.0:
             _scale_gradients(optimizer, gradient_scale)
         if calls.unscale is not None and (clip or self.before_step_hooks):
@@ -294,12 +319,41 @@ class StepRunner:
                 self.hooks.configure_gradient_clipping(optimizer, self.clip_val, self.clip_algorithm)
             else:
                 self.strategy.clip_gradients(optimizer, self.clip_val or 0.0, self.clip_algorithm or "norm")
-        calls.optimizer_step(optimizer)
 
-    def manual_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.step()`` in a manual ``training_step``: counted in the batch's ``StepResult``."""
-        self.optimizer_step(optimizer, clip=False)
-        self._manual_steps += 1
+    def step_optimizer(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
+        """``LightningOptimizer.step``. In the module's ``optimizer_step`` hook: the step that closes the window,
+        after ``closure`` (its last micro-batch) has run, skipped when no micro-batch produced a loss. In a manual
+        ``training_step``: a step counted in the batch's ``StepResult``. Returns what ``closure`` returns."""
+        window = self._closing
+        if window is None:
+            self._manual_steps += 1
+            return self._step_with(optimizer, closure, kwargs, 1.0, clip=False)
+        if self.closure_steps:
+            return self._step_with(optimizer, closure, kwargs, window.gradient_scale, clip=True)
+        result = closure() if closure is not None else None
+        if window.has_gradients:
+            self._step_with(optimizer, None, kwargs, window.gradient_scale, clip=True)
+        return result
+
+    def _step_with(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, kwargs: dict[str, Any],
+        gradient_scale: float, clip: bool,
+    ) -> Any:  # fmt: skip
+        """``optimizer.step(closure, **kwargs)`` as Lightning's: the optimizer runs the closure (LBFGS, several
+        times), and each run then prepares the step (``optimizer_step``'s unscaling, hooks and clipping)."""
+
+        def closure_then_prepare() -> Any:
+            result = closure() if closure is not None else None
+            self._prepare(optimizer, gradient_scale, clip)
+            return result
+
+        if self._calls.commit is None:
+            return self.strategy.optimizer_step(optimizer, closure_then_prepare, **kwargs)
+        result = closure() if closure is not None else None  # the replica groups vote on complete gradients
+        if self._committed():
+            self._prepare(optimizer, gradient_scale, clip)
+            self.strategy.optimizer_step(optimizer, **kwargs)
+        return result
 
     def _close(self, window: Window, batch_idx: int, closure: _Closure | None = None) -> int:
         """The optimizer step that ends ``window``, through the module's ``optimizer_step`` where it overrides it
@@ -307,13 +361,19 @@ class StepRunner:
         taken (0 when no micro-batch of the window produced a loss)."""
         optimizer, hook = self.optimizers[0], self.hooks.optimizer_step
         if hook is not None:
-            hook(self.progress.epoch, batch_idx, _StepOptimizer(optimizer, self, window), closure)
+            self._closing = window
+            try:
+                hook(self.progress.epoch, batch_idx, self.lightning_optimizers[0], closure)
+            finally:
+                self._closing = None
             if closure is not None and not closure.ran:
                 raise RuntimeError(
                     f"{type(self.module).__name__}.optimizer_step() did not call the optimizer_closure it received; "
                     "call optimizer.step(closure=optimizer_closure), or optimizer_closure() to run the step's "
                     "training_step and backward without stepping"
                 )
+        elif self.closure_steps and closure is not None:
+            self._step_with(optimizer, closure, {}, window.gradient_scale, clip=True)
         else:
             if closure is not None:
                 closure()
@@ -347,13 +407,18 @@ class StepRunner:
         else:
             clear_gradients(optimizer)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """The strategy's backward of ``loss``, between the hooks around it (and through the module's own
-        ``backward`` where it overrides it); ``Module.manual_backward`` too."""
+        ``backward`` where it overrides it); ``Module.manual_backward`` too, whose further arguments
+        (``retain_graph=True``, ...) go to that ``backward``, as in Lightning."""
         hooks = self.hooks
         for hook in hooks.before_backward:
             hook(loss)
-        self.strategy.backward(loss, hooks.backward)
+        backward = hooks.backward
+        if args or kwargs:
+            own = backward or torch.Tensor.backward
+            backward = functools.partial(_backward_with, own, args, kwargs)
+        self.strategy.backward(loss, backward)
         for hook in hooks.after_backward:
             hook()
 
@@ -437,43 +502,6 @@ class StepRunner:
         return loss.clone() if self._copy_outputs else loss
 
 
-class ManualOptimizer:
-    """What ``Module.optimizers()`` returns: ``step()`` goes through the strategy (loss scaling) and
-    counts toward ``trainer.global_step``; everything else is the wrapped optimizer's."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, runner: StepRunner) -> None:
-        self.optimizer = optimizer
-        self._runner = runner
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``closure`` (forward and backward), then step; returns what the closure returned, as Lightning's."""
-        result = closure() if closure is not None else None
-        self._runner.manual_optimizer_step(self.optimizer)
-        return result
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if set_to_none:
-            clear_gradients(self.optimizer)
-        else:
-            self.optimizer.zero_grad(set_to_none=False)
-
-    @contextlib.contextmanager
-    def toggle_model(self, sync_grad: bool = True) -> Iterator[None]:
-        """As Lightning's: while active, only this optimizer's parameters receive gradients (the module's
-        ``toggle_optimizer``), and ``manual_backward`` averages gradients across ranks only if ``sync_grad``:
-        accumulate with ``sync_grad=False`` on all micro-batches but the last."""
-        module = self._runner.module
-        module.toggle_optimizer(self)
-        try:
-            with self._runner.strategy.no_sync(not sync_grad):
-                yield
-        finally:
-            module.untoggle_optimizer(self)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
-
-
 class _Closure:
     """One micro-batch's ``forward_backward``: what Lightning's ``optimizer_step`` hook receives as
     ``optimizer_closure``. Returns the loss (None: the step skipped the batch)."""
@@ -488,56 +516,18 @@ class _Closure:
         self.loss: torch.Tensor | None = None
 
     def __call__(self) -> torch.Tensor | None:
-        if self.ran:
+        runner, window, again = self._runner, self._window, self.ran
+        if again and not runner.closure_steps:
             raise RuntimeError("optimizer_closure was called twice; each micro-batch runs its step once")
         self.ran = True
-        runner, window = self._runner, self._window
+        # An optimizer that runs the closure again (LBFGS) asks for the loss and gradients afresh each time.
         self.output, loss = runner.forward_backward(
-            self._batch, self._batch_idx, divisor=window.size, sync=window.closing, reset=window.seen == 1
+            self._batch, self._batch_idx, divisor=window.size, sync=window.closing, reset=window.seen == 1 or again
         )
         if loss is not None:
             window.has_gradients = True
             self.loss = runner._kept(loss)
         return self.loss
-
-
-class _StepOptimizer:
-    """The optimizer that a module's ``optimizer_step`` hook receives: ``step(closure)`` runs the closure, then
-    the runner's ``optimizer_step`` (skipped when the window produced no gradients); everything else is the
-    wrapped optimizer's."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, runner: StepRunner, window: Window) -> None:
-        self.optimizer = optimizer
-        self._runner = runner
-        self._window = window
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        result = closure() if closure is not None else None
-        if self._window.has_gradients:
-            self._runner.optimizer_step(self.optimizer, self._window.gradient_scale)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
-
-
-_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
-
-
-def clear_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.zero_grad(set_to_none=True)``: the reset of the gradients between optimizer steps.
-
-    Where that is torch's own method and no profiler records, its loop runs here without the profiler range
-    that torch opens around it: entering and leaving the range costs about 5 µs whether or not anything
-    records it, 2% of a small model's step. Under a profiler, the trace shows the range as it always did; an
-    optimizer with a ``zero_grad`` of its own (in its class or on the instance) always has it called.
-    """
-    if getattr(optimizer.zero_grad, "__func__", None) is not _TORCH_ZERO_GRAD or torch.autograd._profiler_enabled():
-        optimizer.zero_grad(set_to_none=True)
-        return
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            parameter.grad = None
 
 
 def _calling(step: Callable[..., Any], with_index: bool) -> Callable[[Any, int], Any]:
@@ -550,7 +540,11 @@ def _calling(step: Callable[..., Any], with_index: bool) -> Callable[[Any, int],
     return without_index
 
 
-def _step_scheduler(scheduler: Any, metric: float | None) -> None:
+def _backward_with(backward: Hook, args: tuple[Any, ...], kwargs: dict[str, Any], loss: torch.Tensor) -> None:
+    backward(loss, *args, **kwargs)
+
+
+def _step_scheduler(scheduler: Any, metric: Any | None) -> None:
     if metric is None:
         scheduler.step()
     else:

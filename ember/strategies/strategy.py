@@ -314,9 +314,9 @@ class Strategy:
         )
 
     def _adds_nothing_to(self, name: str) -> bool:
-        """Whether method ``name`` is the base class's, not replaced by a subclass or on this instance (where
-        a profiler wraps what it times)."""
-        return name not in vars(self) and getattr(type(self), name) is getattr(Strategy, name)
+        """Whether method ``name`` is the base class's, not replaced by a subclass, on this instance (where a
+        profiler wraps what it times) or on this class (where a test's mock counts the calls)."""
+        return name not in vars(self) and getattr(type(self), name) is _BASE_METHODS[name]
 
     def no_sync(self, skip_gradient_sync: bool = True) -> contextlib.AbstractContextManager:
         """While active (with ``skip_gradient_sync``), backward passes accumulate gradients locally without
@@ -341,8 +341,11 @@ class Strategy:
         torch.nn.utils.clip_grad_value_(parameters, max_value)
         return None
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.precision.optimizer_step(optimizer)
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """Step ``optimizer`` through the precision; ``closure`` and ``kwargs`` go to its ``step``."""
+        return self.precision.optimizer_step(optimizer, closure, **kwargs)
 
     @property
     def averages_split_gradients(self) -> bool:
@@ -423,6 +426,12 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={[str(d) for d in self.parallel_devices]})"
+
+
+_BASE_METHODS = {
+    name: getattr(Strategy, name)
+    for name in ("batch_to_device", "step", "backward", "unscale_gradients", "optimizer_step")
+}
 
 
 def input_device(module: nn.Module) -> torch.device | None:
