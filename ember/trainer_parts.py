@@ -24,7 +24,7 @@ from ember.hints import closest
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
 from ember.module import Module
-from ember.rank_zero import announce, rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -260,15 +260,13 @@ def evaluated_module(
         raise TypeError(f"`Trainer.{stage}()` requires a `LightningModule` when it hasn't been passed in a previous "
                         "run: pass one, or call fit() first to use the fitted one")  # (Lightning's words)  # fmt: skip
     if ckpt_path is None:
-        # As Lightning: the fitted module is evaluated with its best weights, never silently with the last ones.
-        if trainer.checkpoint_callback is None or trainer.config.fast_dev_run:
-            why = "fast_dev_run saved none" if trainer.config.fast_dev_run else "ModelCheckpoint is not configured"
-            raise ValueError(f'`.{stage}(ckpt_path="best")` is implied without a model, but {why}: pass the '
-                             "module to evaluate its current weights, or ckpt_path='last' or a path")  # fmt: skip
+        # As Lightning: the fitted module is evaluated with its best weights (refused when the stage starts if no
+        # ModelCheckpoint saved one), never silently with the last ones.
         ckpt_path = "best"
-        rank_zero_warn_once(
-            f".{stage}(ckpt_path=None) without a model: the best checkpoint of the last fit is loaded; pass "
-            f"ckpt_path='best', 'last' or a path to choose (and silence this warning)",
-            stacklevel=3,
+        rank_zero_warn(  # Lightning's words, at each such call
+            f"`.{stage}(ckpt_path=None)` was called without a model. The best model of the previous `fit` call will "
+            f"be used. You can pass `.{stage}(ckpt_path='best')` to use the best model or `.{stage}(ckpt_path='last')` "
+            "to use the last model. If you pass a value, this warning will be silenced.",
+            stacklevel=6,
         )
     return trainer.lightning_module, ckpt_path
