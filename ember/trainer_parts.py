@@ -53,7 +53,8 @@ def known_flags_only(init: Callable[P, None]) -> Callable[P, None]:
     def checked(*args: P.args, **given: P.kwargs) -> None:
         for name in given:
             if name not in flags:
-                raise FlagError(f"Trainer({name}=...) is not a flag; {closest(name, flags, _EVERY_FLAG)}")
+                unexpected = f"Trainer.__init__() got an unexpected keyword argument {name!r}"  # (Python's words)
+                raise FlagError(f"{unexpected}: Trainer({name}=...) is not a flag; {closest(name, flags, _EVERY_FLAG)}")
         init(*args, **given)
         announce_whole_limits(given)
 
