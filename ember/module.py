@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ember import checkpoint as checkpoint_io
 from ember._utils import sized_len
-from ember.checkpoint.state import load_datamodule_state, load_weights
+from ember.checkpoint.state import load_datamodule_state, load_module_state, load_weights
 from ember.exceptions import MisconfigurationException
 from ember.hparams import HyperparametersMixin, class_only_method, init_arguments
 from ember.metrics import is_metric_object
@@ -394,7 +394,7 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         )
         module = cls(**arguments)
         module.on_load_checkpoint(checkpoint)
-        load_weights(lambda state: module.load_state_dict(state, strict=strict), module, checkpoint, checkpoint_path)
+        load_weights(functools.partial(load_module_state, module, strict=strict), module, checkpoint, checkpoint_path)
         return module
 
 

@@ -251,6 +251,16 @@ def load_weights(
         ) from None
 
 
+def load_module_state(module: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
+    """``module.load_state_dict(state, strict=strict)``; what a lenient load leaves out either side is warned about,
+    in Lightning's words, so that a renamed layer is not silently left at its initial weights."""
+    keys = module.load_state_dict(state, strict=strict)
+    if keys.missing_keys:
+        rank_zero_warn(f"Found keys that are in the model state dict but not in the checkpoint: {keys.missing_keys}")
+    if keys.unexpected_keys:
+        rank_zero_warn(f"Found keys that are not in the model state dict but in the checkpoint: {keys.unexpected_keys}")
+
+
 def _check_not_bare(checkpoint: dict[str, Any], path: CheckpointSource) -> None:
     """A bare state_dict (what ``torch.save(model.state_dict(), path)`` writes) is no checkpoint: say what to do."""
     if checkpoint and "state_dict" not in checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
