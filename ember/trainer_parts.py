@@ -224,7 +224,7 @@ def checked_path(ckpt_path: str | os.PathLike | None) -> str | None:
         return ckpt_path
     if os.path.islink(ckpt_path):
         checkpoint_io.verify(ckpt_path)  # says where the dangling link points
-    raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint (pass a path, 'last' or 'best')")
+    raise FileNotFoundError(f"Checkpoint file not found: {ckpt_path} (ckpt_path takes a path, 'last' or 'best')")
 
 
 def check_module(model: Any, stage: str) -> None:

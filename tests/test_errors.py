@@ -203,7 +203,7 @@ def test_checkpoint_path_that_does_not_exist_loses_nothing(tmp_path: Any) -> Non
     model = Regressor()
     before = [p.clone() for p in model.parameters()]
     with pytest.raises(
-        FileNotFoundError, match="ckpt_path='missing.ckpt': no such checkpoint \\(pass a path, 'last' or 'best'\\)"
+        FileNotFoundError, match=r"Checkpoint file not found: missing.ckpt \(ckpt_path takes a path, 'last' or 'best'\)"
     ):
         quiet_trainer(max_steps=1, logger=False).fit(model, make_loader(), ckpt_path="missing.ckpt")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
