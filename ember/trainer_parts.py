@@ -234,7 +234,8 @@ def check_module(model: Any, stage: str) -> None:
             "Trainer(compile=True) (or a dict of torch.compile options) to compile it"
         )
     if not isinstance(model, Module):
-        raise TypeError(f"Trainer.{stage}() needs an ember.Module; got {type(model).__name__}")
+        raise TypeError(f"`model` must be a `LightningModule`, got `{type(model).__name__}`: Trainer.{stage}() needs "
+                        "an ember.Module")  # (Lightning's words first)  # fmt: skip
     required = {"fit": ("training_step", "configure_optimizers"), "validate": ("validation_step",),
                 "test": ("test_step",), "predict": ()}[stage]  # fmt: skip
     missing = [name for name in required if not replaces(name, model, Module)]

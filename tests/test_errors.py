@@ -195,7 +195,7 @@ def test_missing_training_step_and_missing_data() -> None:
             getattr(quiet_trainer(), stage)(NoStep(), make_loader())
     with pytest.raises(MisconfigurationException, match="`train_dataloader` must be implemented.*no train data"):
         quiet_trainer().fit(Regressor())
-    with pytest.raises(TypeError, match="needs an ember.Module; got Linear"):
+    with pytest.raises(TypeError, match=r"^`model` must be a `LightningModule`, got `Linear`: Trainer.fit"):
         quiet_trainer().fit(torch.nn.Linear(2, 2), make_loader())  # type: ignore[arg-type]
 
 
