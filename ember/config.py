@@ -312,7 +312,7 @@ class TrainerConfig:
                 "('DD:HH:MM:SS', a datetime.timedelta or a dict)"
             )
         if self.check_val_every_n_epoch is not None:
-            _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None")
+            _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None", noun="integer")
         elif isinstance(value, float) and value != 1.0:  # 1.0 is also the default: the end of each epoch
             raise FlagError(
                 f"val_check_interval={value!r} with check_val_every_n_epoch=None: `val_check_interval` should be an "
@@ -536,9 +536,9 @@ def _check_bool(flag: str, value: Any, also: str = "") -> None:
         raise FlagError(f"{flag}={value!r}: expected {allowed}")
 
 
-def _check_int(flag: str, value: Any, minimum: int, also: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        rule = f"`{flag}` must be a non-negative integer or -1" if minimum < 0 else f"should be an integer >= {minimum}"
+def _check_int(flag: str, value: Any, minimum: int, also: str = "", noun: str = "int") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:  # (in Lightning's words for the flag)
+        rule = f"`{flag}` must be a non-negative integer or -1" if minimum < 0 else f"should be an {noun} >= {minimum}"
         raise FlagError(f"{flag}={value!r}: {rule}" + (f" or {also}" if also else ""))
 
 

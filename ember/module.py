@@ -300,7 +300,7 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         clip_val = _one_of("gradient_clip_val", config.gradient_clip_val, gradient_clip_val)
         algorithm = _one_of("gradient_clip_algorithm", config.gradient_clip_algorithm, gradient_clip_algorithm)
         if algorithm not in (None, "norm", "value"):
-            raise MisconfigurationException(f"clip_gradients(gradient_clip_algorithm={algorithm!r}): 'norm' or 'value'")
+            raise MisconfigurationException(f"`gradient_clip_algorithm` {algorithm} is invalid: 'norm' or 'value'")
         if not clip_val:
             return
         strategy = self.trainer.strategy

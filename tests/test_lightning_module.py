@@ -458,7 +458,7 @@ class _Clipping(BoringModel):
         ({"gradient_clip_val": 1e-4}, {"gradient_clip_val": 0.01}, r"`Trainer\(gradient_clip_val=0.0001\)` and have "
          r"passed `clip_gradients\(gradient_clip_val=0.01\)`"),
         ({"gradient_clip_algorithm": "norm"}, {"gradient_clip_algorithm": "value"}, r"gradient_clip_algorithm='norm'"),
-        ({}, {"gradient_clip_algorithm": "l1"}, r"'norm' or 'value'"),
+        ({}, {"gradient_clip_algorithm": "l1"}, r"^`gradient_clip_algorithm` l1 is invalid: 'norm' or 'value'"),
     ],
 )  # fmt: skip
 def test_clipping_both_in_the_trainer_and_the_module_is_refused(flags: dict, clip: dict, refused: str) -> None:
