@@ -1261,6 +1261,9 @@ def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() ->
     trainer.test(Regressor(), make_loader(16), verbose=False)
     assert trainer.state.fn == "test" and trainer.state.status == "finished" and not trainer.interrupted
     assert not trainer.training and RunningStage.VALIDATING == "validate"
+    prefixes = [stage.dataloader_prefix for stage in RunningStage]  # as in limit_<prefix>_batches
+    assert prefixes == ["train", "val", "val", "test", "predict"]
+    assert [stage for stage in RunningStage if stage.evaluating] == ["sanity_check", "validate", "test"]
 
     class Fails(Regressor):
         def test_step(self, batch: Any, batch_idx: int) -> None:
