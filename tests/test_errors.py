@@ -216,7 +216,8 @@ def test_fraction_of_a_loader_without_length() -> None:
             return iter(make_loader(16).dataset)
 
     # MisconfigurationException, as Lightning raises for both
-    with pytest.raises(MisconfigurationException, match="limit_train_batches=0.5 is a fraction, but the dataloader"):
+    fraction = r"^When using an `IterableDataset`, `Trainer\(limit_train_batches\)` must be `1.0` or an int: "
+    with pytest.raises(MisconfigurationException, match=fraction + "limit_train_batches=0.5 is a fraction, but the"):
         quiet_trainer(max_epochs=1, limit_train_batches=0.5).fit(Regressor(), DataLoader(Stream(), batch_size=4))
     with pytest.raises(MisconfigurationException, match="val_check_interval=0.5 is a fraction of an epoch"):
         quiet_trainer(max_epochs=1, val_check_interval=0.5).fit(Regressor(), DataLoader(Stream(), batch_size=4))
