@@ -7,6 +7,7 @@ window) is gathered from all ranks into ``ranks``.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -169,7 +170,9 @@ def load_weights_into(trainer: Trainer, path: str | None, weights_only: bool | N
         return
     checkpoint = trainer.strategy.load_checkpoint(path, trust_pickles=weights_only is False)
     trainer.hooks.call_module("on_load_checkpoint", checkpoint)
-    load_weights(trainer.strategy.load_module_state_dict, _module(trainer), checkpoint, path)
+    module = _module(trainer)
+    load_weights(functools.partial(trainer.strategy.load_module_state_dict, strict=module.strict_loading), module,
+                 checkpoint, path)  # fmt: skip
     # The datamodule's state as Lightning restores it; the callbacks' stays: the ModelCheckpoint of the fit just
     # run would forget the files it kept after the loaded one.
     if trainer.datamodule is not None:
@@ -197,7 +200,9 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
             f"ckpt_path={path!r} was written by an older Ember, whose loop state this one cannot read"
         )
     trainer.hooks.call_module("on_load_checkpoint", checkpoint)
-    load_weights(trainer.strategy.load_module_state_dict, _module(trainer), checkpoint, path)
+    module = _module(trainer)
+    load_weights(functools.partial(trainer.strategy.load_module_state_dict, strict=module.strict_loading), module,
+                 checkpoint, path)  # fmt: skip
     _restore_optimization(trainer, checkpoint, path)
     if trainer.datamodule is not None:  # before the callbacks, as Lightning
         load_datamodule_state(trainer.datamodule, checkpoint)
