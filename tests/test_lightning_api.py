@@ -893,13 +893,15 @@ class _StopAtOnce(Callback):
         trainer.should_stop = True
 
 
-def test_min_epochs_and_min_steps_hold_off_stopping() -> None:
+def test_min_epochs_and_min_steps_hold_off_stopping(capsys: pytest.CaptureFixture[str]) -> None:
     trainer = quiet_trainer(max_epochs=10, callbacks=[_StopAtOnce()], logger=False)
     trainer.fit(Regressor(), make_loader())  # 8 batches per epoch
     assert trainer.global_step == 1
     trainer = quiet_trainer(max_epochs=10, min_epochs=2, callbacks=[_StopAtOnce()], logger=False)
     trainer.fit(Regressor(), make_loader())
     assert trainer.global_step == 16 and trainer.current_epoch == 2
+    said = "Trainer was signaled to stop but the required `min_epochs=2` or `min_steps=None` has not been met. Training"
+    assert capsys.readouterr().out.count(said) == 1  # once, in Lightning's words
     trainer = quiet_trainer(max_epochs=10, min_steps=11, callbacks=[_StopAtOnce()], logger=False)
     trainer.fit(Regressor(), make_loader())
     assert trainer.global_step == 11
