@@ -312,7 +312,7 @@ class TrainerConfig:
                 "('DD:HH:MM:SS', a datetime.timedelta or a dict)"
             )
         if self.check_val_every_n_epoch is not None:
-            _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None")
+            _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, also="None", noun="integer")
         elif isinstance(value, float) and value != 1.0:  # 1.0 is also the default: the end of each epoch
             raise FlagError(
                 f"val_check_interval={value!r} with check_val_every_n_epoch=None: `val_check_interval` should be an "
@@ -327,7 +327,7 @@ class TrainerConfig:
             _check_int("accumulate_grad_batches", self.accumulate_grad_batches, minimum=1, also="'auto'")
         clip = self.gradient_clip_val
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
-            raise FlagError(f"gradient_clip_val={clip!r}: expected a number >= 0 or None")
+            raise FlagError(f"gradient_clip_val={clip!r}: `gradient_clip_val` should be an int or a float >= 0")
         if self.gradient_clip_algorithm is not None:  # None, as Lightning's, says the module may choose
             _check_choice("gradient_clip_algorithm", self.gradient_clip_algorithm, ("norm", "value"))
 
@@ -536,16 +536,16 @@ def _check_bool(flag: str, value: Any, also: str = "") -> None:
         raise FlagError(f"{flag}={value!r}: expected {allowed}")
 
 
-def _check_int(flag: str, value: Any, minimum: int, also: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        rule = f"`{flag}` must be a non-negative integer or -1" if minimum == -1 else f"should be an int >= {minimum}"
+def _check_int(flag: str, value: Any, minimum: int, also: str = "", noun: str = "int") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:  # (in Lightning's words for the flag)
+        rule = f"`{flag}` must be a non-negative integer or -1" if minimum < 0 else f"should be an {noun} >= {minimum}"
         raise FlagError(f"{flag}={value!r}: {rule}" + (f" or {also}" if also else ""))
 
 
 def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:
     if not isinstance(value, str) or value not in choices:
-        quoted = [repr(choice) for choice in choices]
-        raise FlagError(f"{flag}={value!r}: choose {', '.join(quoted[:-1])} or {quoted[-1]}")
+        *others, last = [repr(choice) for choice in choices]  # (Lightning's words, then the choices)
+        raise FlagError(f"{flag}={value!r}: `{flag}` {value} is invalid; choose {', '.join(others)} or {last}")
 
 
 def _checked_limit(flag: str, value: Any) -> Limit:

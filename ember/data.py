@@ -279,8 +279,9 @@ def count_batches(loader: Iterable, limit: int | float | None, flag: str, strate
     if math.isinf(available):
         if limit == 1.0:
             return available
-        raise MisconfigurationException(
-            f"{flag}={limit} is a fraction, but the dataloader has no length; pass a number of batches instead"
+        raise MisconfigurationException(  # Lightning's words first
+            f"When using an `IterableDataset`, `Trainer({flag})` must be `1.0` or an int: {flag}={limit} is a "
+            "fraction, but the dataloader has no length; pass a number of batches instead"
         )
     if limit > 0 and available * limit < 1:  # as Lightning: not silently one batch more than was asked for
         loader = flag.removeprefix("limit_").removesuffix("_batches") + "_dataloader"

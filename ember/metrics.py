@@ -471,21 +471,21 @@ class RunMetrics:
     def publish_epoch(self, store: MetricStore, steps: int, epoch: int) -> dict[str, tuple[Number, set[int]]]:
         """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers (after
         the evaluation's step values), labelled as ``steps`` (the optimizer steps taken) says. Returns each
-        value with the evaluation loaders that logged it (none: logged outside them, for all)."""
+        value meant for loggers with the evaluation loaders that logged it (none: logged outside them, for all)."""
         if store is self.eval:
             self._write_evaluation_steps()
         for_loggers = {}
         published = {}
         for key, (value, entry) in store.epoch_values().items():
             name = epoch_name(key, entry)
-            published[name] = value, entry.loaders
             self._epoch_values[name] = value
             if name != key:
                 self._epoch_values[key] = value  # "loss" holds the epoch value when both were logged
             if entry.prog_bar:
                 self._prog_bar_epoch_values[name] = value
-            if entry.to_logger:
+            if entry.to_logger:  # what an evaluation returns too, as Lightning's (logger=False: only for callbacks)
                 for_loggers[name] = value
+                published[name] = value, entry.loaders
         self.write(for_loggers, self._label(steps), epoch)
         return published
 

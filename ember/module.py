@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ember import checkpoint as checkpoint_io
 from ember._utils import sized_len
-from ember.checkpoint.state import load_datamodule_state, load_weights
+from ember.checkpoint.state import load_datamodule_state, load_module_state, load_weights
 from ember.exceptions import MisconfigurationException
 from ember.hparams import HyperparametersMixin, class_only_method, init_arguments
 from ember.metrics import is_metric_object
@@ -46,6 +46,9 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     #: False to step optimizers yourself with ``self.optimizers()`` and ``self.manual_backward`` (set in ``__init__``
     #: or, as Lightning allows, as a class attribute of the subclass).
     automatic_optimization: bool = True
+    #: False to load checkpoints that lack some of the module's weights or hold others (``fit``/``validate``/... with
+    #: ``ckpt_path``, and ``load_from_checkpoint``), as Lightning's ``strict_loading``.
+    strict_loading: bool = True
     #: What ``torch.jit.script(module)`` leaves out: properties that read the Trainer, which TorchScript cannot compile.
     __jit_unused_properties__: ClassVar[list[str]] = [
         "trainer", "device", "current_epoch", "global_step", "global_rank", "local_rank", "dtype", "logger", "loggers",
@@ -384,7 +387,7 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         checkpoint_path: str | os.PathLike | BinaryIO,
         map_location: Any = "cpu",
         hparams_file: str | None = None,
-        strict: bool = True,
+        strict: bool | None = None,
         weights_only: bool = True,
         **init_overrides: Any,
     ) -> Module:
@@ -396,8 +399,9 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
             cls, checkpoint, init_overrides, "module_arguments", "hparams", hparams_file=hparams_file
         )
         module = cls(**arguments)
+        strict = _strictness(module, strict)
         module.on_load_checkpoint(checkpoint)
-        load_weights(lambda state: module.load_state_dict(state, strict=strict), module, checkpoint, checkpoint_path)
+        load_weights(functools.partial(load_module_state, module, strict=strict), module, checkpoint, checkpoint_path)
         return module
 
 
@@ -414,6 +418,19 @@ def _unsupported_log_option(name: str, enable_graph: bool, sync_dist_group: Any)
     if sync_dist_group is not None:
         return f"self.log({name!r}, sync_dist_group=...): sync_dist reduces over all processes; leave the group out"
     return f"self.log({name!r}, rank_zero_only=True, sync_dist=True): a value logged on one process cannot be synced"
+
+
+def _strictness(module: Module, strict: bool | None) -> bool:
+    """``load_from_checkpoint``'s ``strict``: the module's ``strict_loading`` unless given; refused, in Lightning's
+    words, where the module set ``strict_loading`` itself to another value."""
+    if strict is None:
+        return module.strict_loading
+    owners = [owner for owner in (module, *type(module).__mro__) if owner is not Module]
+    if strict != module.strict_loading and any("strict_loading" in vars(owner) for owner in owners):
+        raise ValueError(f"You set `.load_from_checkpoint(..., strict={strict!r})` which is in conflict with "
+                         f"`{type(module).__name__}.strict_loading={module.strict_loading!r}. Please set the same "
+                         "value for both of them.")  # fmt: skip
+    return strict
 
 
 def _one_of(flag: str, trainer_value: Any, given: Any) -> Any:

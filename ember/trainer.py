@@ -420,14 +420,14 @@ class Trainer(LightningProperties):
         model: Module | None = None,
         dataloaders: _Loaders | DataModule = None,
         datamodule: DataModule | None = None,
-        return_predictions: bool = True,
+        return_predictions: bool | None = True,
         ckpt_path: str | os.PathLike | None = None,
         weights_only: bool | None = True,
     ) -> list[Any] | None:
         """Run ``predict_step``; the outputs (on the CPU) as a list, a list per dataloader when there are several
-        (``model`` and ``ckpt_path`` as for ``validate``)."""
-        return self._evaluate(self.predict_loop, model, dataloaders, ckpt_path, datamodule, return_predictions,
-                              weights_only)  # fmt: skip
+        (``model`` and ``ckpt_path`` as for ``validate``; ``return_predictions=None`` is the default, True)."""
+        return self._evaluate(self.predict_loop, model, dataloaders, ckpt_path, datamodule, return_predictions
+                              is not False, weights_only)  # fmt: skip
 
     def _evaluate(self, loop: EvaluationLoop, model: Module | None, dataloaders: _Loaders | DataModule,
                   ckpt_path: str | os.PathLike | None, datamodule: DataModule | None, option: bool,

@@ -24,7 +24,7 @@ from ember.hints import closest
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
 from ember.module import Module
-from ember.rank_zero import announce, rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -53,7 +53,8 @@ def known_flags_only(init: Callable[P, None]) -> Callable[P, None]:
     def checked(*args: P.args, **given: P.kwargs) -> None:
         for name in given:
             if name not in flags:
-                raise FlagError(f"Trainer({name}=...) is not a flag; {closest(name, flags, _EVERY_FLAG)}")
+                unexpected = f"Trainer.__init__() got an unexpected keyword argument {name!r}"  # (Python's words)
+                raise FlagError(f"{unexpected}: Trainer({name}=...) is not a flag; {closest(name, flags, _EVERY_FLAG)}")
         init(*args, **given)
         announce_whole_limits(given)
 
@@ -223,7 +224,7 @@ def checked_path(ckpt_path: str | os.PathLike | None) -> str | None:
         return ckpt_path
     if os.path.islink(ckpt_path):
         checkpoint_io.verify(ckpt_path)  # says where the dangling link points
-    raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint (pass a path, 'last' or 'best')")
+    raise FileNotFoundError(f"Checkpoint file not found: {ckpt_path} (ckpt_path takes a path, 'last' or 'best')")
 
 
 def check_module(model: Any, stage: str) -> None:
@@ -233,7 +234,8 @@ def check_module(model: Any, stage: str) -> None:
             "Trainer(compile=True) (or a dict of torch.compile options) to compile it"
         )
     if not isinstance(model, Module):
-        raise TypeError(f"Trainer.{stage}() needs an ember.Module; got {type(model).__name__}")
+        raise TypeError(f"`model` must be a `LightningModule`, got `{type(model).__name__}`: Trainer.{stage}() needs "
+                        "an ember.Module")  # (Lightning's words first)  # fmt: skip
     required = {"fit": ("training_step", "configure_optimizers"), "validate": ("validation_step",),
                 "test": ("test_step",), "predict": ()}[stage]  # fmt: skip
     missing = [name for name in required if not replaces(name, model, Module)]
@@ -260,15 +262,13 @@ def evaluated_module(
         raise TypeError(f"`Trainer.{stage}()` requires a `LightningModule` when it hasn't been passed in a previous "
                         "run: pass one, or call fit() first to use the fitted one")  # (Lightning's words)  # fmt: skip
     if ckpt_path is None:
-        # As Lightning: the fitted module is evaluated with its best weights, never silently with the last ones.
-        if trainer.checkpoint_callback is None or trainer.config.fast_dev_run:
-            why = "fast_dev_run saved none" if trainer.config.fast_dev_run else "ModelCheckpoint is not configured"
-            raise ValueError(f'`.{stage}(ckpt_path="best")` is implied without a model, but {why}: pass the '
-                             "module to evaluate its current weights, or ckpt_path='last' or a path")  # fmt: skip
+        # As Lightning: the fitted module is evaluated with its best weights (refused when the stage starts if no
+        # ModelCheckpoint saved one), never silently with the last ones.
         ckpt_path = "best"
-        rank_zero_warn_once(
-            f".{stage}(ckpt_path=None) without a model: the best checkpoint of the last fit is loaded; pass "
-            f"ckpt_path='best', 'last' or a path to choose (and silence this warning)",
-            stacklevel=3,
+        rank_zero_warn(  # Lightning's words, at each such call
+            f"`.{stage}(ckpt_path=None)` was called without a model. The best model of the previous `fit` call will "
+            f"be used. You can pass `.{stage}(ckpt_path='best')` to use the best model or `.{stage}(ckpt_path='last')` "
+            "to use the last model. If you pass a value, this warning will be silenced.",
+            stacklevel=6,
         )
     return trainer.lightning_module, ckpt_path

@@ -31,6 +31,15 @@ class RunningStage(str, enum.Enum):
     TESTING = "test"
     PREDICTING = "predict"
 
+    @property
+    def evaluating(self) -> bool:
+        return self in (RunningStage.SANITY_CHECKING, RunningStage.VALIDATING, RunningStage.TESTING)
+
+    @property
+    def dataloader_prefix(self) -> str:
+        """The kind of loader the loop reads ("train", "val", "test", "predict"), as in ``limit_val_batches``."""
+        return "val" if self in (RunningStage.SANITY_CHECKING, RunningStage.VALIDATING) else self.value
+
 
 class TrainerStatus(str, enum.Enum):
     INITIALIZING = "initializing"
@@ -96,7 +105,7 @@ class TrainerState:
     @property
     def evaluating(self) -> bool:
         """Whether a validation (sanity check included) or a test runs."""
-        return self.stage in (RunningStage.SANITY_CHECKING, RunningStage.VALIDATING, RunningStage.TESTING)
+        return self.stage is not None and self.stage.evaluating
 
     def __repr__(self) -> str:
         return f"TrainerState(fn={self.fn}, stage={self.stage}, status={self.status})"

@@ -184,6 +184,18 @@ def test_predictions_are_moved_to_the_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     assert predictions is not None and len(predictions) == 2 and len(moved) == 2
 
 
+def test_predict_returns_by_default_with_none_too_and_warns_once_of_a_step_that_returns_none() -> None:
+    class Sparse(Regressor):
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+            return None if batch_idx % 2 else self(batch[0])
+
+    trainer = quiet_trainer(logger=False)
+    with pytest.warns(UserWarning, match="predict returned None") as caught:
+        predictions = trainer.predict(Sparse(), make_loader(32, batch_size=8), return_predictions=None)
+    assert predictions is not None and len(predictions) == 4 and predictions[1] is None
+    assert sum("predict returned None" in str(warning.message) for warning in caught) == 1
+
+
 @pytest.mark.parametrize("return_predictions", [True, False])
 def test_the_copies_of_predictions_are_waited_for_before_a_writer_reads_them(
     monkeypatch: pytest.MonkeyPatch, return_predictions: bool

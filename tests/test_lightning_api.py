@@ -75,14 +75,14 @@ def _fitted(**flags: Any) -> tuple[ember.Trainer, _Tracked]:
 def test_evaluating_after_fit_uses_the_fitted_module_and_its_best_checkpoint() -> None:
     trainer, model = _fitted()
     best = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)  # type: ignore[union-attr]
-    with pytest.warns(UserWarning, match=r"\.test\(ckpt_path=None\) without a model: the best checkpoint"):
+    with pytest.warns(UserWarning, match=r"^`\.test\(ckpt_path=None\)` was called without a model\. The best model"):
         results = trainer.test(dataloaders=make_loader(16), verbose=False)
     assert model.loaded_from == [best["global_step"]] and set(results[0]) == {"test_loss"}
     trainer.test(ckpt_path="best", dataloaders=make_loader(16), verbose=False, weights_only=None)
     assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path  # type: ignore[union-attr]
     trainer.validate(ckpt_path="last", dataloaders=make_loader(16), verbose=False)
     assert model.loaded_from == [best["global_step"]] * 2 + [trainer.global_step]
-    assert trainer.ckpt_path is not None
+    assert trainer.ckpt_path == trainer.checkpoint_callback.last_model_path  # type: ignore[union-attr]
     assert torch.load(trainer.ckpt_path, weights_only=True)["global_step"] == trainer.global_step
     trainer.test(model, make_loader(16), verbose=False)
     assert trainer.ckpt_path is None  # nothing loaded: the module as it is
@@ -121,7 +121,7 @@ def test_the_datamodule_alone_is_enough_after_fit() -> None:
     trainer = quiet_trainer(max_epochs=1, callbacks=[ModelCheckpoint(monitor="val_loss")])
     model = _Tracked()
     trainer.fit(model, datamodule=Data())
-    with pytest.warns(UserWarning, match="best checkpoint"):
+    with pytest.warns(UserWarning, match="The best model of the previous `fit` call will be used"):
         trainer.test(datamodule=Data(), verbose=False)
     assert trainer.num_test_batches == [3] and len(model.loaded_from) == 1
 
@@ -132,12 +132,27 @@ def test_evaluating_without_a_module_before_fit_is_a_clear_error() -> None:
         trainer.test(dataloaders=make_loader())
     fitted = quiet_trainer(max_epochs=1, enable_checkpointing=False)
     fitted.fit(Regressor(), make_loader())
-    with pytest.raises(ValueError, match=r'test\(ckpt_path="best"\)` is set but `ModelCheckpoint` is not configured:'):
+    # as Lightning: "best" without a ModelCheckpoint is refused, even where an earlier run left checkpoints
+    quiet_trainer(max_epochs=1, default_root_dir=fitted.default_root_dir).fit(Regressor(), make_loader())
+    with pytest.raises(ValueError, match=r'test\(ckpt_path="best"\)` is set but `ModelCheckpoint` is not configured.$'):
         fitted.test(dataloaders=make_loader(), ckpt_path="best")
-    # as Lightning: without a module, the best weights are meant, and there are none
-    with pytest.raises(ValueError, match=r"implied without a model, but ModelCheckpoint is not configured"):
+    # without a module, the best weights are meant, and there are none
+    with pytest.warns(UserWarning, match="best model of the previous `fit`"), pytest.raises(ValueError, match="not co"):
         fitted.test(dataloaders=make_loader())
     fitted.test(fitted.lightning_module, dataloaders=make_loader(), verbose=False)  # the current weights
+
+
+def test_best_is_refused_where_no_model_checkpoint_chose_one_and_taken_from_the_first() -> None:
+    fast = quiet_trainer(fast_dev_run=True)
+    fast.fit(Regressor(), make_loader())
+    with pytest.raises(ValueError, match=r'execute `.validate\(ckpt_path="best"\)` with `fast_dev_run=True`'):
+        fast.validate(dataloaders=make_loader(), ckpt_path="best")
+    first, second = ModelCheckpoint(monitor="val_loss", dirpath="first"), ModelCheckpoint(dirpath="second")
+    trainer = quiet_trainer(max_epochs=1, callbacks=[first, second])
+    trainer.fit(Regressor(), make_loader(), make_loader())
+    with pytest.warns(UserWarning, match="multiple `ModelCheckpoint` callbacks. It will use the best checkpoint path"):
+        trainer.test(dataloaders=make_loader(), ckpt_path="best", verbose=False)
+    assert trainer.ckpt_path == first.best_model_path
 
 
 def test_what_the_trainer_is_doing() -> None:
@@ -1205,13 +1220,15 @@ class _StopAtOnce(Callback):
         trainer.should_stop = True
 
 
-def test_min_epochs_and_min_steps_hold_off_stopping() -> None:
+def test_min_epochs_and_min_steps_hold_off_stopping(capsys: pytest.CaptureFixture[str]) -> None:
     trainer = quiet_trainer(max_epochs=10, callbacks=[_StopAtOnce()], logger=False)
     trainer.fit(Regressor(), make_loader())  # 8 batches per epoch
     assert trainer.global_step == 1
     trainer = quiet_trainer(max_epochs=10, min_epochs=2, callbacks=[_StopAtOnce()], logger=False)
     trainer.fit(Regressor(), make_loader())
     assert trainer.global_step == 16 and trainer.current_epoch == 2
+    said = "Trainer was signaled to stop but the required `min_epochs=2` or `min_steps=None` has not been met. Training"
+    assert capsys.readouterr().out.count(said) == 1  # once, in Lightning's words
     trainer = quiet_trainer(max_epochs=10, min_steps=11, callbacks=[_StopAtOnce()], logger=False)
     trainer.fit(Regressor(), make_loader())
     assert trainer.global_step == 11
@@ -1573,6 +1590,9 @@ def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() ->
     trainer.test(Regressor(), make_loader(16), verbose=False)
     assert trainer.state.fn == "test" and trainer.state.status == "finished" and not trainer.interrupted
     assert not trainer.training and RunningStage.VALIDATING == "validate"
+    prefixes = [stage.dataloader_prefix for stage in RunningStage]  # as in limit_<prefix>_batches
+    assert prefixes == ["train", "val", "val", "test", "predict"]
+    assert [stage for stage in RunningStage if stage.evaluating] == ["sanity_check", "validate", "test"]
 
     class Fails(Regressor):
         def test_step(self, batch: Any, batch_idx: int) -> None:

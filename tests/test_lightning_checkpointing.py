@@ -454,3 +454,45 @@ def test_load_from_checkpoint_reads_an_open_file_or_bytes_in_memory(tmp_path: An
         named = io.BytesIO(b"PK\x03\x04 cut short")
         named.name = "not-a-checkpoint"  # type: ignore[misc]
         Regressor.load_from_checkpoint(named)
+
+
+def test_a_lenient_load_from_checkpoint_warns_of_the_weights_either_side_lacks(tmp_path: Any) -> None:
+    class Wider(Regressor):
+        def __init__(self, lr: float = 0.05, features: int = 4) -> None:
+            super().__init__(lr, features)
+            self.head = torch.nn.Linear(1, 1)
+
+    trainer = quiet_trainer(max_epochs=1, logger=False, default_root_dir=tmp_path)
+    trainer.fit(Regressor(), make_loader())
+    trainer.save_checkpoint(tmp_path / "narrow.ckpt")
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "head.weight", "head.bias"'):
+        Wider.load_from_checkpoint(tmp_path / "narrow.ckpt")
+    with pytest.warns(UserWarning, match=r"in the model state dict but not in the checkpoint: \['head.weight', 'h"):
+        Wider.load_from_checkpoint(tmp_path / "narrow.ckpt", strict=False)
+    torch.save({**torch.load(tmp_path / "narrow.ckpt"), "state_dict": Wider().state_dict()}, tmp_path / "wide.ckpt")
+    with pytest.warns(UserWarning, match=r"not in the model state dict but in the checkpoint: \['head.weight', 'h"):
+        Regressor.load_from_checkpoint(tmp_path / "wide.ckpt", strict=False)
+
+
+def test_strict_loading_false_lets_a_stage_and_load_from_checkpoint_leave_weights_out(tmp_path: Any) -> None:
+    class Headed(Regressor):
+        def __init__(self, lr: float = 0.05, features: int = 4, lenient: bool = False) -> None:
+            super().__init__(lr, features)
+            self.head = torch.nn.Linear(1, 1)  # not in the checkpoint: loaded from elsewhere
+            if lenient:
+                self.strict_loading = False
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("test_loss", torch.nn.functional.mse_loss(self.head(self(batch[0])), batch[1]))
+
+    trainer = quiet_trainer(max_epochs=1, logger=False, default_root_dir=tmp_path)
+    trainer.fit(Regressor(), make_loader())
+    trainer.save_checkpoint(tmp_path / "body.ckpt")
+    assert Regressor().strict_loading
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "head.weight"'):
+        quiet_trainer(logger=False).test(Headed(), make_loader(), ckpt_path=tmp_path / "body.ckpt", verbose=False)
+    tested = quiet_trainer(logger=False).test(Headed(lenient=True), make_loader(), ckpt_path=tmp_path / "body.ckpt")
+    assert set(tested[0]) == {"test_loss"}
+    assert not Headed.load_from_checkpoint(tmp_path / "body.ckpt", lenient=True).strict_loading
+    with pytest.raises(ValueError, match=r"strict=True\)` which is in conflict with `Headed.strict_loading=False"):
+        Headed.load_from_checkpoint(tmp_path / "body.ckpt", strict=True, lenient=True)

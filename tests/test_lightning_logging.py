@@ -391,6 +391,17 @@ def test_each_loaders_results_hold_what_its_steps_logged_without_the_loader_inde
     ]
 
 
+def test_an_evaluation_returns_the_values_meant_for_the_loggers_only() -> None:
+    class Hides(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("kept", 1.0)
+            self.log("for_the_bar", 2.0, prog_bar=True, logger=False)
+
+    trainer = quiet_trainer(logger=False)
+    assert trainer.validate(Hides(), make_loader(8), verbose=False) == [{"kept": 1.0}]
+    assert set(trainer.callback_metrics) == {"kept", "for_the_bar"}  # callbacks still see it
+
+
 def test_an_evaluation_step_value_for_the_bar_is_a_progress_bar_metric() -> None:
     class Shows(Regressor):
         def validation_step(self, batch: Any, batch_idx: int) -> None:

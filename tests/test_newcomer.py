@@ -26,7 +26,8 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 # ------------------------------------------------------------------------------ misspelt names
 def test_an_unknown_trainer_flag_names_the_closest_ones_in_one_line() -> None:
-    expected = r"^Trainer\(max_epoch=\.\.\.\) is not a flag; did you mean max_epochs"
+    expected = r"^Trainer.__init__\(\) got an unexpected keyword argument 'max_epoch': Trainer\(max_epoch=\.\.\.\) is "
+    expected += r"not a flag; did you mean max_epochs"
     with pytest.raises(TypeError, match=expected) as raised:
         ember.Trainer(max_epoch=3)
     assert isinstance(raised.value, FlagError) and "\n" not in str(raised.value)
@@ -92,9 +93,7 @@ def test_an_error_the_batch_did_not_cause_gets_no_note() -> None:
 
 
 # -------------------------------------------------------------------------------- a finished run
-def test_a_run_resumed_after_it_finished_says_so_and_returns(
-    tmp_path: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_run_resumed_after_it_finished_says_so_and_returns(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     quiet_trainer(max_epochs=2, default_root_dir=str(tmp_path)).fit(Regressor(), make_loader(32))
     validated: list[int] = []
 
@@ -153,7 +152,7 @@ def test_ctrl_c_reports_in_80_columns_below_the_bar_which_is_not_drawn_again(tmp
     with contextlib.redirect_stdout(stream), pytest.raises(SystemExit):
         trainer.fit(Regressor(), make_loader(64))
     written = stream.getvalue()
-    report = written[written.index("stopped by SIGINT"):]
+    report = written[written.index("stopped by SIGINT") :]
     assert "Epoch" not in report and "\r" not in report  # nothing drawn over it, or after it
     assert [len(line) <= 80 for line in report.splitlines()] == [True, True, True]
 

@@ -7,6 +7,7 @@ window) is gathered from all ranks into ``ranks``.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -108,20 +109,52 @@ def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:
     for every rank)."""
     if ckpt_path not in ("last", "best"):
         return ckpt_path
+    if ckpt_path == "best":
+        _check_best_is_known(trainer)
     found = find_checkpoint(trainer, ckpt_path) if trainer.is_global_zero else None
     found = trainer.strategy.broadcast(found)
     if found is None:
         if ckpt_path == "best":  # Lightning's exception and words, then where Ember looked
-            what = "" if trainer.checkpoint_callback is None else " to save the best model"
             raise ValueError(
-                f'`.{trainer.stage}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured{what}: no best '
-                f"checkpoint is known (none was saved under {trainer.config.root_dir!r})"
+                f'`.{trainer.stage}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured to save the best '
+                f"model: no best checkpoint is known (none was saved under {trainer.config.root_dir!r})"
             )
-        # Not a warning: "last" on a run's first start is the usual way to write a script that continues.
-        announce('ckpt_path="last": no checkpoint of this run yet, so training starts afresh')
+        # Lightning's warning and words: the stage goes on (a fit trains afresh), as a first start of a script that
+        # continues its run expects. Pointing at the user's call: through _begin_stage, _stage, contextlib, the
+        # stage's runner and the strategy's launch (and _evaluate for validate, test and predict).
+        rank_zero_warn(
+            f'.{trainer.stage}(ckpt_path="last") is set, but there is no last checkpoint available. No checkpoint '
+            "will be loaded: this run has saved none yet",
+            stacklevel=10 if trainer.stage == "fit" else 11,
+        )
     else:
-        announce(f"resuming from {found}")
+        announce(f"resuming from {_with_other_names(found)}")
     return found
+
+
+def _with_other_names(path: str) -> str:
+    """``path``, followed by the other names its file has in its directory (the top-k file that ``last.ckpt`` is a
+    hard link to says which step it holds)."""
+    if not os.path.isfile(path) or os.stat(path).st_nlink < 2:
+        return path
+    directory, name = os.path.split(path)
+    others = [other for other in sorted(os.listdir(directory or "."))
+              if other != name and os.path.samefile(os.path.join(directory, other), path)]  # fmt: skip
+    return f"{path} (also {', '.join(others)})" if others else path
+
+
+def _check_best_is_known(trainer: Trainer) -> None:
+    """Refuse "best" where no ``ModelCheckpoint`` can have chosen one, in Lightning's words."""
+    stage, callbacks = trainer.stage, trainer.checkpoint_callbacks
+    if not callbacks:
+        raise ValueError(f'`.{stage}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured.')
+    if trainer.config.fast_dev_run and not callbacks[0].best_model_path:
+        raise ValueError(f'You cannot execute `.{stage}(ckpt_path="best")` with `fast_dev_run=True`. Please pass an '
+                         f"exact checkpoint path to `.{stage}(ckpt_path=...)`")  # fmt: skip
+    if len(callbacks) > 1:
+        rank_zero_warn(f'`.{stage}(ckpt_path="best")` is called with Trainer configured with multiple '
+                       "`ModelCheckpoint` callbacks. It will use the best checkpoint path from first checkpoint "
+                       "callback.")  # fmt: skip
 
 
 def resume_from(trainer: Trainer, path: str, weights_only: bool | None) -> None:
@@ -137,7 +170,9 @@ def load_weights_into(trainer: Trainer, path: str | None, weights_only: bool | N
         return
     checkpoint = trainer.strategy.load_checkpoint(path, trust_pickles=weights_only is False)
     trainer.hooks.call_module("on_load_checkpoint", checkpoint)
-    load_weights(trainer.strategy.load_module_state_dict, _module(trainer), checkpoint, path)
+    module = _module(trainer)
+    load_weights(functools.partial(trainer.strategy.load_module_state_dict, strict=module.strict_loading), module,
+                 checkpoint, path)  # fmt: skip
     # The datamodule's state as Lightning restores it; the callbacks' stays: the ModelCheckpoint of the fit just
     # run would forget the files it kept after the loaded one.
     if trainer.datamodule is not None:
@@ -165,7 +200,9 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
             f"ckpt_path={path!r} was written by an older Ember, whose loop state this one cannot read"
         )
     trainer.hooks.call_module("on_load_checkpoint", checkpoint)
-    load_weights(trainer.strategy.load_module_state_dict, _module(trainer), checkpoint, path)
+    module = _module(trainer)
+    load_weights(functools.partial(trainer.strategy.load_module_state_dict, strict=module.strict_loading), module,
+                 checkpoint, path)  # fmt: skip
     _restore_optimization(trainer, checkpoint, path)
     if trainer.datamodule is not None:  # before the callbacks, as Lightning
         load_datamodule_state(trainer.datamodule, checkpoint)
@@ -217,6 +254,16 @@ def load_weights(
         raise CheckpointError(
             f"{path!r} holds the weights of another model than this {type(module).__name__}: {details}"
         ) from None
+
+
+def load_module_state(module: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
+    """``module.load_state_dict(state, strict=strict)``; what a lenient load leaves out either side is warned about,
+    in Lightning's words, so that a renamed layer is not silently left at its initial weights."""
+    keys = module.load_state_dict(state, strict=strict)
+    if keys.missing_keys:
+        rank_zero_warn(f"Found keys that are in the model state dict but not in the checkpoint: {keys.missing_keys}")
+    if keys.unexpected_keys:
+        rank_zero_warn(f"Found keys that are not in the model state dict but in the checkpoint: {keys.unexpected_keys}")
 
 
 def _check_not_bare(checkpoint: dict[str, Any], path: CheckpointSource) -> None:
@@ -301,7 +348,8 @@ def _checkpoints_in(directory: str, extensions: tuple[str, ...]) -> list[str]:
 
 def _newest_complete(candidates: list[str]) -> str | None:
     """The newest of ``candidates`` that is a complete checkpoint; those passed over are named in a warning."""
-    for path in sorted(candidates, key=os.path.getmtime, reverse=True):
+    # Of a checkpoint kept under several names (a top-k file and its hard link last.ckpt), "last" names the latter.
+    for path in sorted(candidates, key=lambda path: (os.path.getmtime(path), _is_last(path)), reverse=True):
         problem = _problem(path)
         if problem is None:
             return path
@@ -309,6 +357,10 @@ def _newest_complete(candidates: list[str]) -> str | None:
         # _begin_stage, _stage, contextlib, _fit and the strategy's launch, and rank_zero_warn with its wrapper.
         rank_zero_warn(f'ckpt_path="last": passing over {path!r}: {problem}', stacklevel=13)
     return None
+
+
+def _is_last(path: str) -> bool:
+    return os.path.basename(path).startswith("last")
 
 
 def _problem(path: str) -> str | None:

@@ -190,6 +190,9 @@ PYTORCH: dict[str, Names] = {
     },
     "trainer": _TRAINER,
     "trainer.trainer": _TRAINER,
+    "trainer.states": {
+        name: f"ember.trainer_state:{name}" for name in ("TrainerFn", "RunningStage", "TrainerStatus", "TrainerState")
+    },
     "callbacks": _CALLBACKS,
     "callbacks.callback": {"Callback": "ember.callbacks:Callback"},
     "callbacks.model_checkpoint": {"ModelCheckpoint": "ember.callbacks:ModelCheckpoint"},
@@ -301,7 +304,6 @@ MISSING_MODULES = {
     "state (ZeRO 3)",
     "strategies.xla": "Ember runs on CUDA, MPS and CPU devices, not on TPUs",
     "profilers.advanced": "use Trainer(profiler='simple') for where the time goes, 'pytorch' for a trace",
-    "trainer.states": "read trainer.stage ('fit', 'validate', 'test', 'predict' or None) and trainer.sanity_checking",
     "loops": "Ember's loops are not replaceable: override the module's hooks, or write a callback",
     "fabric": _FABRIC,
     "lightning_fabric": "use ember.Trainer with an ember.Module: Ember has no Fabric (ember.seed_everything seeds)",

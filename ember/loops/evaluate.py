@@ -25,6 +25,7 @@ from ember.data import count_batches, loader_batches
 from ember.data_failures import named_failures
 from ember.loops.step import takes_batch_idx
 from ember.metrics import Number, to_floats
+from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from ember.loops.hooks import Hooks
@@ -174,6 +175,7 @@ class PredictionLoop(EvaluationLoop):
         #: The sample indices of the batch being predicted (empty when the loader has no batch sampler).
         self.current_batch_indices: list[int] = []
         self._keeps = False
+        self._warned_of_none = False
         self._produced: list[list[int]] | None = None  # the index lists the loader's batch sampler yielded
 
     def evaluate(self, loaders: list[Iterable], return_predictions: bool) -> list[Any] | None:
@@ -188,6 +190,7 @@ class PredictionLoop(EvaluationLoop):
 
     def _begin(self, loaders: int) -> None:
         self.predictions, self.epoch_batch_indices = [], []
+        self._warned_of_none = False
 
     def _prepare(self, loader: Iterable, dataloader_idx: int) -> Iterable:
         self.predictions.append([])
@@ -200,6 +203,9 @@ class PredictionLoop(EvaluationLoop):
         self.epoch_batch_indices[-1].append(self.current_batch_indices)
 
     def _batch_done(self, output: Any, dataloader_idx: int) -> None:
+        if output is None and not self._warned_of_none:  # as Lightning, once a stage (often a missing return)
+            self._warned_of_none = True
+            rank_zero_warn("predict returned None if it was on purpose, ignore this warning...")
         if self._keeps:
             # Kept on the device, every batch's outputs would pile up in its memory.
             self.predictions[-1].append(apply_to_tensors(output, _to_cpu))

@@ -155,9 +155,9 @@ class Stopping:
             return True
         if not self._told_about_minimum:
             self._told_about_minimum = True
-            announce(
-                f"stopping was requested, but min_epochs={config.min_epochs} or min_steps={config.min_steps} "
-                "is not reached yet: training goes on"
+            announce(  # Lightning's words
+                f"Trainer was signaled to stop but the required `min_epochs={config.min_epochs}` or "
+                f"`min_steps={config.min_steps}` has not been met. Training will continue..."
             )
         return False
 
