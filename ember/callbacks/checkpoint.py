@@ -375,6 +375,7 @@ class ModelCheckpoint(Callback):
         if saved is not None:
             # The same state as the top-k file just saved: a link to it rather than a second write.
             trainer.strategy.link_checkpoint(saved, path)
+            self._tell_loggers(trainer)
         else:
             self._write(trainer, path)
         self._remove(trainer, previous, path)
@@ -383,6 +384,15 @@ class ModelCheckpoint(Callback):
         trainer.save_checkpoint(path, self.save_weights_only)
         if self.verbose and not said:
             announce(f"ModelCheckpoint: saved {path}")
+        self._tell_loggers(trainer)
+
+    def _tell_loggers(self, trainer: "Trainer") -> None:
+        """Each logger's ``after_save_checkpoint``, after every file saved, as in Lightning (an object that logs may
+        not have one)."""
+        for logger in trainer.loggers:
+            after_save = getattr(logger, "after_save_checkpoint", None)
+            if callable(after_save):
+                after_save(self)
 
     def _remove(self, trainer: "Trainer", path: str, kept: str) -> None:
         """Remove ``path``, which ``kept`` replaces, unless it is not this callback's to remove: outside its

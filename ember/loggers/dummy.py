@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from ember.loggers.logger import Logger
@@ -15,6 +15,12 @@ class _Discard:
 
     def __getattr__(self, name: str) -> Any:
         return self._discard
+
+    def __getitem__(self, key: Any) -> Any:
+        return self
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
 
     @staticmethod
     def _discard(*args: Any, **kwargs: Any) -> None:
@@ -29,8 +35,25 @@ class DummyLogger(Logger):
     def experiment(self) -> Any:
         return _Discard()
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+    @property
+    def version(self) -> str:
+        return ""
+
+    def log_metrics(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getitem__(self, index: int) -> DummyLogger:
+        """Itself, so that code that indexes the loggers it was given (``self.logger[0]``) still runs."""
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        """A method that does nothing for any other name (another logger's ``log_text``, ``log_image``, ...)."""
+        if name.startswith("__"):  # copy and pickle look for optional dunders: those stay missing
+            raise AttributeError(name)
+        return _Discard._discard
 
 
 def rank_zero_experiment(fn: Callable[..., Any]) -> Callable[..., Any]:

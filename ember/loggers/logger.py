@@ -66,6 +66,10 @@ class Logger:
     def log_graph(self, model: torch.nn.Module, input_array: torch.Tensor | None = None) -> None:
         """Record the model's graph (``TensorBoardLogger(log_graph=True)`` does); called when ``fit`` starts."""
 
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """Called after ``checkpoint_callback`` (a ``ModelCheckpoint``) saved a checkpoint file, for a logger that
+        keeps checkpoints of its own (uploads them as artifacts)."""
+
     def save(self) -> None:
         """Flush what is buffered."""
 
@@ -151,7 +155,7 @@ class VersionedLogger(Logger):
     def version_dir(self) -> str:
         """This run's ``<save_dir>/<name>/version_<N>`` (its checkpoints go under it by default)."""
         version = self.version
-        return os.path.join(self._save_dir, self._name, version if isinstance(version, str) else f"version_{version}")
+        return os.path.join(self.runs_dir, version if isinstance(version, str) else f"version_{version}")
 
     @property
     def log_dir(self) -> str:
