@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ember._utils import require
+from ember._utils import require, tracing_graph
 from ember.loggers.logger import (
     DEFAULT_NAME,
     VersionedLogger,
@@ -74,9 +74,15 @@ class TensorBoardLogger(VersionedLogger):
         return self._sub_dir
 
     @property
+    def runs_dir(self) -> str:
+        """``<save_dir>/<name>``, with ``~`` and environment variables (``$SCRATCH``) expanded, as Lightning's
+        TensorBoardLogger expands its ``log_dir``."""
+        return _expanded(super().runs_dir)
+
+    @property
     def log_dir(self) -> str:
-        """``version_dir``, or the ``sub_dir`` in it."""
-        return self.version_dir if self._sub_dir is None else os.path.join(self.version_dir, self._sub_dir)
+        """``version_dir``, or the ``sub_dir`` in it (expanded as ``runs_dir``)."""
+        return self.version_dir if self._sub_dir is None else _expanded(os.path.join(self.version_dir, self._sub_dir))
 
     @property
     def experiment(self) -> Any:
@@ -122,18 +128,23 @@ class TensorBoardLogger(VersionedLogger):
         if not self._log_graph:
             return
         example = getattr(model, "example_input_array", None) if input_array is None else input_array
-        if example is None:
-            rank_zero_warn("Could not log computational graph to TensorBoard: set `model.example_input_array`")
+        if example is None:  # Lightning's words, as every refusal below
+            rank_zero_warn(
+                "Could not log computational graph to TensorBoard: The `model.example_input_array` attribute is not "
+                "set or `input_array` was not given."
+            )
             return
         if not isinstance(example, (torch.Tensor, tuple)):
             rank_zero_warn(
-                f"Could not log computational graph to TensorBoard: the input array is a {type(example).__name__}; "
-                "give a tensor, or a tuple of the positional arguments of the model's `forward()`"
+                "Could not log computational graph to TensorBoard: The `input_array` or `model.example_input_array` "
+                f"has type {type(example)} which can't be traced by TensorBoard. Make the input array a tuple "
+                "representing the positional arguments to the model's `forward()` implementation."
             )
             return
         device = next(model.parameters(), torch.empty(0)).device
         moved = tuple(_to(item, device) for item in example) if isinstance(example, tuple) else example.to(device)
-        self.experiment.add_graph(model, moved)
+        with tracing_graph():  # a model that no Trainer holds yet is traced too
+            self.experiment.add_graph(model, moved)
 
     def save(self) -> None:
         """Write the scalars logged so far, and whatever else was added to the writer."""
@@ -153,11 +164,19 @@ class TensorBoardLogger(VersionedLogger):
                 save_hparams_to_yaml(path, self.hparams)
             self._hparams_saved = True
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the writer (its thread and lock do not pickle): a copy opens its own when it first writes."""
+        return {**self.__dict__, "_writer": None}
+
     def finalize(self, status: str) -> None:
         self.save()
         if self._writer is not None:
             self._writer.close()
             self._writer = None  # a later stage (test after fit) opens a new event file in the same directory
+
+
+def _expanded(path: str) -> str:
+    return os.path.expanduser(os.path.expandvars(path))
 
 
 def _to(value: Any, device: torch.device) -> Any:
