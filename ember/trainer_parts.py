@@ -106,7 +106,13 @@ def default_loggers(config: TrainerConfig) -> list[Logger]:
 def default_callbacks(config: TrainerConfig) -> list[Callback]:
     callbacks = config.callbacks
     given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
-    bar = next((callback for callback in given if isinstance(callback, ProgressBar)), None)
+    bars = [callback for callback in given if isinstance(callback, ProgressBar)]
+    if len(bars) > 1:  # Lightning's words
+        raise MisconfigurationException(
+            "You added multiple progress bar callbacks to the Trainer, but currently only one progress bar is "
+            f"supported: {[type(bar).__name__ for bar in bars]}; keep one"
+        )
+    bar = bars[0] if bars else None
     if not config.enable_progress_bar and bar is not None:
         raise MisconfigurationException(
             f"Trainer: `enable_progress_bar=False` but found `{type(bar).__name__}` in callbacks: remove one of them"

@@ -24,6 +24,7 @@ from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
 from ember.callbacks import ProgressBar, TQDMProgressBar
+from ember.loggers import CSVLogger
 from ember.rank_zero import rank_zero_only
 from ember.tuner import Tuner
 
@@ -401,3 +402,17 @@ def test_a_disabled_bar_draws_nothing_and_lightning_bars_read_their_refresh_rate
 def test_the_progress_bar_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match=r"ProgressBar\(interactive='yes'\): expected True, False or None"):
         ProgressBar(interactive="yes")  # type: ignore[arg-type]
+
+
+def test_a_trainer_takes_one_progress_bar() -> None:
+    with pytest.raises(ValueError, match=r"multiple progress bar callbacks.*\['ProgressBar', 'TQDMProgressBar'\]"):
+        ember.Trainer(callbacks=[ProgressBar(), TQDMProgressBar()])
+
+
+def test_a_text_version_shows_its_last_four_characters_as_v_num(tmp_path: Any) -> None:
+    bar = ProgressBar(stream=io.StringIO(), interactive=False)
+    logger = CSVLogger(str(tmp_path), version="2026-11-27-run")
+    trainer = quiet_trainer(max_steps=1, logger=logger, enable_progress_bar=True, callbacks=[bar])
+    model = Regressor()
+    trainer.fit(model, make_loader(16))
+    assert bar.get_metrics(trainer, model) == {"v_num": "-run"}

@@ -110,8 +110,10 @@ class ProgressBar(Callback):
 
     def get_metrics(self, trainer: Trainer, pl_module: Module) -> dict[str, float | int | str]:
         """Lightning's progress-bar items: the values logged with ``prog_bar=True`` (as floats: this reads the
-        device), and ``v_num``, the first logger's version. The bar draws the same logged values beside the loss."""
+        device), and ``v_num``, the first logger's version (of a version that is text, its last 4 characters, as
+        Lightning shows it). The bar draws the same logged values beside the loss."""
         version = trainer.logger.version if trainer.logger is not None else None
+        version = version[-4:] if isinstance(version, str) else version
         standard: dict[str, float | int | str] = {} if version is None else {"v_num": version}
         return {**standard, **trainer.progress_bar_metrics}
 
