@@ -16,11 +16,12 @@ import torch
 
 from ember import checkpoint as checkpoint_io
 from ember._utils import is_overridden, replaces
-from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer
+from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer, TQDMProgressBar
 from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
 from ember.exceptions import MisconfigurationException
 from ember.hints import closest
+from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
 from ember.module import Module
@@ -118,7 +119,8 @@ def default_callbacks(config: TrainerConfig) -> list[Callback]:
             f"Trainer: `enable_progress_bar=False` but found `{type(bar).__name__}` in callbacks: remove one of them"
         )
     if config.enable_progress_bar and bar is None:
-        given.append(ProgressBar())
+        # A program that uses Lightning's names gets Lightning's class (the same bar, with refresh_rate 1).
+        given.append(TQDMProgressBar() if lightning_names_served() else ProgressBar())
     checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in given)
     if config.enable_checkpointing and not checkpointing:
         given.append(ModelCheckpoint())

@@ -147,6 +147,16 @@ def test_a_program_using_lightning_s_names_keeps_its_runs_in_lightning_logs(tmp_
     assert ember.Trainer(default_root_dir=root, logger=False).runs_dir == os.path.join(root, "ember_logs")
 
 
+def test_a_program_using_lightning_s_names_gets_lightning_s_progress_bar_class() -> None:
+    with served_by_ember():
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        bar = Trainer().progress_bar_callback
+        assert isinstance(bar, TQDMProgressBar) and bar.refresh_rate == 1
+    assert type(ember.Trainer().progress_bar_callback) is ember.callbacks.ProgressBar  # Ember's own
+
+
 def test_installing_after_lightning_was_imported_is_refused() -> None:
     code = (
         "import sys, types; sys.modules['pytorch_lightning'] = types.ModuleType('pytorch_lightning'); "

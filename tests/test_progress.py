@@ -416,3 +416,64 @@ def test_a_text_version_shows_its_last_four_characters_as_v_num(tmp_path: Any) -
     model = Regressor()
     trainer.fit(model, make_loader(16))
     assert bar.get_metrics(trainer, model) == {"v_num": "-run"}
+
+
+def test_a_subclass_s_get_metrics_chooses_the_values_the_bar_shows() -> None:
+    class Chosen(ProgressBar):
+        def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, float | int | str]:
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
+            return {**items, "mine": 123}
+
+    class Logging(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.log("shown", 2.0, prog_bar=True)
+            return loss
+
+    stream = io.StringIO()
+    trainer = quiet_trainer(
+        max_epochs=1, enable_progress_bar=True, callbacks=[Chosen(stream=stream, interactive=False)]
+    )
+    trainer.fit(Logging(), make_loader(16))
+    last_line = stream.getvalue().splitlines()[-1]
+    assert "mine=123" in last_line and "shown=2" in last_line and "v_num" not in last_line
+
+
+def test_v_num_joins_the_versions_of_several_loggers_and_is_left_out_without_one(tmp_path: Any) -> None:
+    bar = ProgressBar(stream=io.StringIO(), interactive=False)
+    loggers = [CSVLogger(str(tmp_path), version=1), CSVLogger(str(tmp_path), version="x")]
+    trainer = quiet_trainer(max_steps=1, logger=loggers, enable_progress_bar=True, callbacks=[bar])
+    model = Regressor()
+    trainer.fit(model, make_loader(16))
+    assert bar.get_metrics(trainer, model) == {"v_num": "1_x"}
+    trainer = quiet_trainer(fast_dev_run=True, enable_progress_bar=True, callbacks=[bar])
+    trainer.fit(model, make_loader(16))
+    assert bar.get_metrics(trainer, model) == {}  # the DummyLogger has no version
+
+
+def test_the_bar_turns_itself_off_on_other_ranks_than_global_zero() -> None:
+    bar = ProgressBar()
+    bar.setup(quiet_trainer(), Regressor(), "fit")
+    assert bar.is_enabled
+    other_rank = type("OtherRank", (), {"is_global_zero": False})()
+    bar.setup(other_rank, Regressor(), "fit")  # type: ignore[arg-type]
+    assert bar.is_disabled
+
+
+def test_tqdm_refresh_rate_follows_colab_and_tqdm_miniters(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TQDM_MINITERS", "2")
+    assert [TQDMProgressBar(refresh_rate=rate).refresh_rate for rate in (0, 1, 5)] == [2, 2, 5]
+    monkeypatch.delenv("TQDM_MINITERS")
+    monkeypatch.setenv("COLAB_GPU", "1")
+    assert [TQDMProgressBar().refresh_rate, TQDMProgressBar(refresh_rate=19).refresh_rate] == [20, 19]
+
+
+def test_a_bar_can_be_pickled_after_a_stage() -> None:
+    import pickle
+
+    bar = ProgressBar(interactive=False, stream=io.StringIO())
+    trainer = quiet_trainer(max_epochs=1, enable_progress_bar=True, callbacks=[bar])
+    trainer.fit(Regressor(), make_loader(16))
+    copy = pickle.loads(pickle.dumps(bar))
+    assert copy.is_enabled and copy.refresh_rate == bar.refresh_rate

@@ -7,11 +7,12 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from ember._utils import batch_size_of
+from ember._utils import batch_size_of, is_overridden
 from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
 from ember.metrics import Number, to_floats
@@ -63,6 +64,10 @@ class ProgressBar(Callback):
         self._eval: ProgressDisplay | None = None
         self._trainer: Trainer | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the Trainer and the bars being drawn (a copy is set up again by the next stage it runs in)."""
+        return {**self.__dict__, "_trainer": None, "_train": None, "_eval": None}
+
     @property
     def stream(self) -> IO[str]:
         return self._stream or sys.stdout
@@ -107,14 +112,16 @@ class ProgressBar(Callback):
 
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         self._trainer = trainer
+        if not trainer.is_global_zero:  # only global rank zero draws; its state says so, as Lightning's does
+            self.disable()
 
     def get_metrics(self, trainer: Trainer, pl_module: Module) -> dict[str, float | int | str]:
         """Lightning's progress-bar items: the values logged with ``prog_bar=True`` (as floats: this reads the
-        device), and ``v_num``, the first logger's version (of a version that is text, its last 4 characters, as
-        Lightning shows it). The bar draws the same logged values beside the loss."""
-        version = trainer.logger.version if trainer.logger is not None else None
+        device), and ``v_num``, the loggers' version (see ``loggers_version``; of a version that is text, its last 4
+        characters, as Lightning shows it). The bar draws the same logged values beside the loss."""
+        version = loggers_version(trainer.loggers)
         version = version[-4:] if isinstance(version, str) else version
-        standard: dict[str, float | int | str] = {} if version is None else {"v_num": version}
+        standard: dict[str, float | int | str] = {} if version in ("", None) else {"v_num": version}
         return {**standard, **trainer.progress_bar_metrics}
 
     @property
@@ -164,31 +171,37 @@ class ProgressBar(Callback):
             done=progress.epoch_batches, samples=progress.epoch_samples,
         )  # fmt: skip
         if self._train.terminal:
-            self._draw_train(trainer)
+            self._draw_train(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Per batch only a clock is read (``due()`` spelled out: a call more per batch is measurable on small
         # models); the device is read when the line is drawn.
         display = self._train
         if display is not None and time.monotonic() >= display.next_draw:
-            self._draw_train(trainer)
+            self._draw_train(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         if self._train is not None:
-            self._draw_train(trainer, final=True)
+            self._draw_train(trainer, pl_module, final=True)
             self._train = None
 
-    def _draw_train(self, trainer: Trainer, final: bool = False) -> None:
+    def _draw_train(self, trainer: Trainer, pl_module: Module, final: bool = False) -> None:
         display, progress = self._train, trainer.fit_loop.progress
         assert display is not None
         display.count, display.samples = progress.epoch_batches, progress.epoch_samples
         # Before the epoch's first batch, the latest loss is the last epoch's: it is not shown.
-        display.draw(*_train_values(trainer, with_loss=display.count > display.first_count), final=final)
+        shown, extras = _train_values(trainer, with_loss=display.count > display.first_count)
+        if is_overridden("get_metrics", self, ProgressBar):  # a subclass chooses the items, as on Lightning's bar
+            names = {text.split("=", 1)[0] for text in shown}
+            items = self.get_metrics(trainer, pl_module).items()
+            extras = [f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+                      for name, value in items if name not in names]  # fmt: skip
+        display.draw(shown, extras, final=final)
 
     def on_train_end(self, trainer: Trainer, pl_module: Module) -> None:
         # An epoch cut short by a preemption signal ends its line here, before the report of what was saved.
         if self._train is not None:
-            self._draw_train(trainer, final=True)
+            self._draw_train(trainer, pl_module, final=True)
             self._train = None
 
     # ----------------------------------------------------------------------------- evaluation
@@ -248,6 +261,15 @@ class ProgressBar(Callback):
         if self._eval is not None:
             self._eval.draw([], [], final=True)
             self._eval = None
+
+
+def loggers_version(loggers: Sequence[Any]) -> int | str | None:
+    """The version of ``loggers``: the one they share, else their versions joined by "_" (as Lightning names a run
+    that several loggers keep); None without a logger."""
+    versions = list(dict.fromkeys(logger.version for logger in loggers))
+    if len(versions) <= 1:
+        return versions[0] if versions else None
+    return "_".join(dict.fromkeys(str(version) for version in versions))
 
 
 def _train_values(trainer: Trainer, with_loss: bool) -> tuple[list[str], list[str]]:
