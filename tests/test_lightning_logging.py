@@ -631,3 +631,34 @@ def test_tensorboard_traces_the_graph_of_a_module_no_trainer_holds(tmp_path: Any
     model.example_input_array = {"x": torch.zeros(2, 4)}  # type: ignore[assignment]
     with pytest.warns(UserWarning, match="can't be traced by TensorBoard"):
         logger.log_graph(model)
+
+
+def test_a_logger_of_one_s_own_places_checkpoints_as_lightning_does(tmp_path: Any) -> None:
+    class Named(_Recording):
+        def __init__(self, save_dir: str | None, version: int | str) -> None:
+            super().__init__()
+            self._save_dir, self._version = save_dir, version
+
+        @property
+        def name(self) -> str:
+            return "mine"
+
+        @property
+        def version(self) -> int | str:
+            return self._version
+
+        @property
+        def save_dir(self) -> str | None:
+            return self._save_dir
+
+    root, elsewhere = str(tmp_path / "root"), str(tmp_path / "elsewhere")
+    for logger, run_dir, log_dir in [
+        (Named(None, 3), os.path.join(root, "mine", "version_3"), None),
+        (Named(elsewhere, "run-a"), os.path.join(elsewhere, "mine", "run-a"), elsewhere),
+    ]:
+        trainer = quiet_trainer(max_steps=1, logger=logger, default_root_dir=root)
+        trainer.fit(Regressor(), make_loader(8))
+        assert trainer.checkpoint_callback is not None
+        assert trainer.checkpoint_callback.dirpath == os.path.join(run_dir, "checkpoints")
+        assert os.listdir(trainer.checkpoint_callback.dirpath) == ["epoch=0-step=1.ckpt"]
+        assert trainer.log_dir == log_dir  # a logger other than CSV and TensorBoard: its save_dir, as Lightning's

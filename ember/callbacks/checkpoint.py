@@ -150,8 +150,9 @@ class ModelCheckpoint(Callback):
             )
         # Decided once the run directory is, when the stage starts (reading it before would claim one).
         if self.dirpath is None and trainer.stage == "fit":
-            run_dir = run_directory_of(trainer.logger) if trainer.logger is not None else None  # not a sub_dir
-            self.dirpath = os.path.join(run_dir or trainer.default_root_dir, "checkpoints")
+            root, first = trainer.default_root_dir, trainer.logger
+            run_dir = run_directory_of(first, root) if first is not None else None  # not a sub_dir
+            self.dirpath = os.path.join(run_dir or root, "checkpoints")
         self._last_time_save = time.monotonic()
         self._validated = False
 

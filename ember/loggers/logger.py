@@ -87,15 +87,14 @@ def is_logger(value: Any) -> bool:
     return isinstance(value, Logger) or all(callable(getattr(value, name, None)) for name in _LOGGER_METHODS)
 
 
-def run_directory_of(logger: Any) -> str | None:
+def run_directory_of(logger: Any, root: str | None = None) -> str | None:
     """The run directory of ``logger``, where Lightning puts its checkpoints: a file-keeping logger's
-    ``version_dir``, another ``Logger``'s ``log_dir``; for another object that logs, ``<save_dir>/<name>/<version>``
-    (None: it has no ``save_dir``)."""
+    ``version_dir``; for another logger, ``<save_dir>/<name>/<version>``, under ``root`` (the Trainer's
+    ``default_root_dir``) when it has no ``save_dir`` (None: it has none, and no ``root`` is given)."""
     if isinstance(logger, VersionedLogger):
         return logger.version_dir  # without a TensorBoardLogger's sub_dir, as Lightning places checkpoints
-    if isinstance(logger, Logger):
-        return logger.log_dir
     save_dir = getattr(logger, "save_dir", None)
+    save_dir = root if save_dir is None else save_dir
     if save_dir is None:
         return None
     version = logger.version
