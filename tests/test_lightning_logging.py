@@ -662,3 +662,16 @@ def test_a_logger_of_one_s_own_places_checkpoints_as_lightning_does(tmp_path: An
         assert trainer.checkpoint_callback.dirpath == os.path.join(run_dir, "checkpoints")
         assert os.listdir(trainer.checkpoint_callback.dirpath) == ["epoch=0-step=1.ckpt"]
         assert trainer.log_dir == log_dir  # a logger other than CSV and TensorBoard: its save_dir, as Lightning's
+
+
+def test_a_prefix_is_joined_with_the_logger_s_join_char(tmp_path: Any) -> None:
+    class Slashed(CSVLogger):
+        LOGGER_JOIN_CHAR = "/"
+
+    logger = Slashed(str(tmp_path), prefix="train")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.save()
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
+        assert file.readline().strip() == "step,train/loss"
+    assert CSVLogger(str(tmp_path)).LOGGER_JOIN_CHAR == "-"
+    assert (_Recording().root_dir, _Recording().group_separator) == (None, "/")  # the base class's, as Lightning's

@@ -477,3 +477,21 @@ def test_a_bar_can_be_pickled_after_a_stage() -> None:
     trainer.fit(Regressor(), make_loader(16))
     copy = pickle.loads(pickle.dumps(bar))
     assert copy.is_enabled and copy.refresh_rate == bar.refresh_rate
+
+
+def test_a_subclass_names_the_evaluation_bars() -> None:
+    class Named(ProgressBar):
+        @property
+        def validation_description(self) -> str:
+            return "Checking"
+
+        @property
+        def test_description(self) -> str:
+            return "Exam"
+
+    stream = io.StringIO()
+    trainer = quiet_trainer(enable_progress_bar=True, callbacks=[Named(stream=stream, interactive=False)])
+    trainer.validate(Regressor(), make_loader(8), verbose=False)
+    trainer.test(Regressor(), make_loader(8), verbose=False)
+    assert [line.split()[0] for line in stream.getvalue().splitlines()] == ["Checking", "Exam"]
+    assert ProgressBar().predict_description == "Predicting"

@@ -124,6 +124,19 @@ class ProgressBar(Callback):
         standard: dict[str, float | int | str] = {} if version in ("", None) else {"v_num": version}
         return {**standard, **trainer.progress_bar_metrics}
 
+    # The titles of the evaluation bars, Lightning's properties: a subclass may override them.
+    @property
+    def validation_description(self) -> str:
+        return "Validation"
+
+    @property
+    def test_description(self) -> str:
+        return "Testing"
+
+    @property
+    def predict_description(self) -> str:
+        return "Predicting"
+
     @property
     def is_enabled(self) -> bool:
         """Whether the bar draws (``disable()`` stops it, ``enable()`` starts it again), as Lightning's."""
@@ -207,7 +220,7 @@ class ProgressBar(Callback):
     # ----------------------------------------------------------------------------- evaluation
     def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-        self._start_eval(trainer, "Validation", counts)
+        self._start_eval(trainer, self.validation_description, counts)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
@@ -217,7 +230,7 @@ class ProgressBar(Callback):
         self._finish_eval()
 
     def on_test_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
-        self._start_eval(trainer, "Testing", trainer.num_test_batches)
+        self._start_eval(trainer, self.test_description, trainer.num_test_batches)
 
     def on_test_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
@@ -227,7 +240,7 @@ class ProgressBar(Callback):
         self._finish_eval()
 
     def on_predict_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
-        self._start_eval(trainer, "Predicting", trainer.num_predict_batches)
+        self._start_eval(trainer, self.predict_description, trainer.num_predict_batches)
 
     def on_predict_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip

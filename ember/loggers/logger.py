@@ -53,6 +53,16 @@ class Logger:
         """This run's directory (checkpoints go under it by default)."""
         return None
 
+    @property
+    def root_dir(self) -> str | None:
+        """The directory of every version of this logger's runs (None: it keeps nothing on disk)."""
+        return None
+
+    @property
+    def group_separator(self) -> str:
+        """What separates a group of values from their names (Lightning's ``"/"``)."""
+        return "/"
+
     def use_version(self, version: int | str) -> None:
         """Adopt ``version`` (rank zero's choice), so that every rank names the same run directory."""
 
@@ -110,6 +120,9 @@ class VersionedLogger(Logger):
     never share one. Loggers sharing ``save_dir`` and ``name`` write into the same run directory; without a
     name (None or ""), the versions are in ``save_dir`` itself.
     """
+
+    #: What joins ``prefix`` and a metric's name (Lightning's class attribute: a subclass may change it).
+    LOGGER_JOIN_CHAR = "-"
 
     def __init__(self, save_dir: str | os.PathLike, name: str | None, version: int | str | None) -> None:
         self._save_dir = os.fspath(save_dir)
@@ -217,9 +230,9 @@ def params_dict(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:
     return dict(vars(params) if isinstance(params, Namespace) else params)
 
 
-def prefixed(metrics: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
-    """``metrics`` with each name after ``prefix`` and a dash (as they are without a prefix)."""
-    return {f"{prefix}-{name}": value for name, value in metrics.items()} if prefix else metrics
+def prefixed(metrics: Mapping[str, Any], prefix: str, separator: str = "-") -> Mapping[str, Any]:
+    """``metrics`` with each name after ``prefix`` and ``separator`` (as they are without a prefix)."""
+    return {f"{prefix}{separator}{name}": value for name, value in metrics.items()} if prefix else metrics
 
 
 _PLAIN = (bool, int, float, str)

@@ -94,7 +94,9 @@ class TensorBoardLogger(VersionedLogger):
         return self._writer
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self._pending.extend((name, value, step) for name, value in prefixed(metrics, self._prefix).items())
+        self._pending.extend(
+            (name, value, step) for name, value in prefixed(metrics, self._prefix, self.LOGGER_JOIN_CHAR).items()
+        )
         if step is not None and step - self._last_flush_step >= self._flush_every:
             self.save()
 
