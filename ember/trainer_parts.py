@@ -195,10 +195,11 @@ def log_hyperparameters(trainer: Trainer) -> None:
     hyperparameters = {}
     if trainer.config.enable_autolog_hparams:
         own, data = module.hparams_for_logger, datamodule.hparams_for_logger if datamodule else {}
-        differing = [name for name in own.keys() & data.keys() if not _same(own[name], data[name])]
+        # Sorted as text: names may be of several types ({1: ..., "lr": ...}).
+        differing = sorted((name for name in own.keys() & data.keys() if not _same(own[name], data[name])), key=str)
         if differing:
             raise RuntimeError(
-                f"Error while merging hparams: {sorted(differing)} are hyperparameters of both the module and the "
+                f"Error while merging hparams: {differing} are hyperparameters of both the module and the "
                 "datamodule, with different values; rename one of them, or give them the same value"
             )
         hyperparameters = {**own, **data}

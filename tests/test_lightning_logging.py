@@ -675,3 +675,26 @@ def test_a_prefix_is_joined_with_the_logger_s_join_char(tmp_path: Any) -> None:
         assert file.readline().strip() == "step,train/loss"
     assert CSVLogger(str(tmp_path)).LOGGER_JOIN_CHAR == "-"
     assert (_Recording().root_dir, _Recording().group_separator) == (None, "/")  # the base class's, as Lightning's
+
+
+def test_hyperparameters_named_by_numbers_and_held_in_tensors_reach_tensorboard(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+
+    class Keeping(Regressor):
+        def __init__(self, extra: dict[Any, Any]) -> None:
+            super().__init__()
+            self.save_hyperparameters(extra)
+
+    class Data(ember.DataModule):
+        def __init__(self, extra: dict[Any, Any]) -> None:
+            super().__init__()
+            self.save_hyperparameters(extra)
+
+        def train_dataloader(self) -> Any:
+            return make_loader(8)
+
+    shared = {1: 1, "scale": torch.tensor(4)}
+    trainer = quiet_trainer(max_steps=1, logger=TensorBoardLogger(str(tmp_path)), enable_checkpointing=False)
+    trainer.fit(Keeping(shared), datamodule=Data(shared))  # a 0-dimensional tensor is written as its number
+    with pytest.raises(RuntimeError, match=r"Error while merging hparams: \[1, 'scale'\]"):
+        trainer.fit(Keeping(shared), datamodule=Data({1: 0, "scale": torch.tensor(3)}))

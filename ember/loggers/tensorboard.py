@@ -185,8 +185,11 @@ def _to(value: Any, device: torch.device) -> Any:
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
-def _hparam_value(value: Any) -> int | float | str | bool | torch.Tensor:
-    """A value TensorBoard can show: numbers, strings and booleans as they are, anything else as text."""
-    if isinstance(value, (bool, int, float, str)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+def _hparam_value(value: Any) -> int | float | str | bool:
+    """A value TensorBoard can show: numbers, strings and booleans as they are, a one-element tensor as its number
+    (TensorBoard's writer indexes a tensor, which a 0-dimensional one refuses), anything else as text."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
