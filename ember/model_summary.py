@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ember._utils import move_to_device
+from ember.rank_zero import rank_zero_warn_once
 
 #: A size that no forward pass measured (the layer did not run, or the model has no example input).
 UNKNOWN_SIZE = "?"
@@ -80,13 +81,14 @@ class LayerSummary:
             self._handle.remove()
             self._handle = None
 
+    # An empty size (no input, a 0-dimensional tensor) says nothing: "?", as in Lightning.
     @property
     def in_size(self) -> list[Any] | str:
-        return self._in_size
+        return self._in_size or UNKNOWN_SIZE
 
     @property
     def out_size(self) -> list[Any] | str:
-        return self._out_size
+        return self._out_size or UNKNOWN_SIZE
 
     @property
     def layer_type(self) -> str:
@@ -196,11 +198,24 @@ class ModelSummary:
 
     @property
     def total_parameters(self) -> int:
-        return parameter_counts(self._model.parameters())[1]
+        return self._counts()[1]
 
     @property
     def trainable_parameters(self) -> int:
-        return parameter_counts(self._model.parameters())[0]
+        return self._counts()[0]
+
+    def summarize(self) -> dict[str, LayerSummary]:
+        """Each layer listed, by name (measured when the summary was made)."""
+        return dict(self._layers)
+
+    def _counts(self) -> tuple[int, int, int]:
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in self._model.parameters()):
+            rank_zero_warn_once(  # Lightning's words
+                "The total number of parameters detected may be inaccurate because the model contains an instance of "
+                "`UninitializedParameter`. To get an accurate number, set `self.example_input_array` in your "
+                "LightningModule."
+            )
+        return parameter_counts(self._model.parameters())
 
     @property
     def total_layer_params(self) -> int:

@@ -94,6 +94,26 @@ def test_a_model_summary_object_measures_layers_with_the_example_input() -> None
         ModelSummaryObject(model, max_depth=-2)
 
 
+def test_a_summary_object_gives_its_layers_unknown_sizes_and_warns_of_lazy_layers() -> None:
+    class AnyInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Identity()
+
+        def forward(self, *args: Any) -> Any:
+            return self.layer(*args) if args else None
+
+    model = AnyInput()
+    for example in ([], torch.tensor(0.0)):
+        model.example_input_array = example  # type: ignore[assignment]
+        assert ModelSummaryObject(model).in_sizes == ["?"]  # an empty size says nothing, as in Lightning
+    summary = ModelSummaryObject(_TwoLayers())
+    assert list(summary.summarize()) == summary.layer_names
+    lazy = nn.Sequential(nn.LazyLinear(3))
+    with pytest.warns(UserWarning, match="number of parameters detected may be inaccurate"):
+        assert ModelSummaryObject(lazy).total_parameters == 0
+
+
 def test_a_summary_callback_that_overrides_summarize_gets_the_columns_and_totals(caplog: Any) -> None:
     shown: list[dict[str, Any]] = []
 
