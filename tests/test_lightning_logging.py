@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 import os
@@ -19,8 +20,10 @@ from conftest import Regressor, make_loader, quiet_trainer
 import ember
 from ember.callbacks import Callback, DeviceStatsMonitor, ThroughputMonitor
 from ember.exceptions import MisconfigurationException
-from ember.loggers import CSVLogger, Logger, TensorBoardLogger
+from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loggers.csv_logger import ExperimentWriter
+from ember.loggers.dummy import DummyExperiment, rank_zero_experiment
+from ember.rank_zero import rank_zero_only
 
 
 class _LogsInStep(Regressor):
@@ -575,8 +578,6 @@ def test_evaluation_stages_give_the_loggers_the_hyperparameters(tmp_path: Any) -
 
 
 def test_the_dummy_logger_takes_any_call() -> None:
-    from ember.loggers import DummyLogger
-
     logger = DummyLogger()
     logger.log_metrics("1", 2, three="three")
     logger.log_hyperparams("1", 2, three="three")
@@ -587,6 +588,21 @@ def test_the_dummy_logger_takes_any_call() -> None:
     assert logger.version == ""
     with pytest.raises(AttributeError):
         logger.__deepcopy__  # noqa: B018  # copy and pickle find no such method
+    experiment = logger.experiment
+    assert isinstance(experiment, DummyExperiment) and experiment.add_image("a", None) is None
+    assert experiment["run"] is experiment and copy.deepcopy(experiment) is not None
+
+
+def test_an_experiment_is_a_dummy_one_on_other_ranks_than_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Experimenting(_Recording):
+        @property
+        @rank_zero_experiment
+        def experiment(self) -> str:
+            return "the run"
+
+    assert Experimenting().experiment == "the run"
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert isinstance(Experimenting().experiment, DummyExperiment)
 
 
 def test_tensorboard_expands_home_and_environment_variables_in_its_directories(

@@ -221,6 +221,7 @@ PYTORCH: dict[str, Names] = {
     "loggers.logger": {
         "Logger": "ember.loggers:Logger",
         "DummyLogger": "ember.loggers:DummyLogger",
+        "DummyExperiment": "ember.loggers.dummy:DummyExperiment",
         "rank_zero_experiment": "ember.loggers.dummy:rank_zero_experiment",
     },
     "loggers.csv_logs": {

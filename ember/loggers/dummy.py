@@ -10,10 +10,13 @@ from ember.loggers.logger import Logger
 from ember.rank_zero import rank_zero_only
 
 
-class _Discard:
-    """Takes any method call (``add_image``, ``log_artifact``, ...) and does nothing with it."""
+class DummyExperiment:
+    """Takes any method call (``add_image``, ``log_artifact``, ...) and does nothing with it: the ``experiment`` of a
+    ``DummyLogger``, and of a logger on the processes other than global zero (``rank_zero_experiment``)."""
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy and pickle look for optional dunders: those stay missing
+            raise AttributeError(name)
         return self._discard
 
     def __getitem__(self, key: Any) -> Any:
@@ -33,7 +36,7 @@ class DummyLogger(Logger):
 
     @property
     def experiment(self) -> Any:
-        return _Discard()
+        return DummyExperiment()
 
     @property
     def version(self) -> str:
@@ -51,9 +54,7 @@ class DummyLogger(Logger):
 
     def __getattr__(self, name: str) -> Any:
         """A method that does nothing for any other name (another logger's ``log_text``, ``log_image``, ...)."""
-        if name.startswith("__"):  # copy and pickle look for optional dunders: those stay missing
-            raise AttributeError(name)
-        return _Discard._discard
+        return getattr(DummyExperiment(), name)
 
 
 def rank_zero_experiment(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -62,6 +63,6 @@ def rank_zero_experiment(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def experiment(self: Any) -> Any:
-        return fn(self) if rank_zero_only.rank == 0 else _Discard()  # type: ignore[attr-defined]
+        return fn(self) if rank_zero_only.rank == 0 else DummyExperiment()  # type: ignore[attr-defined]
 
     return experiment
