@@ -714,3 +714,13 @@ def test_hyperparameters_named_by_numbers_and_held_in_tensors_reach_tensorboard(
     trainer.fit(Keeping(shared), datamodule=Data(shared))  # a 0-dimensional tensor is written as its number
     with pytest.raises(RuntimeError, match=r"Error while merging hparams: \[1, 'scale'\]"):
         trainer.fit(Keeping(shared), datamodule=Data({1: 0, "scale": torch.tensor(3)}))
+
+
+def test_tensorboard_draws_a_dict_of_values_in_one_chart_and_refuses_text(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    logger = TensorBoardLogger(str(tmp_path))
+    logger.log_metrics({"loss": {"train": 1.0, "val": 2.0}, "lr": torch.tensor(0.1)}, step=1)
+    logger.finalize("success")
+    assert {"loss_train", "loss_val"} <= set(os.listdir(logger.log_dir))  # add_scalars' writers, one per line
+    with pytest.raises(ValueError, match=r"log_metrics: note='text' cannot be logged; give a number, a tensor"):
+        logger.log_metrics({"note": "text"}, step=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from argparse import Namespace
 from collections.abc import Mapping
@@ -66,7 +67,7 @@ class TensorBoardLogger(VersionedLogger):
         self._writer_options = writer_options
         self._writer: Any = None
         self._flush_every = flush_logs_every_n_steps
-        self._pending: list[tuple[str, float, int | None]] = []  # (name, value, step) not yet handed to the writer
+        self._pending: list[tuple[str, Any, int | None]] = []  # (name, value, step) not yet handed to the writer
         self._last_flush_step = 0
 
     @property
@@ -93,10 +94,18 @@ class TensorBoardLogger(VersionedLogger):
             self._writer = SummaryWriter(log_dir=self.log_dir, **self._writer_options)
         return self._writer
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self._pending.extend(
-            (name, value, step) for name, value in prefixed(metrics, self._prefix, self.LOGGER_JOIN_CHAR).items()
-        )
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Write ``metrics``: numbers (or one-number tensors), or dicts of them, each drawn as lines in one chart
+        (``add_scalars``), as in Lightning."""
+        named = prefixed(metrics, self._prefix, self.LOGGER_JOIN_CHAR)
+        for name, value in named.items():
+            # Checked here, since the writer gets them later: the error then points at the call that logged them.
+            if not isinstance(value, (numbers.Number, torch.Tensor, Mapping)):
+                raise ValueError(
+                    f"TensorBoardLogger.log_metrics: {name}={value!r} cannot be logged; give a number, a tensor or a "
+                    "dict of them"
+                )
+        self._pending.extend((name, value, step) for name, value in named.items())
         if step is not None and step - self._last_flush_step >= self._flush_every:
             self.save()
 
@@ -153,7 +162,10 @@ class TensorBoardLogger(VersionedLogger):
         if self._pending:
             writer = self.experiment
             for name, value, step in self._pending:
-                writer.add_scalar(name, value, step)
+                if isinstance(value, Mapping):
+                    writer.add_scalars(name, value, step)
+                else:
+                    writer.add_scalar(name, value, step)
             last_step = self._pending[-1][2]
             self._last_flush_step = self._last_flush_step if last_step is None else last_step
             self._pending = []
