@@ -21,7 +21,7 @@ import torch
 
 from ember import hints
 from ember._utils import Reads, replaces
-from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
+from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBarBase
 from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig, environment_defaults
 from ember.data import prepare_loaders, release_workers
@@ -332,8 +332,8 @@ class Trainer(LightningProperties):
         return next(iter(self.early_stopping_callbacks), None)
 
     @property
-    def progress_bar_callback(self) -> ProgressBar | None:
-        return next((callback for callback in self.callbacks if isinstance(callback, ProgressBar)), None)
+    def progress_bar_callback(self) -> ProgressBarBase | None:
+        return next((callback for callback in self.callbacks if isinstance(callback, ProgressBarBase)), None)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the global-zero process only (above the progress bar, when one is drawn)."""

@@ -16,7 +16,15 @@ import torch
 
 from ember import checkpoint as checkpoint_io
 from ember._utils import is_overridden, replaces
-from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer, TQDMProgressBar
+from ember.callbacks import (
+    Callback,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    ProgressBarBase,
+    Timer,
+    TQDMProgressBar,
+)
 from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
 from ember.exceptions import MisconfigurationException
@@ -107,7 +115,7 @@ def default_loggers(config: TrainerConfig) -> list[Logger]:
 def default_callbacks(config: TrainerConfig) -> list[Callback]:
     callbacks = config.callbacks
     given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
-    bars = [callback for callback in given if isinstance(callback, ProgressBar)]
+    bars = [callback for callback in given if isinstance(callback, ProgressBarBase)]
     if len(bars) > 1:  # Lightning's words
         raise MisconfigurationException(
             "You added multiple progress bar callbacks to the Trainer, but currently only one progress bar is "

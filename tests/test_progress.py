@@ -23,7 +23,7 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
-from ember.callbacks import ProgressBar, TQDMProgressBar
+from ember.callbacks import ProgressBar, ProgressBarBase, TQDMProgressBar
 from ember.loggers import CSVLogger
 from ember.rank_zero import rank_zero_only
 from ember.tuner import Tuner
@@ -495,3 +495,18 @@ def test_a_subclass_names_the_evaluation_bars() -> None:
     trainer.test(Regressor(), make_loader(8), verbose=False)
     assert [line.split()[0] for line in stream.getvalue().splitlines()] == ["Checking", "Exam"]
     assert ProgressBar().predict_description == "Predicting"
+
+
+def test_a_bar_on_the_base_class_draws_nothing_but_what_it_chooses(capsys: pytest.CaptureFixture[str]) -> None:
+    class Quiet(ProgressBarBase):
+        pass
+
+    bar = Quiet()
+    trainer = quiet_trainer(max_epochs=1, enable_progress_bar=True, callbacks=[bar])
+    assert trainer.progress_bar_callback is bar
+    trainer.fit(Regressor(), make_loader(16), make_loader(8))
+    trainer.print("only this")
+    assert capsys.readouterr().out == "only this\n" and bar.total_train_batches == 2
+    assert Tuner(trainer).lr_find(Regressor(), make_loader(64), num_training=5) is not None  # no display to draw
+    with pytest.raises(ValueError, match="multiple progress bar callbacks"):
+        ember.Trainer(callbacks=[Quiet(), ProgressBar()])

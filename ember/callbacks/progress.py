@@ -7,13 +7,12 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
 from ember._utils import batch_size_of, is_overridden
-from ember.callbacks.callback import Callback
+from ember.callbacks.progress_base import ProgressBarBase
 from ember.exceptions import MisconfigurationException
 from ember.metrics import Number, to_floats
 
@@ -25,7 +24,7 @@ _MIN_BAR = 10  # narrower than this, a bar says nothing: the line goes without o
 _MAX_BAR = 40
 
 
-class ProgressBar(Callback):
+class ProgressBar(ProgressBarBase):
     """Shows the epoch, batch/total, elapsed and remaining time, the loss and samples/s on the global-zero
     process; values logged with ``prog_bar=True`` follow when they fit the line, and all of them are on
     the line that ends each epoch.
@@ -54,19 +53,18 @@ class ProgressBar(Callback):
                 raise MisconfigurationException(f"ProgressBar({flag}={value!r}): expected a number of seconds >= 0")
         if interactive not in (None, True, False):
             raise MisconfigurationException(f"ProgressBar(interactive={interactive!r}): expected True, False or None")
+        super().__init__()
         self.refresh_rate = refresh_rate
         self._redraw_seconds = refresh_rate  # a subclass may read refresh_rate as Lightning's count of batches
         self.line_interval = line_interval
-        self._enabled = True
         self._stream = stream
         self._interactive = interactive
         self._train: ProgressDisplay | None = None
         self._eval: ProgressDisplay | None = None
-        self._trainer: Trainer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Without the Trainer and the bars being drawn (a copy is set up again by the next stage it runs in)."""
-        return {**self.__dict__, "_trainer": None, "_train": None, "_eval": None}
+        return {**super().__getstate__(), "_train": None, "_eval": None}
 
     @property
     def stream(self) -> IO[str]:
@@ -102,70 +100,6 @@ class ProgressBar(Callback):
         text = io.StringIO()
         print(*args, **{**kwargs, "file": text})
         tqdm.write(text.getvalue(), file=kwargs.get("file") or sys.stdout, end="")
-
-    @property
-    def trainer(self) -> Trainer:
-        """The Trainer this bar draws for (from the first stage it is set up in)."""
-        if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__}.trainer is set when a stage (fit, validate, ...) sets it up")
-        return self._trainer
-
-    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
-        self._trainer = trainer
-        if not trainer.is_global_zero:  # only global rank zero draws; its state says so, as Lightning's does
-            self.disable()
-
-    def get_metrics(self, trainer: Trainer, pl_module: Module) -> dict[str, float | int | str]:
-        """Lightning's progress-bar items: the values logged with ``prog_bar=True`` (as floats: this reads the
-        device), and ``v_num``, the loggers' version (see ``loggers_version``; of a version that is text, its last 4
-        characters, as Lightning shows it). The bar draws the same logged values beside the loss."""
-        version = loggers_version(trainer.loggers)
-        version = version[-4:] if isinstance(version, str) else version
-        standard: dict[str, float | int | str] = {} if version in ("", None) else {"v_num": version}
-        return {**standard, **trainer.progress_bar_metrics}
-
-    # The titles of the evaluation bars, Lightning's properties: a subclass may override them.
-    @property
-    def validation_description(self) -> str:
-        return "Validation"
-
-    @property
-    def test_description(self) -> str:
-        return "Testing"
-
-    @property
-    def predict_description(self) -> str:
-        return "Predicting"
-
-    @property
-    def is_enabled(self) -> bool:
-        """Whether the bar draws (``disable()`` stops it, ``enable()`` starts it again), as Lightning's."""
-        return self._enabled
-
-    @property
-    def is_disabled(self) -> bool:
-        return not self.is_enabled
-
-    def disable(self) -> None:
-        self._enabled = False
-
-    def enable(self) -> None:
-        self._enabled = True
-
-    @property
-    def total_train_batches(self) -> float:
-        """The training batches of an epoch of ``fit`` (``inf`` for a loader without a length)."""
-        return self.trainer.num_training_batches
-
-    @property
-    def total_val_batches(self) -> float:
-        """The validation batches of every loader that the current epoch of ``fit`` runs (0 in an epoch that
-        ``check_val_every_n_epoch`` leaves out, or without validation)."""
-        trainer = self.trainer
-        every = trainer.check_val_every_n_epoch
-        if not trainer.validation_enabled or (every is not None and (trainer.current_epoch + 1) % every):
-            return 0
-        return sum(trainer.num_val_batches)
 
     def display(self, title: str, total: float) -> ProgressDisplay:
         """A new bar (or periodic lines), left in place when done, for steps outside the loops (the tuner's)."""
@@ -274,15 +208,6 @@ class ProgressBar(Callback):
         if self._eval is not None:
             self._eval.draw([], [], final=True)
             self._eval = None
-
-
-def loggers_version(loggers: Sequence[Any]) -> int | str | None:
-    """The version of ``loggers``: the one they share, else their versions joined by "_" (as Lightning names a run
-    that several loggers keep); None without a logger."""
-    versions = list(dict.fromkeys(logger.version for logger in loggers))
-    if len(versions) <= 1:
-        return versions[0] if versions else None
-    return "_".join(dict.fromkeys(str(version) for version in versions))
 
 
 def _train_values(trainer: Trainer, with_loss: bool) -> tuple[list[str], list[str]]:
