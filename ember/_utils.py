@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Generic, TypeVar, overload
 
@@ -43,6 +44,21 @@ class AttributeDict(dict):
 
 
 T = TypeVar("T")
+
+#: How many graph traces are under way (``tracing_graph``).
+graph_traces = 0
+
+
+@contextlib.contextmanager
+def tracing_graph() -> Iterator[None]:
+    """While a logger traces a module's graph: ``torch.jit.trace`` reads every attribute of the modules it traces,
+    and an ``ember.Module`` that no Trainer holds then reads its ``trainer`` as None instead of refusing."""
+    global graph_traces
+    graph_traces += 1
+    try:
+        yield
+    finally:
+        graph_traces -= 1
 
 
 class Reads(Generic[T]):

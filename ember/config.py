@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 
 from ember._utils import parse_max_time
-from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
+from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBarBase
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.loggers import Logger
 from ember.loggers.logger import is_logger
@@ -38,7 +38,7 @@ _Init = TypeVar("_Init", bound=Callable[..., None])
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 _FLOAT32_MATMUL = ("highest", "high", "medium")
 _PROFILERS = ("simple", "pytorch")
-_COSTLY_CALLBACKS = (ModelCheckpoint, ProgressBar, ModelSummary)  # what barebones=True leaves out
+_COSTLY_CALLBACKS = (ModelCheckpoint, ProgressBarBase, ModelSummary)  # what barebones=True leaves out
 _BOOL_FLAGS = (
     "enable_progress_bar", "enable_checkpointing", "enable_model_summary", "inference_mode", "detect_anomaly",
     "use_distributed_sampler", "sync_batchnorm", "slurm_requeue", "restart_on_data_change", "async_checkpoint",

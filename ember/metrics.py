@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import inspect
 import numbers
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from types import CodeType
 from typing import Any, Literal, TypeVar
 
@@ -362,14 +362,14 @@ class RunMetrics:
     index among its loader's batches in the stage, and written when the evaluation's epoch ends.
     """
 
-    def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor], loggers: Sequence[Logger],
+    def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor], loggers: list[Logger],
                  is_global_zero: Callable[[], bool], copy_values: bool = False) -> None:  # fmt: skip
         self.train = MetricStore(reduce)
         self.eval = MetricStore(reduce)
         self.train.copy_values = self.eval.copy_values = copy_values
         #: Where ``self.log`` records values now, and with which defaults.
         self.scope = LogScope()
-        self._loggers = list(loggers)
+        self._loggers = loggers  # the Trainer's own list, which ``trainer.loggers = ...`` refills
         # Asked at each write: a process that a strategy starts from inside the caller learns its rank after this.
         self._is_global_zero = is_global_zero
         self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
@@ -543,6 +543,9 @@ class RunMetrics:
             self._hand_over(to_floats(values), step, epoch)
 
     def _hand_over(self, floats: dict[str, float], step: int, epoch: int | None, logged: bool = True) -> None:
+        if "step" in floats:  # a value logged as "step" labels the others instead of the step, as in Lightning
+            floats = dict(floats)
+            step, epoch = int(floats.pop("step")), None
         if logged:
             self._logged.update(floats)
         if not self._is_global_zero():

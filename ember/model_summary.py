@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ember._utils import move_to_device
+from ember.rank_zero import rank_zero_warn_once
 
 #: A size that no forward pass measured (the layer did not run, or the model has no example input).
 UNKNOWN_SIZE = "?"
@@ -80,13 +81,14 @@ class LayerSummary:
             self._handle.remove()
             self._handle = None
 
+    # An empty size (no input, a 0-dimensional tensor) says nothing: "?", as in Lightning.
     @property
     def in_size(self) -> list[Any] | str:
-        return self._in_size
+        return self._in_size or UNKNOWN_SIZE
 
     @property
     def out_size(self) -> list[Any] | str:
-        return self._out_size
+        return self._out_size or UNKNOWN_SIZE
 
     @property
     def layer_type(self) -> str:
@@ -196,11 +198,24 @@ class ModelSummary:
 
     @property
     def total_parameters(self) -> int:
-        return parameter_counts(self._model.parameters())[1]
+        return self._counts()[1]
 
     @property
     def trainable_parameters(self) -> int:
-        return parameter_counts(self._model.parameters())[0]
+        return self._counts()[0]
+
+    def summarize(self) -> dict[str, LayerSummary]:
+        """Each layer listed, by name (measured when the summary was made)."""
+        return dict(self._layers)
+
+    def _counts(self) -> tuple[int, int, int]:
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in self._model.parameters()):
+            rank_zero_warn_once(  # Lightning's words
+                "The total number of parameters detected may be inaccurate because the model contains an instance of "
+                "`UninitializedParameter`. To get an accurate number, set `self.example_input_array` in your "
+                "LightningModule."
+            )
+        return parameter_counts(self._model.parameters())
 
     @property
     def total_layer_params(self) -> int:
@@ -221,7 +236,10 @@ class ModelSummary:
         run)."""
         return {name: self._flops.get(name, {}) for name in self._layers}
 
-    def _columns(self) -> list[tuple[str, list[str]]]:
+    @property
+    def summary_data(self) -> list[tuple[str, list[str]]]:
+        """The table's columns, as (header, cells) pairs: what ``str()`` shows, and what a ``ModelSummary``
+        callback's ``summarize`` gets."""
         columns = [
             (" ", [str(index) for index in range(len(self._layers))]),
             ("Name", self.layer_names),
@@ -241,24 +259,38 @@ class ModelSummary:
         return columns
 
     def __str__(self) -> str:
-        columns = self._columns()
-        widths = [max([len(header), *(len(cell) for cell in cells)]) for header, cells in columns]
-        rule = "-" * (sum(widths) + 3 * (len(columns) + 1))
-        rows = [[header for header, _ in columns], *zip(*(cells for _, cells in columns))]
-        lines = [" | ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) for row in rows]
-        totals = [
-            (readable_count(self.trainable_parameters), "Trainable params"),
-            (readable_count(self.total_parameters - self.trainable_parameters), "Non-trainable params"),
-            (readable_count(self.total_parameters), "Total params"),
-            (f"{self.model_size:,.3f}", "Total estimated model params size (MB)"),
-            (str(self.total_training_modes["train"]), "Modules in train mode"),
-            (str(self.total_training_modes["eval"]), "Modules in eval mode"),
-            (readable_count(self.total_flops), "Total Flops"),
-        ]
-        return "\n".join([lines[0], rule, *lines[1:], rule, *(f"{value:<10}{label}" for value, label in totals)])
+        return summary_table(
+            self.summary_data, self.total_parameters, self.trainable_parameters, self.model_size,
+            self.total_training_modes, self.total_flops,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def summary_table(
+    summary_data: list[tuple[str, list[str]]],
+    total_parameters: int,
+    trainable_parameters: int,
+    model_size: float,
+    total_training_modes: dict[str, int],
+    total_flops: int,
+) -> str:
+    """Lightning's summary table: the columns (header, cells), then the totals."""
+    widths = [max([len(header), *(len(cell) for cell in cells)]) for header, cells in summary_data]
+    rule = "-" * (sum(widths) + 3 * (len(summary_data) + 1))
+    rows = [[header for header, _ in summary_data], *zip(*(cells for _, cells in summary_data))]
+    lines = [" | ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) for row in rows]
+    totals = [
+        (readable_count(trainable_parameters), "Trainable params"),
+        (readable_count(total_parameters - trainable_parameters), "Non-trainable params"),
+        (readable_count(total_parameters), "Total params"),
+        (f"{model_size:,.3f}", "Total estimated model params size (MB)"),
+        (str(total_training_modes["train"]), "Modules in train mode"),
+        (str(total_training_modes["eval"]), "Modules in eval mode"),
+        (readable_count(total_flops), "Total Flops"),
+    ]
+    return "\n".join([lines[0], rule, *lines[1:], rule, *(f"{value:<10}{label}" for value, label in totals)])
 
 
 def summarize(model: nn.Module, max_depth: int = 1) -> ModelSummary:

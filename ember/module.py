@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from ember import _utils
 from ember import checkpoint as checkpoint_io
 from ember._utils import sized_len
 from ember.checkpoint.state import load_datamodule_state, load_module_state, load_weights
@@ -68,9 +69,9 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     # --------------------------------------------------------------------------- the trainer
     @property
     def trainer(self) -> Trainer:
-        if self._trainer is None:
+        if self._trainer is None and not _utils.graph_traces:
             raise RuntimeError(f"{type(self).__name__} is not attached to a `Trainer`")
-        return self._trainer
+        return self._trainer  # type: ignore[return-value]  # None only while a graph is traced
 
     @trainer.setter
     def trainer(self, trainer: Trainer | None) -> None:

@@ -25,12 +25,14 @@ class RunDirectory:
 
     @property
     def log_dir(self) -> str | None:
-        """The first logger's ``log_dir`` (a TensorBoardLogger's ``sub_dir`` included) or, without a logger,
-        ``default_root_dir``, as Lightning's ``trainer.log_dir`` (None: the first logger keeps no files)."""
+        """As Lightning's ``trainer.log_dir``: the first logger's ``log_dir`` when it is a CSV or TensorBoard logger
+        (a ``sub_dir`` included), another logger's ``save_dir`` (None: it keeps no files), or, without a logger,
+        ``default_root_dir``."""
         loggers = self._trainer.loggers
         if not loggers:
             return self._trainer.config.root_dir
-        return loggers[0].log_dir if isinstance(loggers[0], Logger) else self.run_dir
+        first = loggers[0]
+        return first.log_dir if isinstance(first, VersionedLogger) else getattr(first, "save_dir", None)
 
     @property
     def run_dir(self) -> str | None:
@@ -57,9 +59,11 @@ class RunDirectory:
 
     @property
     def default_checkpoint_dir(self) -> str:
-        """Where checkpoints without a directory of their own go: ``<log_dir>/checkpoints``, or
-        ``<default_root_dir>/checkpoints`` when no logger keeps files."""
-        return os.path.join(self.run_dir or self._trainer.config.root_dir, "checkpoints")
+        """Where checkpoints without a directory of their own go, as in Lightning: ``checkpoints`` in the first
+        logger's run directory (see ``run_directory_of``), or in ``default_root_dir`` without a logger."""
+        loggers, root = self._trainer.loggers, self._trainer.config.root_dir
+        run_dir = run_directory_of(loggers[0], root) if loggers else None
+        return os.path.join(run_dir or root, "checkpoints")
 
     def settle(self, continuing: str | None = None) -> None:
         """Rank zero claims this run's directory (or, continuing the checkpoint ``continuing`` in place, takes the

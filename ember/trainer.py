@@ -21,7 +21,7 @@ import torch
 
 from ember import hints
 from ember._utils import Reads, replaces
-from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
+from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBarBase
 from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig, environment_defaults
 from ember.data import prepare_loaders, release_workers
@@ -46,6 +46,7 @@ from ember.trainer_parts import (
     estimated_stepping_batches,
     evaluated_module,
     known_flags_only,
+    log_hyperparameters,
     set_determinism,
     with_module_callbacks,
 )
@@ -154,7 +155,7 @@ class Trainer(LightningProperties):
         # Under fault tolerance only replica group 0's rank 0 prints.
         rank_zero_only.rank = int(not self.strategy.is_global_zero)  # type: ignore[attr-defined]
         set_determinism(config)
-        self.loggers: list[Logger] = default_loggers(config)
+        self._loggers: list[Logger] = default_loggers(config)  # one list: ``loggers = ...`` refills it
         self.callbacks: list[Callback] = default_callbacks(config)
         if config.fast_dev_run:
             announce(f"fast_dev_run: running {int(config.fast_dev_run)} batch(es) of each loop; logging, "
@@ -163,7 +164,7 @@ class Trainer(LightningProperties):
         #: What the run has logged with ``self.log`` and what went to the loggers.
         is_global_zero = functools.partial(getattr, self.strategy, "is_global_zero")  # read at each write
         self.run_metrics = RunMetrics(
-            self.strategy.reduce, self.loggers, is_global_zero, copy_values=self.strategy.reuses_outputs
+            self.strategy.reduce, self._loggers, is_global_zero, copy_values=self.strategy.reuses_outputs
         )
         self.fit_loop = FitLoop(self)
         self.validate_loop = EvaluationLoop(self, "validate")
@@ -286,10 +287,6 @@ class Trainer(LightningProperties):
         return estimated_stepping_batches(self)
 
     # ------------------------------------------------------------------------- logging state
-    @property
-    def logger(self) -> Logger | None:
-        return self.loggers[0] if self.loggers else None
-
     #: The first logger's ``log_dir`` (the same on every rank once a stage has started; None: it keeps no files),
     #: or ``default_root_dir`` without a logger, as in Lightning.
     log_dir: Reads[str | None] = Reads("_run_directory.log_dir")
@@ -335,8 +332,8 @@ class Trainer(LightningProperties):
         return next(iter(self.early_stopping_callbacks), None)
 
     @property
-    def progress_bar_callback(self) -> ProgressBar | None:
-        return next((callback for callback in self.callbacks if isinstance(callback, ProgressBar)), None)
+    def progress_bar_callback(self) -> ProgressBarBase | None:
+        return next((callback for callback in self.callbacks if isinstance(callback, ProgressBarBase)), None)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the global-zero process only (above the progress bar, when one is drawn)."""
@@ -445,6 +442,7 @@ class Trainer(LightningProperties):
             model.zero_grad()  # as Lightning does: the gradients a fit left are not kept while evaluating
             loaders = self._loaders(loop.kind, dataloaders, required=True)
             checkpoint_state.load_weights_into(self, path, weights_only)
+            log_hyperparameters(self)  # as fit does: each stage's run directory has them, as in Lightning
             return loop.evaluate(loaders, option)
 
     # ------------------------------------------------------------------------------ checkpoints

@@ -16,11 +16,20 @@ import torch
 
 from ember import checkpoint as checkpoint_io
 from ember._utils import is_overridden, replaces
-from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar, Timer
+from ember.callbacks import (
+    Callback,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    ProgressBarBase,
+    Timer,
+    TQDMProgressBar,
+)
 from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
 from ember.exceptions import MisconfigurationException
 from ember.hints import closest
+from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
 from ember.module import Module
@@ -107,13 +116,20 @@ def default_loggers(config: TrainerConfig) -> list[Logger]:
 def default_callbacks(config: TrainerConfig) -> list[Callback]:
     callbacks = config.callbacks
     given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
-    bar = next((callback for callback in given if isinstance(callback, ProgressBar)), None)
+    bars = [callback for callback in given if isinstance(callback, ProgressBarBase)]
+    if len(bars) > 1:  # Lightning's words
+        raise MisconfigurationException(
+            "You added multiple progress bar callbacks to the Trainer, but currently only one progress bar is "
+            f"supported: {[type(bar).__name__ for bar in bars]}; keep one"
+        )
+    bar = bars[0] if bars else None
     if not config.enable_progress_bar and bar is not None:
         raise MisconfigurationException(
             f"Trainer: `enable_progress_bar=False` but found `{type(bar).__name__}` in callbacks: remove one of them"
         )
     if config.enable_progress_bar and bar is None:
-        given.append(ProgressBar())
+        # A program that uses Lightning's names gets Lightning's class (the same bar, with refresh_rate 1).
+        given.append(TQDMProgressBar() if lightning_names_served() else ProgressBar())
     checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in given)
     if config.enable_checkpointing and not checkpointing:
         given.append(ModelCheckpoint())
@@ -188,10 +204,11 @@ def log_hyperparameters(trainer: Trainer) -> None:
     hyperparameters = {}
     if trainer.config.enable_autolog_hparams:
         own, data = module.hparams_for_logger, datamodule.hparams_for_logger if datamodule else {}
-        differing = [name for name in own.keys() & data.keys() if not _same(own[name], data[name])]
+        # Sorted as text: names may be of several types ({1: ..., "lr": ...}).
+        differing = sorted((name for name in own.keys() & data.keys() if not _same(own[name], data[name])), key=str)
         if differing:
             raise RuntimeError(
-                f"Error while merging hparams: {sorted(differing)} are hyperparameters of both the module and the "
+                f"Error while merging hparams: {differing} are hyperparameters of both the module and the "
                 "datamodule, with different values; rename one of them, or give them the same value"
             )
         hyperparameters = {**own, **data}

@@ -15,6 +15,7 @@ from ember._utils import Reads
 
 if TYPE_CHECKING:
     from ember.config import TrainerConfig
+    from ember.loggers import Logger
     from ember.loops.fit import FitLoop
     from ember.optim import LRSchedulerConfig
     from ember.strategies import Strategy
@@ -67,6 +68,7 @@ class LightningProperties:
     config: TrainerConfig
     strategy: Strategy
     fit_loop: FitLoop
+    _loggers: list[Logger]
 
     reload_dataloaders_every_n_epochs: Reads[int] = Reads("config.reload_dataloaders_every_n_epochs")
     overfit_batches: Reads[int | float] = Reads("config.overfit_batches")
@@ -75,6 +77,24 @@ class LightningProperties:
     #: The gradient scaler of "16-mixed" (None under another precision).
     scaler: Reads[torch.amp.GradScaler | None] = Reads("strategy.precision", lambda p: getattr(p, "scaler", None))
     accelerator: Reads[Accelerator] = Reads("strategy.root_device.type", Accelerator)
+
+    @property
+    def loggers(self) -> list[Logger]:
+        return self._loggers
+
+    @loggers.setter
+    def loggers(self, loggers: list[Logger] | None) -> None:
+        """Replace the loggers (None: none); the list is refilled, as the parts that write to it hold it."""
+        self._loggers[:] = loggers or []
+
+    @property
+    def logger(self) -> Logger | None:
+        """The first logger (None: there is none); setting it makes it the only one."""
+        return self._loggers[0] if self._loggers else None
+
+    @logger.setter
+    def logger(self, logger: Logger | None) -> None:
+        self.loggers = [] if logger is None else [logger]
 
     @property
     def device_ids(self) -> list[int]:

@@ -94,6 +94,48 @@ def test_a_model_summary_object_measures_layers_with_the_example_input() -> None
         ModelSummaryObject(model, max_depth=-2)
 
 
+def test_a_summary_object_gives_its_layers_unknown_sizes_and_warns_of_lazy_layers() -> None:
+    class AnyInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Identity()
+
+        def forward(self, *args: Any) -> Any:
+            return self.layer(*args) if args else None
+
+    model = AnyInput()
+    for example in ([], torch.tensor(0.0)):
+        model.example_input_array = example  # type: ignore[assignment]
+        assert ModelSummaryObject(model).in_sizes == ["?"]  # an empty size says nothing, as in Lightning
+    summary = ModelSummaryObject(_TwoLayers())
+    assert list(summary.summarize()) == summary.layer_names
+    lazy = nn.Sequential(nn.LazyLinear(3))
+    with pytest.warns(UserWarning, match="number of parameters detected may be inaccurate"):
+        assert ModelSummaryObject(lazy).total_parameters == 0
+
+
+def test_a_summary_callback_that_overrides_summarize_gets_the_columns_and_totals(caplog: Any) -> None:
+    shown: list[dict[str, Any]] = []
+
+    class Collecting(ModelSummary):
+        @staticmethod
+        def summarize(summary_data: Any, total_parameters: int, trainable_parameters: int, model_size: float,
+                      total_training_modes: dict[str, int], **summarize_kwargs: Any) -> None:  # fmt: skip
+            shown.append(dict(columns=dict(summary_data), total=total_parameters, kwargs=summarize_kwargs))
+            ModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
+                                   total_training_modes, **summarize_kwargs)  # fmt: skip
+
+    for depth in (1, 0):
+        callbacks = [Collecting(max_depth=depth, width=3)]
+        trainer = quiet_trainer(max_steps=1, logger=False, enable_model_summary=True, callbacks=callbacks)
+        with caplog.at_level(logging.INFO, logger="ember"):
+            trainer.fit(Regressor(), make_loader(8))
+    assert len(shown) == 1  # at depth 0 there is nothing to show, as in Lightning
+    assert shown[0]["columns"]["Name"] == ["layer"] and shown[0]["columns"]["Params"] == ["5  "]
+    assert shown[0]["total"] == 5 and shown[0]["kwargs"] == {"width": 3, "total_flops": 0}
+    assert "Total estimated model params size (MB)" in caplog.text and "| Name  | Type" in caplog.text
+
+
 def test_device_stats_are_logged_at_the_logging_steps() -> None:
     trainer = quiet_trainer(max_epochs=1, callbacks=[DeviceStatsMonitor()], log_every_n_steps=2, limit_val_batches=1)
     trainer.fit(Regressor(), make_loader(64), make_loader(16))

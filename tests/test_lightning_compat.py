@@ -82,7 +82,8 @@ def test_lightning_names_are_embers_own_objects() -> None:
     [
         ("from lightning.pytorch.callbacks.model_summary import ModelSummary", "ember.callbacks.ModelSummary"),
         ("from pytorch_lightning.callbacks.timer import Timer", "ember.callbacks.Timer"),
-        ("from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar", "ember.callbacks.ProgressBar"),
+        ("from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar",
+         "ember.callbacks.ProgressBarBase"),
         ("from lightning.pytorch.strategies.single_device import SingleDeviceStrategy",
          "ember.strategies.SingleDeviceStrategy"),
         ("from lightning.pytorch.strategies.parallel import ParallelStrategy", "ember.strategies.ParallelStrategy"),
@@ -147,6 +148,34 @@ def test_a_program_using_lightning_s_names_keeps_its_runs_in_lightning_logs(tmp_
         assert Trainer(default_root_dir=root, logger=False).runs_dir == os.path.join(root, "lightning_logs")
     assert ember.loggers.CSVLogger(root).log_dir == os.path.join(root, "ember_logs", "version_0")  # Ember's own
     assert ember.Trainer(default_root_dir=root, logger=False).runs_dir == os.path.join(root, "ember_logs")
+
+
+def test_a_program_using_lightning_s_names_gets_lightning_s_progress_bar_class() -> None:
+    with served_by_ember():
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        bar = Trainer().progress_bar_callback
+        assert isinstance(bar, TQDMProgressBar) and bar.refresh_rate == 1
+    assert type(ember.Trainer().progress_bar_callback) is ember.callbacks.ProgressBar  # Ember's own
+
+
+def test_a_bar_of_one_s_own_on_lightning_s_progress_bar_draws_nothing_else(capsys: pytest.CaptureFixture[str]) -> None:
+    with served_by_ember():
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+
+        class Percent(ProgressBar):
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+                print(f"{100 * (i + 1) / self.total_train_batches:.0f}%")
+
+        bar = Percent()
+        quiet = dict(logger=False, enable_checkpointing=False, enable_model_summary=False)
+        trainer = Trainer(max_epochs=1, callbacks=[bar], **quiet)
+        trainer.fit(Regressor(), make_loader(16))
+        trainer.print("done")
+        assert trainer.progress_bar_callback is bar and isinstance(TQDMProgressBar(), ProgressBar)
+    assert capsys.readouterr().out.split() == ["50%", "100%", "done"]  # Lightning's base draws nothing
 
 
 def test_installing_after_lightning_was_imported_is_refused() -> None:

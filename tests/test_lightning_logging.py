@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 import os
@@ -19,8 +20,10 @@ from conftest import Regressor, make_loader, quiet_trainer
 import ember
 from ember.callbacks import Callback, DeviceStatsMonitor, ThroughputMonitor
 from ember.exceptions import MisconfigurationException
-from ember.loggers import CSVLogger, Logger, TensorBoardLogger
+from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loggers.csv_logger import ExperimentWriter
+from ember.loggers.dummy import DummyExperiment, rank_zero_experiment
+from ember.rank_zero import rank_zero_only
 
 
 class _LogsInStep(Regressor):
@@ -522,3 +525,213 @@ def test_an_integer_tensor_is_read_as_float32_with_a_warning() -> None:
     for name in ("count_step", "count_epoch"):
         assert trainer.callback_metrics[name].dtype == torch.float32
     assert float(trainer.callback_metrics["count_step"]) == 1.0
+
+
+class _Recording(Logger):
+    """A logger written as Lightning users write theirs: it records what the Trainer hands it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self.calls.append(("metrics", dict(metrics), step))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.calls.append(("hparams", dict(params)))
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self.calls.append(("saved", checkpoint_callback.last_model_path or checkpoint_callback.best_model_path))
+
+
+def test_loggers_are_told_of_each_checkpoint_file_saved(tmp_path: Any) -> None:
+    loggers = [_Recording(), _Recording()]
+    trainer = quiet_trainer(max_epochs=2, logger=loggers, default_root_dir=str(tmp_path))
+    trainer.fit(Regressor(), make_loader(16))
+    for logger in loggers:
+        saved = [call[1] for call in logger.calls if call[0] == "saved"]
+        assert [os.path.basename(path) for path in saved] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+
+
+def test_a_value_logged_as_step_labels_the_others(tmp_path: Any) -> None:
+    class StepLogging(Regressor):
+        def on_train_epoch_end(self) -> None:
+            self.log_dict({"step": float(10 * self.current_epoch + 7), "accuracy": 0.5})
+
+    logger = _Recording()
+    trainer = quiet_trainer(max_epochs=2, logger=logger, log_every_n_steps=100, enable_checkpointing=False)
+    trainer.fit(StepLogging(), make_loader(16))
+    written = [(metrics, step) for kind, *rest in logger.calls if kind == "metrics" for metrics, step in [rest]]
+    assert written == [({"accuracy": 0.5}, 7), ({"accuracy": 0.5}, 17)]  # no "epoch" added, as in Lightning
+    assert "step" not in trainer.logged_metrics
+
+
+def test_the_loggers_can_be_replaced_after_the_trainer_is_made(tmp_path: Any) -> None:
+    trainer = quiet_trainer(max_steps=2, logger=False, enable_checkpointing=False)
+    assert (trainer.logger, trainer.loggers) == (None, [])
+    first, second = _Recording(), _Recording()
+    trainer.logger = first
+    assert trainer.loggers == [first]
+    trainer.loggers = [first, second]
+    assert trainer.logger is first
+    trainer.fit(Regressor(), make_loader(16))
+    assert any(call[0] == "hparams" for call in second.calls)  # the stage wrote to the loggers set last
+    trainer.logger = None
+    assert trainer.loggers == []
+    trainer.loggers = None
+    assert (trainer.logger, trainer.loggers) == (None, [])
+
+
+def test_evaluation_stages_give_the_loggers_the_hyperparameters(tmp_path: Any) -> None:
+    logger = _Recording()
+    trainer = quiet_trainer(logger=logger)
+    trainer.test(Regressor(lr=0.2), make_loader(16), verbose=False)
+    assert ("hparams", {"lr": 0.2, "features": 4}) in logger.calls
+
+
+def test_the_dummy_logger_takes_any_call() -> None:
+    logger = DummyLogger()
+    logger.log_metrics("1", 2, three="three")
+    logger.log_hyperparams("1", 2, three="three")
+    assert logger.log_text("a", b=1) is None  # another logger's method, as code written for it calls
+    assert logger[0] is logger
+    logger.experiment["key"] = "value"
+    assert logger.experiment["key"] is not None
+    assert logger.version == ""
+    with pytest.raises(AttributeError):
+        logger.__deepcopy__  # noqa: B018  # copy and pickle find no such method
+    experiment = logger.experiment
+    assert isinstance(experiment, DummyExperiment) and experiment.add_image("a", None) is None
+    assert experiment["run"] is experiment and copy.deepcopy(experiment) is not None
+
+
+def test_an_experiment_is_a_dummy_one_on_other_ranks_than_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Experimenting(_Recording):
+        @property
+        @rank_zero_experiment
+        def experiment(self) -> str:
+            return "the run"
+
+    assert Experimenting().experiment == "the run"
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert isinstance(Experimenting().experiment, DummyExperiment)
+
+
+def test_tensorboard_expands_home_and_environment_variables_in_its_directories(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("EMBER_TEST_RUNS", str(tmp_path))
+    logger = TensorBoardLogger("$EMBER_TEST_RUNS/logs", name="n", version="v", sub_dir="$EMBER_TEST_RUNS_SUB")
+    monkeypatch.setenv("EMBER_TEST_RUNS_SUB", "sub")
+    assert logger.log_dir == os.path.join(str(tmp_path), "logs", "n", "v", "sub")
+    home = TensorBoardLogger("~/runs", name="n", version="v")
+    assert home.log_dir == os.path.join(os.path.expanduser("~"), "runs", "n", "v")
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.finalize("success")
+    assert os.listdir(os.path.join(str(tmp_path), "logs", "n", "v", "sub"))
+
+
+def test_a_tensorboard_logger_that_has_written_can_be_pickled(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    import pickle
+
+    logger = TensorBoardLogger(str(tmp_path))
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.save()
+    copy = pickle.loads(pickle.dumps(logger))
+    copy.log_metrics({"a": 2.0}, step=1)
+    copy.finalize("success")
+    assert copy.log_dir == logger.log_dir
+    logger.finalize("success")
+
+
+def test_tensorboard_traces_the_graph_of_a_module_no_trainer_holds(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    logger = TensorBoardLogger(str(tmp_path), log_graph=True)
+    model = Regressor()
+    logger.log_graph(model, torch.zeros(2, 4))
+    logger.finalize("success")
+    with pytest.raises(RuntimeError, match="not attached"):
+        model.trainer  # noqa: B018  # outside the trace, it is refused as before
+    with pytest.warns(UserWarning, match="`model.example_input_array` attribute is not set"):
+        logger.log_graph(model)
+    model.example_input_array = {"x": torch.zeros(2, 4)}  # type: ignore[assignment]
+    with pytest.warns(UserWarning, match="can't be traced by TensorBoard"):
+        logger.log_graph(model)
+
+
+def test_a_logger_of_one_s_own_places_checkpoints_as_lightning_does(tmp_path: Any) -> None:
+    class Named(_Recording):
+        def __init__(self, save_dir: str | None, version: int | str) -> None:
+            super().__init__()
+            self._save_dir, self._version = save_dir, version
+
+        @property
+        def name(self) -> str:
+            return "mine"
+
+        @property
+        def version(self) -> int | str:
+            return self._version
+
+        @property
+        def save_dir(self) -> str | None:
+            return self._save_dir
+
+    root, elsewhere = str(tmp_path / "root"), str(tmp_path / "elsewhere")
+    for logger, run_dir, log_dir in [
+        (Named(None, 3), os.path.join(root, "mine", "version_3"), None),
+        (Named(elsewhere, "run-a"), os.path.join(elsewhere, "mine", "run-a"), elsewhere),
+    ]:
+        trainer = quiet_trainer(max_steps=1, logger=logger, default_root_dir=root)
+        trainer.fit(Regressor(), make_loader(8))
+        assert trainer.checkpoint_callback is not None
+        assert trainer.checkpoint_callback.dirpath == os.path.join(run_dir, "checkpoints")
+        assert os.listdir(trainer.checkpoint_callback.dirpath) == ["epoch=0-step=1.ckpt"]
+        assert trainer.log_dir == log_dir  # a logger other than CSV and TensorBoard: its save_dir, as Lightning's
+
+
+def test_a_prefix_is_joined_with_the_logger_s_join_char(tmp_path: Any) -> None:
+    class Slashed(CSVLogger):
+        LOGGER_JOIN_CHAR = "/"
+
+    logger = Slashed(str(tmp_path), prefix="train")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.save()
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
+        assert file.readline().strip() == "step,train/loss"
+    assert CSVLogger(str(tmp_path)).LOGGER_JOIN_CHAR == "-"
+    assert (_Recording().root_dir, _Recording().group_separator) == (None, "/")  # the base class's, as Lightning's
+
+
+def test_hyperparameters_named_by_numbers_and_held_in_tensors_reach_tensorboard(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+
+    class Keeping(Regressor):
+        def __init__(self, extra: dict[Any, Any]) -> None:
+            super().__init__()
+            self.save_hyperparameters(extra)
+
+    class Data(ember.DataModule):
+        def __init__(self, extra: dict[Any, Any]) -> None:
+            super().__init__()
+            self.save_hyperparameters(extra)
+
+        def train_dataloader(self) -> Any:
+            return make_loader(8)
+
+    shared = {1: 1, "scale": torch.tensor(4)}
+    trainer = quiet_trainer(max_steps=1, logger=TensorBoardLogger(str(tmp_path)), enable_checkpointing=False)
+    trainer.fit(Keeping(shared), datamodule=Data(shared))  # a 0-dimensional tensor is written as its number
+    with pytest.raises(RuntimeError, match=r"Error while merging hparams: \[1, 'scale'\]"):
+        trainer.fit(Keeping(shared), datamodule=Data({1: 0, "scale": torch.tensor(3)}))
+
+
+def test_tensorboard_draws_a_dict_of_values_in_one_chart_and_refuses_text(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    logger = TensorBoardLogger(str(tmp_path))
+    logger.log_metrics({"loss": {"train": 1.0, "val": 2.0}, "lr": torch.tensor(0.1)}, step=1)
+    logger.finalize("success")
+    assert {"loss_train", "loss_val"} <= set(os.listdir(logger.log_dir))  # add_scalars' writers, one per line
+    with pytest.raises(ValueError, match=r"log_metrics: note='text' cannot be logged; give a number, a tensor"):
+        logger.log_metrics({"note": "text"}, step=2)

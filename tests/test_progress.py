@@ -23,7 +23,8 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
-from ember.callbacks import ProgressBar, TQDMProgressBar
+from ember.callbacks import ProgressBar, ProgressBarBase, TQDMProgressBar
+from ember.loggers import CSVLogger
 from ember.rank_zero import rank_zero_only
 from ember.tuner import Tuner
 
@@ -401,3 +402,111 @@ def test_a_disabled_bar_draws_nothing_and_lightning_bars_read_their_refresh_rate
 def test_the_progress_bar_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match=r"ProgressBar\(interactive='yes'\): expected True, False or None"):
         ProgressBar(interactive="yes")  # type: ignore[arg-type]
+
+
+def test_a_trainer_takes_one_progress_bar() -> None:
+    with pytest.raises(ValueError, match=r"multiple progress bar callbacks.*\['ProgressBar', 'TQDMProgressBar'\]"):
+        ember.Trainer(callbacks=[ProgressBar(), TQDMProgressBar()])
+
+
+def test_a_text_version_shows_its_last_four_characters_as_v_num(tmp_path: Any) -> None:
+    bar = ProgressBar(stream=io.StringIO(), interactive=False)
+    logger = CSVLogger(str(tmp_path), version="2026-11-27-run")
+    trainer = quiet_trainer(max_steps=1, logger=logger, enable_progress_bar=True, callbacks=[bar])
+    model = Regressor()
+    trainer.fit(model, make_loader(16))
+    assert bar.get_metrics(trainer, model) == {"v_num": "-run"}
+
+
+def test_a_subclass_s_get_metrics_chooses_the_values_the_bar_shows() -> None:
+    class Chosen(ProgressBar):
+        def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, float | int | str]:
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
+            return {**items, "mine": 123}
+
+    class Logging(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.log("shown", 2.0, prog_bar=True)
+            return loss
+
+    stream = io.StringIO()
+    trainer = quiet_trainer(
+        max_epochs=1, enable_progress_bar=True, callbacks=[Chosen(stream=stream, interactive=False)]
+    )
+    trainer.fit(Logging(), make_loader(16))
+    last_line = stream.getvalue().splitlines()[-1]
+    assert "mine=123" in last_line and "shown=2" in last_line and "v_num" not in last_line
+
+
+def test_v_num_joins_the_versions_of_several_loggers_and_is_left_out_without_one(tmp_path: Any) -> None:
+    bar = ProgressBar(stream=io.StringIO(), interactive=False)
+    loggers = [CSVLogger(str(tmp_path), version=1), CSVLogger(str(tmp_path), version="x")]
+    trainer = quiet_trainer(max_steps=1, logger=loggers, enable_progress_bar=True, callbacks=[bar])
+    model = Regressor()
+    trainer.fit(model, make_loader(16))
+    assert bar.get_metrics(trainer, model) == {"v_num": "1_x"}
+    trainer = quiet_trainer(fast_dev_run=True, enable_progress_bar=True, callbacks=[bar])
+    trainer.fit(model, make_loader(16))
+    assert bar.get_metrics(trainer, model) == {}  # the DummyLogger has no version
+
+
+def test_the_bar_turns_itself_off_on_other_ranks_than_global_zero() -> None:
+    bar = ProgressBar()
+    bar.setup(quiet_trainer(), Regressor(), "fit")
+    assert bar.is_enabled
+    other_rank = type("OtherRank", (), {"is_global_zero": False})()
+    bar.setup(other_rank, Regressor(), "fit")  # type: ignore[arg-type]
+    assert bar.is_disabled
+
+
+def test_tqdm_refresh_rate_follows_colab_and_tqdm_miniters(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TQDM_MINITERS", "2")
+    assert [TQDMProgressBar(refresh_rate=rate).refresh_rate for rate in (0, 1, 5)] == [2, 2, 5]
+    monkeypatch.delenv("TQDM_MINITERS")
+    monkeypatch.setenv("COLAB_GPU", "1")
+    assert [TQDMProgressBar().refresh_rate, TQDMProgressBar(refresh_rate=19).refresh_rate] == [20, 19]
+
+
+def test_a_bar_can_be_pickled_after_a_stage() -> None:
+    import pickle
+
+    bar = ProgressBar(interactive=False, stream=io.StringIO())
+    trainer = quiet_trainer(max_epochs=1, enable_progress_bar=True, callbacks=[bar])
+    trainer.fit(Regressor(), make_loader(16))
+    copy = pickle.loads(pickle.dumps(bar))
+    assert copy.is_enabled and copy.refresh_rate == bar.refresh_rate
+
+
+def test_a_subclass_names_the_evaluation_bars() -> None:
+    class Named(ProgressBar):
+        @property
+        def validation_description(self) -> str:
+            return "Checking"
+
+        @property
+        def test_description(self) -> str:
+            return "Exam"
+
+    stream = io.StringIO()
+    trainer = quiet_trainer(enable_progress_bar=True, callbacks=[Named(stream=stream, interactive=False)])
+    trainer.validate(Regressor(), make_loader(8), verbose=False)
+    trainer.test(Regressor(), make_loader(8), verbose=False)
+    assert [line.split()[0] for line in stream.getvalue().splitlines()] == ["Checking", "Exam"]
+    assert ProgressBar().predict_description == "Predicting"
+
+
+def test_a_bar_on_the_base_class_draws_nothing_but_what_it_chooses(capsys: pytest.CaptureFixture[str]) -> None:
+    class Quiet(ProgressBarBase):
+        pass
+
+    bar = Quiet()
+    trainer = quiet_trainer(max_epochs=1, enable_progress_bar=True, callbacks=[bar])
+    assert trainer.progress_bar_callback is bar
+    trainer.fit(Regressor(), make_loader(16), make_loader(8))
+    trainer.print("only this")
+    assert capsys.readouterr().out == "only this\n" and bar.total_train_batches == 2
+    assert Tuner(trainer).lr_find(Regressor(), make_loader(64), num_training=5) is not None  # no display to draw
+    with pytest.raises(ValueError, match="multiple progress bar callbacks"):
+        ember.Trainer(callbacks=[Quiet(), ProgressBar()])

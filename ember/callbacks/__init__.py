@@ -12,6 +12,7 @@ from ember.callbacks.on_exception import OnExceptionCheckpoint
 from ember.callbacks.prediction_writer import BasePredictionWriter
 from ember.callbacks.progress import ProgressBar
 from ember.callbacks.progress_bars import RichProgressBar, TQDMProgressBar
+from ember.callbacks.progress_base import ProgressBarBase
 from ember.callbacks.throughput import ThroughputMonitor
 from ember.callbacks.timer import Timer
 
@@ -29,6 +30,7 @@ __all__ = [
     "ModelSummary",
     "OnExceptionCheckpoint",
     "ProgressBar",
+    "ProgressBarBase",
     "RichProgressBar",
     "TQDMProgressBar",
     "ThroughputMonitor",

@@ -150,8 +150,9 @@ class ModelCheckpoint(Callback):
             )
         # Decided once the run directory is, when the stage starts (reading it before would claim one).
         if self.dirpath is None and trainer.stage == "fit":
-            run_dir = run_directory_of(trainer.logger) if trainer.logger is not None else None  # not a sub_dir
-            self.dirpath = os.path.join(run_dir or trainer.default_root_dir, "checkpoints")
+            root, first = trainer.default_root_dir, trainer.logger
+            run_dir = run_directory_of(first, root) if first is not None else None  # not a sub_dir
+            self.dirpath = os.path.join(run_dir or root, "checkpoints")
         self._last_time_save = time.monotonic()
         self._validated = False
 
@@ -375,6 +376,7 @@ class ModelCheckpoint(Callback):
         if saved is not None:
             # The same state as the top-k file just saved: a link to it rather than a second write.
             trainer.strategy.link_checkpoint(saved, path)
+            self._tell_loggers(trainer)
         else:
             self._write(trainer, path)
         self._remove(trainer, previous, path)
@@ -383,6 +385,15 @@ class ModelCheckpoint(Callback):
         trainer.save_checkpoint(path, self.save_weights_only)
         if self.verbose and not said:
             announce(f"ModelCheckpoint: saved {path}")
+        self._tell_loggers(trainer)
+
+    def _tell_loggers(self, trainer: "Trainer") -> None:
+        """Each logger's ``after_save_checkpoint``, after every file saved, as in Lightning (an object that logs may
+        not have one)."""
+        for logger in trainer.loggers:
+            after_save = getattr(logger, "after_save_checkpoint", None)
+            if callable(after_save):
+                after_save(self)
 
     def _remove(self, trainer: "Trainer", path: str, kept: str) -> None:
         """Remove ``path``, which ``kept`` replaces, unless it is not this callback's to remove: outside its

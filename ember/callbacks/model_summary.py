@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ember._utils import is_overridden
 from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
-from ember.model_summary import parameter_counts
+from ember.model_summary import ModelSummary as SummaryObject
+from ember.model_summary import parameter_counts, summary_table
 from ember.rank_zero import announce
 
 if TYPE_CHECKING:
@@ -22,18 +24,49 @@ class ModelSummary(Callback):
     ``max_depth`` is how deep to list layers: 1 (the default) lists the module's direct children, -1
     every layer, 0 only the totals. Logged to the "ember" logger at INFO on the global-zero process;
     ``Trainer(enable_model_summary=False)`` turns it off. Sharded parameters (DTensors, as FSDP2 makes them)
-    count with their full size.
+    count with their full size. A subclass that overrides ``summarize`` (Lightning's hook) is given Lightning's
+    columns and totals instead, with the ``summarize_kwargs`` given to ``__init__``.
     """
 
-    def __init__(self, max_depth: int = 1) -> None:
+    def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
             raise MisconfigurationException(
                 f"ModelSummary(max_depth={max_depth!r}): expected -1 (every layer), 0 or a positive int"
             )
         self.max_depth = max_depth
+        #: What a subclass's ``summarize`` gets besides the summary, as in Lightning.
+        self.summarize_kwargs = summarize_kwargs
 
     def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None:
-        announce(summarize(pl_module, self.max_depth))
+        if not is_overridden("summarize", self, ModelSummary):
+            announce(summarize(pl_module, self.max_depth))
+            return
+        if not self.max_depth:  # as Lightning's: at depth 0 a subclass is given nothing to show
+            return
+        # A subclass shows the summary its own way, from what Lightning's callback gives it (this measures the
+        # layers, running the model's example_input_array once, as Lightning's does).
+        summary = SummaryObject(pl_module, self.max_depth)
+        if trainer.is_global_zero:
+            self.summarize(
+                summary.summary_data, summary.total_parameters, summary.trainable_parameters, summary.model_size,
+                summary.total_training_modes, total_flops=summary.total_flops, **self.summarize_kwargs,
+            )  # fmt: skip
+
+    @staticmethod
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int = 0,
+        **summarize_kwargs: Any,
+    ) -> None:
+        """Show a summary in Lightning's table (Lightning's hook, for a subclass to override, or to call): the
+        columns as (header, cells) pairs, as ``ember.model_summary.ModelSummary.summary_data`` gives them, and the
+        totals. The callback calls it when a subclass overrides it, and otherwise shows Ember's shorter table."""
+        announce(summary_table(summary_data, total_parameters, trainable_parameters, model_size,
+                               total_training_modes, total_flops))  # fmt: skip
 
 
 def summarize(model: nn.Module, max_depth: int = 1) -> str:

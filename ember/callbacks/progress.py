@@ -11,8 +11,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from ember._utils import batch_size_of
-from ember.callbacks.callback import Callback
+from ember._utils import batch_size_of, is_overridden
+from ember.callbacks.progress_base import ProgressBarBase
 from ember.exceptions import MisconfigurationException
 from ember.metrics import Number, to_floats
 
@@ -24,7 +24,7 @@ _MIN_BAR = 10  # narrower than this, a bar says nothing: the line goes without o
 _MAX_BAR = 40
 
 
-class ProgressBar(Callback):
+class ProgressBar(ProgressBarBase):
     """Shows the epoch, batch/total, elapsed and remaining time, the loss and samples/s on the global-zero
     process; values logged with ``prog_bar=True`` follow when they fit the line, and all of them are on
     the line that ends each epoch.
@@ -53,15 +53,18 @@ class ProgressBar(Callback):
                 raise MisconfigurationException(f"ProgressBar({flag}={value!r}): expected a number of seconds >= 0")
         if interactive not in (None, True, False):
             raise MisconfigurationException(f"ProgressBar(interactive={interactive!r}): expected True, False or None")
+        super().__init__()
         self.refresh_rate = refresh_rate
         self._redraw_seconds = refresh_rate  # a subclass may read refresh_rate as Lightning's count of batches
         self.line_interval = line_interval
-        self._enabled = True
         self._stream = stream
         self._interactive = interactive
         self._train: ProgressDisplay | None = None
         self._eval: ProgressDisplay | None = None
-        self._trainer: Trainer | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the Trainer and the bars being drawn (a copy is set up again by the next stage it runs in)."""
+        return {**super().__getstate__(), "_train": None, "_eval": None}
 
     @property
     def stream(self) -> IO[str]:
@@ -98,53 +101,6 @@ class ProgressBar(Callback):
         print(*args, **{**kwargs, "file": text})
         tqdm.write(text.getvalue(), file=kwargs.get("file") or sys.stdout, end="")
 
-    @property
-    def trainer(self) -> Trainer:
-        """The Trainer this bar draws for (from the first stage it is set up in)."""
-        if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__}.trainer is set when a stage (fit, validate, ...) sets it up")
-        return self._trainer
-
-    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
-        self._trainer = trainer
-
-    def get_metrics(self, trainer: Trainer, pl_module: Module) -> dict[str, float | int | str]:
-        """Lightning's progress-bar items: the values logged with ``prog_bar=True`` (as floats: this reads the
-        device), and ``v_num``, the first logger's version. The bar draws the same logged values beside the loss."""
-        version = trainer.logger.version if trainer.logger is not None else None
-        standard: dict[str, float | int | str] = {} if version is None else {"v_num": version}
-        return {**standard, **trainer.progress_bar_metrics}
-
-    @property
-    def is_enabled(self) -> bool:
-        """Whether the bar draws (``disable()`` stops it, ``enable()`` starts it again), as Lightning's."""
-        return self._enabled
-
-    @property
-    def is_disabled(self) -> bool:
-        return not self.is_enabled
-
-    def disable(self) -> None:
-        self._enabled = False
-
-    def enable(self) -> None:
-        self._enabled = True
-
-    @property
-    def total_train_batches(self) -> float:
-        """The training batches of an epoch of ``fit`` (``inf`` for a loader without a length)."""
-        return self.trainer.num_training_batches
-
-    @property
-    def total_val_batches(self) -> float:
-        """The validation batches of every loader that the current epoch of ``fit`` runs (0 in an epoch that
-        ``check_val_every_n_epoch`` leaves out, or without validation)."""
-        trainer = self.trainer
-        every = trainer.check_val_every_n_epoch
-        if not trainer.validation_enabled or (every is not None and (trainer.current_epoch + 1) % every):
-            return 0
-        return sum(trainer.num_val_batches)
-
     def display(self, title: str, total: float) -> ProgressDisplay:
         """A new bar (or periodic lines), left in place when done, for steps outside the loops (the tuner's)."""
         return ProgressDisplay(self, title, total, keep=True, samples=None)
@@ -162,37 +118,43 @@ class ProgressBar(Callback):
             done=progress.epoch_batches, samples=progress.epoch_samples,
         )  # fmt: skip
         if self._train.terminal:
-            self._draw_train(trainer)
+            self._draw_train(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Per batch only a clock is read (``due()`` spelled out: a call more per batch is measurable on small
         # models); the device is read when the line is drawn.
         display = self._train
         if display is not None and time.monotonic() >= display.next_draw:
-            self._draw_train(trainer)
+            self._draw_train(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: Module) -> None:
         if self._train is not None:
-            self._draw_train(trainer, final=True)
+            self._draw_train(trainer, pl_module, final=True)
             self._train = None
 
-    def _draw_train(self, trainer: Trainer, final: bool = False) -> None:
+    def _draw_train(self, trainer: Trainer, pl_module: Module, final: bool = False) -> None:
         display, progress = self._train, trainer.fit_loop.progress
         assert display is not None
         display.count, display.samples = progress.epoch_batches, progress.epoch_samples
         # Before the epoch's first batch, the latest loss is the last epoch's: it is not shown.
-        display.draw(*_train_values(trainer, with_loss=display.count > display.first_count), final=final)
+        shown, extras = _train_values(trainer, with_loss=display.count > display.first_count)
+        if is_overridden("get_metrics", self, ProgressBar):  # a subclass chooses the items, as on Lightning's bar
+            names = {text.split("=", 1)[0] for text in shown}
+            items = self.get_metrics(trainer, pl_module).items()
+            extras = [f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+                      for name, value in items if name not in names]  # fmt: skip
+        display.draw(shown, extras, final=final)
 
     def on_train_end(self, trainer: Trainer, pl_module: Module) -> None:
         # An epoch cut short by a preemption signal ends its line here, before the report of what was saved.
         if self._train is not None:
-            self._draw_train(trainer, final=True)
+            self._draw_train(trainer, pl_module, final=True)
             self._train = None
 
     # ----------------------------------------------------------------------------- evaluation
     def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-        self._start_eval(trainer, "Validation", counts)
+        self._start_eval(trainer, self.validation_description, counts)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
@@ -202,7 +164,7 @@ class ProgressBar(Callback):
         self._finish_eval()
 
     def on_test_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
-        self._start_eval(trainer, "Testing", trainer.num_test_batches)
+        self._start_eval(trainer, self.test_description, trainer.num_test_batches)
 
     def on_test_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
@@ -212,7 +174,7 @@ class ProgressBar(Callback):
         self._finish_eval()
 
     def on_predict_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
-        self._start_eval(trainer, "Predicting", trainer.num_predict_batches)
+        self._start_eval(trainer, self.predict_description, trainer.num_predict_batches)
 
     def on_predict_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip

@@ -6,6 +6,7 @@ time, not every ``refresh_rate`` batches; ``refresh_rate=0`` turns it off, as in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,7 @@ class TQDMProgressBar(_SwitchableBar):
 
     def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
         super().__init__(refresh_rate)
+        self.refresh_rate = _tqdm_refresh_rate(refresh_rate)
         self.process_position = process_position
         self.leave = leave
 
@@ -56,3 +58,12 @@ class RichProgressBar(_SwitchableBar):
         super().__init__(refresh_rate)
         self.leave = leave
         self.console_kwargs = dict(console_kwargs or {})
+
+
+def _tqdm_refresh_rate(refresh_rate: int) -> int:
+    """``refresh_rate`` as Lightning's TQDMProgressBar resolves it: 20 for the default on Google Colab (``COLAB_GPU``
+    set), and at least tqdm's own ``TQDM_MINITERS`` when that is set."""
+    if os.environ.get("COLAB_GPU") and refresh_rate == 1:
+        return 20
+    miniters = os.environ.get("TQDM_MINITERS", "")
+    return max(int(miniters), refresh_rate) if miniters.isdigit() else refresh_rate

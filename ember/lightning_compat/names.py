@@ -67,11 +67,12 @@ _CALLBACKS: Names = {
             "BackboneFinetuning",
             "BasePredictionWriter",
             "LambdaCallback",
-            "ProgressBar",
             "TQDMProgressBar",
             "RichProgressBar",
         )
     },
+    # Lightning's ProgressBar draws nothing (a base for bars of one's own); Ember's ProgressBar draws.
+    "ProgressBar": "ember.callbacks:ProgressBarBase",
     "RichModelSummary": "ember.callbacks:ModelSummary",
     "Checkpoint": "ember.callbacks:ModelCheckpoint",
     "StochasticWeightAveraging": Missing(_SWA),
@@ -213,9 +214,10 @@ PYTORCH: dict[str, Names] = {
     "callbacks.on_exception_checkpoint": {"OnExceptionCheckpoint": "ember.callbacks:OnExceptionCheckpoint"},
     "callbacks.throughput_monitor": {"ThroughputMonitor": "ember.callbacks:ThroughputMonitor"},
     "callbacks.progress": {
-        name: f"ember.callbacks:{name}" for name in ("ProgressBar", "TQDMProgressBar", "RichProgressBar")
+        "ProgressBar": "ember.callbacks:ProgressBarBase",
+        **{name: f"ember.callbacks:{name}" for name in ("TQDMProgressBar", "RichProgressBar")},
     },
-    "callbacks.progress.progress_bar": {"ProgressBar": "ember.callbacks:ProgressBar"},
+    "callbacks.progress.progress_bar": {"ProgressBar": "ember.callbacks:ProgressBarBase"},
     "callbacks.progress.tqdm_progress": {"TQDMProgressBar": "ember.callbacks:TQDMProgressBar"},
     "callbacks.progress.rich_progress": {
         "RichProgressBar": "ember.callbacks:RichProgressBar",
@@ -225,6 +227,7 @@ PYTORCH: dict[str, Names] = {
     "loggers.logger": {
         "Logger": "ember.loggers:Logger",
         "DummyLogger": "ember.loggers:DummyLogger",
+        "DummyExperiment": "ember.loggers.dummy:DummyExperiment",
         "rank_zero_experiment": "ember.loggers.dummy:rank_zero_experiment",
     },
     "loggers.csv_logs": {

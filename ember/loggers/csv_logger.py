@@ -173,7 +173,7 @@ class CSVLogger(VersionedLogger):
         experiment = self.experiment
         if step is None:
             step = len(experiment.metrics)
-        experiment.log_metrics(prefixed(metrics, self._prefix), step)
+        experiment.log_metrics(prefixed(metrics, self._prefix, self.LOGGER_JOIN_CHAR), step)
         if (step + 1) % self._flush_every == 0 or step - self._last_flush_step > self._flush_every:
             self.save()
 

@@ -53,6 +53,16 @@ class Logger:
         """This run's directory (checkpoints go under it by default)."""
         return None
 
+    @property
+    def root_dir(self) -> str | None:
+        """The directory of every version of this logger's runs (None: it keeps nothing on disk)."""
+        return None
+
+    @property
+    def group_separator(self) -> str:
+        """What separates a group of values from their names (Lightning's ``"/"``)."""
+        return "/"
+
     def use_version(self, version: int | str) -> None:
         """Adopt ``version`` (rank zero's choice), so that every rank names the same run directory."""
 
@@ -65,6 +75,10 @@ class Logger:
 
     def log_graph(self, model: torch.nn.Module, input_array: torch.Tensor | None = None) -> None:
         """Record the model's graph (``TensorBoardLogger(log_graph=True)`` does); called when ``fit`` starts."""
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """Called after ``checkpoint_callback`` (a ``ModelCheckpoint``) saved a checkpoint file, for a logger that
+        keeps checkpoints of its own (uploads them as artifacts)."""
 
     def save(self) -> None:
         """Flush what is buffered."""
@@ -83,15 +97,14 @@ def is_logger(value: Any) -> bool:
     return isinstance(value, Logger) or all(callable(getattr(value, name, None)) for name in _LOGGER_METHODS)
 
 
-def run_directory_of(logger: Any) -> str | None:
+def run_directory_of(logger: Any, root: str | None = None) -> str | None:
     """The run directory of ``logger``, where Lightning puts its checkpoints: a file-keeping logger's
-    ``version_dir``, another ``Logger``'s ``log_dir``; for another object that logs, ``<save_dir>/<name>/<version>``
-    (None: it has no ``save_dir``)."""
+    ``version_dir``; for another logger, ``<save_dir>/<name>/<version>``, under ``root`` (the Trainer's
+    ``default_root_dir``) when it has no ``save_dir`` (None: it has none, and no ``root`` is given)."""
     if isinstance(logger, VersionedLogger):
         return logger.version_dir  # without a TensorBoardLogger's sub_dir, as Lightning places checkpoints
-    if isinstance(logger, Logger):
-        return logger.log_dir
     save_dir = getattr(logger, "save_dir", None)
+    save_dir = root if save_dir is None else save_dir
     if save_dir is None:
         return None
     version = logger.version
@@ -107,6 +120,9 @@ class VersionedLogger(Logger):
     never share one. Loggers sharing ``save_dir`` and ``name`` write into the same run directory; without a
     name (None or ""), the versions are in ``save_dir`` itself.
     """
+
+    #: What joins ``prefix`` and a metric's name (Lightning's class attribute: a subclass may change it).
+    LOGGER_JOIN_CHAR = "-"
 
     def __init__(self, save_dir: str | os.PathLike, name: str | None, version: int | str | None) -> None:
         self._save_dir = os.fspath(save_dir)
@@ -151,7 +167,7 @@ class VersionedLogger(Logger):
     def version_dir(self) -> str:
         """This run's ``<save_dir>/<name>/version_<N>`` (its checkpoints go under it by default)."""
         version = self.version
-        return os.path.join(self._save_dir, self._name, version if isinstance(version, str) else f"version_{version}")
+        return os.path.join(self.runs_dir, version if isinstance(version, str) else f"version_{version}")
 
     @property
     def log_dir(self) -> str:
@@ -214,9 +230,9 @@ def params_dict(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:
     return dict(vars(params) if isinstance(params, Namespace) else params)
 
 
-def prefixed(metrics: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
-    """``metrics`` with each name after ``prefix`` and a dash (as they are without a prefix)."""
-    return {f"{prefix}-{name}": value for name, value in metrics.items()} if prefix else metrics
+def prefixed(metrics: Mapping[str, Any], prefix: str, separator: str = "-") -> Mapping[str, Any]:
+    """``metrics`` with each name after ``prefix`` and ``separator`` (as they are without a prefix)."""
+    return {f"{prefix}{separator}{name}": value for name, value in metrics.items()} if prefix else metrics
 
 
 _PLAIN = (bool, int, float, str)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from argparse import Namespace
 from collections.abc import Mapping
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ember._utils import require
+from ember._utils import require, tracing_graph
 from ember.loggers.logger import (
     DEFAULT_NAME,
     VersionedLogger,
@@ -66,7 +67,7 @@ class TensorBoardLogger(VersionedLogger):
         self._writer_options = writer_options
         self._writer: Any = None
         self._flush_every = flush_logs_every_n_steps
-        self._pending: list[tuple[str, float, int | None]] = []  # (name, value, step) not yet handed to the writer
+        self._pending: list[tuple[str, Any, int | None]] = []  # (name, value, step) not yet handed to the writer
         self._last_flush_step = 0
 
     @property
@@ -74,9 +75,15 @@ class TensorBoardLogger(VersionedLogger):
         return self._sub_dir
 
     @property
+    def runs_dir(self) -> str:
+        """``<save_dir>/<name>``, with ``~`` and environment variables (``$SCRATCH``) expanded, as Lightning's
+        TensorBoardLogger expands its ``log_dir``."""
+        return _expanded(super().runs_dir)
+
+    @property
     def log_dir(self) -> str:
-        """``version_dir``, or the ``sub_dir`` in it."""
-        return self.version_dir if self._sub_dir is None else os.path.join(self.version_dir, self._sub_dir)
+        """``version_dir``, or the ``sub_dir`` in it (expanded as ``runs_dir``)."""
+        return self.version_dir if self._sub_dir is None else _expanded(os.path.join(self.version_dir, self._sub_dir))
 
     @property
     def experiment(self) -> Any:
@@ -87,8 +94,18 @@ class TensorBoardLogger(VersionedLogger):
             self._writer = SummaryWriter(log_dir=self.log_dir, **self._writer_options)
         return self._writer
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self._pending.extend((name, value, step) for name, value in prefixed(metrics, self._prefix).items())
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Write ``metrics``: numbers (or one-number tensors), or dicts of them, each drawn as lines in one chart
+        (``add_scalars``), as in Lightning."""
+        named = prefixed(metrics, self._prefix, self.LOGGER_JOIN_CHAR)
+        for name, value in named.items():
+            # Checked here, since the writer gets them later: the error then points at the call that logged them.
+            if not isinstance(value, (numbers.Number, torch.Tensor, Mapping)):
+                raise ValueError(
+                    f"TensorBoardLogger.log_metrics: {name}={value!r} cannot be logged; give a number, a tensor or a "
+                    "dict of them"
+                )
+        self._pending.extend((name, value, step) for name, value in named.items())
         if step is not None and step - self._last_flush_step >= self._flush_every:
             self.save()
 
@@ -122,25 +139,33 @@ class TensorBoardLogger(VersionedLogger):
         if not self._log_graph:
             return
         example = getattr(model, "example_input_array", None) if input_array is None else input_array
-        if example is None:
-            rank_zero_warn("Could not log computational graph to TensorBoard: set `model.example_input_array`")
+        if example is None:  # Lightning's words, as every refusal below
+            rank_zero_warn(
+                "Could not log computational graph to TensorBoard: The `model.example_input_array` attribute is not "
+                "set or `input_array` was not given."
+            )
             return
         if not isinstance(example, (torch.Tensor, tuple)):
             rank_zero_warn(
-                f"Could not log computational graph to TensorBoard: the input array is a {type(example).__name__}; "
-                "give a tensor, or a tuple of the positional arguments of the model's `forward()`"
+                "Could not log computational graph to TensorBoard: The `input_array` or `model.example_input_array` "
+                f"has type {type(example)} which can't be traced by TensorBoard. Make the input array a tuple "
+                "representing the positional arguments to the model's `forward()` implementation."
             )
             return
         device = next(model.parameters(), torch.empty(0)).device
         moved = tuple(_to(item, device) for item in example) if isinstance(example, tuple) else example.to(device)
-        self.experiment.add_graph(model, moved)
+        with tracing_graph():  # a model that no Trainer holds yet is traced too
+            self.experiment.add_graph(model, moved)
 
     def save(self) -> None:
         """Write the scalars logged so far, and whatever else was added to the writer."""
         if self._pending:
             writer = self.experiment
             for name, value, step in self._pending:
-                writer.add_scalar(name, value, step)
+                if isinstance(value, Mapping):
+                    writer.add_scalars(name, value, step)
+                else:
+                    writer.add_scalar(name, value, step)
             last_step = self._pending[-1][2]
             self._last_flush_step = self._last_flush_step if last_step is None else last_step
             self._pending = []
@@ -153,6 +178,10 @@ class TensorBoardLogger(VersionedLogger):
                 save_hparams_to_yaml(path, self.hparams)
             self._hparams_saved = True
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the writer (its thread and lock do not pickle): a copy opens its own when it first writes."""
+        return {**self.__dict__, "_writer": None}
+
     def finalize(self, status: str) -> None:
         self.save()
         if self._writer is not None:
@@ -160,12 +189,19 @@ class TensorBoardLogger(VersionedLogger):
             self._writer = None  # a later stage (test after fit) opens a new event file in the same directory
 
 
+def _expanded(path: str) -> str:
+    return os.path.expanduser(os.path.expandvars(path))
+
+
 def _to(value: Any, device: torch.device) -> Any:
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
-def _hparam_value(value: Any) -> int | float | str | bool | torch.Tensor:
-    """A value TensorBoard can show: numbers, strings and booleans as they are, anything else as text."""
-    if isinstance(value, (bool, int, float, str)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+def _hparam_value(value: Any) -> int | float | str | bool:
+    """A value TensorBoard can show: numbers, strings and booleans as they are, a one-element tensor as its number
+    (TensorBoard's writer indexes a tensor, which a 0-dimensional one refuses), anything else as text."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (bool, int, float, str)):
         return value
     return str(value)

@@ -1,0 +1,109 @@
+"""``ProgressBarBase``: the progress bar's API, drawing nothing (Lightning's ``ProgressBar``), for a bar of one's own;
+``ember.callbacks.ProgressBar`` is the bar that draws."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.callbacks.progress import ProgressDisplay
+    from ember.module import Module
+    from ember.trainer import Trainer
+
+
+class ProgressBarBase(Callback):
+    """What a progress bar offers, as Lightning's ``ProgressBar`` (which Lightning programs subclass to draw a bar of
+    their own): the Trainer it runs in, ``get_metrics``, ``enable()``/``disable()``, the batch totals and the
+    evaluation bars' titles. It draws nothing; the Trainer takes one bar, and ``Trainer.print`` goes through it."""
+
+    def __init__(self) -> None:
+        self._enabled = True
+        self._trainer: Trainer | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the Trainer (a copy is set up again by the next stage it runs in)."""
+        return {**self.__dict__, "_trainer": None}
+
+    @property
+    def trainer(self) -> Trainer:
+        """The Trainer this bar shows the progress of (from the first stage it is set up in)."""
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__}.trainer is set when a stage (fit, validate, ...) sets it up")
+        return self._trainer
+
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        self._trainer = trainer
+        if not trainer.is_global_zero:  # only global rank zero shows progress; its state says so, as Lightning's does
+            self.disable()
+
+    def get_metrics(self, trainer: Trainer, pl_module: Module) -> dict[str, float | int | str]:
+        """Lightning's progress-bar items: the values logged with ``prog_bar=True`` (as floats: this reads the
+        device), and ``v_num``, the loggers' version (see ``loggers_version``; of a version that is text, its last 4
+        characters, as Lightning shows it). Ember's bar draws the same logged values beside the loss."""
+        version = loggers_version(trainer.loggers)
+        version = version[-4:] if isinstance(version, str) else version
+        standard: dict[str, float | int | str] = {} if version in ("", None) else {"v_num": version}
+        return {**standard, **trainer.progress_bar_metrics}
+
+    # The titles of the evaluation bars, Lightning's properties: a subclass may override them.
+    @property
+    def validation_description(self) -> str:
+        return "Validation"
+
+    @property
+    def test_description(self) -> str:
+        return "Testing"
+
+    @property
+    def predict_description(self) -> str:
+        return "Predicting"
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether the bar draws (``disable()`` stops it, ``enable()`` starts it again), as Lightning's."""
+        return self._enabled
+
+    @property
+    def is_disabled(self) -> bool:
+        return not self.is_enabled
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def total_train_batches(self) -> float:
+        """The training batches of an epoch of ``fit`` (``inf`` for a loader without a length)."""
+        return self.trainer.num_training_batches
+
+    @property
+    def total_val_batches(self) -> float:
+        """The validation batches of every loader that the current epoch of ``fit`` runs (0 in an epoch that
+        ``check_val_every_n_epoch`` leaves out, or without validation)."""
+        trainer = self.trainer
+        every = trainer.check_val_every_n_epoch
+        if not trainer.validation_enabled or (every is not None and (trainer.current_epoch + 1) % every):
+            return 0
+        return sum(trainer.num_val_batches)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` (``Trainer.print`` comes here; a bar that draws keeps the text off its lines)."""
+        print(*args, **kwargs)
+
+    def display(self, title: str, total: float) -> ProgressDisplay | None:
+        """A display for steps outside the loops (the tuner's): None, this bar draws nothing."""
+        return None
+
+
+def loggers_version(loggers: Sequence[Any]) -> int | str | None:
+    """The version of ``loggers``: the one they share, else their versions joined by "_" (as Lightning names a run
+    that several loggers keep); None without a logger."""
+    versions = list(dict.fromkeys(logger.version for logger in loggers))
+    if len(versions) <= 1:
+        return versions[0] if versions else None
+    return "_".join(dict.fromkeys(str(version) for version in versions))
