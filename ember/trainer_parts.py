@@ -106,10 +106,14 @@ def default_loggers(config: TrainerConfig) -> list[Logger]:
     if config.fast_dev_run:
         return [DummyLogger()]  # nothing is kept, but code that writes to trainer.logger still runs
     if logger is True:
-        # As Lightning's default, TensorBoard when it is installed (trainer.logger.experiment is its writer);
-        # metrics.csv is written beside it, for `ember plot` and for reading without TensorBoard.
+        # As Lightning's default, TensorBoard when it is installed (trainer.logger.experiment is its writer). Ember's
+        # own programs get metrics.csv beside it, for `ember plot` and for reading without TensorBoard; programs
+        # written for Lightning get its one logger, as they may use every logger as TensorBoard's.
+        tensorboard = importlib.util.find_spec("tensorboard") is not None
+        if tensorboard and lightning_names_served():
+            return [TensorBoardLogger(config.root_dir)]
         csv = CSVLogger(config.root_dir)
-        return [TensorBoardLogger(config.root_dir), csv] if importlib.util.find_spec("tensorboard") else [csv]
+        return [TensorBoardLogger(config.root_dir), csv] if tensorboard else [csv]
     return list(logger) if isinstance(logger, Sequence) else [logger]  # a Logger, or an object that logs like one
 
 

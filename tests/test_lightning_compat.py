@@ -150,6 +150,27 @@ def test_a_program_using_lightning_s_names_keeps_its_runs_in_lightning_logs(tmp_
     assert ember.Trainer(default_root_dir=root, logger=False).runs_dir == os.path.join(root, "ember_logs")
 
 
+def test_a_program_using_lightning_s_names_gets_lightning_s_default_loggers(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+
+    class Images(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            for logger in self.loggers:  # as programs written for Lightning's one default logger do
+                logger.experiment.add_image("inputs", torch.rand(3, 4, 4), self.global_step)
+            return super().training_step(batch, batch_idx)
+
+    with served_by_ember():
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        trainer = Trainer(default_root_dir=str(tmp_path), max_steps=2, enable_progress_bar=False)
+        trainer.fit(Images(), make_loader())
+        assert [type(logger) for logger in trainer.loggers] == [TensorBoardLogger]
+    # Ember's own programs keep metrics.csv beside TensorBoard's files.
+    loggers = ember.Trainer(default_root_dir=str(tmp_path)).loggers
+    assert [type(logger).__name__ for logger in loggers] == ["TensorBoardLogger", "CSVLogger"]
+
+
 def test_a_program_using_lightning_s_names_gets_lightning_s_progress_bar_class() -> None:
     with served_by_ember():
         from lightning.pytorch import Trainer
