@@ -193,7 +193,7 @@ def _a_damaged_checkpoint_passed_over(tmp_path: Any, monkeypatch: pytest.MonkeyP
     [
         (_deprecated_flag, "gpus=0 is Lightning 1's spelling", 1),
         (_log_with_barebones, "self.log('train_loss', ...) does nothing: `Trainer(barebones=True)` is configured", 1),
-        (_validate_without_a_model, ".validate(ckpt_path=None) without a model", 1),
+        (_validate_without_a_model, ".validate(ckpt_path=None)` was called without a model", 2),  # at each call
         (_a_damaged_checkpoint_passed_over, 'ckpt_path="last": passing over', 2),  # each resume that does it
     ],
     ids=lambda value: getattr(value, "__name__", ""),
