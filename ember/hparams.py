@@ -224,3 +224,56 @@ def drop_unpicklable(hparams: dict[str, Any]) -> None:
             f"save_hyperparameters(ignore=[{name!r}])"
         )
         del hparams[name]
+
+
+# ------------------------------------------------------------------------------- fields
+def _field_holders(module: Any, name: str) -> list[Any]:
+    """Where ``name`` is kept, in Lightning's order: the module's attribute, its ``hparams``, then the attached
+    datamodule's attribute and its ``hparams``. The last one is what is read; a write changes them all."""
+    trainer = getattr(module, "_trainer", None)  # the `trainer` property raises when none is attached
+    datamodule = getattr(trainer, "datamodule", None)
+    holders = []
+    for owner in (module, datamodule):
+        if owner is None:
+            continue
+        if hasattr(owner, name):
+            holders.append(owner)
+        hparams = getattr(owner, "hparams", None)
+        if isinstance(hparams, Mapping) and name in hparams:
+            holders.append(hparams)
+    return holders
+
+
+def _missing_field(name: str) -> AttributeError:
+    return AttributeError(
+        f"{name} is neither stored in the model namespace nor the `hparams` namespace/dict, nor the datamodule."
+    )
+
+
+def has_field(module: Any, name: str) -> bool:
+    """Whether the module, its hyperparameters or its trainer's datamodule has ``name`` (Lightning's
+    ``lightning_hasattr``)."""
+    return bool(_field_holders(module, name))
+
+
+def get_field(module: Any, name: str) -> Any:
+    """``name`` from the datamodule (its attribute, else its hyperparameter), else from the module's
+    hyperparameters, else from the module's attribute (Lightning's ``lightning_getattr``)."""
+    holders = _field_holders(module, name)
+    if not holders:
+        raise _missing_field(name)
+    holder = holders[-1]
+    return holder[name] if isinstance(holder, Mapping) else getattr(holder, name)
+
+
+def set_field(module: Any, name: str, value: Any) -> None:
+    """Set ``name`` everywhere ``get_field`` finds it, so that the module and its datamodule agree (Lightning's
+    ``lightning_setattr``); raise ``AttributeError`` where it is nowhere."""
+    holders = _field_holders(module, name)
+    if not holders:
+        raise _missing_field(name)
+    for holder in holders:
+        if isinstance(holder, Mapping):
+            holder[name] = value  # type: ignore[index]  # hparams are a dict
+        else:
+            setattr(holder, name, value)

@@ -255,7 +255,12 @@ PYTORCH: dict[str, Names] = {
     "utilities.rank_zero": _RANK_ZERO,
     "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
     "utilities.grads": {"grad_norm": "ember.utilities:grad_norm"},
-    "utilities.parsing": {name: f"ember.utilities:{name}" for name in ("AttributeDict", "is_picklable")},
+    "utilities.parsing": {
+        **{name: f"ember.utilities:{name}" for name in ("AttributeDict", "is_picklable")},
+        "lightning_hasattr": "ember.hparams:has_field",
+        "lightning_getattr": "ember.hparams:get_field",
+        "lightning_setattr": "ember.hparams:set_field",
+    },
     "utilities.types": {**_TYPES, **_OPTIMIZER_TYPES},
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
     "utilities.combined_loader": {"CombinedLoader": "ember.combined_loader:CombinedLoader"},
