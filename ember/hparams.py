@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from argparse import Namespace
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -93,16 +94,18 @@ class HyperparametersMixin:
 
 
 def _config_values(config: Any) -> dict[str, Any]:
-    """What a config given whole to ``save_hyperparameters`` holds: a mapping's items, an object's attributes (an
-    ``argparse.Namespace``, ...)."""
+    """What a config given whole to ``save_hyperparameters`` holds: a mapping's items (a dict, an OmegaConf
+    ``DictConfig``), a ``Namespace``'s attributes. Other objects are refused, as Lightning refuses them."""
     if isinstance(config, Mapping):
         return dict(config)
-    if isinstance(config, _PRIMITIVES) or not hasattr(config, "__dict__"):
-        raise ValueError(
-            f"save_hyperparameters({config!r}): Primitives {_PRIMITIVES} are not allowed as a config: pass the "
-            "names of __init__'s arguments (as strings), or one dict or Namespace"
-        )
-    return dict(vars(config))
+    if isinstance(config, Namespace):
+        return dict(vars(config))
+    primitive = isinstance(config, _PRIMITIVES)
+    reason = f"Primitives {_PRIMITIVES} are not allowed" if primitive else f"Unsupported config type of {type(config)}"
+    raise ValueError(
+        f"save_hyperparameters({config!r}): {reason}. Pass the names of __init__'s arguments (as strings), or one "
+        "dict or Namespace"
+    )
 
 
 def _caller_frame() -> FrameType:

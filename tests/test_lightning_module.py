@@ -241,6 +241,12 @@ def test_a_primitive_is_no_config(value: Any) -> None:
         Model(value)
 
 
+@pytest.mark.parametrize("config", [["lr", "depth"], object()])
+def test_a_config_neither_a_mapping_nor_a_namespace_is_refused(config: Any) -> None:
+    with pytest.raises(ValueError, match=rf"Unsupported config type of {type(config)}\. Pass the names of"):
+        _Configured(config)
+
+
 def test_a_module_among_the_hyperparameters_is_pointed_out() -> None:
     class Model(ember.Module):
         def __init__(self, encoder: torch.nn.Module, depth: int = 2) -> None:
