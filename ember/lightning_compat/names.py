@@ -62,7 +62,6 @@ _CALLBACKS: Names = {
             "DeviceStatsMonitor",
             "Timer",
             "OnExceptionCheckpoint",
-            "ThroughputMonitor",
             "BaseFinetuning",
             "BackboneFinetuning",
             "BasePredictionWriter",
@@ -71,6 +70,8 @@ _CALLBACKS: Names = {
             "RichProgressBar",
         )
     },
+    # Lightning's ThroughputMonitor logs each stage's counts and rates under its names; Ember's logs TFLOP/s and MFU.
+    "ThroughputMonitor": "ember.callbacks:StageThroughputMonitor",
     # Lightning's ProgressBar draws nothing (a base for bars of one's own); Ember's ProgressBar draws.
     "ProgressBar": "ember.callbacks:ProgressBarBase",
     "RichModelSummary": "ember.callbacks:ModelSummary",
@@ -212,7 +213,7 @@ PYTORCH: dict[str, Names] = {
     "callbacks.device_stats_monitor": {"DeviceStatsMonitor": "ember.callbacks:DeviceStatsMonitor"},
     "callbacks.timer": {"Timer": "ember.callbacks:Timer"},
     "callbacks.on_exception_checkpoint": {"OnExceptionCheckpoint": "ember.callbacks:OnExceptionCheckpoint"},
-    "callbacks.throughput_monitor": {"ThroughputMonitor": "ember.callbacks:ThroughputMonitor"},
+    "callbacks.throughput_monitor": {"ThroughputMonitor": "ember.callbacks:StageThroughputMonitor"},
     "callbacks.progress": {
         "ProgressBar": "ember.callbacks:ProgressBarBase",
         **{name: f"ember.callbacks:{name}" for name in ("TQDMProgressBar", "RichProgressBar")},
