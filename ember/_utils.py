@@ -23,8 +23,8 @@ class AttributeDict(dict):
     def __getattr__(self, key: str) -> Any:
         try:
             return self[key]
-        except KeyError as err:
-            raise AttributeError(f"no hyperparameter named {key!r}") from err
+        except KeyError as err:  # Python's own words, as Lightning's AttributeDict gives them
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}") from err
 
     def __setattr__(self, key: str, value: Any) -> None:
         self[key] = value
@@ -33,7 +33,7 @@ class AttributeDict(dict):
         try:
             del self[key]
         except KeyError as err:
-            raise AttributeError(f"no hyperparameter named {key!r}") from err
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}") from err
 
     def __repr__(self) -> str:
         """One ``"name": value`` line per key, sorted and aligned (empty when there are none), as Lightning prints

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from argparse import Namespace
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -93,16 +94,18 @@ class HyperparametersMixin:
 
 
 def _config_values(config: Any) -> dict[str, Any]:
-    """What a config given whole to ``save_hyperparameters`` holds: a mapping's items, an object's attributes (an
-    ``argparse.Namespace``, ...)."""
+    """What a config given whole to ``save_hyperparameters`` holds: a mapping's items (a dict, an OmegaConf
+    ``DictConfig``), a ``Namespace``'s attributes. Other objects are refused, as Lightning refuses them."""
     if isinstance(config, Mapping):
         return dict(config)
-    if isinstance(config, _PRIMITIVES) or not hasattr(config, "__dict__"):
-        raise ValueError(
-            f"save_hyperparameters({config!r}): Primitives {_PRIMITIVES} are not allowed as a config: pass the "
-            "names of __init__'s arguments (as strings), or one dict or Namespace"
-        )
-    return dict(vars(config))
+    if isinstance(config, Namespace):
+        return dict(vars(config))
+    primitive = isinstance(config, _PRIMITIVES)
+    reason = f"Primitives {_PRIMITIVES} are not allowed" if primitive else f"Unsupported config type of {type(config)}"
+    raise ValueError(
+        f"save_hyperparameters({config!r}): {reason}. Pass the names of __init__'s arguments (as strings), or one "
+        "dict or Namespace"
+    )
 
 
 def _caller_frame() -> FrameType:
@@ -224,3 +227,56 @@ def drop_unpicklable(hparams: dict[str, Any]) -> None:
             f"save_hyperparameters(ignore=[{name!r}])"
         )
         del hparams[name]
+
+
+# ------------------------------------------------------------------------------- fields
+def _field_holders(module: Any, name: str) -> list[Any]:
+    """Where ``name`` is kept, in Lightning's order: the module's attribute, its ``hparams``, then the attached
+    datamodule's attribute and its ``hparams``. The last one is what is read; a write changes them all."""
+    trainer = getattr(module, "_trainer", None)  # the `trainer` property raises when none is attached
+    datamodule = getattr(trainer, "datamodule", None)
+    holders = []
+    for owner in (module, datamodule):
+        if owner is None:
+            continue
+        if hasattr(owner, name):
+            holders.append(owner)
+        hparams = getattr(owner, "hparams", None)
+        if isinstance(hparams, Mapping) and name in hparams:
+            holders.append(hparams)
+    return holders
+
+
+def _missing_field(name: str) -> AttributeError:
+    return AttributeError(
+        f"{name} is neither stored in the model namespace nor the `hparams` namespace/dict, nor the datamodule."
+    )
+
+
+def has_field(module: Any, name: str) -> bool:
+    """Whether the module, its hyperparameters or its trainer's datamodule has ``name`` (Lightning's
+    ``lightning_hasattr``)."""
+    return bool(_field_holders(module, name))
+
+
+def get_field(module: Any, name: str) -> Any:
+    """``name`` from the datamodule (its attribute, else its hyperparameter), else from the module's
+    hyperparameters, else from the module's attribute (Lightning's ``lightning_getattr``)."""
+    holders = _field_holders(module, name)
+    if not holders:
+        raise _missing_field(name)
+    holder = holders[-1]
+    return holder[name] if isinstance(holder, Mapping) else getattr(holder, name)
+
+
+def set_field(module: Any, name: str, value: Any) -> None:
+    """Set ``name`` everywhere ``get_field`` finds it, so that the module and its datamodule agree (Lightning's
+    ``lightning_setattr``); raise ``AttributeError`` where it is nowhere."""
+    holders = _field_holders(module, name)
+    if not holders:
+        raise _missing_field(name)
+    for holder in holders:
+        if isinstance(holder, Mapping):
+            holder[name] = value  # type: ignore[index]  # hparams are a dict
+        else:
+            setattr(holder, name, value)

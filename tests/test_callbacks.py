@@ -19,6 +19,7 @@ import ember
 from ember.callbacks import DeviceStatsMonitor, ModelSummary, ProgressBar, Timer
 from ember.callbacks.model_summary import summarize
 from ember.exceptions import MisconfigurationException
+from ember.loggers import Logger
 from ember.model_summary import ModelSummary as ModelSummaryObject
 from ember.model_summary import readable_count
 
@@ -137,14 +138,15 @@ def test_a_summary_callback_that_overrides_summarize_gets_the_columns_and_totals
 
 
 def test_device_stats_are_logged_at_the_logging_steps() -> None:
-    trainer = quiet_trainer(max_epochs=1, callbacks=[DeviceStatsMonitor()], log_every_n_steps=2, limit_val_batches=1)
+    trainer = quiet_trainer(max_epochs=1, callbacks=[DeviceStatsMonitor()], log_every_n_steps=2, limit_val_batches=2)
     trainer.fit(Regressor(), make_loader(64), make_loader(16))
     with open(os.path.join(trainer.log_dir, "metrics.csv"), newline="") as file:
         rows = [row for row in csv.DictReader(file) if any(v for k, v in row.items() if k.startswith("DeviceStats"))]
     hooks = ("on_train_batch_start", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end")
     names = {f"DeviceStatsMonitor.{hook}/cpu_{figure}" for hook in hooks for figure in ("rss_mb", "peak_rss_mb")}
     assert names <= set(rows[0]) and not any(row.get("epoch") for row in rows)  # no epoch, as Lightning writes them
-    # Each logging step's figures, labelled with the steps before its batch; the epoch's validation after batch 7.
+    # Each logging step's figures, labelled with the steps before its batch; the epoch's validation (due at its
+    # second batch) after step 7.
     written = [(row["step"], hook) for row in rows for hook in hooks if row[f"DeviceStatsMonitor.{hook}/cpu_rss_mb"]]
     assert written == [(step, hook) for step in "1357" for hook in hooks[:2]] + [("7", hook) for hook in hooks[2:]]
     assert "DeviceStatsMonitor.on_train_batch_end/cpu_rss_mb" not in trainer.logged_metrics
@@ -155,6 +157,38 @@ def test_device_stats_are_logged_at_the_logging_steps() -> None:
         quiet_trainer(max_steps=1, logger=False, callbacks=[DeviceStatsMonitor()]).fit(Regressor(), make_loader())
     with pytest.raises(ValueError, match=r"cpu_stats='yes'"):
         DeviceStatsMonitor(cpu_stats="yes")  # type: ignore[arg-type]
+
+
+class _HookCalls(Logger):
+    """Keeps the hook of each ``log_metrics`` call of ``DeviceStatsMonitor``, with its step."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int | None, str]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        hooks = {name.split("/")[0].split(".")[1] for name in metrics if name.startswith("DeviceStatsMonitor.")}
+        self.calls += [(step, hook) for hook in sorted(hooks)]
+
+
+def test_device_stats_of_evaluation_batches_are_due_by_their_index_in_every_stage() -> None:
+    calls = _HookCalls()
+    trainer = quiet_trainer(max_steps=3, callbacks=[DeviceStatsMonitor()], log_every_n_steps=2, logger=calls,
+                            num_sanity_val_steps=2, limit_val_batches=3, val_check_interval=3)  # fmt: skip
+    trainer.fit(Regressor(), make_loader(64), make_loader(32))
+    both = ("batch_start", "batch_end")
+    assert calls.calls == [
+        *((0, f"on_validation_{hook}") for hook in both),  # the sanity check's second batch
+        *((1, f"on_train_{hook}") for hook in both),
+        *((2, f"on_validation_{hook}") for hook in both),
+    ]
+    calls.calls.clear()
+    quiet_trainer(callbacks=[DeviceStatsMonitor()], log_every_n_steps=2, logger=calls).test(Regressor(), make_loader())
+    assert calls.calls == [(0, f"on_test_{hook}") for hook in both] * 4  # the 2nd, 4th, 6th and 8th batches
+    calls.calls.clear()
+    trainer = quiet_trainer(max_steps=2, callbacks=[DeviceStatsMonitor(cpu_stats=False)], log_every_n_steps=1,
+                            logger=calls)  # fmt: skip
+    trainer.fit(Regressor(), make_loader())
+    assert calls.calls == []  # nothing to log on the CPU: no empty rows
 
 
 def test_device_stats_of_the_cpu_are_lightnings_with_psutil(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1680,3 +1680,14 @@ def _logged_hyperparameters(trainer: ember.Trainer) -> Any:
         return {}
     with open(path) as file:
         return yaml.safe_load(file)
+
+
+def test_the_strategy_gives_the_module_unwrapped_as_lightnings() -> None:
+    trainer = quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False)
+    assert trainer.strategy.lightning_module is None and trainer.model is None
+    model = Regressor()
+    trainer.fit(model, make_loader())
+    assert trainer.strategy.lightning_module is model is trainer.lightning_module is trainer.model
+    other = Regressor()
+    trainer.validate(other, make_loader(), verbose=False)
+    assert trainer.strategy.lightning_module is other

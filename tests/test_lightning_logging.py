@@ -18,8 +18,9 @@ import yaml
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
-from ember.callbacks import Callback, DeviceStatsMonitor, ThroughputMonitor
+from ember.callbacks import Callback, DeviceStatsMonitor, StageThroughputMonitor, ThroughputMonitor
 from ember.exceptions import MisconfigurationException
+from ember.lightning_compat.hook import table_of
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loggers.csv_logger import ExperimentWriter
 from ember.loggers.dummy import DummyExperiment, rank_zero_experiment
@@ -253,6 +254,37 @@ def test_log_every_n_steps_0_writes_the_epochs_values_only() -> None:
     # No training step's values (an evaluation step's are written whatever the flag, as in Lightning).
     epoch = [["v_step"], ["v_step"], ["epoch", "v_epoch"], ["epoch", "t_epoch"]]
     assert [sorted(metrics) for metrics, _ in calls.calls] == epoch * 2
+
+
+def test_lightnings_throughput_monitor_logs_each_stages_counts_then_rates_at_its_logging_steps() -> None:
+    calls = _Calls()
+    monitor = StageThroughputMonitor(lambda batch: len(batch[0]), length_fn=lambda batch: 3, window_size=3)
+    trainer = quiet_trainer(max_steps=4, logger=calls, log_every_n_steps=2, val_check_interval=2, limit_val_batches=2,
+                            enable_checkpointing=False, callbacks=[monitor])  # fmt: skip
+    model = Regressor()
+    with pytest.warns(UserWarning, match="define a `flops_per_batch` attribute or property in Regressor"):
+        trainer.fit(model, make_loader(64), make_loader(16))  # batches of 8
+    counts = ["batches", "lengths", "samples", "time"]
+    rates = ["device/batches_per_sec", "device/items_per_sec", "device/samples_per_sec"]
+    train, validate = sorted(["epoch", *(f"train/{name}" for name in counts)]), [f"validate/{n}" for n in counts]
+    # training at every 2nd optimizer step (labelled as self.log's values), validation at its 2nd batch (labelled
+    # by the fit's validation batches so far); the rates once 3 batches are seen
+    logged = [(sorted(metrics), step) for metrics, step in calls.calls if any("/" in name for name in metrics)]
+    assert logged == [
+        (train, 1), (validate, 2), (sorted(train + [f"train/{n}" for n in rates]), 3),
+        (validate, 4),
+    ]  # fmt: skip
+    assert [metrics["train/samples"] for metrics, _ in calls.calls if "train/samples" in metrics] == [16, 32]
+    assert [metrics["validate/lengths"] for metrics, _ in calls.calls if "validate/lengths" in metrics] == [6, 6]
+    model.flops_per_batch = 100
+    calls.calls.clear()
+    trainer.test(model, make_loader(32), verbose=False)  # 4 batches: the rates from the 3rd, FLOPs among them
+    assert [sorted(metrics) for metrics, _ in calls.calls if "test/time" in metrics][-1] == sorted(
+        [f"test/{n}" for n in counts] + [f"test/{n}" for n in rates] + ["test/device/flops_per_sec"]
+    )
+    assert table_of("pytorch_lightning.callbacks")["ThroughputMonitor"] == "ember.callbacks:StageThroughputMonitor"
+    with pytest.raises(ValueError, match=r"ThroughputMonitor\(window_size=1\): expected an int >= 2"):
+        StageThroughputMonitor(len, window_size=1)
 
 
 def test_logged_metrics_hold_the_step_and_the_epoch_values_whether_or_not_a_logger_wrote_them() -> None:

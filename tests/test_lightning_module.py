@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.callbacks import Callback
-from ember.demos import BoringModel
+from ember.demos import BoringDataModule, BoringModel
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.hparams import HyperparametersMixin
 from ember.lightning_compat.hook import table_of
@@ -190,8 +190,44 @@ def test_hparams_print_as_lightnings_and_lose_an_attribute_deleted() -> None:
     assert repr(hparams) == str(hparams) == '"batch_size": 4\n"data_dir":   data\n"sizes":      (1, 2)'
     del hparams.sizes
     assert hparams == {"batch_size": 4, "data_dir": "data"} and repr(type(hparams)()) == ""
-    with pytest.raises(AttributeError, match="no hyperparameter named 'sizes'"):
+    with pytest.raises(AttributeError, match="'AttributeDict' object has no attribute 'sizes'"):
         del hparams.sizes
+    with pytest.raises(AttributeError, match="'AttributeDict' object has no attribute 'sizes'"):
+        _ = hparams.sizes
+
+
+def test_fields_are_found_on_the_module_its_hparams_and_its_datamodule() -> None:
+    from ember.hparams import get_field, has_field, set_field
+
+    class Data(BoringDataModule):
+        def __init__(self, batch_size: int = 16) -> None:
+            super().__init__()
+            self.batch_size = batch_size
+
+    class Model(BoringModel):
+        def __init__(self, lr: float = 0.1, batch_size: int = 8) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.learning_rate = 0.5
+            self.seen: list[Any] = []
+
+        def on_train_start(self) -> None:  # the datamodule is attached: it is read first, and written with the rest
+            self.seen.append(get_field(self, "batch_size"))
+            set_field(self, "batch_size", 99)
+            self.seen += [self.trainer.datamodule.batch_size, self.hparams.batch_size]
+
+    model = Model()
+    assert has_field(model, "lr") and has_field(model, "learning_rate") and not has_field(model, "momentum")
+    assert get_field(model, "lr") == 0.1 and get_field(model, "batch_size") == 8
+    set_field(model, "lr", 0.3)
+    set_field(model, "learning_rate", 2.0)
+    assert model.hparams.lr == 0.3 and model.learning_rate == 2.0
+    for call in (lambda: get_field(model, "momentum"), lambda: set_field(model, "momentum", 0.9)):
+        with pytest.raises(AttributeError, match="momentum is neither stored in the model namespace"):
+            call()
+    quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False).fit(model, datamodule=Data())
+    assert model.seen == [16, 99, 99]
+    assert _served("pytorch_lightning.utilities.parsing", "lightning_setattr") is set_field
 
 
 @pytest.mark.parametrize("value", [42, 3.5, True])
@@ -203,6 +239,12 @@ def test_a_primitive_is_no_config(value: Any) -> None:
 
     with pytest.raises(ValueError, match=r"Primitives \(<class 'bool'>"):
         Model(value)
+
+
+@pytest.mark.parametrize("config", [["lr", "depth"], object()])
+def test_a_config_neither_a_mapping_nor_a_namespace_is_refused(config: Any) -> None:
+    with pytest.raises(ValueError, match=rf"Unsupported config type of {type(config)}\. Pass the names of"):
+        _Configured(config)
 
 
 def test_a_module_among_the_hyperparameters_is_pointed_out() -> None:

@@ -13,6 +13,7 @@ from ember.callbacks.prediction_writer import BasePredictionWriter
 from ember.callbacks.progress import ProgressBar
 from ember.callbacks.progress_bars import RichProgressBar, TQDMProgressBar
 from ember.callbacks.progress_base import ProgressBarBase
+from ember.callbacks.stage_throughput import StageThroughputMonitor
 from ember.callbacks.throughput import ThroughputMonitor
 from ember.callbacks.timer import Timer
 
@@ -32,6 +33,7 @@ __all__ = [
     "ProgressBar",
     "ProgressBarBase",
     "RichProgressBar",
+    "StageThroughputMonitor",
     "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",

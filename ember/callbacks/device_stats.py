@@ -20,9 +20,10 @@ _MB = 1e6
 
 
 class DeviceStatsMonitor(Callback):
-    """Log the device's figures under ``DeviceStatsMonitor.<hook>/<figure>`` at the training and validation batch
-    hooks of ``fit`` (start and end) whose optimizer step is a ``log_every_n_steps`` multiple, in rows of their own
-    (no ``epoch``), labelled with the optimizer steps taken before the batch, as Lightning's.
+    """Log the device's figures under ``DeviceStatsMonitor.<hook>/<figure>`` (the logger's ``group_separator``) at
+    the training, validation and test batch hooks (start and end) of a batch whose optimizer step (training) or
+    index in its loop (evaluation) is a ``log_every_n_steps`` multiple, in rows of their own (no ``epoch``),
+    labelled with the optimizer steps taken before the batch, as Lightning's.
 
     The figures are ``trainer.accelerator.get_device_stats(device)``'s: ``torch.cuda.memory_stats`` on a CUDA
     device; on the CPU ``cpu_percent``, ``cpu_vm_percent`` and ``cpu_swap_percent`` (with ``psutil``; without it,
@@ -42,26 +43,44 @@ class DeviceStatsMonitor(Callback):
             )
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int) -> None:
-        self._log(trainer, "on_train_batch_start", trainer.fit_loop.logging_step)
+        step = trainer.fit_loop.logging_step
+        self._log(trainer, "on_train_batch_start", step, step + 1)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._log(trainer, "on_train_batch_end", _steps_before_batch(trainer))
+        step = _steps_before_batch(trainer)
+        self._log(trainer, "on_train_batch_end", step, step + 1)
 
-    def on_validation_batch_start(self, trainer: Trainer, pl_module: Module, *args: Any) -> None:
-        self._log(trainer, "on_validation_batch_start", _steps_before_batch(trainer))
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int, *_: Any
+    ) -> None:
+        self._log_evaluation(trainer, "on_validation_batch_start", batch_idx)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: Module, *args: Any) -> None:
-        self._log(trainer, "on_validation_batch_end", _steps_before_batch(trainer))
+        self._log_evaluation(trainer, "on_validation_batch_end", args[2])  # outputs, batch, batch_idx
 
-    def _log(self, trainer: Trainer, hook: str, step: int) -> None:
+    def on_test_batch_start(self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int, *_: Any) -> None:
+        self._log_evaluation(trainer, "on_test_batch_start", batch_idx)
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: Module, *args: Any) -> None:
+        self._log_evaluation(trainer, "on_test_batch_end", args[2])
+
+    def _log_evaluation(self, trainer: Trainer, hook: str, batch_idx: int) -> None:
+        """An evaluation batch's figures, due by its own index (as Lightning counts them, the sanity check's too),
+        labelled with the training's steps."""
+        step = _steps_before_batch(trainer) if trainer.stage == "fit" else trainer.fit_loop.logging_step
+        self._log(trainer, hook, step, batch_idx + 1)
+
+    def _log(self, trainer: Trainer, hook: str, step: int, count: int) -> None:
         every = trainer.log_every_n_steps  # 0: no step values are written
-        due = every > 0 and ((step + 1) % every == 0 or trainer.should_stop)
-        if not due or trainer.stage != "fit" or not trainer.is_global_zero:
+        due = every > 0 and (count % every == 0 or trainer.should_stop)
+        if not due or not trainer.is_global_zero:
             return
-        prefix = f"{type(self).__qualname__}.{hook}/"
-        stats = {prefix + name: value for name, value in self.stats(trainer.strategy.root_device).items()}
+        stats = self.stats(trainer.strategy.root_device)
+        if not stats:  # cpu_stats=False on the CPU: nothing to write, as in Lightning
+            return
         for logger in trainer.loggers:  # as Lightning's: to the loggers only, not to the trainer's metrics
-            logger.log_metrics(stats, step)
+            prefix = f"{type(self).__qualname__}.{hook}{logger.group_separator}"
+            logger.log_metrics({prefix + name: value for name, value in stats.items()}, step)
 
     def stats(self, device: torch.device) -> dict[str, float]:
         """The figures for ``device`` (and the host's, as ``cpu_stats`` says), by name."""

@@ -62,7 +62,6 @@ _CALLBACKS: Names = {
             "DeviceStatsMonitor",
             "Timer",
             "OnExceptionCheckpoint",
-            "ThroughputMonitor",
             "BaseFinetuning",
             "BackboneFinetuning",
             "BasePredictionWriter",
@@ -71,6 +70,8 @@ _CALLBACKS: Names = {
             "RichProgressBar",
         )
     },
+    # Lightning's ThroughputMonitor logs each stage's counts and rates under its names; Ember's logs TFLOP/s and MFU.
+    "ThroughputMonitor": "ember.callbacks:StageThroughputMonitor",
     # Lightning's ProgressBar draws nothing (a base for bars of one's own); Ember's ProgressBar draws.
     "ProgressBar": "ember.callbacks:ProgressBarBase",
     "RichModelSummary": "ember.callbacks:ModelSummary",
@@ -212,7 +213,7 @@ PYTORCH: dict[str, Names] = {
     "callbacks.device_stats_monitor": {"DeviceStatsMonitor": "ember.callbacks:DeviceStatsMonitor"},
     "callbacks.timer": {"Timer": "ember.callbacks:Timer"},
     "callbacks.on_exception_checkpoint": {"OnExceptionCheckpoint": "ember.callbacks:OnExceptionCheckpoint"},
-    "callbacks.throughput_monitor": {"ThroughputMonitor": "ember.callbacks:ThroughputMonitor"},
+    "callbacks.throughput_monitor": {"ThroughputMonitor": "ember.callbacks:StageThroughputMonitor"},
     "callbacks.progress": {
         "ProgressBar": "ember.callbacks:ProgressBarBase",
         **{name: f"ember.callbacks:{name}" for name in ("TQDMProgressBar", "RichProgressBar")},
@@ -255,7 +256,12 @@ PYTORCH: dict[str, Names] = {
     "utilities.rank_zero": _RANK_ZERO,
     "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
     "utilities.grads": {"grad_norm": "ember.utilities:grad_norm"},
-    "utilities.parsing": {name: f"ember.utilities:{name}" for name in ("AttributeDict", "is_picklable")},
+    "utilities.parsing": {
+        **{name: f"ember.utilities:{name}" for name in ("AttributeDict", "is_picklable")},
+        "lightning_hasattr": "ember.hparams:has_field",
+        "lightning_getattr": "ember.hparams:get_field",
+        "lightning_setattr": "ember.hparams:set_field",
+    },
     "utilities.types": {**_TYPES, **_OPTIMIZER_TYPES},
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
     "utilities.combined_loader": {"CombinedLoader": "ember.combined_loader:CombinedLoader"},

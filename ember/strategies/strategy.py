@@ -134,6 +134,12 @@ class Strategy:
         return self._module
 
     @property
+    def lightning_module(self) -> Module | None:
+        """The module the latest stage ran, without the wrapper ``model`` may be (DDP's), or None before one: as
+        Lightning's."""
+        return self._module
+
+    @property
     def world_size(self) -> int:
         return 1
 
