@@ -392,6 +392,18 @@ def test_an_epoch_whose_loader_yields_nothing_trains_nothing_and_counts(yields_f
     model = Counting()
     loader = DataLoader(_Stream(lambda: model.current_epoch, lambda epoch: 8 if yields_first and epoch == 0 else 0),
                         batch_size=4)  # fmt: skip
+def test_the_batch_size_is_inferred_as_lightnings_utility_infers_it() -> None:
+    with served_by_ember():
+        from lightning.pytorch.utilities.data import extract_batch_size
+    assert extract_batch_size(torch.zeros(7, 3)) == 7 and extract_batch_size(torch.tensor(2.0)) == 1
+    assert extract_batch_size({"x": ["id", torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5  # the first tensor's
+    with pytest.warns(UserWarning, match="ambiguous collection. The batch size we found is 3"):
+        assert extract_batch_size([torch.zeros(3, 2), torch.zeros(4)]) == 3
+    for batch in ("text", None, [1.0, 2.0]):
+        with pytest.raises(MisconfigurationException, match="We could not infer the batch_size from the batch"):
+            extract_batch_size(batch)
+
+
     trainer = quiet_trainer(max_epochs=3, logger=False, enable_checkpointing=False)
     with pytest.warns(PossibleUserWarning, match=r"yielded no batches in epoch \d: the epoch trains nothing"):
         trainer.fit(model, loader)
