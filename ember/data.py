@@ -33,11 +33,12 @@ from ember.combined_loader import CombinedLoader
 from ember.data_failures import DataLoadingError as DataLoadingError  # served here too (ember.data.X)
 from ember.data_failures import SampleError as SampleError
 from ember.data_failures import SampleNamed
-from ember.data_workers import WorkerStart, stop_signals_held
+from ember.data_workers import WorkerStart, check_workers, stop_signals_held
 from ember.data_workers import WorkerSuggestion as WorkerSuggestion  # served here too (ember.data.X)
 from ember.data_workers import cores_per_process as cores_per_process
 from ember.data_workers import suggest_num_workers as suggest_num_workers
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
+from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
 if TYPE_CHECKING:
@@ -183,6 +184,9 @@ def prepare_loaders(
         rank_zero_warn(  # as Lightning's: an evaluation's order changes none of its results, so it is likely a slip
             f"Your `{kind}_dataloader`'s sampler has shuffling enabled, it is strongly recommended that you turn "
             "shuffling off for val/test dataloaders.", PossibleUserWarning, stacklevel=5)  # fmt: skip
+    if lightning_names_served():  # Lightning's advice, for Lightning's programs (Ember's own have `ember doctor`)
+        for loader in loaders:
+            check_workers(loader, kind)
     prepared = [prepare_loader(loader, strategy, train=kind == "train", shard=shard) for loader in loaders]
     if combined is None:
         return loaders[0], prepared

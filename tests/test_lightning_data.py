@@ -18,6 +18,7 @@ from test_lightning_compat import served_by_ember
 from torch.utils.data import DataLoader, Sampler, SequentialSampler
 
 import ember
+from ember import data_workers
 from ember.callbacks import Callback
 from ember.combined_loader import CombinedLoader
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
@@ -224,6 +225,20 @@ def test_a_validation_step_or_loader_without_the_other_is_warned_about() -> None
     with warnings.catch_warnings():  # both, or neither: nothing to say
         warnings.simplefilter("error")
         assert validates_in_fit(Regressor(), True) and not validates_in_fit(model, False)
+
+
+def test_lightning_programs_get_lightnings_advice_on_loader_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data_workers, "cores_per_process", lambda: 8)
+    few = r"The 'val_dataloader' does not have many workers .* `num_workers=7` in the `DataLoader`"
+    with served_by_ember(), pytest.warns(PossibleUserWarning, match=few):
+        quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), make_loader(16), make_loader(8))
+    spawned = DataLoader(make_data(8), num_workers=1, multiprocessing_context="spawn")
+    with pytest.warns(UserWarning, match="Consider setting `persistent_workers=True` in 'train_dataloader'"):
+        data_workers.check_workers(spawned, "train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data_workers.check_workers(DataLoader(make_data(8), num_workers=2), "train")  # enough workers
+        quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), make_loader(16), make_loader(8))  # Ember's own
 
 
 def test_a_loader_that_is_not_iterable_is_refused_when_the_stage_starts() -> None:
