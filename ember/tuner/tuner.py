@@ -105,8 +105,7 @@ class Tuner:
         self, model: Module, datamodule: DataModule | None, power: bool, init_val: int, max_trials: int,
         steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int, margin: float,
     ) -> int:  # fmt: skip
-        """The largest batch size that fits on every rank (an error if none does), ``margin`` below it; set on the
-        module/datamodule, with the train loader built at that size (``trainer.train_dataloader``). No trial:
+        """The largest batch size that fits on every rank (an error if none does), ``margin`` below it. No trial:
         ``init_val``, as Lightning's."""
         owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
         original = _get(owner, batch_arg_name)
@@ -126,9 +125,6 @@ class Tuner:
         if max_trials and int(agreed * (1 - margin)) < agreed:
             announce(f"scale_batch_size: {margin:.1%} below {agreed}, as margin={margin} asks")
             agreed = max(1, int(agreed * (1 - margin)))
-        _set(owner, batch_arg_name, agreed)
-        # Lightning's trainer.train_dataloader is then the loader of the size found: the latest one built.
-        self.trainer._latest_loaders["train"] = _train_loader(fits.hooks)
         return agreed
 
     # ------------------------------------------------------------------------ learning rate
