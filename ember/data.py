@@ -33,11 +33,12 @@ from ember.combined_loader import CombinedLoader
 from ember.data_failures import DataLoadingError as DataLoadingError  # served here too (ember.data.X)
 from ember.data_failures import SampleError as SampleError
 from ember.data_failures import SampleNamed
-from ember.data_workers import WorkerStart, stop_signals_held
+from ember.data_workers import WorkerStart, check_workers, stop_signals_held
 from ember.data_workers import WorkerSuggestion as WorkerSuggestion  # served here too (ember.data.X)
 from ember.data_workers import cores_per_process as cores_per_process
 from ember.data_workers import suggest_num_workers as suggest_num_workers
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
+from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
 if TYPE_CHECKING:
@@ -173,12 +174,19 @@ def prepare_loaders(
     """
     combined = _combined(given, kind)
     loaders = combined.flattened if combined is not None else [given]
+    if not all(isinstance(loader, Iterable) for loader in loaders):  # refused now, not at the first batch
+        place = "`Trainer.fit(train_dataloaders=...)`" if kind == "train" else f"the {kind} dataloaders"
+        raise TypeError(f"An invalid dataloader was passed to {place}. Found {given}: pass a DataLoader (or another "
+                        "iterable of batches)")  # (Lightning's words first)  # fmt: skip
     if overfit_batches and kind in ("train", "val"):
         loaders = [in_order(loader, kind) for loader in loaders]
     if kind != "train" and any(isinstance(getattr(loader, "sampler", None), RandomSampler) for loader in loaders):
         rank_zero_warn(  # as Lightning's: an evaluation's order changes none of its results, so it is likely a slip
-            f"Your `{kind}_dataloader`'s sampler has shuffling enabled; it is recommended to turn shuffling off for "
-            "val/test/predict dataloaders", PossibleUserWarning, stacklevel=5)  # fmt: skip
+            f"Your `{kind}_dataloader`'s sampler has shuffling enabled, it is strongly recommended that you turn "
+            "shuffling off for val/test dataloaders.", PossibleUserWarning, stacklevel=5)  # fmt: skip
+    if lightning_names_served():  # Lightning's advice, for Lightning's programs (Ember's own have `ember doctor`)
+        for loader in loaders:
+            check_workers(loader, kind)
     prepared = [prepare_loader(loader, strategy, train=kind == "train", shard=shard) for loader in loaders]
     if combined is None:
         return loaders[0], prepared

@@ -16,6 +16,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ember.exceptions import PossibleUserWarning
+from ember.rank_zero import rank_zero_warn
+
 
 class WorkerStart:
     """What a loader worker runs first: it leaves the signals that stop training to the main process, then
@@ -112,6 +115,24 @@ def cores_per_process() -> int:
     from ember.launch import threads_per_process
 
     return threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def check_workers(loader: object, kind: str) -> None:
+    """Lightning's advice on a ``kind`` ("train", "val", ...) loader's workers, in its words: persistent workers
+    where each epoch would spawn them again, else more workers where the machine has cores to spare for them."""
+    if not isinstance(loader, DataLoader):
+        return
+    context = loader.multiprocessing_context
+    start_method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method()
+    spare = max(1, cores_per_process() - 1)  # one core left for the main process, as Lightning counts them
+    if loader.num_workers > 0 and start_method == "spawn" and not loader.persistent_workers:
+        rank_zero_warn(f"Consider setting `persistent_workers=True` in '{kind}_dataloader' to speed up the dataloader "
+                       "worker initialization.", stacklevel=6)  # fmt: skip
+    elif loader.num_workers < 2 and spare > 1:
+        rank_zero_warn(
+            f"The '{kind}_dataloader' does not have many workers which may be a bottleneck. Consider increasing the "
+            f"value of the `num_workers` argument` to `num_workers={spare}` in the `DataLoader` to improve "
+            "performance.", PossibleUserWarning, stacklevel=6)  # fmt: skip
 
 
 def suggest_num_workers(loader: DataLoader, max_workers: int | None = None, batches: int = 30) -> WorkerSuggestion:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 from ember import hints
-from ember._utils import Reads, replaces
+from ember._utils import Reads
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBarBase
 from ember.checkpoint import state as checkpoint_state
 from ember.config import TrainerConfig, environment_defaults
@@ -48,6 +48,7 @@ from ember.trainer_parts import (
     known_flags_only,
     log_hyperparameters,
     set_determinism,
+    validates_in_fit,
     with_module_callbacks,
 )
 from ember.trainer_properties import LightningProperties
@@ -369,8 +370,7 @@ class Trainer(LightningProperties):
     def _fit(self, model: Module, train_dataloaders: _Loaders, val_dataloaders: _Loaders, datamodule: DataModule | None,
              ckpt_path: str | None, weights_only: bool | None) -> None:  # fmt: skip
         with self._stage("fit", model, datamodule, ckpt_path) as path:
-            has_loaders = val_dataloaders is not None or self.hooks.has_loaders("val")
-            validates = replaces("validation_step", model, Module) and has_loaders
+            validates = validates_in_fit(model, val_dataloaders is not None or self.hooks.has_loaders("val"))
             restore = functools.partial(checkpoint_state.resume_from, self, path, weights_only) if path else None
             self.fit_loop.run(
                 lambda: self._loaders("train", train_dataloaders, required=True)[0],

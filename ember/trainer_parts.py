@@ -27,7 +27,7 @@ from ember.callbacks import (
 )
 from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
-from ember.exceptions import MisconfigurationException
+from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.hints import closest
 from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
@@ -263,6 +263,19 @@ def check_module(model: Any, stage: str) -> None:
     if missing:
         needs = f"Trainer.{stage}() needs {type(model).__name__} to define {', '.join(missing)}"
         raise MisconfigurationException(f"No `{missing[0]}()` method defined to run `Trainer.{stage}`: {needs}")
+
+
+def validates_in_fit(model: Module, has_loaders: bool) -> bool:
+    """Whether ``fit`` validates: the module defines ``validation_step`` and there are validation loaders. Either
+    one without the other is likely a slip (a hook misnamed, a loader forgotten): warned, in Lightning's words."""
+    has_step = replaces("validation_step", model, Module)
+    if has_loaders and not has_step:
+        rank_zero_warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop.",
+                       stacklevel=7)  # (the caller of fit)  # fmt: skip
+    if has_step and not has_loaders:
+        rank_zero_warn("You defined a `validation_step` but have no `val_dataloader`. Skipping val loop.",
+                       PossibleUserWarning, stacklevel=7)  # fmt: skip
+    return has_step and has_loaders
 
 
 def _same(first: Any, second: Any) -> bool:

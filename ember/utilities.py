@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from ember._utils import AttributeDict, move_to_device
-from ember.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_print, rank_zero_warn
+from ember.exceptions import MisconfigurationException
+from ember.rank_zero import (
+    rank_zero_debug,
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_print,
+    rank_zero_warn,
+    rank_zero_warn_once,
+)
 
 move_data_to_device = move_to_device  # Lightning's name
 
 __all__ = [
     "AttributeDict",
+    "extract_batch_size",
     "grad_norm",
     "is_picklable",
     "move_data_to_device",
@@ -49,3 +61,43 @@ def is_picklable(obj: object) -> bool:
     except (pickle.PickleError, AttributeError, RuntimeError, TypeError):
         return False
     return True
+
+
+def extract_batch_size(batch: Any) -> int:
+    """The batch size Lightning's ``extract_batch_size`` infers: the first dimension of the first tensor in
+    ``batch`` (1 for a scalar tensor), looking through mappings, iterables and dataclasses in order. Tensors that
+    disagree are warned about (once); a batch with no tensor, or too deep to look through, is refused."""
+    found = None
+    try:
+        for size in _batch_sizes(batch):
+            if found is None:
+                found = size
+            elif size != found:
+                rank_zero_warn_once(  # Lightning's words
+                    f"Trying to infer the `batch_size` from an ambiguous collection. The batch size we found is "
+                    f"{found}. To avoid any miscalculations, use `self.log(..., batch_size=batch_size)`."
+                )
+                break
+    except RecursionError:
+        found = None
+    if found is None:
+        raise MisconfigurationException(
+            "We could not infer the batch_size from the batch. Either simplify its structure or provide the "
+            "batch_size as `self.log(..., batch_size=batch_size)`."
+        )
+    return found
+
+
+def _batch_sizes(batch: Any) -> Iterator[int | None]:
+    """The size of each tensor in ``batch``, in order, and None for each value that is neither a tensor nor holds
+    any (a string, a number)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch.size(0) if batch.ndim else 1
+    elif isinstance(batch, (Iterable, Mapping)) and not isinstance(batch, str):
+        for item in batch.values() if isinstance(batch, Mapping) else batch:
+            yield from _batch_sizes(item)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            yield from _batch_sizes(getattr(batch, field.name))
+    else:
+        yield None

@@ -18,10 +18,12 @@ from test_lightning_compat import served_by_ember
 from torch.utils.data import DataLoader, Sampler, SequentialSampler
 
 import ember
+from ember import data_workers
 from ember.callbacks import Callback
 from ember.combined_loader import CombinedLoader
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.loops import training_data
+from ember.trainer_parts import validates_in_fit
 
 
 # --------------------------------------------------------------------------- switched off with None
@@ -210,6 +212,44 @@ def test_a_shuffling_evaluation_loader_is_warned_about(stage: str) -> None:
         )
 
 
+def test_a_validation_step_or_loader_without_the_other_is_warned_about() -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    with pytest.warns(PossibleUserWarning, match="You defined a `validation_step` but have no `val_dataloader`"):
+        trainer.fit(Regressor(), make_loader(16))
+    model = Regressor()
+    model.validation_step = None  # type: ignore[assignment,method-assign]
+    with pytest.warns(UserWarning, match="You passed in a `val_dataloader` but have no `validation_step`"):
+        quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False).fit(
+            model, make_loader(16), make_loader(8)
+        )
+    with warnings.catch_warnings():  # both, or neither: nothing to say
+        warnings.simplefilter("error")
+        assert validates_in_fit(Regressor(), True) and not validates_in_fit(model, False)
+
+
+def test_lightning_programs_get_lightnings_advice_on_loader_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data_workers, "cores_per_process", lambda: 8)
+    few = r"The 'val_dataloader' does not have many workers .* `num_workers=7` in the `DataLoader`"
+    with served_by_ember(), pytest.warns(PossibleUserWarning, match=few):
+        quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), make_loader(16), make_loader(8))
+    spawned = DataLoader(make_data(8), num_workers=1, multiprocessing_context="spawn")
+    with pytest.warns(UserWarning, match="Consider setting `persistent_workers=True` in 'train_dataloader'"):
+        data_workers.check_workers(spawned, "train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data_workers.check_workers(DataLoader(make_data(8), num_workers=2), "train")  # enough workers
+        quiet_trainer(max_epochs=1, logger=False).fit(Regressor(), make_loader(16), make_loader(8))  # Ember's own
+
+
+def test_a_loader_that_is_not_iterable_is_refused_when_the_stage_starts() -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(TypeError, match=r"An invalid dataloader was passed to `Trainer.fit\(train_dataloaders=...\)`. "
+                       "Found 5"):  # fmt: skip
+        trainer.fit(Regressor(), 5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="An invalid dataloader was passed to the test dataloaders. Found 3.5"):
+        trainer.test(Regressor(), 3.5)  # type: ignore[arg-type]
+
+
 def test_an_evaluation_without_batches_is_skipped_with_its_hooks() -> None:
     calls: list[str] = []
 
@@ -365,6 +405,18 @@ def test_lengths_are_checked_as_lightnings_utilities_check_them() -> None:
     assert not has_len_all_ranks(DataLoader(_Stream(lambda: 0, lambda epoch: 16), batch_size=4), trainer.strategy)
     with pytest.warns(UserWarning, match="Total length of `DataLoader` across ranks is zero"):
         assert has_len_all_ranks(make_loader(0), trainer.strategy) and not has_iterable_dataset(make_loader(0))
+
+
+def test_the_batch_size_is_inferred_as_lightnings_utility_infers_it() -> None:
+    with served_by_ember():
+        from lightning.pytorch.utilities.data import extract_batch_size
+    assert extract_batch_size(torch.zeros(7, 3)) == 7 and extract_batch_size(torch.tensor(2.0)) == 1
+    assert extract_batch_size({"x": ["id", torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5  # the first tensor's
+    with pytest.warns(UserWarning, match="ambiguous collection. The batch size we found is 3"):
+        assert extract_batch_size([torch.zeros(3, 2), torch.zeros(4)]) == 3
+    for batch in ("text", None, [1.0, 2.0]):
+        with pytest.raises(MisconfigurationException, match="We could not infer the batch_size from the batch"):
+            extract_batch_size(batch)
 
 
 def test_every_stage_warns_of_an_iterable_dataset_with_a_length() -> None:

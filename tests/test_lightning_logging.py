@@ -188,6 +188,7 @@ def test_logging_without_a_trainer_warns_and_logging_to_no_logger_warns() -> Non
         _fit(_LogsInStep(logger=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "You defined a `validation_step` but have no `val_dataloader`")
         _fit(_LogsInStep())  # logger left out: nothing to say
 
 
@@ -368,6 +369,7 @@ def test_an_earlier_runs_metrics_are_replaced_with_a_warning_unless_the_run_cont
     trainer = quiet_trainer(max_epochs=2, **flags)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", "You defined a `validation_step` but have no `val_dataloader`")
         trainer.fit(Regressor(), make_loader(16), ckpt_path="last")
     assert trainer.log_dir == log_dir
     rows = _csv_rows(os.path.join(log_dir, "metrics.csv"))

@@ -57,6 +57,12 @@ def test_a_binary_search_keeps_a_margin_and_no_size_passes_max_val() -> None:
         Tuner(quiet_trainer()).scale_batch_size(_Sized(), mode="binsearch", margin=1.0)
 
 
+def test_no_trial_keeps_init_val() -> None:
+    model = _Sized()
+    assert Tuner(quiet_trainer()).scale_batch_size(model, init_val=6, max_trials=0) == 6
+    assert model.hparams.batch_size == 6
+
+
 def test_batch_size_lr_scaling_and_the_data_set_bound() -> None:
     linear = _Sized(batch_size=8, lr=0.01, limit=32)
     Tuner(quiet_trainer()).scale_batch_size(linear, init_val=8, lr_scaling="linear")
@@ -151,8 +157,12 @@ def test_tuner_errors_name_what_is_missing() -> None:
 
     with pytest.raises(MisconfigurationException, match="Field batch_size not found in `model`, `datamodule`, nor"):
         Tuner(quiet_trainer()).scale_batch_size(NoSize())
-    with pytest.raises(ValueError, match="mode='triple'"):
+    with pytest.raises(ValueError, match=r"`mode` should be either of .*mode='triple'"):
         Tuner(quiet_trainer()).scale_batch_size(_Sized(), mode="triple")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"method 'prediction' is invalid. Should be one of \('fit', 'validate'"):
+        Tuner(quiet_trainer()).scale_batch_size(_Sized(), method="prediction")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_trials=-1\) must be an int >= 0"):
+        Tuner(quiet_trainer()).scale_batch_size(_Sized(), max_trials=-1)
     with pytest.raises(ValueError, match=r"min_lr=0.0, max_lr=0.1\): both must be positive"):
         Tuner(quiet_trainer()).lr_find(_Sized(), min_lr=0.0, max_lr=0.1)
     with pytest.raises(torch.OutOfMemoryError, match="even batch_size=1 does not fit"):

@@ -266,7 +266,10 @@ PYTORCH: dict[str, Names] = {
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
     "utilities.combined_loader": {"CombinedLoader": "ember.combined_loader:CombinedLoader"},
     "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
-    "utilities.data": {name: f"ember.data:{name}" for name in ("has_len_all_ranks", "has_iterable_dataset")},
+    "utilities.data": {
+        **{name: f"ember.data:{name}" for name in ("has_len_all_ranks", "has_iterable_dataset")},
+        "extract_batch_size": "ember.utilities:extract_batch_size",
+    },
     "utilities.model_summary": _MODEL_SUMMARY,
     "utilities.model_summary.model_summary": _MODEL_SUMMARY,
     "cli": _CLI,

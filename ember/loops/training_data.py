@@ -207,8 +207,9 @@ class ValidationSchedule:
 
 def _fraction_of_epoch(fraction: float, num_batches: float) -> int:
     if math.isinf(num_batches):
-        raise MisconfigurationException(
-            f"val_check_interval={fraction} is a fraction of an epoch, but the train dataloader has no "
-            "length; pass a number of batches (an int), 1.0, or a duration instead"
+        raise MisconfigurationException(  # Lightning's words first
+            "When using an IterableDataset for `train_dataloader`, `Trainer(val_check_interval)` must be time based, "
+            f"`1.0` or an int: val_check_interval={fraction} is a fraction of an epoch, but the train dataloader has "
+            "no length; pass a number of batches (an int), 1.0, or a duration instead"
         )
     return max(1, int(num_batches * fraction))

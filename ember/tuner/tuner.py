@@ -88,12 +88,11 @@ class Tuner:
             return None
         owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
         original = _get(owner, batch_arg_name)
-        args = (model, datamodule, mode, init_val, max_trials, steps_per_trial, batch_arg_name, max_memory, max_val)
+        margin = margin if mode == "binsearch" else 0.0  # (as Lightning's: power mode keeps the size that fit)
+        args = (model, datamodule, mode == "power", init_val, max_trials, steps_per_trial, batch_arg_name,
+                max_memory, max_val, margin)  # fmt: skip
         good = self.trainer.strategy.launch(self._search_batch_size, *args)
-        if mode == "binsearch" and int(good * (1 - margin)) < good:
-            announce(f"scale_batch_size: {margin:.1%} below {good}, as margin={margin} asks")
-            good = max(1, int(good * (1 - margin)))
-        _set(owner, batch_arg_name, good)  # here: the search may have run in processes started for it
+        _set(owner, batch_arg_name, good)  # here too: the search may have run in processes started for it
         if lr_scaling is not None and original:
             factor = good / original if lr_scaling == "linear" else math.sqrt(good / original)
             lr_owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
@@ -103,34 +102,17 @@ class Tuner:
         return good
 
     def _search_batch_size(
-        self, model: Module, datamodule: DataModule | None, mode: str, init_val: int, max_trials: int,
-        steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int,
+        self, model: Module, datamodule: DataModule | None, power: bool, init_val: int, max_trials: int,
+        steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int, margin: float,
     ) -> int:  # fmt: skip
-        """The largest batch size that fits on every rank (an error if none does)."""
+        """The largest batch size that fits on every rank (an error if none does), ``margin`` below it. No trial:
+        ``init_val``, as Lightning's."""
         owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
         original = _get(owner, batch_arg_name)
         self.trainer.strategy.setup_environment()
         fits = _Trials(self.trainer, model, datamodule, steps_per_trial, max_memory)
-
-        good, bad = 0, 0  # the largest size that fit, the smallest that did not (0: none yet)
-        size = min(init_val, max_val)
-        for trial in range(1, max_trials + 1):
-            _set(owner, batch_arg_name, size)
-            fit, outcome = fits()
-            announce(f"scale_batch_size: trial {trial}, {batch_arg_name}={size}: {outcome}")
-            if fit:
-                good = size
-                largest = min(fits.dataset_size, max_val)  # (the data set's size is known once a trial ran)
-                if size >= largest:
-                    break  # one batch holds the whole data set (or max_val is reached): nothing larger to try
-                size = int(min(size * 2, largest)) if not bad else (good + bad) // 2
-            else:
-                bad = size
-                if mode == "power" and good:
-                    break
-                size = (good + bad) // 2 if good else size // 2
-            if size < 1 or size in (good, bad):
-                break  # the search has converged (or nothing fits)
+        search = (fits, owner, batch_arg_name, power, init_val, max_trials, max_val)
+        good, size = _largest_fit(*search) if max_trials else (init_val, init_val)
         # Every rank must fit, and every rank enters the collective, even one that found nothing: it would
         # otherwise leave the others waiting in it until the timeout.
         agreed = int(self.trainer.strategy.reduce(torch.tensor(float(good)), "min"))
@@ -140,6 +122,9 @@ class Tuner:
                 f"scale_batch_size: even {batch_arg_name}={max(size, 1)} does not fit" if good == 0
                 else f"scale_batch_size: another process found no {batch_arg_name} that fits"
             )  # fmt: skip
+        if max_trials and int(agreed * (1 - margin)) < agreed:
+            announce(f"scale_batch_size: {margin:.1%} below {agreed}, as margin={margin} asks")
+            agreed = max(1, int(agreed * (1 - margin)))
         return agreed
 
     # ------------------------------------------------------------------------ learning rate
@@ -266,6 +251,9 @@ def _check_tuner_data(train_dataloaders: Any, dataloaders: Any, datamodule: Data
                       tool: str) -> DataModule | None:  # fmt: skip
     """The datamodule to tune with (as in Lightning's ``fit``, one may be given as ``train_dataloaders``), once
     ``method`` and the loaders are checked as Lightning's tuner checks them."""
+    methods = ("fit", "validate", "test", "predict")
+    if method not in methods:  # Lightning's words
+        raise ValueError(f"method {method!r} is invalid. Should be one of {methods}.")
     if method != "fit":
         raise MisconfigurationException(
             f"method={method!r}: method='fit' is the only valid configuration to run {tool} (it tunes training)"
@@ -277,14 +265,18 @@ def _check_tuner_data(train_dataloaders: Any, dataloaders: Any, datamodule: Data
 
 def _check_scale_batch_size(mode: str, lr_scaling: str | None, margin: float, **counts: int) -> None:
     if mode not in ("power", "binsearch"):
-        raise MisconfigurationException(f"scale_batch_size(mode={mode!r}): choose 'power' or 'binsearch'")
+        raise MisconfigurationException(  # Lightning's words first
+            f"`mode` should be either of ('power', 'binsearch'): scale_batch_size(mode={mode!r})"
+        )
     if not 0.0 <= margin < 1.0:
         raise MisconfigurationException(f"scale_batch_size(margin={margin!r}): choose a fraction in [0, 1)")
     if lr_scaling not in (None, "linear", "sqrt"):
         raise MisconfigurationException(f"scale_batch_size(lr_scaling={lr_scaling!r}): choose None, 'linear' or 'sqrt'")
     for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise MisconfigurationException(f"scale_batch_size({name}={value!r}) must be a positive int")
+        least = 0 if name == "max_trials" else 1  # no trial: init_val is the size, as in Lightning
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            allowed = "an int >= 0" if least == 0 else "a positive int"
+            raise MisconfigurationException(f"scale_batch_size({name}={value!r}) must be {allowed}")
 
 
 class _Trials:
@@ -385,6 +377,34 @@ class _Trials:
             module.load_state_dict(weights)
             optimizer.zero_grad(set_to_none=True)
             self.trainer.run_metrics.train.clear()
+
+
+def _largest_fit(
+    fits: _Trials, owner: Any, batch_arg_name: str, power: bool, init_val: int, max_trials: int, max_val: int
+) -> tuple[int, int]:
+    """The largest batch size that fit (0: none did) and the last size tried. ``power``: doubling stops at the
+    first size that does not fit; else the search bisects between the largest that fit and the smallest that
+    did not."""
+    good, bad = 0, 0  # the largest size that fit, the smallest that did not (0: none yet)
+    size = min(init_val, max_val)
+    for trial in range(1, max_trials + 1):
+        _set(owner, batch_arg_name, size)
+        fit, outcome = fits()
+        announce(f"scale_batch_size: trial {trial}, {batch_arg_name}={size}: {outcome}")
+        if fit:
+            good = size
+            largest = min(fits.dataset_size, max_val)  # (the data set's size is known once a trial ran)
+            if size >= largest:
+                break  # one batch holds the whole data set (or max_val is reached): nothing larger to try
+            size = int(min(size * 2, largest)) if not bad else (good + bad) // 2
+        else:
+            bad = size
+            if power and good:
+                break
+            size = (good + bad) // 2 if good else size // 2
+        if size < 1 or size in (good, bad):
+            break  # the search has converged (or nothing fits)
+    return good, size
 
 
 def _display(trainer: Trainer, title: str, total: int) -> ProgressDisplay | None:
