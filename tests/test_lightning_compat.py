@@ -134,17 +134,6 @@ def test_names_ember_lacks_fail_at_import_with_what_to_use(statement: str, messa
         exec(statement, {})
 
 
-def test_a_name_ember_lacks_is_absent_to_hasattr_and_getattr_with_a_default() -> None:
-    with served_by_ember():
-        import lightning.pytorch as pl
-        import pytorch_lightning.utilities.data as data
-
-        assert not hasattr(data, "not_a_name") and hasattr(data, "has_iterable_dataset")  # as version checks do
-        assert getattr(pl.callbacks, "StochasticWeightAveraging", None) is None
-        with pytest.raises(AttributeError, match="StochasticWeightAveraging is not covered by Ember: average weights"):
-            pl.callbacks.StochasticWeightAveraging  # noqa: B018
-
-
 def test_a_program_using_lightning_s_names_keeps_its_runs_in_lightning_logs(tmp_path: Any) -> None:
     root = str(tmp_path)
     with served_by_ember():

@@ -78,23 +78,13 @@ class _ServedModule(types.ModuleType):
         submodule = f"{self.__name__}.{name}"
         if self._has_submodule(name):
             return importlib.import_module(submodule)
-        # An AttributeError, so that hasattr() and getattr(module, name, default) answer; `from module import name`
-        # gets the same words from the finder, which Python asks for the submodule `module.name` next.
-        raise AttributeError(self.not_covered(name), name=name, obj=self)
-
-    def not_covered(self, name: str) -> str:
-        """Why ``name`` is missing here, and what to use instead."""
-        target = self.__names.get(name)
         instead = target.instead if isinstance(target, Missing) else _module_hint(self.__name__)
-        return (
+        raise LightningNameError(
             f"{self.__name__}.{name} is not covered by Ember"
             + (f": {instead}" if instead else "")
-            + (f" ({self.__name__} has {', '.join(self.__all__)})" if self.__all__ else "")
+            + (f" ({self.__name__} has {', '.join(self.__all__)})" if self.__all__ else ""),
+            name=self.__name__,
         )
-
-    def names_a_missing_object(self, name: str) -> bool:
-        """Whether ``name`` is a missing class or function of this module rather than a submodule of it."""
-        return isinstance(self.__names.get(name), Missing) or not name.islower()
 
     def _has_submodule(self, name: str) -> bool:
         try:
@@ -120,14 +110,7 @@ class LightningFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname.partition(".")[0] not in ROOTS:
             return None
-        try:
-            table_of(fullname)  # an uncovered module fails here, at its import
-        except LightningNameError:
-            parent_name, _, name = fullname.rpartition(".")
-            parent = sys.modules.get(parent_name)
-            if isinstance(parent, _ServedModule) and parent.names_a_missing_object(name):
-                raise LightningNameError(parent.not_covered(name), name=parent_name) from None
-            raise
+        table_of(fullname)  # an uncovered module fails here, at its import
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
