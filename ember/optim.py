@@ -146,9 +146,7 @@ def clear_gradients(optimizer: torch.optim.Optimizer) -> None:
     if getattr(optimizer.zero_grad, "__func__", None) is not _TORCH_ZERO_GRAD or torch.autograd._profiler_enabled():
         optimizer.zero_grad(set_to_none=True)
         return
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            parameter.grad = None
+    drop_gradients(optimizer)
 
 
 def needs_closure(optimizers: Sequence[torch.optim.Optimizer]) -> bool:

@@ -170,9 +170,7 @@ def load_weights_into(trainer: Trainer, path: str | None, weights_only: bool | N
         return
     checkpoint = trainer.strategy.load_checkpoint(path, trust_pickles=weights_only is False)
     trainer.hooks.call_module("on_load_checkpoint", checkpoint)
-    module = _module(trainer)
-    load_weights(functools.partial(trainer.strategy.load_module_state_dict, strict=module.strict_loading), module,
-                 checkpoint, path)  # fmt: skip
+    _load_module_weights(trainer, checkpoint, path)
     # The datamodule's state as Lightning restores it; the callbacks' stays: the ModelCheckpoint of the fit just
     # run would forget the files it kept after the loaded one.
     if trainer.datamodule is not None:
@@ -200,15 +198,21 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
             f"ckpt_path={path!r} was written by an older Ember, whose loop state this one cannot read"
         )
     trainer.hooks.call_module("on_load_checkpoint", checkpoint)
-    module = _module(trainer)
-    load_weights(functools.partial(trainer.strategy.load_module_state_dict, strict=module.strict_loading), module,
-                 checkpoint, path)  # fmt: skip
+    _load_module_weights(trainer, checkpoint, path)
     _restore_optimization(trainer, checkpoint, path)
     if trainer.datamodule is not None:  # before the callbacks, as Lightning
         load_datamodule_state(trainer.datamodule, checkpoint)
     trainer.hooks.call_callbacks("on_load_checkpoint", checkpoint)
     _restore_callbacks(trainer, checkpoint.get("callbacks", {}), path)
     resume.resume(trainer, checkpoint, path)
+
+
+def _load_module_weights(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
+    """The checkpoint's weights into the stage's module, through its strategy, as strictly as the module's
+    ``strict_loading`` says."""
+    module = _module(trainer)
+    load = functools.partial(trainer.strategy.load_module_state_dict, strict=module.strict_loading)
+    load_weights(load, module, checkpoint, path)
 
 
 def load_datamodule_state(datamodule: DataModule, checkpoint: dict[str, Any]) -> None:
