@@ -9,7 +9,8 @@
 # 3. smoke runs of DDP, FSDP, manual optimization and, where torchft is installed (ember[ft]), fault
 #    tolerance, in two processes (bench/gpu_smoke.py): with two or more GPUs a GPU each, and also dp and
 #    bench/memory.py (DDP against FSDP, memory per rank); with one GPU both processes share it, started by
-#    `ember run` and joined over Gloo (NCCL refuses two ranks on one device).
+#    `ember run` and joined over Gloo (NCCL refuses two ranks on one device). Fault tolerance's two replica
+#    groups (`ember run --replica-groups 2`) share GPU 0 in either case, over Gloo.
 #
 # It ends with one table: each item, pass/fail, and its key figure; the logs of failed items are shown
 # above it. The exit status is 1 if any item failed. On a machine without a GPU it says so and exits 0.
@@ -117,7 +118,12 @@ else
     ROWS+=("smoke-ft|skipped|torchft is not installed (pip install -e '.[ft]')")
 fi
 for smoke in $SMOKES; do
-    run "smoke-$smoke" 600 "${SMOKE[@]}" "$smoke"
+    if [ "$smoke" = ft ]; then  # two replica groups of one process, both on GPU 0, joined over Gloo
+        mkdir -p "$LOGS/ft"
+        run smoke-ft 600 "$PYTHON" -m ember run --replica-groups 2 bench/gpu_smoke.py --backend gloo --out "$LOGS/ft" ft
+    else
+        run "smoke-$smoke" 600 "${SMOKE[@]}" "$smoke"
+    fi
     row "smoke-$smoke" "$(grep -E '^smoke: ' "$LOGS/smoke-$smoke.log" | tail -n 1 | cut -d: -f3- | trim)"
 done
 

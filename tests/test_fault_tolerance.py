@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,13 @@ from conftest import Regressor, descendants, make_loader, quiet_trainer
 import ember
 from ember import checkpoint, cli
 from ember.exceptions import MisconfigurationException
-from ember.strategies import FaultTolerance, FaultTolerantDDPStrategy, SingleDeviceStrategy, select_strategy
+from ember.strategies import (
+    DDPStrategy,
+    FaultTolerance,
+    FaultTolerantDDPStrategy,
+    SingleDeviceStrategy,
+    select_strategy,
+)
 from ember.strategies.strategy import StepCalls
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_ft.py")
@@ -86,6 +93,11 @@ def test_a_process_of_a_replica_group_gets_fault_tolerant_ddp_and_its_shard(monk
     assert chosen.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}  # each group evaluates all the data
     with pytest.raises(MisconfigurationException, match="strategy='fsdp': ember run --replica-groups trains"):
         select_strategy(strategy="fsdp", **options)
+    # A DDPStrategy of the user's keeps its process-group settings: Gloo across groups that share one GPU.
+    given = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=30))
+    chosen = select_strategy(strategy=given, **options)
+    assert isinstance(chosen, FaultTolerantDDPStrategy) and chosen.replica_group == 1
+    assert (chosen.process_group_backend, chosen.timeout) == ("gloo", timedelta(seconds=30))
 
 
 @pytest.mark.parametrize(

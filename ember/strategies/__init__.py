@@ -185,10 +185,14 @@ def _fault_tolerant(strategy: str | Strategy, fault_tolerance: FaultTolerance | 
     """The strategy of a process that ``ember run --replica-groups`` started: DDP within its group, torchft across."""
     if isinstance(strategy, FaultTolerantDDPStrategy):
         return strategy
+    if type(strategy) is DDPStrategy:  # its process-group settings carry over; the module is not wrapped in DDP
+        return FaultTolerantDDPStrategy(
+            fault_tolerance, process_group_backend=strategy.process_group_backend, timeout=strategy.timeout
+        )
     if strategy not in ("auto", "ddp"):
         raise MisconfigurationException(
             f"strategy={strategy!r}: ember run --replica-groups trains data-parallel replica groups, with "
-            "strategy='ddp' (or 'auto'); run other strategies without --replica-groups"
+            "strategy='ddp' (or 'auto', or a DDPStrategy); run other strategies without --replica-groups"
         )
     return FaultTolerantDDPStrategy(fault_tolerance)
 

@@ -163,10 +163,12 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._joined = True
 
     def _replica_process_group(self, timeout: timedelta) -> Any:
-        """The process group across the replica groups, that torchft reconfigures at each new quorum."""
+        """The process group across the replica groups, that torchft reconfigures at each new quorum: NCCL on GPUs
+        unless ``process_group_backend="gloo"`` (NCCL refuses groups that share one GPU), Gloo on CPUs."""
         from torchft import ProcessGroupGloo, ProcessGroupNCCL
 
-        return ProcessGroupNCCL(timeout) if self.root_device.type == "cuda" else ProcessGroupGloo(timeout)
+        nccl = self.root_device.type == "cuda" and self.process_group_backend in (None, "nccl")
+        return ProcessGroupNCCL(timeout) if nccl else ProcessGroupGloo(timeout)
 
     def teardown(self) -> None:
         if self._manager is not None:
