@@ -158,4 +158,3 @@ def _command_line(pid: int) -> str:
             return file.read()
     except OSError:
         return ""
-

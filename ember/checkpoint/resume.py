@@ -246,8 +246,6 @@ def _unfinished_window_gradients(module: torch.nn.Module | None) -> list[torch.T
     return gradients if any(gradient is not None for gradient in gradients) else None
 
 
-
-
 def _restore_gradients(module: torch.nn.Module | None, gradients: list[torch.Tensor | None] | None) -> None:
     if gradients is None or module is None:
         return

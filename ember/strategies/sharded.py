@@ -202,8 +202,6 @@ def refuse_wrappers(module: nn.Module, strategy: str) -> None:
         )
 
 
-
-
 def _has_dtensors(values: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
