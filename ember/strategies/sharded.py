@@ -29,6 +29,7 @@ class ShardedStrategy(ParallelStrategy):
 
     #: Whether ``sync_batchnorm=True`` is honoured (the others refuse it rather than ignore it).
     converts_batchnorm = False
+    holds_whole_model = False
     # fully_shard keeps the gathered parameters it makes in an evaluation: made under inference_mode, they
     # are inference tensors that the next training step may not update.
     allows_inference_mode = False
@@ -200,8 +201,6 @@ def refuse_wrappers(module: nn.Module, strategy: str) -> None:
             f"strategy={strategy!r} cannot lay out a module that holds DataParallel or DistributedDataParallel "
             f"wrappers ({wrapped}): pass the bare module; the strategy runs the data parallelism itself"
         )
-
-
 
 
 def _has_dtensors(values: Any) -> bool:
