@@ -121,6 +121,18 @@ def test_the_schedule_anneals_to_swa_lrs_and_replaces_the_module_scheduler(caplo
     assert module.lrs == pytest.approx([0.02, first, (first + 0.01) / 2, 0.01, 0.01])
 
 
+def test_the_batch_norm_pass_reads_several_training_loaders_combined() -> None:
+    class TwoLoaders(_Normalized):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step([torch.cat(tensors) for tensors in zip(batch["a"], batch["b"])], batch_idx)
+
+    module = TwoLoaders()
+    trainer = quiet_trainer(max_epochs=3, logger=False, enable_checkpointing=False,
+                            callbacks=[StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)])  # fmt: skip
+    trainer.fit(module, {"a": make_loader(40), "b": make_loader(24)})
+    assert int(module.net[1].num_batches_tracked) == 5  # the longer loader's, the other one cycled
+
+
 def test_fit_stopped_early_keeps_the_trained_weights() -> None:
     class Stops(_Normalized):
         def on_train_epoch_end(self) -> None:

@@ -8,10 +8,11 @@ averaged weights and its BatchNorm statistics are recomputed for them with one p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -21,6 +22,7 @@ from torch.optim.swa_utils import SWALR
 
 from ember._utils import takes_batch_idx
 from ember.callbacks.callback import Callback
+from ember.data import loader_batches
 from ember.exceptions import MisconfigurationException
 from ember.optim import LRSchedulerConfig
 from ember.rank_zero import announce, rank_zero_warn
@@ -250,19 +252,22 @@ class StochasticWeightAveraging(Callback):
 
     def _recompute_batch_norm(self, trainer: Trainer, pl_module: Module) -> None:
         """The BatchNorm statistics of the averaged weights: one pass of ``training_step`` over the training
-        data, in training mode, training nothing (no gradient, no step) and keeping nothing it logs."""
-        loader = trainer.train_dataloader
+        batches, in training mode, training nothing (no gradient, no step) and keeping nothing it logs."""
+        loader = trainer.fit_loop.train_loader  # several training loaders: combined, as training reads them
         if loader is None:
             return
         limit = trainer.num_training_batches
-        batches = itertools.islice(loader, None if math.isinf(limit) else int(limit))
         to_device = trainer.hooks.batch_transfer(trainer.strategy)
         with_index = takes_batch_idx(pl_module.training_step)
         was_training = pl_module.training
         self.reset_batch_norm_and_save_state(pl_module)
         pl_module.train()
         try:
-            with torch.no_grad(), trainer.run_metrics.discarding("training_step"):
+            with (
+                contextlib.closing(_batches(loader, None if math.isinf(limit) else int(limit))) as batches,
+                torch.no_grad(),
+                trainer.run_metrics.discarding("training_step"),
+            ):
                 for batch_idx, batch in enumerate(batches):
                     batch = to_device(batch) if to_device is not None else batch
                     with trainer.strategy.precision.forward_context():
@@ -270,6 +275,16 @@ class StochasticWeightAveraging(Callback):
         finally:
             pl_module.train(was_training)
             self.reset_momenta()
+
+
+def _batches(loader: Iterable, limit: int | None) -> Generator[Any, None, None]:
+    """The first ``limit`` batches of ``loader`` (None: all); closed early, a loader's workers end."""
+    batches = loader_batches(loader)
+    try:
+        yield from itertools.islice(batches, limit)
+    finally:
+        if isinstance(batches, Generator):
+            batches.close()
 
 
 def _check_settings(
