@@ -18,7 +18,7 @@ from torch.optim.swa_utils import SWALR
 import ember
 from ember.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from ember.exceptions import MisconfigurationException
-from ember.strategies import SingleDeviceStrategy
+from ember.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 
 class _Normalized(ember.Module):
@@ -195,6 +195,11 @@ def test_what_it_cannot_average_is_refused_when_fit_starts(
                             **{"max_epochs": 2, **flags})  # fmt: skip
     with pytest.raises(MisconfigurationException, match=message):
         trainer.fit(module(), make_loader(40))
+
+
+def test_the_strategies_that_shard_the_model_say_so() -> None:
+    assert SingleDeviceStrategy.holds_whole_model and DDPStrategy.holds_whole_model
+    assert not FSDPStrategy.holds_whole_model and not ModelParallelStrategy.holds_whole_model
 
 
 def test_no_epoch_limit_averages_until_the_fit_ends_without_a_batch_norm_pass() -> None:
