@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import inspect
 import operator
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -245,3 +246,10 @@ def require(package: str, extra: str, needed_by: str) -> None:
         raise ModuleNotFoundError(
             f"{needed_by} needs the {package} package: pip install 'ember[{extra}]' (or pip install {package})"
         ) from None
+
+
+def takes_batch_idx(step: Callable[..., Any]) -> bool:
+    """Whether a step accepts ``batch_idx`` after the batch (Lightning lets a step leave it out)."""
+    parameters = inspect.signature(step).parameters.values()
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL or p.name == "batch_idx" for p in parameters)

@@ -99,7 +99,7 @@ class MetricStore:
     """What one stage (fit's training, validation, test) has logged since its epoch began."""
 
     def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor]) -> None:
-        self._reduce = reduce
+        self.reduce = reduce  # how epoch values are reduced (over the processes too)
         self._entries: dict[str, _Logged] = {}
         #: The batch being processed; its size is inferred only if a per-epoch mean needs it.
         self.batch: Any = None
@@ -158,7 +158,7 @@ class MetricStore:
                 entry.step_fresh = False
                 if entry.sync_dist:
                     reduced = torch.as_tensor(entry.step_value, dtype=torch.float32).reshape(())
-                    entry.step_value = self._reduce(reduced, entry.reduce_fx)
+                    entry.step_value = self.reduce(reduced, entry.reduce_fx)
             values[_step_name(key, entry)] = entry.step_value
         return values
 
@@ -200,9 +200,9 @@ class MetricStore:
             # The global mean weighs each rank by the number of samples it saw.
             pair = torch.stack([torch.as_tensor(total, dtype=torch.float32, device=device).reshape(()),
                                 torch.tensor(float(entry.weight), device=device)])  # fmt: skip
-            pair = self._reduce(pair, "sum")
+            pair = self.reduce(pair, "sum")
             return pair[0] / pair[1]
-        return self._reduce(torch.as_tensor(total, dtype=torch.float32, device=device), entry.reduce_fx)
+        return self.reduce(torch.as_tensor(total, dtype=torch.float32, device=device), entry.reduce_fx)
 
     def clear(self) -> None:
         for entry in self._entries.values():
@@ -387,6 +387,14 @@ class RunMetrics:
             yield
         finally:
             self.scope = previous
+
+    @contextlib.contextmanager
+    def discarding(self, hook: str) -> Iterator[None]:
+        """``self.log`` records as in the training hook ``hook`` while the block runs, into values that are then
+        dropped: a pass over the training data that trains nothing (``StochasticWeightAveraging``'s BatchNorm
+        statistics) changes no metric."""
+        with self.scoped(LogScope(hook, MetricStore(self.train.reduce), default_on_step=True)):
+            yield
 
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
             on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean", sync_dist: bool = False,

@@ -82,6 +82,10 @@ def test_lightning_names_are_embers_own_objects() -> None:
     [
         ("from lightning.pytorch.callbacks.model_summary import ModelSummary", "ember.callbacks.ModelSummary"),
         ("from pytorch_lightning.callbacks.timer import Timer", "ember.callbacks.Timer"),
+        ("from lightning.pytorch.callbacks import StochasticWeightAveraging",
+         "ember.callbacks.StochasticWeightAveraging"),
+        ("from pytorch_lightning.callbacks.stochastic_weight_avg import StochasticWeightAveraging",
+         "ember.callbacks.StochasticWeightAveraging"),
         ("from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar",
          "ember.callbacks.ProgressBarBase"),
         ("from lightning.pytorch.strategies.single_device import SingleDeviceStrategy",
@@ -109,8 +113,8 @@ def test_submodules_and_names_programs_import(statement: str, name: str) -> None
 @pytest.mark.parametrize(
     ("statement", "message"),
     [
-        ("from lightning.pytorch.callbacks import StochasticWeightAveraging",
-         r"lightning.pytorch.callbacks.StochasticWeightAveraging is not covered by Ember: average weights with"),
+        ("from lightning.pytorch.callbacks import EMAWeightAveraging",
+         r"lightning.pytorch.callbacks.EMAWeightAveraging is not covered by Ember: use StochasticWeightAveraging, or"),
         ("from pytorch_lightning.loggers import CometLogger",
          r"CometLogger is not covered.*subclass ember.loggers.Logger"),
         ("from lightning.pytorch.plugins.environments import SLURMEnvironment",
@@ -122,8 +126,8 @@ def test_submodules_and_names_programs_import(statement: str, name: str) -> None
         ("import lightning_fabric.strategies", r"lightning_fabric.strategies is a part of Lightning that Ember does"),
         ("import lightning.pytorch.trainer.connectors", r"Ember covers lightning.pytorch's callbacks, cli, core"),
         ("from lightning.pytorch.callbacks import Nonexistent", r"callbacks.Nonexistent is not covered.*has Callback"),
-        ("from lightning.pytorch.callbacks.stochastic_weight_avg import StochasticWeightAveraging",
-         r"callbacks.stochastic_weight_avg is a part of Lightning that Ember does not cover: average weights"),
+        ("from lightning.pytorch.callbacks.weight_averaging import WeightAveraging",
+         r"callbacks.weight_averaging is a part of Lightning that Ember does not cover: use StochasticWeightAveraging"),
         ("from lightning.pytorch.loops import FitLoop", r"loops is a part .*override the module's hooks"),
         ("from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy",
          r"strategies.deepspeed .*FSDPStrategy"),

@@ -16,6 +16,7 @@ from ember.callbacks.progress_base import ProgressBarBase
 from ember.callbacks.stage_throughput import StageThroughputMonitor
 from ember.callbacks.throughput import ThroughputMonitor
 from ember.callbacks.timer import Timer
+from ember.callbacks.weight_averaging import StochasticWeightAveraging
 
 __all__ = [
     "BackboneFinetuning",
@@ -34,6 +35,7 @@ __all__ = [
     "ProgressBarBase",
     "RichProgressBar",
     "StageThroughputMonitor",
+    "StochasticWeightAveraging",
     "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",

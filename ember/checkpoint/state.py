@@ -199,11 +199,13 @@ def restore_training_state(trainer: Trainer, checkpoint: dict[str, Any], path: s
         )
     trainer.hooks.call_module("on_load_checkpoint", checkpoint)
     _load_module_weights(trainer, checkpoint, path)
-    _restore_optimization(trainer, checkpoint, path)
     if trainer.datamodule is not None:  # before the callbacks, as Lightning
         load_datamodule_state(trainer.datamodule, checkpoint)
     trainer.hooks.call_callbacks("on_load_checkpoint", checkpoint)
     _restore_callbacks(trainer, checkpoint.get("callbacks", {}), path)
+    # After the callbacks, as Lightning: a callback that replaced a scheduler (StochasticWeightAveraging) takes
+    # the module's out of trainer.lr_scheduler_configs first, so that the saved state goes to none but its own.
+    _restore_optimization(trainer, checkpoint, path)
     resume.resume(trainer, checkpoint, path)
 
 

@@ -19,7 +19,10 @@ class Missing:
 
 Names = dict[str, "str | Missing"]
 
-_SWA = "average weights with torch.optim.swa_utils.AveragedModel in a callback of your own"
+_SWA = (
+    "use StochasticWeightAveraging, or average weights with torch.optim.swa_utils.AveragedModel in a callback of "
+    "your own (an exponential moving average: torch.optim.swa_utils.get_ema_multi_avg_fn)"
+)
 _TUNER = "use ember.tuner.Tuner(trainer).scale_batch_size(...)"
 _PLUGINS = (
     "Ember has no plugins: pick the precision with Trainer(precision=...), the launcher and cluster are found "
@@ -66,6 +69,7 @@ _CALLBACKS: Names = {
             "BackboneFinetuning",
             "BasePredictionWriter",
             "LambdaCallback",
+            "StochasticWeightAveraging",
             "TQDMProgressBar",
             "RichProgressBar",
         )
@@ -76,7 +80,6 @@ _CALLBACKS: Names = {
     "ProgressBar": "ember.callbacks:ProgressBarBase",
     "RichModelSummary": "ember.callbacks:ModelSummary",
     "Checkpoint": "ember.callbacks:ModelCheckpoint",
-    "StochasticWeightAveraging": Missing(_SWA),
     "WeightAveraging": Missing(_SWA),
     "EMAWeightAveraging": Missing(_SWA),
     "GradientAccumulationScheduler": Missing("use Trainer(accumulate_grad_batches=N), a fixed count"),
@@ -206,6 +209,7 @@ PYTORCH: dict[str, Names] = {
         "WriteInterval": "ember.callbacks.prediction_writer:WriteInterval",
     },
     "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
+    "callbacks.stochastic_weight_avg": {"StochasticWeightAveraging": "ember.callbacks:StochasticWeightAveraging"},
     "callbacks.lr_finder": {"LearningRateFinder": "ember.tuner:LearningRateFinder"},
     "callbacks.checkpoint": {"Checkpoint": "ember.callbacks:ModelCheckpoint"},
     "callbacks.model_summary": {"ModelSummary": "ember.callbacks:ModelSummary"},
@@ -306,7 +310,6 @@ MISSING_MODULES = {
     "loggers.comet": _LOGGER,
     "loggers.neptune": _LOGGER,
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
-    "callbacks.stochastic_weight_avg": _SWA,
     "callbacks.weight_averaging": _SWA,
     "callbacks.gradient_accumulation_scheduler": "use Trainer(accumulate_grad_batches=N), a fixed count",
     "callbacks.batch_size_finder": _TUNER,

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
-from ember._utils import apply_to_tensors
+from ember._utils import apply_to_tensors, takes_batch_idx
 from ember.data import count_batches, loader_batches
 from ember.data_failures import named_failures
-from ember.loops.step import takes_batch_idx
 from ember.metrics import Number, to_floats
 from ember.rank_zero import rank_zero_warn
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ember._utils import batch_size_of, split_batch
+from ember._utils import batch_size_of, split_batch, takes_batch_idx
 from ember.loops.loss import training_loss
 from ember.loops.progress import Progress
 from ember.optim import (
@@ -549,13 +548,6 @@ def _step_scheduler(scheduler: Any, metric: Any | None) -> None:
         scheduler.step()
     else:
         scheduler.step(metric)
-
-
-def takes_batch_idx(step: Callable[..., Any]) -> bool:
-    """Whether a step accepts ``batch_idx`` after the batch (Lightning lets a step leave it out)."""
-    parameters = inspect.signature(step).parameters.values()
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL or p.name == "batch_idx" for p in parameters)
 
 
 def _scale_gradients(optimizer: torch.optim.Optimizer, factor: float) -> None:

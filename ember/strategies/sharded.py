@@ -29,6 +29,7 @@ class ShardedStrategy(ParallelStrategy):
 
     #: Whether ``sync_batchnorm=True`` is honoured (the others refuse it rather than ignore it).
     converts_batchnorm = False
+    holds_whole_model = False
     # fully_shard keeps the gathered parameters it makes in an evaluation: made under inference_mode, they
     # are inference tensors that the next training step may not update.
     allows_inference_mode = False

@@ -73,6 +73,9 @@ class Strategy:
     #: Whether evaluation may run under ``torch.inference_mode`` (``Trainer(inference_mode=True)``); else it
     #: runs under ``torch.no_grad``.
     allows_inference_mode = True
+    #: Whether each process holds every parameter whole (a copy of the model can be kept and averaged, as
+    #: ``StochasticWeightAveraging`` does); the strategies that shard the model do not.
+    holds_whole_model = True
 
     def __init__(self) -> None:
         self.device_type = "cpu"
