@@ -82,8 +82,8 @@ def test_a_cpu_memory_budget_bounds_the_batch_size() -> None:
 
 CPU_PEAK = """
 import torch
-from ember.tuner.tuner import _peak_memory
-with _peak_memory(torch.device("cpu"), measure=True) as peak:
+from ember.tuner.memory import peak_memory
+with peak_memory(torch.device("cpu"), measure=True) as peak:
     a = torch.empty(2**20, dtype=torch.uint8)
     b = torch.ones(2**19, dtype=torch.uint8)
     view = a[10:]  # no new memory: a view

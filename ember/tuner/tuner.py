@@ -11,14 +11,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ember.exceptions import MisconfigurationException
 from ember.loops import StepRunner
@@ -28,6 +25,7 @@ from ember.optim import parse_optimizers
 from ember.rank_zero import announce, rank_zero_warn
 from ember.seed import random_state, set_random_state
 from ember.tuner.lr_finder import LRFinder
+from ember.tuner.memory import peak_memory
 
 if TYPE_CHECKING:
     from ember.callbacks.progress import ProgressDisplay
@@ -321,7 +319,7 @@ class _Trials:
         strategy = self.trainer.strategy
         device = strategy.root_device
         try:
-            with _peak_memory(device, measure=self.max_memory is not None) as peak:
+            with peak_memory(device, measure=self.max_memory is not None) as peak:
                 # What training holds beyond the trial's own tensors (DDP's gradient buckets) is held here too.
                 held = torch.empty(strategy.training_memory(self.module), dtype=torch.uint8, device=device)
                 self.run()
@@ -466,62 +464,6 @@ def _train_loader(hooks: Hooks) -> Iterable:
         "`train_dataloader` must be implemented to be used with the tuner: pass train_dataloaders to lr_find, or "
         "define train_dataloader() on the Module or a DataModule (scale_batch_size builds it again at each size)"
     )
-
-
-@contextlib.contextmanager
-def _peak_memory(device: torch.device, measure: bool) -> Iterator[Callable[[], int]]:
-    """The peak bytes of tensor memory while the block runs (measured only when asked)."""
-    peak = 0
-    if not measure:
-        yield lambda: peak
-        return
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-        yield lambda: peak
-        peak = torch.cuda.max_memory_allocated(device) - baseline
-        return
-    # On a CPU there are no allocator statistics: the tensors the ops make are followed until freed.
-    with _LiveTensorBytes() as tensors:
-        yield lambda: peak
-    peak = tensors.peak
-
-
-class _LiveTensorBytes(TorchDispatchMode):
-    """While active, the bytes of the tensor storages the ops create and that are still alive, and their peak.
-
-    (torch's profiler can follow the allocator, but it writes to stderr each time it starts and stops.)"""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.alive = self.peak = 0
-        self._followed: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(tensor.untyped_storage()) for tensor in tree_leaves((args, kwargs)) if _has_storage(tensor)}
-        for tensor in tree_leaves(out):
-            # A view or an in-place result shares an input's storage: only a new storage is new memory.
-            if _has_storage(tensor) and id(storage := tensor.untyped_storage()) not in inputs:
-                self._follow(storage)
-        return out
-
-    def _follow(self, storage: torch.UntypedStorage) -> None:
-        if storage in self._followed:
-            return
-        self._followed.add(storage)
-        size = storage.nbytes()
-        self.alive += size
-        self.peak = max(self.peak, self.alive)
-        weakref.finalize(storage, self._freed, size)  # the storage's Python object lives as long as its memory
-
-    def _freed(self, size: int) -> None:
-        self.alive -= size
-
-
-def _has_storage(value: Any) -> bool:
-    """A dense tensor (a sparse one's memory is in its index and value tensors, which the ops made too)."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided
 
 
 # ------------------------------------------------------------------------------ attributes
