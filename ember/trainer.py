@@ -375,8 +375,8 @@ class Trainer(LightningProperties):
             self.fit_loop.run(
                 lambda: self._loaders("train", train_dataloaders, required=True)[0],
                 (lambda: self._loaders("val", val_dataloaders)) if validates else None,
-                restore,
-            )
+                restore, train_given=train_dataloaders is not None,
+            )  # fmt: skip
         if self.preempted:
             self.print(self.fit_loop.stopping.report(self.global_step))  # once the progress bar has ended
             # The usual status of a process ended by that signal (143 for SIGTERM, 130 for Ctrl-C), so that

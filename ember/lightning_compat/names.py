@@ -20,7 +20,6 @@ class Missing:
 Names = dict[str, "str | Missing"]
 
 _SWA = "average weights with torch.optim.swa_utils.AveragedModel in a callback of your own"
-_TUNER = "use ember.tuner.Tuner(trainer).scale_batch_size(...)"
 _PLUGINS = (
     "Ember has no plugins: pick the precision with Trainer(precision=...), the launcher and cluster are found "
     "by themselves (torchelastic, SLURM, MPI), checkpoints are written atomically by the strategy"
@@ -82,7 +81,7 @@ _CALLBACKS: Names = {
     "GradientAccumulationScheduler": Missing("use Trainer(accumulate_grad_batches=N), a fixed count"),
     "ModelPruning": Missing("apply torch.nn.utils.prune in a callback of your own"),
     "LearningRateFinder": "ember.tuner:LearningRateFinder",
-    "BatchSizeFinder": Missing(_TUNER),
+    "BatchSizeFinder": "ember.tuner:BatchSizeFinder",
     "SpikeDetection": Missing("use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end"),
 }
 
@@ -207,6 +206,7 @@ PYTORCH: dict[str, Names] = {
     },
     "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
     "callbacks.lr_finder": {"LearningRateFinder": "ember.tuner:LearningRateFinder"},
+    "callbacks.batch_size_finder": {"BatchSizeFinder": "ember.tuner:BatchSizeFinder"},
     "callbacks.checkpoint": {"Checkpoint": "ember.callbacks:ModelCheckpoint"},
     "callbacks.model_summary": {"ModelSummary": "ember.callbacks:ModelSummary"},
     "callbacks.rich_model_summary": {"RichModelSummary": "ember.callbacks:ModelSummary"},
@@ -309,7 +309,6 @@ MISSING_MODULES = {
     "callbacks.stochastic_weight_avg": _SWA,
     "callbacks.weight_averaging": _SWA,
     "callbacks.gradient_accumulation_scheduler": "use Trainer(accumulate_grad_batches=N), a fixed count",
-    "callbacks.batch_size_finder": _TUNER,
     "callbacks.pruning": "apply torch.nn.utils.prune in a callback of your own",
     "callbacks.spike": "use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end",
     "strategies.deepspeed": "use ember.strategies.FSDPStrategy, which shards parameters, gradients and optimizer "

@@ -1,4 +1,4 @@
-"""``LearningRateFinder``: the learning-rate sweep as a callback, run when ``fit`` starts."""
+"""``LearningRateFinder`` and ``BatchSizeFinder``: the tuner's searches as callbacks, run when ``fit`` starts."""
 
 from __future__ import annotations
 
@@ -6,8 +6,17 @@ from typing import TYPE_CHECKING, Literal
 
 from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
+from ember.hparams import set_field
+from ember.rank_zero import announce, rank_zero_warn
 from ember.tuner.lr_finder import LRFinder
-from ember.tuner.tuner import check_lr_find, find_lr
+from ember.tuner.tuner import (
+    attribute_owner,
+    check_lr_find,
+    check_scale_batch_size,
+    find_lr,
+    search_batch_size,
+    warn_duplicate_field,
+)
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -63,3 +72,76 @@ class LearningRateFinder(Callback):
             for optimizer in trainer.optimizers:
                 for group in optimizer.param_groups:
                     group["lr"] = suggestion
+
+
+class BatchSizeFinder(Callback):
+    """Lightning's ``BatchSizeFinder``: when ``fit`` starts, ``Tuner.scale_batch_size``'s search (its arguments
+    and meanings) on the training loader the module or datamodule makes, then the fit trains at the size found.
+
+    The size is set where ``batch_arg_name`` is kept (the datamodule's or the module's attribute or hyperparameter)
+    and held in ``optimal_batch_size`` (``init_val`` before a search; None when ``fast_dev_run`` skipped it). The
+    trials put the weights and the random generators back and do not move ``global_step``. Subclasses may call
+    ``scale_batch_size(trainer, pl_module)`` from other hooks of ``fit`` (``on_train_epoch_start`` at chosen epochs,
+    say): the loaders are then made again at the new size. Evaluations (``validate``, ``test``, ``predict``) run
+    at the size the module or datamodule holds: the search sizes training.
+    """
+
+    SUPPORTED_MODES = ("power", "binsearch")
+
+    def __init__(
+        self,
+        mode: str = "power",
+        steps_per_trial: int = 3,
+        init_val: int = 2,
+        max_trials: int = 25,
+        batch_arg_name: str = "batch_size",
+        margin: float = 0.05,
+        max_val: int = 8192,
+    ) -> None:
+        mode = mode.lower() if isinstance(mode, str) else mode  # as Lightning's: "Power" is "power"
+        check_scale_batch_size(mode, None, margin, init_val=init_val, max_trials=max_trials,
+                               steps_per_trial=steps_per_trial, max_val=max_val)  # fmt: skip
+        self.mode, self.steps_per_trial, self.init_val, self.max_trials = mode, steps_per_trial, init_val, max_trials
+        self.batch_arg_name, self.margin, self.max_val = batch_arg_name, margin, max_val
+        #: The size the latest search found (``init_val`` before one).
+        self.optimal_batch_size: int | None = init_val
+
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        if trainer.world_size > 1:
+            raise MisconfigurationException(  # Lightning's words first
+                "The Batch size finder is not supported with distributed strategies: its trials run inside the stage, "
+                "where the processes step together; run Tuner(trainer).scale_batch_size(model) before fit instead"
+            )
+        attribute_owner(self.batch_arg_name, pl_module, trainer.datamodule, "batch size")  # missing: refused here
+        warn_duplicate_field(pl_module, self.batch_arg_name)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None:
+        self.scale_batch_size(trainer, pl_module)
+
+    def scale_batch_size(self, trainer: Trainer, pl_module: Module) -> None:
+        """Search for the largest batch size that trains, and make fit's loaders again at it."""
+        data = trainer.fit_loop.data
+        if trainer.stage != "fit" or data is None:
+            raise MisconfigurationException(
+                f"{type(self).__name__}.scale_batch_size(trainer, pl_module) sizes fit's training batches: call it "
+                "from a hook of fit (on_fit_start, on_train_epoch_start, ...)"
+            )
+        if data.given:
+            raise MisconfigurationException(  # Lightning's words first
+                "The Batch size finder cannot be used with dataloaders passed directly to `.fit()`: it makes them "
+                "again at each size. Define train_dataloader() on the LightningModule or a LightningDataModule"
+            )
+        if trainer.fast_dev_run:  # a batch or two: nothing to find
+            rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")  # Lightning's words
+            self.optimal_batch_size = None
+            return
+        datamodule, name = trainer.datamodule, self.batch_arg_name
+        margin = self.margin if self.mode == "binsearch" else 0.0  # (power mode keeps the size that fit)
+        size = search_batch_size(
+            trainer, pl_module, datamodule, self.mode == "power", self.init_val, self.max_trials, self.steps_per_trial,
+            name, None, self.max_val, margin, attached=True,
+        )  # fmt: skip
+        set_field(pl_module, name, size)  # (after the margin, below the last size tried)
+        self.optimal_batch_size = size
+        announce(f"BatchSizeFinder: {name}={size}")
+        data.reload()

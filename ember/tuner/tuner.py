@@ -79,12 +79,13 @@ class Tuner:
                 "The Batch size finder cannot be used with dataloaders passed directly: it builds them again at each "
                 "batch size. Define train_dataloader() on the LightningModule or a LightningDataModule instead"
             )
-        _check_scale_batch_size(mode, lr_scaling, margin, init_val=init_val, max_trials=max_trials,
+        check_scale_batch_size(mode, lr_scaling, margin, init_val=init_val, max_trials=max_trials,
                                 steps_per_trial=steps_per_trial, max_val=max_val)  # fmt: skip
         if self.trainer.fast_dev_run:  # a batch or two: nothing to find
             rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
             return None
-        owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
+        owner = attribute_owner(batch_arg_name, model, datamodule, "batch size")
+        warn_duplicate_field(model, batch_arg_name)
         original = _get(owner, batch_arg_name)
         margin = margin if mode == "binsearch" else 0.0  # (as Lightning's: power mode keeps the size that fit)
         args = (model, datamodule, mode == "power", init_val, max_trials, steps_per_trial, batch_arg_name,
@@ -93,37 +94,15 @@ class Tuner:
         _set(owner, batch_arg_name, good)  # here too: the search may have run in processes started for it
         if lr_scaling is not None and original:
             factor = good / original if lr_scaling == "linear" else math.sqrt(good / original)
-            lr_owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
+            lr_owner = attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
             name = next(name for name in _LR_ATTRIBUTES if _has(lr_owner, name))
             _set(lr_owner, name, _get(lr_owner, name) * factor)
         announce(f"scale_batch_size: {batch_arg_name}={good}")
         return good
 
-    def _search_batch_size(
-        self, model: Module, datamodule: DataModule | None, power: bool, init_val: int, max_trials: int,
-        steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int, margin: float,
-    ) -> int:  # fmt: skip
-        """The largest batch size that fits on every rank (an error if none does), ``margin`` below it. No trial:
-        ``init_val``, as Lightning's."""
-        owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
-        original = _get(owner, batch_arg_name)
+    def _search_batch_size(self, *args: Any) -> int:
         self.trainer.strategy.setup_environment()
-        fits = _Trials(self.trainer, model, datamodule, steps_per_trial, max_memory)
-        search = (fits, owner, batch_arg_name, power, init_val, max_trials, max_val)
-        good, size = _largest_fit(*search) if max_trials else (init_val, init_val)
-        # Every rank must fit, and every rank enters the collective, even one that found nothing: it would
-        # otherwise leave the others waiting in it until the timeout.
-        agreed = int(self.trainer.strategy.reduce(torch.tensor(float(good)), "min"))
-        if agreed == 0:
-            _set(owner, batch_arg_name, original)
-            raise torch.OutOfMemoryError(
-                f"scale_batch_size: even {batch_arg_name}={max(size, 1)} does not fit" if good == 0
-                else f"scale_batch_size: another process found no {batch_arg_name} that fits"
-            )  # fmt: skip
-        if max_trials and int(agreed * (1 - margin)) < agreed:
-            announce(f"scale_batch_size: {margin:.1%} below {agreed}, as margin={margin} asks")
-            agreed = max(1, int(agreed * (1 - margin)))
-        return agreed
+        return search_batch_size(self.trainer, *args)
 
     # ------------------------------------------------------------------------ learning rate
     def lr_find(
@@ -158,6 +137,34 @@ class Tuner:
             num_training=num_training, mode=mode, early_stop_threshold=early_stop_threshold, update_attr=update_attr,
             attr_name=attr_name,
         )  # fmt: skip
+
+
+def search_batch_size(
+    trainer: Trainer, model: Module, datamodule: DataModule | None, power: bool, init_val: int, max_trials: int,
+    steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int, margin: float,
+    attached: bool = False,
+) -> int:  # fmt: skip
+    """The largest batch size that fits on every rank (an error if none does), ``margin`` below it. No trial:
+    ``init_val``, as Lightning's. ``attached``: a stage has attached the module and set the datamodule up (the
+    ``BatchSizeFinder`` callback's search inside ``fit``)."""
+    owner = attribute_owner(batch_arg_name, model, datamodule, "batch size")
+    original = _get(owner, batch_arg_name)
+    fits = _Trials(trainer, model, datamodule, steps_per_trial, max_memory, attached=attached)
+    search = (fits, owner, batch_arg_name, power, init_val, max_trials, max_val)
+    good, size = _largest_fit(*search) if max_trials else (init_val, init_val)
+    # Every rank must fit, and every rank enters the collective, even one that found nothing: it would
+    # otherwise leave the others waiting in it until the timeout.
+    agreed = int(trainer.strategy.reduce(torch.tensor(float(good)), "min"))
+    if agreed == 0:
+        _set(owner, batch_arg_name, original)
+        raise torch.OutOfMemoryError(
+            f"scale_batch_size: even {batch_arg_name}={max(size, 1)} does not fit" if good == 0
+            else f"scale_batch_size: another process found no {batch_arg_name} that fits"
+        )  # fmt: skip
+    if max_trials and int(agreed * (1 - margin)) < agreed:
+        announce(f"scale_batch_size: {margin:.1%} below {agreed}, as margin={margin} asks")
+        agreed = max(1, int(agreed * (1 - margin)))
+    return agreed
 
 
 def find_lr(
@@ -261,7 +268,7 @@ def _check_tuner_data(train_dataloaders: Any, dataloaders: Any, datamodule: Data
     return train_dataloaders if isinstance(train_dataloaders, DataModule) else datamodule
 
 
-def _check_scale_batch_size(mode: str, lr_scaling: str | None, margin: float, **counts: int) -> None:
+def check_scale_batch_size(mode: str, lr_scaling: str | None, margin: float, **counts: int) -> None:
     if mode not in ("power", "binsearch"):
         raise MisconfigurationException(  # Lightning's words first
             f"`mode` should be either of ('power', 'binsearch'): scale_batch_size(mode={mode!r})"
@@ -289,6 +296,7 @@ class _Trials:
         max_memory: int | None,
         loader: Iterable | None = None,
         train_dataloaders: Iterable | None = None,
+        attached: bool = False,
     ) -> None:
         if not module.automatic_optimization:
             raise MisconfigurationException(
@@ -297,18 +305,19 @@ class _Trials:
             )
         self.trainer, self.module, self.datamodule = trainer, module, datamodule
         self.steps, self.max_memory = steps, max_memory
-        # Fit's when the trials run inside it (fit has attached everything then), else the one given, else None:
-        # the module's or the datamodule's, built at each trial.
+        # Fit's when the trials run inside it, else the one given, else None: the module's or the datamodule's,
+        # built at each trial.
         self.loader = loader if loader is not None else train_dataloaders
         self.dataset_size = math.inf
-        if loader is None:
+        attach = loader is None and not attached  # inside fit, fit has attached everything
+        if attach:
             # Attached as fit attaches them: the module's configure_optimizers may read the Trainer (its
             # estimated_stepping_batches counts the module's or the datamodule's train loader).
             module.trainer = trainer
             trainer.lightning_module, trainer.datamodule = module, datamodule
         # Fit's steps, without its callbacks, schedulers and clipping; the module's own step hooks run as in fit.
         self.hooks = Hooks(trainer, module, [], datamodule)
-        if datamodule is not None and loader is None:
+        if datamodule is not None and attach:
             datamodule.trainer = trainer
             self.hooks.call_datamodule("setup", "fit")
 
@@ -499,7 +508,16 @@ def _lr_attribute(module: Module, attr_name: str) -> str:
     return found
 
 
-def _attribute_owner(names: str | tuple[str, ...], module: Module, datamodule: DataModule | None, what: str) -> Any:
+def warn_duplicate_field(module: Module, name: str) -> None:
+    """Warn where the module holds ``name`` both as an attribute and as a hyperparameter (the search sets both)."""
+    if name in getattr(module, "hparams", {}) and name in vars(module):
+        rank_zero_warn(  # Lightning's words first
+            f"Field `model.{name}` and `model.hparams.{name}` are mutually exclusive! The batch size finder sets both "
+            f"to the size it finds; keep one of them, read where the loaders are made"
+        )
+
+
+def attribute_owner(names: str | tuple[str, ...], module: Module, datamodule: DataModule | None, what: str) -> Any:
     names = (names,) if isinstance(names, str) else names
     for owner in (datamodule, module):
         if owner is not None and any(_has(owner, name) for name in names):
