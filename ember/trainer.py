@@ -440,10 +440,9 @@ class Trainer(LightningProperties):
                         datamodule: DataModule | None, option: bool, weights_only: bool | None) -> Any:  # fmt: skip
         with self._stage(loop.stage, model, datamodule, ckpt_path) as path:
             model.zero_grad()  # as Lightning does: the gradients a fit left are not kept while evaluating
-            loaders = self._loaders(loop.kind, dataloaders, required=True)
             checkpoint_state.load_weights_into(self, path, weights_only)
             log_hyperparameters(self)  # as fit does: each stage's run directory has them, as in Lightning
-            return loop.evaluate(loaders, option)
+            return loop.evaluate(functools.partial(self._loaders, loop.kind, dataloaders, True), dataloaders, option)
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(

@@ -39,7 +39,20 @@ class _Sized(ember.Module):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(make_data(64), batch_size=self.batch_size)
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.seen["test", self.current_epoch, len(batch[0])] += 1
+
+    def predict_step(self, batch: Any) -> torch.Tensor:  # (a step may leave out batch_idx)
+        self.seen["predict", self.current_epoch, len(batch[0])] += 1
+        return self.layer(batch[0])
+
     def val_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(64), batch_size=self.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(64), batch_size=self.batch_size)
+
+    def predict_dataloader(self) -> DataLoader:
         return DataLoader(make_data(64), batch_size=self.batch_size)
 
 
@@ -54,6 +67,17 @@ def test_the_search_runs_when_fit_starts_and_fit_trains_at_the_size_found() -> N
     assert trainer.train_dataloader.batch_size == trainer.val_dataloaders.batch_size == 16
     assert model.seen["train", 0, 16] == 3 + 4 and model.seen["train", 1, 16] == 4  # a trial of 3 steps, then 4
     assert model.seen["val", 0, 16] == model.seen["val", 1, 16] == 4 and model.seen["train", 0, 8] == 3
+
+
+@pytest.mark.parametrize(("stage", "kind"), [("validate", "val"), ("test", "test"), ("predict", "predict")])
+def test_an_evaluation_searches_with_its_own_steps_then_runs_at_the_size_found(stage: str, kind: str) -> None:
+    finder, model = BatchSizeFinder(max_trials=3, steps_per_trial=2), _Sized()
+    trainer = quiet_trainer(logger=False, callbacks=[finder])
+    outputs = getattr(trainer, stage)(model)
+    assert finder.optimal_batch_size == model.batch_size == 8 and trainer.global_step == 0
+    assert model.seen == Counter({(kind, 0, 2): 2, (kind, 0, 4): 2, (kind, 0, 8): 2 + 8})  # trials, then the stage
+    assert len(outputs) == (8 if stage == "predict" else 1)
+    assert getattr(trainer, f"{kind}_dataloaders").batch_size == 8
 
 
 def test_a_subclass_searches_again_at_chosen_epochs() -> None:
@@ -112,9 +136,17 @@ def test_what_the_finder_refuses() -> None:
         trainer.fit(_Sized(None))
     with pytest.raises(MisconfigurationException, match="cannot be used with dataloaders passed directly to `.fit"):
         trainer.fit(_Sized(), make_loader())
-    finder = BatchSizeFinder()
-    with pytest.raises(MisconfigurationException, match=r"scale_batch_size\(trainer, pl_module\) sizes fit's"):
-        finder.scale_batch_size(trainer, _Sized())  # outside fit
+    with pytest.raises(MisconfigurationException, match=r"passed directly to `.test\(\)`"):
+        trainer.test(_Sized(), make_loader())
+
+    class TwoLoaders(_Sized):
+        def test_dataloader(self) -> list[DataLoader]:
+            return [super().test_dataloader(), super().test_dataloader()]
+
+    with pytest.raises(MisconfigurationException, match="cannot be used with multiple test dataloaders"):
+        trainer.test(TwoLoaders())
+    with pytest.raises(MisconfigurationException, match=r"scale_batch_size\(trainer, pl_module\) sizes the batches"):
+        BatchSizeFinder().scale_batch_size(trainer, _Sized())  # no stage is running
 
 
 def test_fast_dev_run_skips_the_search() -> None:

@@ -40,11 +40,11 @@ class TrainingData:
     """
 
     def __init__(self, trainer: Trainer, load: Callable[[], Iterable],
-                 load_validation: Callable[[], list[Iterable]] | None, given: bool = False) -> None:  # fmt: skip
+                 load_validation: Callable[[], list[Iterable]] | None, loaders_given: bool) -> None:  # fmt: skip
         self._trainer = trainer
         self._load = load
         #: Whether the training loaders were passed to ``fit`` (else the module or the datamodule makes them).
-        self.given = given
+        self.loaders_given = loaders_given
         self.validation = ValidationSchedule(trainer, load_validation)
         self.loader: Iterable | None = None
         self.num_batches = 0.0

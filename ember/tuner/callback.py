@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
 from ember.hparams import set_field
+from ember.loops.evaluate import EvaluationLoop
 from ember.rank_zero import announce, rank_zero_warn
 from ember.tuner.lr_finder import LRFinder
 from ember.tuner.tuner import (
@@ -19,6 +20,7 @@ from ember.tuner.tuner import (
 )
 
 if TYPE_CHECKING:
+    from ember.loops.training_data import TrainingData
     from ember.module import Module
     from ember.trainer import Trainer
 
@@ -76,14 +78,14 @@ class LearningRateFinder(Callback):
 
 class BatchSizeFinder(Callback):
     """Lightning's ``BatchSizeFinder``: when ``fit`` starts, ``Tuner.scale_batch_size``'s search (its arguments
-    and meanings) on the training loader the module or datamodule makes, then the fit trains at the size found.
+    and meanings) on the training loader the module or datamodule makes, then the fit trains at the size found;
+    when ``validate``, ``test`` or ``predict`` starts, the same search with that stage's steps and loader.
 
     The size is set where ``batch_arg_name`` is kept (the datamodule's or the module's attribute or hyperparameter)
     and held in ``optimal_batch_size`` (``init_val`` before a search; None when ``fast_dev_run`` skipped it). The
     trials put the weights and the random generators back and do not move ``global_step``. Subclasses may call
-    ``scale_batch_size(trainer, pl_module)`` from other hooks of ``fit`` (``on_train_epoch_start`` at chosen epochs,
-    say): the loaders are then made again at the new size. Evaluations (``validate``, ``test``, ``predict``) run
-    at the size the module or datamodule holds: the search sizes training.
+    ``scale_batch_size(trainer, pl_module)`` from other hooks (``on_train_epoch_start`` at chosen epochs, say):
+    the stage's loaders are then made again at the new size.
     """
 
     SUPPORTED_MODES = ("power", "binsearch")
@@ -118,30 +120,52 @@ class BatchSizeFinder(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None:
         self.scale_batch_size(trainer, pl_module)
 
+    def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
+        if trainer.stage == "validate":  # not fit's validations
+            self.scale_batch_size(trainer, pl_module)
+
+    def on_test_start(self, trainer: Trainer, pl_module: Module) -> None:
+        self.scale_batch_size(trainer, pl_module)
+
+    def on_predict_start(self, trainer: Trainer, pl_module: Module) -> None:
+        self.scale_batch_size(trainer, pl_module)
+
     def scale_batch_size(self, trainer: Trainer, pl_module: Module) -> None:
-        """Search for the largest batch size that trains, and make fit's loaders again at it."""
-        data = trainer.fit_loop.data
-        if trainer.stage != "fit" or data is None:
-            raise MisconfigurationException(
-                f"{type(self).__name__}.scale_batch_size(trainer, pl_module) sizes fit's training batches: call it "
-                "from a hook of fit (on_fit_start, on_train_epoch_start, ...)"
-            )
-        if data.given:
-            raise MisconfigurationException(  # Lightning's words first
-                "The Batch size finder cannot be used with dataloaders passed directly to `.fit()`: it makes them "
-                "again at each size. Define train_dataloader() on the LightningModule or a LightningDataModule"
-            )
+        """Search for the largest batch size the stage's steps take, and make its loaders again at it."""
+        data = _stage_data(trainer, f"{type(self).__name__}.scale_batch_size(trainer, pl_module)")
         if trainer.fast_dev_run:  # a batch or two: nothing to find
             rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")  # Lightning's words
             self.optimal_batch_size = None
             return
-        datamodule, name = trainer.datamodule, self.batch_arg_name
+        name = self.batch_arg_name
         margin = self.margin if self.mode == "binsearch" else 0.0  # (power mode keeps the size that fit)
         size = search_batch_size(
-            trainer, pl_module, datamodule, self.mode == "power", self.init_val, self.max_trials, self.steps_per_trial,
-            name, None, self.max_val, margin, attached=True,
+            trainer, pl_module, trainer.datamodule, self.mode == "power", self.init_val, self.max_trials,
+            self.steps_per_trial, name, None, self.max_val, margin, stage=trainer.stage,
         )  # fmt: skip
         set_field(pl_module, name, size)  # (after the margin, below the last size tried)
         self.optimal_batch_size = size
         announce(f"BatchSizeFinder: {name}={size}")
         data.reload()
+
+
+def _stage_data(trainer: Trainer, call: str) -> TrainingData | EvaluationLoop:
+    """What the running stage reads its batches from (fit's training data, an evaluation's loop), once checked
+    as Lightning's finder checks it."""
+    stage = trainer.stage
+    data = trainer.fit_loop.data if stage == "fit" else getattr(trainer, f"{stage}_loop", None)
+    if data is None or (isinstance(data, EvaluationLoop) and not data.running):
+        raise MisconfigurationException(
+            f"{call} sizes the batches of the running stage: call it from one of its hooks (on_fit_start, "
+            "on_train_epoch_start, on_test_start, ...)"
+        )
+    if data.loaders_given:
+        raise MisconfigurationException(  # Lightning's words first
+            f"The Batch size finder cannot be used with dataloaders passed directly to `.{stage}()`: it makes them "
+            "again at each size. Define the loader hook on the LightningModule or a LightningDataModule instead"
+        )
+    if isinstance(data, EvaluationLoop) and len(data.num_batches) > 1:
+        raise MisconfigurationException(  # Lightning's words first
+            f"The Batch size finder cannot be used with multiple {data.kind} dataloaders: it sizes one loader"
+        )
+    return data

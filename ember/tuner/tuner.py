@@ -20,6 +20,7 @@ import torch
 from ember.exceptions import MisconfigurationException
 from ember.loops import StepRunner
 from ember.loops.hooks import Hooks
+from ember.loops.step import takes_batch_idx
 from ember.module import DataModule, Module
 from ember.optim import parse_optimizers
 from ember.rank_zero import announce, rank_zero_warn
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from ember.trainer import Trainer
 
 _BATCH_ATTRIBUTES = ("batch_size",)
+#: The loaders and the step of each evaluation stage.
+_EVALUATION_STEPS = {"validate": ("val", "validation_step"), "test": ("test", "test_step"),
+                     "predict": ("predict", "predict_step")}  # fmt: skip
 _LR_ATTRIBUTES = ("lr", "learning_rate")
 
 
@@ -142,14 +146,15 @@ class Tuner:
 def search_batch_size(
     trainer: Trainer, model: Module, datamodule: DataModule | None, power: bool, init_val: int, max_trials: int,
     steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int, margin: float,
-    attached: bool = False,
+    stage: str | None = None,
 ) -> int:  # fmt: skip
     """The largest batch size that fits on every rank (an error if none does), ``margin`` below it. No trial:
-    ``init_val``, as Lightning's. ``attached``: a stage has attached the module and set the datamodule up (the
-    ``BatchSizeFinder`` callback's search inside ``fit``)."""
+    ``init_val``, as Lightning's. ``stage``: the stage the search runs in, which has attached the module and set
+    the datamodule up (the ``BatchSizeFinder`` callback's search), and whose steps the trials run; None: training
+    steps, outside the stages."""
     owner = attribute_owner(batch_arg_name, model, datamodule, "batch size")
     original = _get(owner, batch_arg_name)
-    fits = _Trials(trainer, model, datamodule, steps_per_trial, max_memory, attached=attached)
+    fits = _Trials(trainer, model, datamodule, steps_per_trial, max_memory, stage=stage)
     search = (fits, owner, batch_arg_name, power, init_val, max_trials, max_val)
     good, size = _largest_fit(*search) if max_trials else (init_val, init_val)
     # Every rank must fit, and every rank enters the collective, even one that found nothing: it would
@@ -296,7 +301,7 @@ class _Trials:
         max_memory: int | None,
         loader: Iterable | None = None,
         train_dataloaders: Iterable | None = None,
-        attached: bool = False,
+        stage: str | None = None,
     ) -> None:
         if not module.automatic_optimization:
             raise MisconfigurationException(
@@ -309,7 +314,8 @@ class _Trials:
         # built at each trial.
         self.loader = loader if loader is not None else train_dataloaders
         self.dataset_size = math.inf
-        attach = loader is None and not attached  # inside fit, fit has attached everything
+        self.stage = stage
+        attach = loader is None and stage is None  # inside a stage, the stage has attached everything
         if attach:
             # Attached as fit attaches them: the module's configure_optimizers may read the Trainer (its
             # estimated_stepping_batches counts the module's or the datamodule's train loader).
@@ -349,7 +355,26 @@ class _Trials:
         after_step: Callable[[int, torch.optim.Optimizer, torch.Tensor | None], bool] | None = None,
     ) -> None:
         with _random_state_kept():
-            self._run(on_start, after_step)
+            if self.stage in _EVALUATION_STEPS:
+                self._evaluate(*_EVALUATION_STEPS[self.stage])
+            else:
+                self._run(on_start, after_step)
+
+    def _evaluate(self, kind: str, step: str) -> None:
+        """``steps`` batches of the stage's loader (of ``kind``: "val", ...) through its ``step``, without
+        gradients: an evaluation's trial."""
+        hooks, strategy = self.hooks, self.trainer.strategy
+        loader = hooks.data_loaders(kind)
+        self.dataset_size = len(getattr(loader, "dataset", ())) or math.inf
+        to_device = hooks.batch_transfer(strategy)
+        with_index = takes_batch_idx(getattr(self.module, step))
+        try:
+            with torch.no_grad(), hooks.scope(step):
+                for batch_idx, batch in enumerate(islice(loader, self.steps)):
+                    batch = to_device(batch) if to_device is not None else batch
+                    strategy.step(step, *((batch, batch_idx) if with_index else (batch,)))
+        finally:
+            self.trainer.run_metrics.eval.clear()
 
     def _run(
         self,
