@@ -222,7 +222,7 @@ PYTORCH: dict[str, Names] = {
     "callbacks.progress.tqdm_progress": {"TQDMProgressBar": "ember.callbacks:TQDMProgressBar"},
     "callbacks.progress.rich_progress": {
         "RichProgressBar": "ember.callbacks:RichProgressBar",
-        "RichProgressBarTheme": Missing("use RichProgressBar() without a theme"),
+        "RichProgressBarTheme": "ember.callbacks.progress_bars:RichProgressBarTheme",
     },
     "loggers": _LOGGERS,
     "loggers.logger": {
