@@ -169,6 +169,18 @@ def test_tuner_errors_name_what_is_missing() -> None:
         Tuner(quiet_trainer()).scale_batch_size(_Sized(limit=0))
 
 
+def test_a_search_mode_is_read_in_any_case_as_in_lightning() -> None:
+    from ember.tuner import BatchSizeFinder, LearningRateFinder
+
+    assert LearningRateFinder(mode="Linear").mode == "linear" and BatchSizeFinder(mode="POWER").mode == "power"
+    finder = Tuner(quiet_trainer()).lr_find(_Sized(), mode="LINEAR", num_training=4)  # type: ignore[arg-type]
+    assert finder is not None and finder.mode == "linear"
+    size = Tuner(quiet_trainer()).scale_batch_size(_Sized(limit=40), mode="BinSearch", steps_per_trial=1)  # type: ignore[arg-type]
+    assert size == 38
+    with pytest.raises(ValueError, match=r"`mode` should be either of \('linear', 'exponential'\)"):
+        LearningRateFinder(mode="cosine")  # type: ignore[arg-type]
+
+
 class _SlowItems(torch.utils.data.Dataset):
     """Each item takes 5 ms to read, as if it came from a slow disk."""
 

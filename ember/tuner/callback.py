@@ -15,6 +15,7 @@ from ember.tuner.tuner import (
     check_lr_find,
     check_scale_batch_size,
     find_lr,
+    lowered,
     search_batch_size,
     warn_duplicate_field,
 )
@@ -45,6 +46,7 @@ class LearningRateFinder(Callback):
         update_attr: bool = True,
         attr_name: str = "",
     ) -> None:
+        mode = lowered(mode)
         check_lr_find(mode, min_lr, max_lr, num_training_steps)
         self.min_lr, self.max_lr, self.num_training_steps, self.mode = min_lr, max_lr, num_training_steps, mode
         self.early_stop_threshold = early_stop_threshold
@@ -100,7 +102,7 @@ class BatchSizeFinder(Callback):
         margin: float = 0.05,
         max_val: int = 8192,
     ) -> None:
-        mode = mode.lower() if isinstance(mode, str) else mode  # as Lightning's: "Power" is "power"
+        mode = lowered(mode)
         check_scale_batch_size(mode, None, margin, init_val=init_val, max_trials=max_trials,
                                steps_per_trial=steps_per_trial, max_val=max_val)  # fmt: skip
         self.mode, self.steps_per_trial, self.init_val, self.max_trials = mode, steps_per_trial, init_val, max_trials

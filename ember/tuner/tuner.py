@@ -83,6 +83,7 @@ class Tuner:
                 "The Batch size finder cannot be used with dataloaders passed directly: it builds them again at each "
                 "batch size. Define train_dataloader() on the LightningModule or a LightningDataModule instead"
             )
+        mode = lowered(mode)
         check_scale_batch_size(mode, lr_scaling, margin, init_val=init_val, max_trials=max_trials,
                                 steps_per_trial=steps_per_trial, max_val=max_val)  # fmt: skip
         if self.trainer.fast_dev_run:  # a batch or two: nothing to find
@@ -138,8 +139,8 @@ class Tuner:
         given = None if isinstance(train_dataloaders, DataModule) else train_dataloaders
         return find_lr(
             self.trainer, model, datamodule=datamodule, train_dataloaders=given, min_lr=min_lr, max_lr=max_lr,
-            num_training=num_training, mode=mode, early_stop_threshold=early_stop_threshold, update_attr=update_attr,
-            attr_name=attr_name,
+            num_training=num_training, mode=lowered(mode), early_stop_threshold=early_stop_threshold,
+            update_attr=update_attr, attr_name=attr_name,
         )  # fmt: skip
 
 
@@ -457,10 +458,15 @@ def _last_point(finder: LRFinder) -> list[str]:
     return [f"lr={results['lr'][-1]:.2e}", f"loss={results['loss'][-1]:.4g}"] if results["lr"] else []
 
 
+def lowered(mode: Any) -> Any:
+    """A search's ``mode`` as Lightning reads it, in any case ("Power" is "power")."""
+    return mode.lower() if isinstance(mode, str) else mode
+
+
 def check_lr_find(mode: str, min_lr: float, max_lr: float, num_training: int) -> None:
     """Refuse a sweep that cannot run (a ``min_lr`` above ``max_lr`` sweeps downwards, as Lightning's does)."""
-    if mode not in ("exponential", "linear"):
-        raise MisconfigurationException(f"lr_find(mode={mode!r}): choose 'exponential' or 'linear'")
+    if mode not in ("exponential", "linear"):  # Lightning's words first
+        raise MisconfigurationException(f"`mode` should be either of ('linear', 'exponential'): lr_find(mode={mode!r})")
     if not (min_lr > 0 and max_lr > 0):
         raise MisconfigurationException(f"lr_find(min_lr={min_lr}, max_lr={max_lr}): both must be positive")
     if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 1:
