@@ -143,7 +143,7 @@ class BatchSizeFinder(Callback):
         margin = self.margin if self.mode == "binsearch" else 0.0  # (power mode keeps the size that fit)
         size = search_batch_size(
             trainer, pl_module, trainer.datamodule, self.mode == "power", self.init_val, self.max_trials,
-            self.steps_per_trial, name, None, self.max_val, margin, stage=trainer.stage,
+            self.steps_per_trial, name, None, self.max_val, margin, stage=trainer.stage or "fit", in_stage=True,
         )  # fmt: skip
         set_field(pl_module, name, size)  # (after the margin, below the last size tried)
         self.optimal_batch_size = size

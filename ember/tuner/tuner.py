@@ -73,12 +73,14 @@ class Tuner:
         ``lr_scaling`` scales the learning rate with the batch size ("linear": twice the batch, twice
         the LR; "sqrt": by the square root), from the size the module had before. Under ``fast_dev_run`` it
         does nothing: a warning, and None (as Lightning's). As in Lightning, the loaders must come from the module
-        or the datamodule (they are built again at each size; a datamodule may be passed as ``train_dataloaders``),
-        and ``method`` is "fit" (Ember sizes the training loader). As Lightning's, no size above ``max_val`` is tried,
-        and ``"binsearch"`` keeps ``margin`` (a fraction) below the largest size that fit, as a safety buffer.
+        or the datamodule (they are built again at each size; a datamodule may be passed where the loaders go), and
+        ``method`` says which loader to size, whose steps the trials run: "fit" (training steps) or an evaluation
+        ("validate", "test", "predict"). As Lightning's, no size above ``max_val`` is tried, and ``"binsearch"``
+        keeps ``margin`` (a fraction) below the largest size that fit, as a safety buffer.
         """
-        datamodule = _check_tuner_data(train_dataloaders, dataloaders, datamodule, method, "the batch size finder")
-        if (train_dataloaders is not None and train_dataloaders is not datamodule) or val_dataloaders is not None:
+        datamodule = _check_tuner_data(train_dataloaders, val_dataloaders, dataloaders, datamodule, method, False)
+        if any(given is not None and given is not datamodule for given in (train_dataloaders, val_dataloaders,
+                                                                            dataloaders)):  # fmt: skip
             raise MisconfigurationException(
                 "The Batch size finder cannot be used with dataloaders passed directly: it builds them again at each "
                 "batch size. Define train_dataloader() on the LightningModule or a LightningDataModule instead"
@@ -95,7 +97,7 @@ class Tuner:
         margin = margin if mode == "binsearch" else 0.0  # (as Lightning's: power mode keeps the size that fit)
         args = (model, datamodule, mode == "power", init_val, max_trials, steps_per_trial, batch_arg_name,
                 max_memory, max_val, margin)  # fmt: skip
-        good = self.trainer.strategy.launch(self._search_batch_size, *args)
+        good = self.trainer.strategy.launch(self._search_batch_size, method, *args)
         _set(owner, batch_arg_name, good)  # here too: the search may have run in processes started for it
         if lr_scaling is not None and original:
             factor = good / original if lr_scaling == "linear" else math.sqrt(good / original)
@@ -105,9 +107,9 @@ class Tuner:
         announce(f"scale_batch_size: {batch_arg_name}={good}")
         return good
 
-    def _search_batch_size(self, *args: Any) -> int:
+    def _search_batch_size(self, method: str, *args: Any) -> int:
         self.trainer.strategy.setup_environment()
-        return search_batch_size(self.trainer, *args)
+        return search_batch_size(self.trainer, *args, stage=method)
 
     # ------------------------------------------------------------------------ learning rate
     def lr_find(
@@ -135,7 +137,7 @@ class Tuner:
         ``train_dataloaders`` (or a datamodule given there), else the module's or the datamodule's loader, as in
         Lightning; the sweep does not validate (``val_dataloaders`` is taken and not read).
         """
-        datamodule = _check_tuner_data(train_dataloaders, dataloaders, datamodule, method, "lr finder")
+        datamodule = _check_tuner_data(train_dataloaders, val_dataloaders, dataloaders, datamodule, method, True)
         given = None if isinstance(train_dataloaders, DataModule) else train_dataloaders
         return find_lr(
             self.trainer, model, datamodule=datamodule, train_dataloaders=given, min_lr=min_lr, max_lr=max_lr,
@@ -147,15 +149,14 @@ class Tuner:
 def search_batch_size(
     trainer: Trainer, model: Module, datamodule: DataModule | None, power: bool, init_val: int, max_trials: int,
     steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int, margin: float,
-    stage: str | None = None,
+    *, stage: str = "fit", in_stage: bool = False,
 ) -> int:  # fmt: skip
     """The largest batch size that fits on every rank (an error if none does), ``margin`` below it. No trial:
-    ``init_val``, as Lightning's. ``stage``: the stage the search runs in, which has attached the module and set
-    the datamodule up (the ``BatchSizeFinder`` callback's search), and whose steps the trials run; None: training
-    steps, outside the stages."""
+    ``init_val``, as Lightning's. The trials run ``stage``'s steps on its loader; ``in_stage``: inside that stage,
+    which has attached the module and set the datamodule up (the ``BatchSizeFinder`` callback's search)."""
     owner = attribute_owner(batch_arg_name, model, datamodule, "batch size")
     original = _get(owner, batch_arg_name)
-    fits = _Trials(trainer, model, datamodule, steps_per_trial, max_memory, stage=stage)
+    fits = _Trials(trainer, model, datamodule, steps_per_trial, max_memory, stage=stage, in_stage=in_stage)
     search = (fits, owner, batch_arg_name, power, init_val, max_trials, max_val)
     good, size = _largest_fit(*search) if max_trials else (init_val, init_val)
     # Every rank must fit, and every rank enters the collective, even one that found nothing: it would
@@ -258,20 +259,29 @@ def _sweep(
     return finder
 
 
-def _check_tuner_data(train_dataloaders: Any, dataloaders: Any, datamodule: DataModule | None, method: str,
-                      tool: str) -> DataModule | None:  # fmt: skip
-    """The datamodule to tune with (as in Lightning's ``fit``, one may be given as ``train_dataloaders``), once
-    ``method`` and the loaders are checked as Lightning's tuner checks them."""
+def _check_tuner_data(train_dataloaders: Any, val_dataloaders: Any, dataloaders: Any, datamodule: DataModule | None,
+                      method: str, fit_only: bool) -> DataModule | None:  # fmt: skip
+    """The datamodule to tune with (as in Lightning's stages, one may be given where the loaders go), once
+    ``method`` and the loaders are checked as Lightning's tuner checks them (Lightning's words first)."""
     methods = ("fit", "validate", "test", "predict")
-    if method not in methods:  # Lightning's words
+    if method not in methods:
         raise ValueError(f"method {method!r} is invalid. Should be one of {methods}.")
-    if method != "fit":
+    if fit_only and method != "fit":
         raise MisconfigurationException(
-            f"method={method!r}: method='fit' is the only valid configuration to run {tool} (it tunes training)"
+            f"method={method!r}: method='fit' is the only valid configuration to run lr finder (it tunes training)"
         )
-    if dataloaders is not None:
-        raise MisconfigurationException("In tuner with method='fit', pass train_dataloaders, not dataloaders")
-    return train_dataloaders if isinstance(train_dataloaders, DataModule) else datamodule
+    if method == "fit" and dataloaders is not None:
+        raise MisconfigurationException(
+            "In tuner with method='fit', `dataloaders` argument should be None, please consider setting "
+            "`train_dataloaders` and `val_dataloaders` instead"
+        )
+    if method != "fit" and (train_dataloaders is not None or val_dataloaders is not None):
+        raise MisconfigurationException(
+            f"In tuner with `method`={method!r}, `train_dataloaders` and `val_dataloaders` arguments should be None, "
+            "please consider setting `dataloaders` instead"
+        )
+    given = train_dataloaders if method == "fit" else dataloaders
+    return given if isinstance(given, DataModule) else datamodule
 
 
 def check_scale_batch_size(mode: str, lr_scaling: str | None, margin: float, **counts: int) -> None:
@@ -302,7 +312,8 @@ class _Trials:
         max_memory: int | None,
         loader: Iterable | None = None,
         train_dataloaders: Iterable | None = None,
-        stage: str | None = None,
+        stage: str = "fit",
+        in_stage: bool = False,
     ) -> None:
         if not module.automatic_optimization:
             raise MisconfigurationException(
@@ -315,8 +326,8 @@ class _Trials:
         # built at each trial.
         self.loader = loader if loader is not None else train_dataloaders
         self.dataset_size = math.inf
-        self.stage = stage
-        attach = loader is None and stage is None  # inside a stage, the stage has attached everything
+        self.stage = stage  # whose steps the trials run
+        attach = loader is None and not in_stage  # inside a stage, the stage has attached everything
         if attach:
             # Attached as fit attaches them: the module's configure_optimizers may read the Trainer (its
             # estimated_stepping_batches counts the module's or the datamodule's train loader).
@@ -326,7 +337,7 @@ class _Trials:
         self.hooks = Hooks(trainer, module, [], datamodule)
         if datamodule is not None and attach:
             datamodule.trainer = trainer
-            self.hooks.call_datamodule("setup", "fit")
+            self.hooks.call_datamodule("setup", stage)
 
     def __call__(self) -> tuple[bool, str]:
         """Whether ``steps`` steps at the current batch size fit in memory (and in ``max_memory``), and the
@@ -364,11 +375,14 @@ class _Trials:
     def _evaluate(self, kind: str, step: str) -> None:
         """``steps`` batches of the stage's loader (of ``kind``: "val", ...) through its ``step``, without
         gradients: an evaluation's trial."""
-        hooks, strategy = self.hooks, self.trainer.strategy
+        hooks, strategy, module = self.hooks, self.trainer.strategy, self.module
         loader = hooks.data_loaders(kind)
         self.dataset_size = len(getattr(loader, "dataset", ())) or math.inf
+        strategy.setup_module(module, training=False)
         to_device = hooks.batch_transfer(strategy)
-        with_index = takes_batch_idx(getattr(self.module, step))
+        with_index = takes_batch_idx(getattr(module, step))
+        modes = [(submodule, submodule.training) for submodule in module.modules()]
+        module.eval()
         try:
             with torch.no_grad(), hooks.scope(step):
                 for batch_idx, batch in enumerate(islice(loader, self.steps)):
@@ -376,6 +390,8 @@ class _Trials:
                     strategy.step(step, *((batch, batch_idx) if with_index else (batch,)))
         finally:
             self.trainer.run_metrics.eval.clear()
+            for submodule, training in modes:  # (frozen parts left in evaluation mode stay there)
+                submodule.train(training)
 
     def _run(
         self,
