@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
@@ -154,3 +155,12 @@ def test_fast_dev_run_skips_the_search() -> None:
     with pytest.warns(UserWarning, match="Skipping batch size scaler since `fast_dev_run` is enabled"):
         quiet_trainer(fast_dev_run=True, logger=False, callbacks=[finder]).fit(model)
     assert finder.optimal_batch_size is None and model.batch_size == 2
+
+
+def test_the_trials_are_logged_in_lightnings_words(caplog: pytest.LogCaptureFixture) -> None:
+    finder = BatchSizeFinder(init_val=16, steps_per_trial=1)
+    with caplog.at_level(logging.INFO):
+        quiet_trainer(max_epochs=1, logger=False, callbacks=[finder]).fit(_Sized())
+    assert caplog.text.count("trying batch size") == 2  # 16, 32, then 64: the whole data set
+    assert caplog.text.count("The batch size 64 is greater or equal than the length of your dataset: 64.") == 1
+    assert "Finished batch size finder, will continue with full run using batch size 64" in caplog.text

@@ -347,13 +347,14 @@ def test_the_finders_show_each_trial_and_the_sweep(capsys: pytest.CaptureFixture
     Tuner(trainer).scale_batch_size(_Sized(limit=40), mode="power", init_val=8, steps_per_trial=2)
     trials = capsys.readouterr().out.splitlines()
     assert [re.sub(r" \(.*\)$", "", line) for line in trials] == [
-        "scale_batch_size: trial 1, batch_size=8: fits",
-        "scale_batch_size: trial 2, batch_size=16: fits",
-        "scale_batch_size: trial 3, batch_size=32: fits",
-        "scale_batch_size: trial 4, batch_size=64: runs out of memory",
-        "scale_batch_size: batch_size=32",
+        "Batch size 8 succeeded, trying batch size 16",
+        "Batch size 16 succeeded, trying batch size 32",
+        "Batch size 32 succeeded, trying batch size 64",
+        "Batch size 64 failed",
+        "Finished batch size finder, will continue with full run using batch size 32",
     ], trials
-    assert re.search(r"fits \(2 steps in \d+\.\d\d s\)$", trials[0])
+    assert re.search(r"\(trial 1: fits, 2 steps in \d+\.\d\d s\)$", trials[0])
+    assert trials[3].endswith("(trial 4: runs out of memory)")
 
     Tuner(trainer).lr_find(_Sized(), min_lr=1e-4, max_lr=1e-1, num_training=20, early_stop_threshold=None)
     sweep = stream.getvalue().splitlines()

@@ -8,7 +8,7 @@ from ember.callbacks.callback import Callback
 from ember.exceptions import MisconfigurationException
 from ember.hparams import set_field
 from ember.loops.evaluate import EvaluationLoop
-from ember.rank_zero import announce, rank_zero_warn
+from ember.rank_zero import rank_zero_warn
 from ember.tuner.lr_finder import LRFinder
 from ember.tuner.tuner import (
     attribute_owner,
@@ -147,7 +147,6 @@ class BatchSizeFinder(Callback):
         )  # fmt: skip
         set_field(pl_module, name, size)  # (after the margin, below the last size tried)
         self.optimal_batch_size = size
-        announce(f"BatchSizeFinder: {name}={size}")
         data.reload()
 
 

@@ -104,7 +104,6 @@ class Tuner:
             lr_owner = attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
             name = next(name for name in _LR_ATTRIBUTES if _has(lr_owner, name))
             _set(lr_owner, name, _get(lr_owner, name) * factor)
-        announce(f"scale_batch_size: {batch_arg_name}={good}")
         return good
 
     def _search_batch_size(self, method: str, *args: Any) -> int:
@@ -169,8 +168,10 @@ def search_batch_size(
             else f"scale_batch_size: another process found no {batch_arg_name} that fits"
         )  # fmt: skip
     if max_trials and int(agreed * (1 - margin)) < agreed:
-        announce(f"scale_batch_size: {margin:.1%} below {agreed}, as margin={margin} asks")
-        agreed = max(1, int(agreed * (1 - margin)))
+        reduced = max(1, int(agreed * (1 - margin)))
+        announce(f"Applying margin of {margin:.1%}, reducing batch size from {agreed} to {reduced}")  # Lightning's
+        agreed = reduced
+    announce(f"Finished batch size finder, will continue with full run using batch size {agreed}")  # Lightning's
     return agreed
 
 
@@ -356,10 +357,10 @@ class _Trials:
             return False, "runs out of memory"
         ran = f"{self.steps} steps in {time.monotonic() - started:.2f} s"
         if self.max_memory is None:
-            return True, f"fits ({ran})"
+            return True, f"fits, {ran}"
         if peak() > self.max_memory:
             return False, f"peaks at {peak() / 2**20:.1f} MiB, over max_memory ({self.max_memory / 2**20:.1f} MiB)"
-        return True, f"fits ({ran}, peak {peak() / 2**20:.1f} MiB)"
+        return True, f"fits, {ran}, peak {peak() / 2**20:.1f} MiB"
 
     def run(
         self,
@@ -439,21 +440,32 @@ def _largest_fit(
     for trial in range(1, max_trials + 1):
         _set(owner, batch_arg_name, size)
         fit, outcome = fits()
-        announce(f"scale_batch_size: trial {trial}, {batch_arg_name}={size}: {outcome}")
+        tried = size
         if fit:
             good = size
             largest = min(fits.dataset_size, max_val)  # (the data set's size is known once a trial ran)
-            if size >= largest:
-                break  # one batch holds the whole data set (or max_val is reached): nothing larger to try
-            size = int(min(size * 2, largest)) if not bad else (good + bad) // 2
+            # Nothing larger to try once a batch holds the whole data set (or max_val is reached).
+            size = tried if size >= largest else int(min(size * 2, largest)) if not bad else (good + bad) // 2
         else:
             bad = size
-            if power and good:
-                break
-            size = (good + bad) // 2 if good else size // 2
-        if size < 1 or size in (good, bad):
-            break  # the search has converged (or nothing fits)
+            size = tried if power and good else (good + bad) // 2 if good else size // 2
+        done = trial == max_trials or size < 1 or size in (good, bad)  # converged (or nothing fits)
+        _announce_trial(trial, tried, fit, outcome, None if done else size, fits.dataset_size, max_val)
+        if done:
+            break
     return good, size
+
+
+def _announce_trial(trial: int, size: int, fit: bool, outcome: str, following: int | None, dataset_size: float,
+                    max_val: int) -> None:  # fmt: skip
+    """A trial's line, with Lightning's words first (for code that reads its log)."""
+    verb = "succeeded" if fit else "failed"
+    announce(f"Batch size {size} {verb}" + (f", trying batch size {following}" if following else "") +
+             f" (trial {trial}: {outcome})")  # fmt: skip
+    if fit and size >= dataset_size:
+        announce(f"The batch size {size} is greater or equal than the length of your dataset: {dataset_size}.")
+    elif fit and size >= max_val:
+        announce(f"Reached the maximum batch size limit of {max_val}. Stopping search.")
 
 
 def _display(trainer: Trainer, title: str, total: int) -> ProgressDisplay | None:
