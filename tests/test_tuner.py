@@ -206,6 +206,21 @@ def test_scale_batch_size_sizes_an_evaluation_with_its_steps(method: str) -> Non
         Tuner(quiet_trainer()).scale_batch_size(model, val_dataloaders=loader, method=method)  # type: ignore[arg-type]
 
 
+def test_scale_batch_size_sizes_one_evaluation_loader() -> None:
+    class Two(_Evaluated):
+        def test_dataloader(self) -> list[DataLoader]:
+            return [self.val_dataloader(), self.val_dataloader()]
+
+    with pytest.raises(MisconfigurationException, match="cannot be used with multiple test dataloaders"):
+        Tuner(quiet_trainer()).scale_batch_size(Two(), method="test")
+
+    class One(_Evaluated):
+        def test_dataloader(self) -> list[DataLoader]:
+            return [self.val_dataloader()]
+
+    assert Tuner(quiet_trainer()).scale_batch_size(One(), method="test", max_trials=2, steps_per_trial=1) == 4
+
+
 def test_a_search_mode_is_read_in_any_case_as_in_lightning() -> None:
     from ember.tuner import BatchSizeFinder, LearningRateFinder
 

@@ -269,7 +269,7 @@ def _check_tuner_data(train_dataloaders: Any, val_dataloaders: Any, dataloaders:
         raise ValueError(f"method {method!r} is invalid. Should be one of {methods}.")
     if fit_only and method != "fit":
         raise MisconfigurationException(
-            f"method={method!r}: method='fit' is the only valid configuration to run lr finder (it tunes training)"
+            f"method='fit' is the only valid configuration to run lr finder (it tunes training): method={method!r}"
         )
     if method == "fit" and dataloaders is not None:
         raise MisconfigurationException(
@@ -377,7 +377,7 @@ class _Trials:
         """``steps`` batches of the stage's loader (of ``kind``: "val", ...) through its ``step``, without
         gradients: an evaluation's trial."""
         hooks, strategy, module = self.hooks, self.trainer.strategy, self.module
-        loader = hooks.data_loaders(kind)
+        loader = _one_loader(hooks.data_loaders(kind), kind)
         self.dataset_size = len(getattr(loader, "dataset", ())) or math.inf
         strategy.setup_module(module, training=False)
         to_device = hooks.batch_transfer(strategy)
@@ -522,6 +522,18 @@ def _endless(loader: Iterable) -> Iterator[Any]:
             yield batch
         if empty:
             raise ValueError("the train dataloader is empty")
+
+
+def _one_loader(loaders: Any, kind: str) -> Iterable:
+    """The one loader of an evaluation (as Lightning's finder, it sizes one)."""
+    several = list(loaders.values()) if isinstance(loaders, dict) else loaders
+    if not isinstance(several, (list, tuple)):
+        return loaders
+    if len(several) != 1:
+        raise MisconfigurationException(  # Lightning's words first
+            f"The Batch size finder cannot be used with multiple {kind} dataloaders: it sizes one loader"
+        )
+    return several[0]
 
 
 def _train_loader(hooks: Hooks) -> Iterable:
