@@ -146,6 +146,8 @@ def test_what_the_finder_refuses() -> None:
 
     with pytest.raises(MisconfigurationException, match="cannot be used with multiple test dataloaders"):
         trainer.test(TwoLoaders())
+    with pytest.raises(MisconfigurationException, match="Batch size finder is not supported with distributed strat"):
+        BatchSizeFinder().setup(ember.Trainer(accelerator="cpu", devices=2, strategy="ddp"), _Sized())
     with pytest.raises(MisconfigurationException, match=r"scale_batch_size\(trainer, pl_module\) sizes the batches"):
         BatchSizeFinder().scale_batch_size(trainer, _Sized())  # no stage is running
 

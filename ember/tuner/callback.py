@@ -110,7 +110,7 @@ class BatchSizeFinder(Callback):
         #: The size the latest search found (``init_val`` before one).
         self.optimal_batch_size: int | None = init_val
 
-    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str | None = None) -> None:
         if trainer.world_size > 1:
             raise MisconfigurationException(  # Lightning's words first
                 "The Batch size finder is not supported with distributed strategies: its trials run inside the stage, "
