@@ -9,16 +9,9 @@ from ember.exceptions import MisconfigurationException
 from ember.hparams import set_field
 from ember.loops.evaluate import EvaluationLoop
 from ember.rank_zero import rank_zero_warn
+from ember.tuner.checks import check_lr_find, check_scale_batch_size, lowered
 from ember.tuner.lr_finder import LRFinder
-from ember.tuner.tuner import (
-    attribute_owner,
-    check_lr_find,
-    check_scale_batch_size,
-    find_lr,
-    lowered,
-    search_batch_size,
-    warn_duplicate_field,
-)
+from ember.tuner.tuner import attribute_owner, find_lr, search_batch_size, warn_duplicate_field
 
 if TYPE_CHECKING:
     from ember.loops.training_data import TrainingData
