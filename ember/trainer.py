@@ -375,8 +375,8 @@ class Trainer(LightningProperties):
             self.fit_loop.run(
                 lambda: self._loaders("train", train_dataloaders, required=True)[0],
                 (lambda: self._loaders("val", val_dataloaders)) if validates else None,
-                restore,
-            )
+                restore, train_given=train_dataloaders is not None,
+            )  # fmt: skip
         if self.preempted:
             self.print(self.fit_loop.stopping.report(self.global_step))  # once the progress bar has ended
             # The usual status of a process ended by that signal (143 for SIGTERM, 130 for Ctrl-C), so that
@@ -440,10 +440,9 @@ class Trainer(LightningProperties):
                         datamodule: DataModule | None, option: bool, weights_only: bool | None) -> Any:  # fmt: skip
         with self._stage(loop.stage, model, datamodule, ckpt_path) as path:
             model.zero_grad()  # as Lightning does: the gradients a fit left are not kept while evaluating
-            loaders = self._loaders(loop.kind, dataloaders, required=True)
             checkpoint_state.load_weights_into(self, path, weights_only)
             log_hyperparameters(self)  # as fit does: each stage's run directory has them, as in Lightning
-            return loop.evaluate(loaders, option)
+            return loop.evaluate(functools.partial(self._loaders, loop.kind, dataloaders, True), dataloaders, option)
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(

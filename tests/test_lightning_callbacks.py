@@ -611,7 +611,7 @@ def test_progress_bar_tells_its_metrics_and_the_validation_batches_of_each_epoch
         lambda: ModelSummary(max_depth=-2),
         lambda: ProgressBar(refresh_rate=-1),
         lambda: TQDMProgressBar(refresh_rate=-1),
-        lambda: RichProgressBar(theme=object()),
+        lambda: RichProgressBar(refresh_rate=-1),
         lambda: ThroughputMonitor(peak_flops=-1),
         lambda: Tuner(quiet_trainer()).scale_batch_size(Regressor(), mode="triple"),  # type: ignore[arg-type]
     ],

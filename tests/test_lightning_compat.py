@@ -53,6 +53,15 @@ def served_by_ember() -> Iterator[None]:
         sys.modules.update(aside)
 
 
+def test_the_tuners_callbacks_are_served() -> None:
+    with served_by_ember():
+        from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+        from pytorch_lightning.callbacks.batch_size_finder import BatchSizeFinder as FromModule
+
+    assert BatchSizeFinder is FromModule is ember.tuner.BatchSizeFinder
+    assert LearningRateFinder is ember.tuner.LearningRateFinder
+
+
 def test_lightning_names_are_embers_own_objects() -> None:
     with served_by_ember():
         import lightning as L

@@ -732,3 +732,25 @@ def test_a_manual_step_resets_gradients_as_zero_grad_does_without_the_profiler_r
     manual[0].zero_grad()
     assert all(p.grad is None for p in model.layer.parameters())
     assert all(p.grad is not None for p in model.other.parameters())
+
+
+def test_an_evaluation_asks_for_its_loaders_once_the_checkpoint_is_loaded(tmp_path: Any) -> None:
+    calls: list[str] = []
+
+    class Ordered(Regressor):
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            calls.append("on_load_checkpoint")
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+        def test_dataloader(self) -> DataLoader:
+            calls.append("test_dataloader")
+            return make_loader(8)
+
+    trainer = quiet_trainer(max_steps=1, logger=False, default_root_dir=str(tmp_path))
+    model = Ordered()
+    trainer.fit(model, make_loader(8))
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    trainer.test(model, ckpt_path=str(tmp_path / "one.ckpt"), verbose=False)
+    assert calls == ["on_load_checkpoint", "test_dataloader"]  # as in Lightning

@@ -23,7 +23,7 @@ import torch
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
-from ember.callbacks import ProgressBar, ProgressBarBase, TQDMProgressBar
+from ember.callbacks import ProgressBar, ProgressBarBase, RichProgressBar, TQDMProgressBar
 from ember.loggers import CSVLogger
 from ember.rank_zero import rank_zero_only
 from ember.tuner import Tuner
@@ -347,13 +347,14 @@ def test_the_finders_show_each_trial_and_the_sweep(capsys: pytest.CaptureFixture
     Tuner(trainer).scale_batch_size(_Sized(limit=40), mode="power", init_val=8, steps_per_trial=2)
     trials = capsys.readouterr().out.splitlines()
     assert [re.sub(r" \(.*\)$", "", line) for line in trials] == [
-        "scale_batch_size: trial 1, batch_size=8: fits",
-        "scale_batch_size: trial 2, batch_size=16: fits",
-        "scale_batch_size: trial 3, batch_size=32: fits",
-        "scale_batch_size: trial 4, batch_size=64: runs out of memory",
-        "scale_batch_size: batch_size=32",
+        "Batch size 8 succeeded, trying batch size 16",
+        "Batch size 16 succeeded, trying batch size 32",
+        "Batch size 32 succeeded, trying batch size 64",
+        "Batch size 64 failed",
+        "Finished batch size finder, will continue with full run using batch size 32",
     ], trials
-    assert re.search(r"fits \(2 steps in \d+\.\d\d s\)$", trials[0])
+    assert re.search(r"\(trial 1: fits, 2 steps in \d+\.\d\d s\)$", trials[0])
+    assert trials[3].endswith("(trial 4: runs out of memory)")
 
     Tuner(trainer).lr_find(_Sized(), min_lr=1e-4, max_lr=1e-1, num_training=20, early_stop_threshold=None)
     sweep = stream.getvalue().splitlines()
@@ -510,3 +511,38 @@ def test_a_bar_on_the_base_class_draws_nothing_but_what_it_chooses(capsys: pytes
     assert Tuner(trainer).lr_find(Regressor(), make_loader(64), num_training=5) is not None  # no display to draw
     with pytest.raises(ValueError, match="multiple progress bar callbacks"):
         ember.Trainer(callbacks=[Quiet(), ProgressBar()])
+
+
+def test_lightnings_titles_and_the_unset_trainer() -> None:
+    bar = TQDMProgressBar()
+    titles = [bar.sanity_check_description, bar.train_description, bar.validation_description]
+    assert titles == ["Sanity Checking", "Training", "Validation"]
+    with pytest.raises(TypeError, match=r"The `TQDMProgressBar.trainer` reference has not been set yet"):
+        bar.trainer  # noqa: B018  (before a stage sets it up)
+
+
+def test_the_training_total_counts_the_steps_left_without_an_epoch_limit() -> None:
+    totals: list[float] = []
+
+    class Totals(TQDMProgressBar):
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            totals.append(self.total_train_batches)
+
+    trainer = quiet_trainer(max_epochs=-1, max_steps=3, logger=False, enable_progress_bar=True,
+                            callbacks=[Totals(refresh_rate=0)])  # fmt: skip
+    trainer.fit(Regressor(), make_loader(64))
+    assert totals == [3]  # the epoch has 8 batches; 3 steps are left
+    bounded = Totals(refresh_rate=0)
+    trainer = quiet_trainer(max_epochs=1, max_steps=3, logger=False, enable_progress_bar=True, callbacks=[bounded])
+    trainer.fit(Regressor(), make_loader(64))
+    assert totals == [3, 8]  # as Lightning's: bounded by max_steps only when max_epochs=-1
+
+
+def test_a_rich_bar_keeps_its_theme() -> None:
+    from ember.callbacks.progress_bars import RichProgressBarTheme
+
+    theme = RichProgressBarTheme(description="green_yellow", metrics="grey82")
+    bar = RichProgressBar(theme=theme, leave=True)
+    assert bar.theme is theme and bar.refresh_rate == 100 and bar.is_enabled  # Lightning's default rate
+    assert RichProgressBar().theme == RichProgressBarTheme() and RichProgressBarTheme().metrics_format == ".3f"
+    assert RichProgressBar(refresh_rate=0).is_disabled

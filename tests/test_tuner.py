@@ -82,8 +82,8 @@ def test_a_cpu_memory_budget_bounds_the_batch_size() -> None:
 
 CPU_PEAK = """
 import torch
-from ember.tuner.tuner import _peak_memory
-with _peak_memory(torch.device("cpu"), measure=True) as peak:
+from ember.tuner.memory import peak_memory
+with peak_memory(torch.device("cpu"), measure=True) as peak:
     a = torch.empty(2**20, dtype=torch.uint8)
     b = torch.ones(2**19, dtype=torch.uint8)
     view = a[10:]  # no new memory: a view
@@ -142,7 +142,7 @@ def test_lr_find_takes_lightnings_arguments_and_loaders_given_to_it() -> None:
         Tuner(quiet_trainer()).lr_find(_Unsized())
     with pytest.raises(MisconfigurationException, match="method='fit' is the only valid configuration to run lr"):
         Tuner(quiet_trainer()).lr_find(model, loader, method="test")  # type: ignore[arg-type]
-    with pytest.raises(MisconfigurationException, match="pass train_dataloaders, not dataloaders"):
+    with pytest.raises(MisconfigurationException, match="please consider setting `train_dataloaders` and `val_data"):
         Tuner(quiet_trainer()).lr_find(model, dataloaders=loader)
     with pytest.raises(MisconfigurationException, match="cannot be used with dataloaders passed directly"):
         Tuner(quiet_trainer()).scale_batch_size(_Sized(), train_dataloaders=loader)
@@ -167,6 +167,70 @@ def test_tuner_errors_name_what_is_missing() -> None:
         Tuner(quiet_trainer()).lr_find(_Sized(), min_lr=0.0, max_lr=0.1)
     with pytest.raises(torch.OutOfMemoryError, match="even batch_size=1 does not fit"):
         Tuner(quiet_trainer()).scale_batch_size(_Sized(limit=0))
+
+
+class _Evaluated(_Sized):
+    """Its evaluation loaders too are made at ``hparams.batch_size``; its steps count the batches by size."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_size=2)
+        self.sizes: dict[int, int] = {}
+
+    def _count(self, batch: Any) -> None:
+        self.sizes[len(batch[0])] = self.sizes.get(len(batch[0]), 0) + 1
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._count(batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._count(batch)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> None:
+        self._count(batch)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(64), batch_size=self.hparams.batch_size)
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+
+@pytest.mark.parametrize("method", ["validate", "test", "predict"])
+def test_scale_batch_size_sizes_an_evaluation_with_its_steps(method: str) -> None:
+    model = _Evaluated()
+    size = Tuner(quiet_trainer()).scale_batch_size(model, method=method, max_trials=3, steps_per_trial=2)  # type: ignore[arg-type]
+    assert size == model.hparams.batch_size == 8 and model.sizes == {2: 2, 4: 2, 8: 2}  # no training step ran
+    loader = model.val_dataloader()
+    with pytest.raises(MisconfigurationException, match="cannot be used with dataloaders passed directly"):
+        Tuner(quiet_trainer()).scale_batch_size(model, dataloaders=loader, method=method)  # type: ignore[arg-type]
+    with pytest.raises(MisconfigurationException, match=r"`train_dataloaders` and `val_dataloaders` arguments should"):
+        Tuner(quiet_trainer()).scale_batch_size(model, val_dataloaders=loader, method=method)  # type: ignore[arg-type]
+
+
+def test_scale_batch_size_sizes_one_evaluation_loader() -> None:
+    class Two(_Evaluated):
+        def test_dataloader(self) -> list[DataLoader]:
+            return [self.val_dataloader(), self.val_dataloader()]
+
+    with pytest.raises(MisconfigurationException, match="cannot be used with multiple test dataloaders"):
+        Tuner(quiet_trainer()).scale_batch_size(Two(), method="test")
+
+    class One(_Evaluated):
+        def test_dataloader(self) -> list[DataLoader]:
+            return [self.val_dataloader()]
+
+    assert Tuner(quiet_trainer()).scale_batch_size(One(), method="test", max_trials=2, steps_per_trial=1) == 4
+
+
+def test_a_search_mode_is_read_in_any_case_as_in_lightning() -> None:
+    from ember.tuner import BatchSizeFinder, LearningRateFinder
+
+    assert LearningRateFinder(mode="Linear").mode == "linear" and BatchSizeFinder(mode="POWER").mode == "power"
+    finder = Tuner(quiet_trainer()).lr_find(_Sized(), mode="LINEAR", num_training=4)  # type: ignore[arg-type]
+    assert finder is not None and finder.mode == "linear"
+    size = Tuner(quiet_trainer()).scale_batch_size(_Sized(limit=40), mode="BinSearch", steps_per_trial=1)  # type: ignore[arg-type]
+    assert size == 38
+    with pytest.raises(ValueError, match=r"`mode` should be either of \('linear', 'exponential'\)"):
+        LearningRateFinder(mode="cosine")  # type: ignore[arg-type]
 
 
 class _SlowItems(torch.utils.data.Dataset):

@@ -22,7 +22,7 @@ class ModelSummary(Callback):
     """Show each layer's name, type, parameter count and trainable count, then the totals and their size.
 
     ``max_depth`` is how deep to list layers: 1 (the default) lists the module's direct children, -1
-    every layer, 0 only the totals. Logged to the "ember" logger at INFO on the global-zero process;
+    every layer; 0 shows nothing, as Lightning's. Logged to the "ember" logger at INFO on the global-zero process;
     ``Trainer(enable_model_summary=False)`` turns it off. Sharded parameters (DTensors, as FSDP2 makes them)
     count with their full size. A subclass that overrides ``summarize`` (Lightning's hook) is given Lightning's
     columns and totals instead, with the ``summarize_kwargs`` given to ``__init__``.
@@ -38,10 +38,10 @@ class ModelSummary(Callback):
         self.summarize_kwargs = summarize_kwargs
 
     def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None:
+        if not self.max_depth:  # as Lightning's: depth 0 turns the summary off
+            return
         if not is_overridden("summarize", self, ModelSummary):
             announce(summarize(pl_module, self.max_depth))
-            return
-        if not self.max_depth:  # as Lightning's: at depth 0 a subclass is given nothing to show
             return
         # A subclass shows the summary its own way, from what Lightning's callback gives it (this measures the
         # layers, running the model's example_input_array once, as Lightning's does).

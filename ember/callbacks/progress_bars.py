@@ -6,6 +6,7 @@ time, not every ``refresh_rate`` batches; ``refresh_rate=0`` turns it off, as in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -40,23 +41,37 @@ class TQDMProgressBar(_SwitchableBar):
         self.leave = leave
 
 
+@dataclasses.dataclass
+class RichProgressBarTheme:
+    """Lightning's styles of a ``RichProgressBar``'s parts (rich's style strings), kept as given: Ember's bar, which
+    does not draw with rich, shows them in no colour."""
+
+    description: Any = ""
+    progress_bar: Any = "#6206E0"
+    progress_bar_finished: Any = "#6206E0"
+    progress_bar_pulse: Any = "#6206E0"
+    batch_progress: Any = ""
+    time: Any = "dim"
+    processing_speed: Any = "dim underline"
+    metrics: Any = "italic"
+    metrics_text_delimiter: str = " "
+    metrics_format: str = ".3f"
+
+
 class RichProgressBar(_SwitchableBar):
-    """Lightning's ``RichProgressBar(refresh_rate, leave, console_kwargs)``: Ember's bar (see the module), which
-    does not draw with rich; a ``theme`` is refused rather than ignored."""
+    """Lightning's ``RichProgressBar(refresh_rate, leave, theme, console_kwargs)``: Ember's bar (see the module),
+    which does not draw with rich (``theme`` is kept, in ``theme``, and not drawn)."""
 
     def __init__(
         self,
-        refresh_rate: int = 1,
+        refresh_rate: int = 100,
         leave: bool = False,
-        theme: Any = None,
+        theme: RichProgressBarTheme | None = None,
         console_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if theme is not None:
-            raise MisconfigurationException(
-                "RichProgressBar(theme=...): Ember's progress bar has no themes; leave theme out"
-            )
         super().__init__(refresh_rate)
         self.leave = leave
+        self.theme = theme if theme is not None else RichProgressBarTheme()
         self.console_kwargs = dict(console_kwargs or {})
 
 

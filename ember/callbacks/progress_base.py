@@ -31,7 +31,10 @@ class ProgressBarBase(Callback):
     def trainer(self) -> Trainer:
         """The Trainer this bar shows the progress of (from the first stage it is set up in)."""
         if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__}.trainer is set when a stage (fit, validate, ...) sets it up")
+            raise TypeError(  # Lightning's exception and words first
+                f"The `{type(self).__name__}.trainer` reference has not been set yet: a stage (fit, validate, ...) "
+                "sets it up"
+            )
         return self._trainer
 
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
@@ -48,7 +51,16 @@ class ProgressBarBase(Callback):
         standard: dict[str, float | int | str] = {} if version in ("", None) else {"v_num": version}
         return {**standard, **trainer.progress_bar_metrics}
 
-    # The titles of the evaluation bars, Lightning's properties: a subclass may override them.
+    # The titles of the bars, Lightning's properties: a subclass may override them.
+    @property
+    def sanity_check_description(self) -> str:
+        return "Sanity Checking"
+
+    @property
+    def train_description(self) -> str:
+        """The training bar's title before its first epoch (each epoch's says "Epoch N")."""
+        return "Training"
+
     @property
     def validation_description(self) -> str:
         return "Validation"
@@ -78,8 +90,12 @@ class ProgressBarBase(Callback):
 
     @property
     def total_train_batches(self) -> float:
-        """The training batches of an epoch of ``fit`` (``inf`` for a loader without a length)."""
-        return self.trainer.num_training_batches
+        """The training batches of an epoch of ``fit`` (``inf`` for a loader without a length); as Lightning's,
+        with ``max_epochs=-1``, no more than the steps left before ``max_steps``."""
+        trainer = self.trainer
+        if trainer.max_epochs == -1 and trainer.max_steps > 0:
+            return min(trainer.num_training_batches, trainer.max_steps - trainer.global_step)
+        return trainer.num_training_batches
 
     @property
     def total_val_batches(self) -> float:

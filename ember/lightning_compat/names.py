@@ -23,7 +23,6 @@ _SWA = (
     "use StochasticWeightAveraging, or average weights with torch.optim.swa_utils.AveragedModel in a callback of "
     "your own (an exponential moving average: torch.optim.swa_utils.get_ema_multi_avg_fn)"
 )
-_TUNER = "use ember.tuner.Tuner(trainer).scale_batch_size(...)"
 _PLUGINS = (
     "Ember has no plugins: pick the precision with Trainer(precision=...), the launcher and cluster are found "
     "by themselves (torchelastic, SLURM, MPI), checkpoints are written atomically by the strategy"
@@ -85,7 +84,7 @@ _CALLBACKS: Names = {
     "GradientAccumulationScheduler": Missing("use Trainer(accumulate_grad_batches=N), a fixed count"),
     "ModelPruning": Missing("apply torch.nn.utils.prune in a callback of your own"),
     "LearningRateFinder": "ember.tuner:LearningRateFinder",
-    "BatchSizeFinder": Missing(_TUNER),
+    "BatchSizeFinder": "ember.tuner:BatchSizeFinder",
     "SpikeDetection": Missing("use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end"),
 }
 
@@ -211,6 +210,7 @@ PYTORCH: dict[str, Names] = {
     "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
     "callbacks.stochastic_weight_avg": {"StochasticWeightAveraging": "ember.callbacks:StochasticWeightAveraging"},
     "callbacks.lr_finder": {"LearningRateFinder": "ember.tuner:LearningRateFinder"},
+    "callbacks.batch_size_finder": {"BatchSizeFinder": "ember.tuner:BatchSizeFinder"},
     "callbacks.checkpoint": {"Checkpoint": "ember.callbacks:ModelCheckpoint"},
     "callbacks.model_summary": {"ModelSummary": "ember.callbacks:ModelSummary"},
     "callbacks.rich_model_summary": {"RichModelSummary": "ember.callbacks:ModelSummary"},
@@ -226,7 +226,7 @@ PYTORCH: dict[str, Names] = {
     "callbacks.progress.tqdm_progress": {"TQDMProgressBar": "ember.callbacks:TQDMProgressBar"},
     "callbacks.progress.rich_progress": {
         "RichProgressBar": "ember.callbacks:RichProgressBar",
-        "RichProgressBarTheme": Missing("use RichProgressBar() without a theme"),
+        "RichProgressBarTheme": "ember.callbacks.progress_bars:RichProgressBarTheme",
     },
     "loggers": _LOGGERS,
     "loggers.logger": {
@@ -312,7 +312,6 @@ MISSING_MODULES = {
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
     "callbacks.weight_averaging": _SWA,
     "callbacks.gradient_accumulation_scheduler": "use Trainer(accumulate_grad_batches=N), a fixed count",
-    "callbacks.batch_size_finder": _TUNER,
     "callbacks.pruning": "apply torch.nn.utils.prune in a callback of your own",
     "callbacks.spike": "use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end",
     "strategies.deepspeed": "use ember.strategies.FSDPStrategy, which shards parameters, gradients and optimizer "

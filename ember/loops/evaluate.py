@@ -48,6 +48,10 @@ class EvaluationLoop:
         self.num_batches: list[float] = []
         #: Whether the loop is running (``trainer.validating``, ``trainer.evaluating``).
         self.running = False
+        #: Whether the stage's loaders were passed to it (else the module or the datamodule makes them).
+        self.loaders_given = False
+        self._make_loaders: Callable[[], list[Iterable]] | None = None  # the stage's, to make them again
+        self._remake = False
 
     def count(self, loaders: list[Iterable], limit: int | float | None = None) -> list[float]:
         """The batches each of ``loaders`` contributes under the Trainer's ``limit_*_batches``."""
@@ -55,9 +59,11 @@ class EvaluationLoop:
         limit = limit if limit is not None else getattr(self.trainer.config, flag)
         return [count_batches(loader, limit, flag, self.trainer.strategy) for loader in loaders]
 
-    def evaluate(self, loaders: list[Iterable], verbose: bool) -> Any:
-        """``Trainer.validate`` and ``Trainer.test`` once their stage has begun: the metrics per loader, printed
-        on the global-zero process when ``verbose``."""
+    def evaluate(self, make_loaders: Callable[[], list[Iterable]], given: Any, verbose: bool) -> Any:
+        """``Trainer.validate`` and ``Trainer.test`` once their stage has begun, on the loaders ``make_loaders``
+        makes (``given`` to the stage, or None): the metrics per loader, printed on the global-zero process when
+        ``verbose``."""
+        loaders = self._make(make_loaders, given)
         counts = self.count(loaders)
         if self._nothing_to_run(counts):
             return []
@@ -65,6 +71,15 @@ class EvaluationLoop:
         if verbose and self.trainer.is_global_zero:
             _print_results(self.stage, results)
         return results
+
+    def _make(self, make_loaders: Callable[[], list[Iterable]], given: Any) -> list[Iterable]:
+        self._make_loaders, self.loaders_given, self._remake = make_loaders, given is not None, False
+        return make_loaders()
+
+    def reload(self) -> None:
+        """Make the stage's loaders again once its start hooks (``on_test_start``, ...) have run: what they read has
+        changed (the batch size a ``BatchSizeFinder`` found there)."""
+        self._remake = True
 
     def _nothing_to_run(self, counts: list[float]) -> bool:
         """Whether no loader has a batch for this stage (``counts`` become ``num_batches``): as in Lightning, the
@@ -94,6 +109,9 @@ class EvaluationLoop:
                 self._begin(len(loaders))
                 modes = _eval_mode(hooks, module, hook)
                 hooks.call(f"on_{hook}_start")
+                if self._remake and self._make_loaders is not None:
+                    loaders = self._make_loaders()
+                    counts = self.num_batches = self.count(loaders)
                 arguments = _StepArguments(getattr(module, f"{hook}_step"), several=len(loaders) > 1)
                 hooks.call(f"on_{hook}_epoch_start")
                 for dataloader_idx, (loader, count) in enumerate(zip(loaders, counts)):
@@ -107,6 +125,7 @@ class EvaluationLoop:
             return results
         finally:
             self.running = False
+            self._make_loaders, self._remake = None, False  # (fit's validations make theirs beside the loop)
 
     def _run_loader(self, loader: Iterable, count: float, dataloader_idx: int, arguments: _StepArguments) -> None:
         """The steps over one loader."""
@@ -177,9 +196,9 @@ class PredictionLoop(EvaluationLoop):
         self._warned_of_none = False
         self._produced: list[list[int]] | None = None  # the index lists the loader's batch sampler yielded
 
-    def evaluate(self, loaders: list[Iterable], return_predictions: bool) -> list[Any] | None:
+    def evaluate(self, make_loaders: Callable[[], list[Iterable]], given: Any, return_predictions: bool) -> Any:
         """``Trainer.predict`` once its stage has begun: the outputs, when ``return_predictions``."""
-        trainer = self.trainer
+        loaders, trainer = self._make(make_loaders, given), self.trainer
         self._keeps = return_predictions or any(callback.wants_predictions for callback in trainer.callbacks)
         counts = self.count(loaders)
         if self._nothing_to_run(counts):

@@ -84,11 +84,13 @@ class FitLoop:
         load_train: Callable[[], Iterable],
         load_validation: Callable[[], list[Iterable]] | None,
         restore: Callable[[], None] | None,
+        train_given: bool = False,
     ) -> None:
-        """Train on what ``load_train`` gives, validating on what ``load_validation`` gives (None: no validation);
-        ``restore`` puts a checkpoint's state in place once the optimizers exist."""
+        """Train on what ``load_train`` gives (``train_given``: the loaders passed to ``fit``), validating on what
+        ``load_validation`` gives (None: no validation); ``restore`` puts a checkpoint's state in place once the
+        optimizers exist."""
         trainer, progress, config, hooks = self.trainer, self.progress, self.trainer.config, self.trainer.hooks
-        self.data = TrainingData(trainer, load_train, load_validation)
+        self.data = TrainingData(trainer, load_train, load_validation, train_given)
         self.runner = self._start_optimization()
         self.state.start(data_seed=trainer.strategy.broadcast(torch.initial_seed() % 2**63))
         self.last_result = self.last_loss = None

@@ -40,9 +40,11 @@ class TrainingData:
     """
 
     def __init__(self, trainer: Trainer, load: Callable[[], Iterable],
-                 load_validation: Callable[[], list[Iterable]] | None) -> None:  # fmt: skip
+                 load_validation: Callable[[], list[Iterable]] | None, loaders_given: bool) -> None:  # fmt: skip
         self._trainer = trainer
         self._load = load
+        #: Whether the training loaders were passed to ``fit`` (else the module or the datamodule makes them).
+        self.loaders_given = loaders_given
         self.validation = ValidationSchedule(trainer, load_validation)
         self.loader: Iterable | None = None
         self.num_batches = 0.0
@@ -71,6 +73,14 @@ class TrainingData:
                 "once an epoch; lower log_every_n_steps to see them every epoch.",
                 PossibleUserWarning,
             )
+
+    def reload(self) -> None:
+        """Ask for the loaders again when next needed, those already asked for now (what they read has changed:
+        the batch size a ``BatchSizeFinder`` found)."""
+        loaded = self.loader is not None
+        self.loader = self.validation.loaders = None
+        if loaded:
+            self.load()
 
     def load_before_training(self) -> None:
         """Ask for the training loader, and as Lightning (for the progress bar's counts) the validation loaders when

@@ -11,29 +11,31 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ember.exceptions import MisconfigurationException
 from ember.loops import StepRunner
 from ember.loops.hooks import Hooks
+from ember.loops.step import takes_batch_idx
 from ember.module import DataModule, Module
 from ember.optim import parse_optimizers
 from ember.rank_zero import announce, rank_zero_warn
 from ember.seed import random_state, set_random_state
+from ember.tuner.checks import check_lr_find, check_scale_batch_size, check_tuner_data, lowered
 from ember.tuner.lr_finder import LRFinder
+from ember.tuner.memory import peak_memory
 
 if TYPE_CHECKING:
     from ember.callbacks.progress import ProgressDisplay
     from ember.trainer import Trainer
 
-_BATCH_ATTRIBUTES = ("batch_size",)
+#: The loaders and the step of each evaluation stage.
+_EVALUATION_STEPS = {"validate": ("val", "validation_step"), "test": ("test", "test_step"),
+                     "predict": ("predict", "predict_step")}  # fmt: skip
 _LR_ATTRIBUTES = ("lr", "learning_rate")
 
 
@@ -71,61 +73,42 @@ class Tuner:
         ``lr_scaling`` scales the learning rate with the batch size ("linear": twice the batch, twice
         the LR; "sqrt": by the square root), from the size the module had before. Under ``fast_dev_run`` it
         does nothing: a warning, and None (as Lightning's). As in Lightning, the loaders must come from the module
-        or the datamodule (they are built again at each size; a datamodule may be passed as ``train_dataloaders``),
-        and ``method`` is "fit" (Ember sizes the training loader). As Lightning's, no size above ``max_val`` is tried,
-        and ``"binsearch"`` keeps ``margin`` (a fraction) below the largest size that fit, as a safety buffer.
+        or the datamodule (they are built again at each size; a datamodule may be passed where the loaders go), and
+        ``method`` says which loader to size, whose steps the trials run: "fit" (training steps) or an evaluation
+        ("validate", "test", "predict"). As Lightning's, no size above ``max_val`` is tried, and ``"binsearch"``
+        keeps ``margin`` (a fraction) below the largest size that fit, as a safety buffer.
         """
-        datamodule = _check_tuner_data(train_dataloaders, dataloaders, datamodule, method, "the batch size finder")
-        if (train_dataloaders is not None and train_dataloaders is not datamodule) or val_dataloaders is not None:
+        datamodule = check_tuner_data(train_dataloaders, val_dataloaders, dataloaders, datamodule, method, False)
+        if any(given is not None and given is not datamodule for given in (train_dataloaders, val_dataloaders,
+                                                                            dataloaders)):  # fmt: skip
             raise MisconfigurationException(
                 "The Batch size finder cannot be used with dataloaders passed directly: it builds them again at each "
                 "batch size. Define train_dataloader() on the LightningModule or a LightningDataModule instead"
             )
-        _check_scale_batch_size(mode, lr_scaling, margin, init_val=init_val, max_trials=max_trials,
+        mode = lowered(mode)
+        check_scale_batch_size(mode, lr_scaling, margin, init_val=init_val, max_trials=max_trials,
                                 steps_per_trial=steps_per_trial, max_val=max_val)  # fmt: skip
         if self.trainer.fast_dev_run:  # a batch or two: nothing to find
             rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
             return None
-        owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
+        owner = attribute_owner(batch_arg_name, model, datamodule, "batch size")
+        warn_duplicate_field(model, batch_arg_name)
         original = _get(owner, batch_arg_name)
         margin = margin if mode == "binsearch" else 0.0  # (as Lightning's: power mode keeps the size that fit)
         args = (model, datamodule, mode == "power", init_val, max_trials, steps_per_trial, batch_arg_name,
                 max_memory, max_val, margin)  # fmt: skip
-        good = self.trainer.strategy.launch(self._search_batch_size, *args)
+        good = self.trainer.strategy.launch(self._search_batch_size, method, *args)
         _set(owner, batch_arg_name, good)  # here too: the search may have run in processes started for it
         if lr_scaling is not None and original:
             factor = good / original if lr_scaling == "linear" else math.sqrt(good / original)
-            lr_owner = _attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
+            lr_owner = attribute_owner(_LR_ATTRIBUTES, model, None, "learning rate")
             name = next(name for name in _LR_ATTRIBUTES if _has(lr_owner, name))
             _set(lr_owner, name, _get(lr_owner, name) * factor)
-        announce(f"scale_batch_size: {batch_arg_name}={good}")
         return good
 
-    def _search_batch_size(
-        self, model: Module, datamodule: DataModule | None, power: bool, init_val: int, max_trials: int,
-        steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int, margin: float,
-    ) -> int:  # fmt: skip
-        """The largest batch size that fits on every rank (an error if none does), ``margin`` below it. No trial:
-        ``init_val``, as Lightning's."""
-        owner = _attribute_owner(batch_arg_name, model, datamodule, "batch size")
-        original = _get(owner, batch_arg_name)
+    def _search_batch_size(self, method: str, *args: Any) -> int:
         self.trainer.strategy.setup_environment()
-        fits = _Trials(self.trainer, model, datamodule, steps_per_trial, max_memory)
-        search = (fits, owner, batch_arg_name, power, init_val, max_trials, max_val)
-        good, size = _largest_fit(*search) if max_trials else (init_val, init_val)
-        # Every rank must fit, and every rank enters the collective, even one that found nothing: it would
-        # otherwise leave the others waiting in it until the timeout.
-        agreed = int(self.trainer.strategy.reduce(torch.tensor(float(good)), "min"))
-        if agreed == 0:
-            _set(owner, batch_arg_name, original)
-            raise torch.OutOfMemoryError(
-                f"scale_batch_size: even {batch_arg_name}={max(size, 1)} does not fit" if good == 0
-                else f"scale_batch_size: another process found no {batch_arg_name} that fits"
-            )  # fmt: skip
-        if max_trials and int(agreed * (1 - margin)) < agreed:
-            announce(f"scale_batch_size: {margin:.1%} below {agreed}, as margin={margin} asks")
-            agreed = max(1, int(agreed * (1 - margin)))
-        return agreed
+        return search_batch_size(self.trainer, *args, stage=method)
 
     # ------------------------------------------------------------------------ learning rate
     def lr_find(
@@ -153,13 +136,43 @@ class Tuner:
         ``train_dataloaders`` (or a datamodule given there), else the module's or the datamodule's loader, as in
         Lightning; the sweep does not validate (``val_dataloaders`` is taken and not read).
         """
-        datamodule = _check_tuner_data(train_dataloaders, dataloaders, datamodule, method, "lr finder")
+        datamodule = check_tuner_data(train_dataloaders, val_dataloaders, dataloaders, datamodule, method, True)
         given = None if isinstance(train_dataloaders, DataModule) else train_dataloaders
         return find_lr(
             self.trainer, model, datamodule=datamodule, train_dataloaders=given, min_lr=min_lr, max_lr=max_lr,
-            num_training=num_training, mode=mode, early_stop_threshold=early_stop_threshold, update_attr=update_attr,
-            attr_name=attr_name,
+            num_training=num_training, mode=lowered(mode), early_stop_threshold=early_stop_threshold,
+            update_attr=update_attr, attr_name=attr_name,
         )  # fmt: skip
+
+
+def search_batch_size(
+    trainer: Trainer, model: Module, datamodule: DataModule | None, power: bool, init_val: int, max_trials: int,
+    steps_per_trial: int, batch_arg_name: str, max_memory: int | None, max_val: int, margin: float,
+    *, stage: str = "fit", in_stage: bool = False,
+) -> int:  # fmt: skip
+    """The largest batch size that fits on every rank (an error if none does), ``margin`` below it. No trial:
+    ``init_val``, as Lightning's. The trials run ``stage``'s steps on its loader; ``in_stage``: inside that stage,
+    which has attached the module and set the datamodule up (the ``BatchSizeFinder`` callback's search)."""
+    owner = attribute_owner(batch_arg_name, model, datamodule, "batch size")
+    original = _get(owner, batch_arg_name)
+    fits = _Trials(trainer, model, datamodule, steps_per_trial, max_memory, stage=stage, in_stage=in_stage)
+    search = (fits, owner, batch_arg_name, power, init_val, max_trials, max_val)
+    good, size = _largest_fit(*search) if max_trials else (init_val, init_val)
+    # Every rank must fit, and every rank enters the collective, even one that found nothing: it would
+    # otherwise leave the others waiting in it until the timeout.
+    agreed = int(trainer.strategy.reduce(torch.tensor(float(good)), "min"))
+    if agreed == 0:
+        _set(owner, batch_arg_name, original)
+        raise torch.OutOfMemoryError(
+            f"scale_batch_size: even {batch_arg_name}={max(size, 1)} does not fit" if good == 0
+            else f"scale_batch_size: another process found no {batch_arg_name} that fits"
+        )  # fmt: skip
+    if max_trials and int(agreed * (1 - margin)) < agreed:
+        reduced = max(1, int(agreed * (1 - margin)))
+        announce(f"Applying margin of {margin:.1%}, reducing batch size from {agreed} to {reduced}")  # Lightning's
+        agreed = reduced
+    announce(f"Finished batch size finder, will continue with full run using batch size {agreed}")  # Lightning's
+    return agreed
 
 
 def find_lr(
@@ -247,38 +260,6 @@ def _sweep(
     return finder
 
 
-def _check_tuner_data(train_dataloaders: Any, dataloaders: Any, datamodule: DataModule | None, method: str,
-                      tool: str) -> DataModule | None:  # fmt: skip
-    """The datamodule to tune with (as in Lightning's ``fit``, one may be given as ``train_dataloaders``), once
-    ``method`` and the loaders are checked as Lightning's tuner checks them."""
-    methods = ("fit", "validate", "test", "predict")
-    if method not in methods:  # Lightning's words
-        raise ValueError(f"method {method!r} is invalid. Should be one of {methods}.")
-    if method != "fit":
-        raise MisconfigurationException(
-            f"method={method!r}: method='fit' is the only valid configuration to run {tool} (it tunes training)"
-        )
-    if dataloaders is not None:
-        raise MisconfigurationException("In tuner with method='fit', pass train_dataloaders, not dataloaders")
-    return train_dataloaders if isinstance(train_dataloaders, DataModule) else datamodule
-
-
-def _check_scale_batch_size(mode: str, lr_scaling: str | None, margin: float, **counts: int) -> None:
-    if mode not in ("power", "binsearch"):
-        raise MisconfigurationException(  # Lightning's words first
-            f"`mode` should be either of ('power', 'binsearch'): scale_batch_size(mode={mode!r})"
-        )
-    if not 0.0 <= margin < 1.0:
-        raise MisconfigurationException(f"scale_batch_size(margin={margin!r}): choose a fraction in [0, 1)")
-    if lr_scaling not in (None, "linear", "sqrt"):
-        raise MisconfigurationException(f"scale_batch_size(lr_scaling={lr_scaling!r}): choose None, 'linear' or 'sqrt'")
-    for name, value in counts.items():
-        least = 0 if name == "max_trials" else 1  # no trial: init_val is the size, as in Lightning
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            allowed = "an int >= 0" if least == 0 else "a positive int"
-            raise MisconfigurationException(f"scale_batch_size({name}={value!r}) must be {allowed}")
-
-
 class _Trials:
     """Short runs of training steps on this rank's device, with the module's weights put back after each."""
 
@@ -291,6 +272,8 @@ class _Trials:
         max_memory: int | None,
         loader: Iterable | None = None,
         train_dataloaders: Iterable | None = None,
+        stage: str = "fit",
+        in_stage: bool = False,
     ) -> None:
         if not module.automatic_optimization:
             raise MisconfigurationException(
@@ -299,20 +282,22 @@ class _Trials:
             )
         self.trainer, self.module, self.datamodule = trainer, module, datamodule
         self.steps, self.max_memory = steps, max_memory
-        # Fit's when the trials run inside it (fit has attached everything then), else the one given, else None:
-        # the module's or the datamodule's, built at each trial.
+        # Fit's when the trials run inside it, else the one given, else None: the module's or the datamodule's,
+        # built at each trial.
         self.loader = loader if loader is not None else train_dataloaders
         self.dataset_size = math.inf
-        if loader is None:
+        self.stage = stage  # whose steps the trials run
+        attach = loader is None and not in_stage  # inside a stage, the stage has attached everything
+        if attach:
             # Attached as fit attaches them: the module's configure_optimizers may read the Trainer (its
             # estimated_stepping_batches counts the module's or the datamodule's train loader).
             module.trainer = trainer
             trainer.lightning_module, trainer.datamodule = module, datamodule
         # Fit's steps, without its callbacks, schedulers and clipping; the module's own step hooks run as in fit.
         self.hooks = Hooks(trainer, module, [], datamodule)
-        if datamodule is not None and loader is None:
+        if datamodule is not None and attach:
             datamodule.trainer = trainer
-            self.hooks.call_datamodule("setup", "fit")
+            self.hooks.call_datamodule("setup", stage)
 
     def __call__(self) -> tuple[bool, str]:
         """Whether ``steps`` steps at the current batch size fit in memory (and in ``max_memory``), and the
@@ -321,7 +306,7 @@ class _Trials:
         strategy = self.trainer.strategy
         device = strategy.root_device
         try:
-            with _peak_memory(device, measure=self.max_memory is not None) as peak:
+            with peak_memory(device, measure=self.max_memory is not None) as peak:
                 # What training holds beyond the trial's own tensors (DDP's gradient buckets) is held here too.
                 held = torch.empty(strategy.training_memory(self.module), dtype=torch.uint8, device=device)
                 self.run()
@@ -331,10 +316,10 @@ class _Trials:
             return False, "runs out of memory"
         ran = f"{self.steps} steps in {time.monotonic() - started:.2f} s"
         if self.max_memory is None:
-            return True, f"fits ({ran})"
+            return True, f"fits, {ran}"
         if peak() > self.max_memory:
             return False, f"peaks at {peak() / 2**20:.1f} MiB, over max_memory ({self.max_memory / 2**20:.1f} MiB)"
-        return True, f"fits ({ran}, peak {peak() / 2**20:.1f} MiB)"
+        return True, f"fits, {ran}, peak {peak() / 2**20:.1f} MiB"
 
     def run(
         self,
@@ -342,7 +327,31 @@ class _Trials:
         after_step: Callable[[int, torch.optim.Optimizer, torch.Tensor | None], bool] | None = None,
     ) -> None:
         with _random_state_kept():
-            self._run(on_start, after_step)
+            if self.stage in _EVALUATION_STEPS:
+                self._evaluate(*_EVALUATION_STEPS[self.stage])
+            else:
+                self._run(on_start, after_step)
+
+    def _evaluate(self, kind: str, step: str) -> None:
+        """``steps`` batches of the stage's loader (of ``kind``: "val", ...) through its ``step``, without
+        gradients: an evaluation's trial."""
+        hooks, strategy, module = self.hooks, self.trainer.strategy, self.module
+        loader = _one_loader(hooks.data_loaders(kind), kind)
+        self.dataset_size = len(getattr(loader, "dataset", ())) or math.inf
+        strategy.setup_module(module, training=False)
+        to_device = hooks.batch_transfer(strategy)
+        with_index = takes_batch_idx(getattr(module, step))
+        modes = [(submodule, submodule.training) for submodule in module.modules()]
+        module.eval()
+        try:
+            with torch.no_grad(), hooks.scope(step):
+                for batch_idx, batch in enumerate(islice(loader, self.steps)):
+                    batch = to_device(batch) if to_device is not None else batch
+                    strategy.step(step, *((batch, batch_idx) if with_index else (batch,)))
+        finally:
+            self.trainer.run_metrics.eval.clear()
+            for submodule, training in modes:  # (frozen parts left in evaluation mode stay there)
+                submodule.train(training)
 
     def _run(
         self,
@@ -390,21 +399,32 @@ def _largest_fit(
     for trial in range(1, max_trials + 1):
         _set(owner, batch_arg_name, size)
         fit, outcome = fits()
-        announce(f"scale_batch_size: trial {trial}, {batch_arg_name}={size}: {outcome}")
+        tried = size
         if fit:
             good = size
             largest = min(fits.dataset_size, max_val)  # (the data set's size is known once a trial ran)
-            if size >= largest:
-                break  # one batch holds the whole data set (or max_val is reached): nothing larger to try
-            size = int(min(size * 2, largest)) if not bad else (good + bad) // 2
+            # Nothing larger to try once a batch holds the whole data set (or max_val is reached).
+            size = tried if size >= largest else int(min(size * 2, largest)) if not bad else (good + bad) // 2
         else:
             bad = size
-            if power and good:
-                break
-            size = (good + bad) // 2 if good else size // 2
-        if size < 1 or size in (good, bad):
-            break  # the search has converged (or nothing fits)
+            size = tried if power and good else (good + bad) // 2 if good else size // 2
+        done = trial == max_trials or size < 1 or size in (good, bad)  # converged (or nothing fits)
+        _announce_trial(trial, tried, fit, outcome, None if done else size, fits.dataset_size, max_val)
+        if done:
+            break
     return good, size
+
+
+def _announce_trial(trial: int, size: int, fit: bool, outcome: str, following: int | None, dataset_size: float,
+                    max_val: int) -> None:  # fmt: skip
+    """A trial's line, with Lightning's words first (for code that reads its log)."""
+    verb = "succeeded" if fit else "failed"
+    announce(f"Batch size {size} {verb}" + (f", trying batch size {following}" if following else "") +
+             f" (trial {trial}: {outcome})")  # fmt: skip
+    if fit and size >= dataset_size:
+        announce(f"The batch size {size} is greater or equal than the length of your dataset: {dataset_size}.")
+    elif fit and size >= max_val:
+        announce(f"Reached the maximum batch size limit of {max_val}. Stopping search.")
 
 
 def _display(trainer: Trainer, title: str, total: int) -> ProgressDisplay | None:
@@ -423,16 +443,6 @@ def _show_step(display: ProgressDisplay | None, steps: int, finder: LRFinder) ->
 def _last_point(finder: LRFinder) -> list[str]:
     results = finder.results
     return [f"lr={results['lr'][-1]:.2e}", f"loss={results['loss'][-1]:.4g}"] if results["lr"] else []
-
-
-def check_lr_find(mode: str, min_lr: float, max_lr: float, num_training: int) -> None:
-    """Refuse a sweep that cannot run (a ``min_lr`` above ``max_lr`` sweeps downwards, as Lightning's does)."""
-    if mode not in ("exponential", "linear"):
-        raise MisconfigurationException(f"lr_find(mode={mode!r}): choose 'exponential' or 'linear'")
-    if not (min_lr > 0 and max_lr > 0):
-        raise MisconfigurationException(f"lr_find(min_lr={min_lr}, max_lr={max_lr}): both must be positive")
-    if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 1:
-        raise MisconfigurationException(f"lr_find(num_training={num_training!r}) must be a positive int")
 
 
 @contextlib.contextmanager
@@ -458,6 +468,18 @@ def _endless(loader: Iterable) -> Iterator[Any]:
             raise ValueError("the train dataloader is empty")
 
 
+def _one_loader(loaders: Any, kind: str) -> Iterable:
+    """The one loader of an evaluation (as Lightning's finder, it sizes one)."""
+    several = list(loaders.values()) if isinstance(loaders, dict) else loaders
+    if not isinstance(several, (list, tuple)):
+        return loaders
+    if len(several) != 1:
+        raise MisconfigurationException(  # Lightning's words first
+            f"The Batch size finder cannot be used with multiple {kind} dataloaders: it sizes one loader"
+        )
+    return several[0]
+
+
 def _train_loader(hooks: Hooks) -> Iterable:
     loader = hooks.data_loaders("train")
     if loader is not None:
@@ -466,62 +488,6 @@ def _train_loader(hooks: Hooks) -> Iterable:
         "`train_dataloader` must be implemented to be used with the tuner: pass train_dataloaders to lr_find, or "
         "define train_dataloader() on the Module or a DataModule (scale_batch_size builds it again at each size)"
     )
-
-
-@contextlib.contextmanager
-def _peak_memory(device: torch.device, measure: bool) -> Iterator[Callable[[], int]]:
-    """The peak bytes of tensor memory while the block runs (measured only when asked)."""
-    peak = 0
-    if not measure:
-        yield lambda: peak
-        return
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-        yield lambda: peak
-        peak = torch.cuda.max_memory_allocated(device) - baseline
-        return
-    # On a CPU there are no allocator statistics: the tensors the ops make are followed until freed.
-    with _LiveTensorBytes() as tensors:
-        yield lambda: peak
-    peak = tensors.peak
-
-
-class _LiveTensorBytes(TorchDispatchMode):
-    """While active, the bytes of the tensor storages the ops create and that are still alive, and their peak.
-
-    (torch's profiler can follow the allocator, but it writes to stderr each time it starts and stops.)"""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.alive = self.peak = 0
-        self._followed: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(tensor.untyped_storage()) for tensor in tree_leaves((args, kwargs)) if _has_storage(tensor)}
-        for tensor in tree_leaves(out):
-            # A view or an in-place result shares an input's storage: only a new storage is new memory.
-            if _has_storage(tensor) and id(storage := tensor.untyped_storage()) not in inputs:
-                self._follow(storage)
-        return out
-
-    def _follow(self, storage: torch.UntypedStorage) -> None:
-        if storage in self._followed:
-            return
-        self._followed.add(storage)
-        size = storage.nbytes()
-        self.alive += size
-        self.peak = max(self.peak, self.alive)
-        weakref.finalize(storage, self._freed, size)  # the storage's Python object lives as long as its memory
-
-    def _freed(self, size: int) -> None:
-        self.alive -= size
-
-
-def _has_storage(value: Any) -> bool:
-    """A dense tensor (a sparse one's memory is in its index and value tensors, which the ops made too)."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided
 
 
 # ------------------------------------------------------------------------------ attributes
@@ -557,7 +523,16 @@ def _lr_attribute(module: Module, attr_name: str) -> str:
     return found
 
 
-def _attribute_owner(names: str | tuple[str, ...], module: Module, datamodule: DataModule | None, what: str) -> Any:
+def warn_duplicate_field(module: Module, name: str) -> None:
+    """Warn where the module holds ``name`` both as an attribute and as a hyperparameter (the search sets both)."""
+    if name in getattr(module, "hparams", {}) and name in vars(module):
+        rank_zero_warn(  # Lightning's words first
+            f"Field `model.{name}` and `model.hparams.{name}` are mutually exclusive! The batch size finder sets both "
+            f"to the size it finds; keep one of them, read where the loaders are made"
+        )
+
+
+def attribute_owner(names: str | tuple[str, ...], module: Module, datamodule: DataModule | None, what: str) -> Any:
     names = (names,) if isinstance(names, str) else names
     for owner in (datamodule, module):
         if owner is not None and any(_has(owner, name) for name in names):
