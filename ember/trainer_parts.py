@@ -192,7 +192,7 @@ def estimated_stepping_batches(trainer: Trainer) -> float:
         loader = Hooks(trainer, trainer.lightning_module, [], trainer.datamodule).data_loaders("train")
         if loader is not None:
             batches = count_batches(loader, config.limit_train_batches, "limit_train_batches")
-    accumulate = config.accumulate_grad_batches
+    accumulate = trainer.accumulate_grad_batches  # the current epoch's, as Lightning's (under a schedule)
     per_epoch = batches if math.isinf(batches) else math.ceil(batches / (1 if accumulate == "auto" else accumulate))
     total = per_epoch * config.epoch_limit if config.epoch_limit != -1 else math.inf
     return min(total, config.max_steps) if config.max_steps != -1 else total

@@ -57,6 +57,7 @@ _CALLBACKS: Names = {
             "Callback",
             "ModelCheckpoint",
             "EarlyStopping",
+            "GradientAccumulationScheduler",
             "LearningRateMonitor",
             "ModelSummary",
             "DeviceStatsMonitor",
@@ -79,7 +80,6 @@ _CALLBACKS: Names = {
     "StochasticWeightAveraging": Missing(_SWA),
     "WeightAveraging": Missing(_SWA),
     "EMAWeightAveraging": Missing(_SWA),
-    "GradientAccumulationScheduler": Missing("use Trainer(accumulate_grad_batches=N), a fixed count"),
     "ModelPruning": Missing("apply torch.nn.utils.prune in a callback of your own"),
     "LearningRateFinder": "ember.tuner:LearningRateFinder",
     "BatchSizeFinder": Missing(_TUNER),
@@ -206,6 +206,9 @@ PYTORCH: dict[str, Names] = {
         "WriteInterval": "ember.callbacks.prediction_writer:WriteInterval",
     },
     "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
+    "callbacks.gradient_accumulation_scheduler": {
+        "GradientAccumulationScheduler": "ember.callbacks:GradientAccumulationScheduler"
+    },
     "callbacks.lr_finder": {"LearningRateFinder": "ember.tuner:LearningRateFinder"},
     "callbacks.checkpoint": {"Checkpoint": "ember.callbacks:ModelCheckpoint"},
     "callbacks.model_summary": {"ModelSummary": "ember.callbacks:ModelSummary"},
@@ -308,7 +311,6 @@ MISSING_MODULES = {
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
     "callbacks.stochastic_weight_avg": _SWA,
     "callbacks.weight_averaging": _SWA,
-    "callbacks.gradient_accumulation_scheduler": "use Trainer(accumulate_grad_batches=N), a fixed count",
     "callbacks.batch_size_finder": _TUNER,
     "callbacks.pruning": "apply torch.nn.utils.prune in a callback of your own",
     "callbacks.spike": "use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end",
