@@ -172,3 +172,18 @@ def test_a_run_resumed_with_another_factor_for_its_epoch_runs_the_unfinished_win
     trainer = _fit(Regressor(), GradientAccumulationScheduler({1: 2}), ckpt_path=path)
     assert "resuming with accumulate 4 -> 2: epoch 1 continues at sample 16" in capsys.readouterr().out
     assert trainer.global_step == 10 + 1 + 3 + 5  # epoch 1: its first window, then batches 4-9 in windows of 2
+
+
+def test_each_fit_starts_from_the_flag_s_factor() -> None:
+    estimates: list[float] = []
+
+    class Model(Regressor):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            estimates.append(self.trainer.estimated_stepping_batches)
+            return super().configure_optimizers()
+
+    trainer = quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False,
+                            callbacks=[GradientAccumulationScheduler({1: 2})])  # fmt: skip
+    for _ in range(2):
+        trainer.fit(Model(), make_loader(40, batch_size=4))
+    assert estimates == [20, 20]  # 2 epochs of 10 batches, each its own step, as for Lightning's first fit

@@ -90,10 +90,10 @@ class FitLoop:
         """Train on what ``load_train`` gives, validating on what ``load_validation`` gives (None: no validation);
         ``restore`` puts a checkpoint's state in place once the optimizers exist."""
         trainer, progress, config, hooks = self.trainer, self.progress, self.trainer.config, self.trainer.hooks
+        self.last_result, self.last_loss, self.accumulate = None, None, config.accumulate_grad_batches
         self.data = TrainingData(trainer, load_train, load_validation)
         self.runner = self._start_optimization()
         self.state.start(data_seed=trainer.strategy.broadcast(torch.initial_seed() % 2**63))
-        self.last_result, self.last_loss, self.accumulate = None, None, config.accumulate_grad_batches
         if restore is not None:
             restore()  # may bring the gradients of an unfinished window
         trainer.strategy.join_replica_groups(trainer)  # fault tolerance: a group that is behind heals, before data
