@@ -82,6 +82,10 @@ def test_lightning_names_are_embers_own_objects() -> None:
     [
         ("from lightning.pytorch.callbacks.model_summary import ModelSummary", "ember.callbacks.ModelSummary"),
         ("from pytorch_lightning.callbacks.timer import Timer", "ember.callbacks.Timer"),
+        ("from lightning.pytorch.callbacks import GradientAccumulationScheduler",
+         "ember.callbacks.GradientAccumulationScheduler"),
+        ("from pytorch_lightning.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler",
+         "ember.callbacks.GradientAccumulationScheduler"),
         ("from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar",
          "ember.callbacks.ProgressBarBase"),
         ("from lightning.pytorch.strategies.single_device import SingleDeviceStrategy",
