@@ -387,7 +387,7 @@ def _event_steps(path: str) -> dict[str, list[int]]:
 SAME_ORDER = {
     "autoencoder_tutorial", "multi_val_loaders", "bf16_accumulation", "early_stopping", "prediction_writer",
     "finetuning", "warmup_transformer", "custom_batch", "callback_hooks", "cli_program", "tensorboard_logging",
-    "hparams_inheritance", "datamodule_from_datasets",
+    "hparams_inheritance", "datamodule_from_datasets", "accumulation_schedule",
 }  # fmt: skip
 
 SINGLE_PROCESS = sorted(
