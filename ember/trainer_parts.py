@@ -33,7 +33,7 @@ from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
 from ember.module import Module
-from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_warn
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -172,11 +172,9 @@ def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
     it counts the time a resumed run trained before, which checkpoints save)."""
     if max_time is None:
         return
-    if any(isinstance(callback, Timer) for callback in callbacks):
-        rank_zero_warn_once(
-            f"Trainer(max_time={max_time!r}) is left aside: the callbacks hold a Timer, whose duration applies",
-            stacklevel=4,
-        )
+    if any(isinstance(callback, Timer) for callback in callbacks):  # said at INFO, as Lightning says it
+        announce(f"Ignoring `Trainer(max_time={max_time!r})`, callbacks list already contains a Timer: its duration "
+                 "applies")  # fmt: skip
         return
     callbacks.append(Timer(duration=max_time, interval="step"))
 
