@@ -167,7 +167,7 @@ class TrainerConfig:
     """Add a ``ModelCheckpoint`` (every epoch, into the run directory) unless one is given."""
 
     enable_model_summary: bool = True
-    """Print a table of the module's layers and parameter counts when ``fit`` starts."""
+    """Add a ``ModelSummary`` (the module's layers and parameter counts when ``fit`` starts) unless one is given."""
 
     profiler: str | Profiler | None = None
     """"simple" (a table of where the time goes), "pytorch" (a trace) or a ``Profiler``."""

@@ -207,7 +207,7 @@ class Trainer(LightningProperties):
     max_steps: Reads[int] = Reads("config.max_steps")
     min_epochs: Reads[int | None] = Reads("config.min_epochs")
     min_steps: Reads[int | None] = Reads("config.min_steps")
-    accumulate_grad_batches: Reads[int | Literal["auto"]] = Reads("config.accumulate_grad_batches")
+    accumulate_grad_batches: Reads[int | Literal["auto"]] = Reads("fit_loop.accumulate")
     log_every_n_steps: Reads[int] = Reads("config.log_every_n_steps")
     check_val_every_n_epoch: Reads[int | None] = Reads("config.check_val_every_n_epoch")
     val_check_interval: Reads[int | float | str | timedelta | Mapping[str, int]] = Reads("config.val_check_interval")

@@ -33,7 +33,7 @@ from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
 from ember.module import Module
-from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
+from ember.rank_zero import announce, rank_zero_warn
 
 if TYPE_CHECKING:
     from ember.trainer import Trainer
@@ -118,6 +118,9 @@ def default_loggers(config: TrainerConfig) -> list[Logger]:
 
 
 def default_callbacks(config: TrainerConfig) -> list[Callback]:
+    """The callbacks given, then the defaults the flags add, in Lightning's order: the ``Timer`` of ``max_time``, the
+    progress bar, the model summary and the ``ModelCheckpoint`` (which goes last, with the given ones). A flag turns
+    a default off; a progress bar or checkpoint given against it is refused, a ``ModelSummary`` is kept."""
     callbacks = config.callbacks
     given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
     bars = [callback for callback in given if isinstance(callback, ProgressBarBase)]
@@ -131,22 +134,19 @@ def default_callbacks(config: TrainerConfig) -> list[Callback]:
         raise MisconfigurationException(
             f"Trainer: `enable_progress_bar=False` but found `{type(bar).__name__}` in callbacks: remove one of them"
         )
-    if config.enable_progress_bar and bar is None:
-        # A program that uses Lightning's names gets Lightning's class (the same bar, with refresh_rate 1).
-        given.append(TQDMProgressBar() if lightning_names_served() else ProgressBar())
     checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in given)
-    if config.enable_checkpointing and not checkpointing:
-        given.append(ModelCheckpoint())
     if not config.enable_checkpointing and checkpointing:
         raise MisconfigurationException(
             "Trainer: `enable_checkpointing=False` but found `ModelCheckpoint` in callbacks: remove one of them"
         )
-    summary = any(isinstance(callback, ModelSummary) for callback in given)
-    if config.enable_model_summary and not summary:
-        given.insert(0, ModelSummary())
-    if not config.enable_model_summary and summary:
-        raise ValueError("enable_model_summary=False, but a ModelSummary was passed in callbacks")
     _add_timer(given, config.max_time)
+    if config.enable_progress_bar and bar is None:
+        # A program that uses Lightning's names gets Lightning's class (the same bar, with refresh_rate 1).
+        given.append(TQDMProgressBar() if lightning_names_served() else ProgressBar())
+    if config.enable_model_summary and not any(isinstance(callback, ModelSummary) for callback in given):
+        given.append(ModelSummary())
+    if config.enable_checkpointing and not checkpointing:
+        given.append(ModelCheckpoint())
     return checkpoints_last(given)
 
 
@@ -172,11 +172,9 @@ def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
     it counts the time a resumed run trained before, which checkpoints save)."""
     if max_time is None:
         return
-    if any(isinstance(callback, Timer) for callback in callbacks):
-        rank_zero_warn_once(
-            f"Trainer(max_time={max_time!r}) is left aside: the callbacks hold a Timer, whose duration applies",
-            stacklevel=4,
-        )
+    if any(isinstance(callback, Timer) for callback in callbacks):  # said at INFO, as Lightning says it
+        announce(f"Ignoring `Trainer(max_time={max_time!r})`, callbacks list already contains a Timer: its duration "
+                 "applies")  # fmt: skip
         return
     callbacks.append(Timer(duration=max_time, interval="step"))
 
@@ -192,7 +190,7 @@ def estimated_stepping_batches(trainer: Trainer) -> float:
         loader = Hooks(trainer, trainer.lightning_module, [], trainer.datamodule).data_loaders("train")
         if loader is not None:
             batches = count_batches(loader, config.limit_train_batches, "limit_train_batches")
-    accumulate = config.accumulate_grad_batches
+    accumulate = trainer.accumulate_grad_batches  # the current epoch's, as Lightning's (under a schedule)
     per_epoch = batches if math.isinf(batches) else math.ceil(batches / (1 if accumulate == "auto" else accumulate))
     total = per_epoch * config.epoch_limit if config.epoch_limit != -1 else math.inf
     return min(total, config.max_steps) if config.max_steps != -1 else total
@@ -225,13 +223,18 @@ def log_hyperparameters(trainer: Trainer) -> None:
             logger.log_graph(module)
 
 
-def with_module_callbacks(callbacks: list[Callback], returned: Callback | Sequence[Callback]) -> list[Callback]:
-    """The Trainer's callbacks with those the module's ``configure_callbacks()`` ``returned``, which replace any of
-    the same type."""
-    added = [returned] if isinstance(returned, Callback) else list(returned)
+def with_module_callbacks(callbacks: list[Callback], returned: Callback | Sequence[Callback] | None) -> list[Callback]:
+    """The Trainer's callbacks with those the module's ``configure_callbacks()`` ``returned`` (None: none), as
+    Lightning merges them: one returned replaces the Trainer's of its class and of the classes it extends (not a
+    bare ``Callback``), which is announced."""
+    added = [returned] if isinstance(returned, Callback) else list(returned or [])
     if not added:
         return callbacks
-    replaced = {type(callback) for callback in added}
+    present = {type(callback) for callback in callbacks} - {Callback}
+    replaced = {kind for kind in present if any(isinstance(callback, kind) for callback in added)}
+    if replaced:
+        announce("The following callbacks returned in `LightningModule.configure_callbacks` will override existing "
+                 f"callbacks passed to Trainer: {', '.join(sorted(kind.__name__ for kind in replaced))}")  # fmt: skip
     kept = [callback for callback in callbacks if type(callback) not in replaced]
     return checkpoints_last(kept + added)
 

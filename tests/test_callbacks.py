@@ -57,11 +57,15 @@ def test_model_summary_depth_and_turning_it_off(capsys: pytest.CaptureFixture[st
         Regressor(), make_loader(16)
     )
     assert "Total params" not in capsys.readouterr().out
+    # The flag turns off the default summary only: one given is kept, as in Lightning.
+    given = ModelSummary(max_depth=2)
+    trainer = ember.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_model_summary=False, callbacks=given)
+    assert [callback for callback in trainer.callbacks if isinstance(callback, ModelSummary)] == [given]
+    trainer.fit(_TwoLayers(), make_loader(16))
+    assert "encoder.0 | Linear" in capsys.readouterr().out
     trainer = ember.Trainer(accelerator="cpu", max_epochs=1, logger=False, callbacks=[ModelSummary(max_depth=0)])
     trainer.fit(Regressor(), make_loader(16))
     assert "Total params" not in capsys.readouterr().out  # depth 0 turns it off, as in Lightning
-    with pytest.raises(ValueError, match="enable_model_summary=False, but a ModelSummary was passed"):
-        ember.Trainer(enable_model_summary=False, callbacks=[ModelSummary()])
     with pytest.raises(ValueError, match=r"ModelSummary\(max_depth=-2\): expected -1"):
         ModelSummary(max_depth=-2)
 

@@ -332,6 +332,43 @@ def test_a_mock_standing_in_for_a_callback_gets_the_hooks() -> None:
     assert returned.method_calls == given.method_calls
 
 
+class _Stopping(EarlyStopping):
+    pass
+
+
+class _Checkpoint(ember.callbacks.ModelCheckpoint):
+    pass
+
+
+def test_the_defaults_follow_the_given_callbacks_in_lightnings_order() -> None:
+    given = LambdaCallback()
+    kinds = [type(callback) for callback in ember.Trainer(callbacks=given, max_time="00:01:00:00").callbacks]
+    assert kinds == [LambdaCallback, Timer, ProgressBar, ModelSummary, ember.callbacks.ModelCheckpoint]
+    summary = ModelSummary(max_depth=3)  # a given one takes the default's place, wherever it is given
+    assert ember.Trainer(callbacks=[summary, given]).callbacks[:2] == [summary, given]
+
+
+def test_the_module_s_callbacks_replace_the_trainer_s_of_their_class_or_its_bases(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    returned: Any = None
+
+    class Model(Regressor):
+        def configure_callbacks(self) -> Any:
+            return returned
+
+    bare, stopping, other = Callback(), EarlyStopping("train_loss", mode="max"), LambdaCallback()
+    trainer = quiet_trainer(max_steps=1, logger=False, callbacks=[bare, stopping, other])
+    trainer.fit(Model(), make_loader(8))  # None: nothing to add
+    callbacks = trainer.callbacks
+    returned = [_Stopping("train_loss"), _Checkpoint(), Callback()]
+    with caplog.at_level(logging.INFO, logger="ember"):
+        trainer.fit(Model(), make_loader(8))
+    # A bare Callback replaces nothing and is replaced by nothing, as in Lightning.
+    assert trainer.callbacks == [bare, other, returned[0], returned[2], returned[1]] != callbacks
+    assert "will override existing callbacks passed to Trainer: EarlyStopping, ModelCheckpoint" in caplog.text
+
+
 def test_hooks_set_on_a_callback_instance_are_called_and_has_work_in_is_the_classs() -> None:
     called: list[str] = []
     callback = Callback()

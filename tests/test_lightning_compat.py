@@ -95,6 +95,10 @@ def test_lightning_names_are_embers_own_objects() -> None:
          "ember.callbacks.StochasticWeightAveraging"),
         ("from pytorch_lightning.callbacks.stochastic_weight_avg import StochasticWeightAveraging",
          "ember.callbacks.StochasticWeightAveraging"),
+        ("from lightning.pytorch.callbacks import GradientAccumulationScheduler",
+         "ember.callbacks.GradientAccumulationScheduler"),
+        ("from pytorch_lightning.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler",
+         "ember.callbacks.GradientAccumulationScheduler"),
         ("from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar",
          "ember.callbacks.ProgressBarBase"),
         ("from lightning.pytorch.strategies.single_device import SingleDeviceStrategy",
@@ -396,7 +400,7 @@ def _event_steps(path: str) -> dict[str, list[int]]:
 SAME_ORDER = {
     "autoencoder_tutorial", "multi_val_loaders", "bf16_accumulation", "early_stopping", "prediction_writer",
     "finetuning", "warmup_transformer", "custom_batch", "callback_hooks", "cli_program", "tensorboard_logging",
-    "hparams_inheritance", "datamodule_from_datasets",
+    "hparams_inheritance", "datamodule_from_datasets", "accumulation_schedule",
 }  # fmt: skip
 
 SINGLE_PROCESS = sorted(

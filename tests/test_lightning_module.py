@@ -454,7 +454,7 @@ def test_the_module_s_callbacks_are_asked_for_at_each_stage() -> None:
     class Model(Regressor):
         def configure_callbacks(self) -> list[Callback]:
             asked.append(self.trainer.state.fn)
-            return [ember.callbacks.ModelCheckpoint(monitor="val_loss"), Callback()]
+            return [ember.callbacks.ModelCheckpoint(monitor="val_loss"), ember.callbacks.LambdaCallback()]
 
     model = Model()
     trainer = quiet_trainer(max_epochs=2, logger=False)
@@ -463,7 +463,7 @@ def test_the_module_s_callbacks_are_asked_for_at_each_stage() -> None:
     trainer.test(dataloaders=make_loader(8), ckpt_path="best", verbose=False)  # a fresh ModelCheckpoint knows it
     assert asked == ["fit", "test"] and trainer.ckpt_path == best
     # each stage's replace the earlier ones of their type
-    assert sorted(type(callback).__name__ for callback in trainer.callbacks) == ["Callback", "ModelCheckpoint"]
+    assert sorted(type(callback).__name__ for callback in trainer.callbacks) == ["LambdaCallback", "ModelCheckpoint"]
 
 
 # -------------------------------------------------------------------------------- the module

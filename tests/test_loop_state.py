@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -215,13 +216,14 @@ def test_the_lightning_names_of_settings_read_the_config() -> None:
         trainer.max_steps = 3  # type: ignore[misc]
 
 
-def test_max_time_is_a_timer_among_the_callbacks() -> None:
+def test_max_time_is_a_timer_among_the_callbacks(caplog: pytest.LogCaptureFixture) -> None:
     trainer = quiet_trainer(max_time={"seconds": 30}, logger=False)
     timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer)]
     assert len(timers) == 1 and timers[0].duration == 30
     own = Timer(duration={"minutes": 1})
-    with pytest.warns(UserWarning, match="max_time"):
+    with caplog.at_level(logging.INFO, logger="ember"):
         trainer = quiet_trainer(max_time={"seconds": 30}, callbacks=[own], logger=False)
+    assert "Ignoring `Trainer(max_time={'seconds': 30})`, callbacks list already contains a Timer" in caplog.text
     assert [callback for callback in trainer.callbacks if isinstance(callback, Timer)] == [own]
 
 

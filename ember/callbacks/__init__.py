@@ -5,6 +5,7 @@ from ember.callbacks.checkpoint import ModelCheckpoint
 from ember.callbacks.device_stats import DeviceStatsMonitor
 from ember.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
 from ember.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
+from ember.callbacks.gradient_accumulation import GradientAccumulationScheduler
 from ember.callbacks.lambda_function import LambdaCallback
 from ember.callbacks.lr_monitor import LearningRateMonitor
 from ember.callbacks.model_summary import ModelSummary
@@ -26,6 +27,7 @@ __all__ = [
     "DeviceStatsMonitor",
     "EarlyStopping",
     "EarlyStoppingReason",
+    "GradientAccumulationScheduler",
     "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",

@@ -70,14 +70,15 @@ class LoopState:
         self.pending_random_state = state.get("random_state")
 
 
-def data_layout(trainer: Trainer) -> dict[str, Any]:
-    """What a checkpoint's position in the epoch is relative to: the data seed and the data's layout."""
+def data_layout(trainer: Trainer, epoch: int) -> dict[str, Any]:
+    """What a checkpoint's position in the epoch is relative to: the data seed and the data's layout, with the
+    accumulation of ``epoch``, the epoch the position resumes in (under a schedule, the next one at an epoch's end)."""
     fit_loop = trainer.fit_loop
     if fit_loop.data is not None:
         # Saved or resumed before the loop asks for the training loader (after the sanity check): ask now.
         fit_loop.data.load()
     loader = fit_loop.train_loader
-    accumulate = trainer.config.accumulate_grad_batches
+    accumulate = fit_loop.accumulation_of(epoch)
     accumulate = accumulate if isinstance(accumulate, int) else 1
     batches = fit_loop.num_training_batches  # limit_train_batches and drop_last counted
     return {
@@ -119,7 +120,7 @@ def resume(trainer: Trainer, checkpoint: dict[str, Any], path: str) -> None:
             f"Trainer(max_epochs={limit}): ckpt_path={path!r} has trained past that limit; raise max_epochs to "
             "continue its run, or start a new run from its weights (Module.load_from_checkpoint)"
         )
-    saved, now = checkpoint["data"], data_layout(trainer)
+    saved, now = checkpoint["data"], data_layout(trainer, position.epoch)
     new_seed = _changes(saved, now, ("global_seed",))
     same_setup = _place(trainer, position, saved, now, new_seed, path)
     own = _own_rank_state(trainer, checkpoint["ranks"], path)

@@ -57,7 +57,7 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
             precision=strategy.precision.state_dict(),
             callbacks={callback.state_key: callback.state_dict() for callback in trainer.callbacks},
             loggers=[{"version": logger.version} for logger in trainer.loggers],
-            data=resume.data_layout(trainer),
+            data=resume.data_layout(trainer, fit_loop.progress.epoch + fit_loop.progress.epoch_finished),
             ranks=dict(enumerate(strategy.all_gather_object(own))) if gather else {trainer.global_rank: own},
         )
     # As in Lightning, a weights-only checkpoint keeps the datamodule's state and hyperparameters, and what the

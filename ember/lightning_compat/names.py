@@ -59,6 +59,7 @@ _CALLBACKS: Names = {
             "Callback",
             "ModelCheckpoint",
             "EarlyStopping",
+            "GradientAccumulationScheduler",
             "LearningRateMonitor",
             "ModelSummary",
             "DeviceStatsMonitor",
@@ -81,7 +82,6 @@ _CALLBACKS: Names = {
     "Checkpoint": "ember.callbacks:ModelCheckpoint",
     "WeightAveraging": Missing(_SWA),
     "EMAWeightAveraging": Missing(_SWA),
-    "GradientAccumulationScheduler": Missing("use Trainer(accumulate_grad_batches=N), a fixed count"),
     "ModelPruning": Missing("apply torch.nn.utils.prune in a callback of your own"),
     "LearningRateFinder": "ember.tuner:LearningRateFinder",
     "BatchSizeFinder": "ember.tuner:BatchSizeFinder",
@@ -209,6 +209,9 @@ PYTORCH: dict[str, Names] = {
     },
     "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
     "callbacks.stochastic_weight_avg": {"StochasticWeightAveraging": "ember.callbacks:StochasticWeightAveraging"},
+    "callbacks.gradient_accumulation_scheduler": {
+        "GradientAccumulationScheduler": "ember.callbacks:GradientAccumulationScheduler"
+    },
     "callbacks.lr_finder": {"LearningRateFinder": "ember.tuner:LearningRateFinder"},
     "callbacks.batch_size_finder": {"BatchSizeFinder": "ember.tuner:BatchSizeFinder"},
     "callbacks.checkpoint": {"Checkpoint": "ember.callbacks:ModelCheckpoint"},
@@ -311,7 +314,6 @@ MISSING_MODULES = {
     "loggers.neptune": _LOGGER,
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
     "callbacks.weight_averaging": _SWA,
-    "callbacks.gradient_accumulation_scheduler": "use Trainer(accumulate_grad_batches=N), a fixed count",
     "callbacks.pruning": "apply torch.nn.utils.prune in a callback of your own",
     "callbacks.spike": "use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end",
     "strategies.deepspeed": "use ember.strategies.FSDPStrategy, which shards parameters, gradients and optimizer "

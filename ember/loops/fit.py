@@ -13,10 +13,11 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Generator, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ember.callbacks.gradient_accumulation import epoch_accumulation
 from ember.checkpoint.resume import LoopState
 from ember.exceptions import PossibleUserWarning
 from ember.loops.loss import LossCheck, batch_end_output
@@ -69,6 +70,7 @@ class FitLoop:
         self.state = LoopState()  # where the run is: checkpoints save it, resuming sets it
         self.stopping = Stopping()
         self.losses = LossCheck()
+        self.accumulate: int | Literal["auto"] = trainer.config.accumulate_grad_batches  # the epoch's (a schedule's)
         # Per fit: set when a fit starts, read by callbacks and the Trainer's properties.
         self.data: TrainingData | None = None
         self.runner: StepRunner | None = None
@@ -79,21 +81,16 @@ class FitLoop:
         self.sanity_checking = False
 
     # ---------------------------------------------------------------------------------- a fit
-    def run(
-        self,
-        load_train: Callable[[], Iterable],
-        load_validation: Callable[[], list[Iterable]] | None,
-        restore: Callable[[], None] | None,
-        train_given: bool = False,
-    ) -> None:
+    def run(self, load_train: Callable[[], Iterable], load_validation: Callable[[], list[Iterable]] | None,
+            restore: Callable[[], None] | None, train_given: bool = False) -> None:  # fmt: skip
         """Train on what ``load_train`` gives (``train_given``: the loaders passed to ``fit``), validating on what
         ``load_validation`` gives (None: no validation); ``restore`` puts a checkpoint's state in place once the
         optimizers exist."""
         trainer, progress, config, hooks = self.trainer, self.progress, self.trainer.config, self.trainer.hooks
+        self.last_result, self.last_loss, self.accumulate = None, None, config.accumulate_grad_batches
         self.data = TrainingData(trainer, load_train, load_validation, train_given)
         self.runner = self._start_optimization()
         self.state.start(data_seed=trainer.strategy.broadcast(torch.initial_seed() % 2**63))
-        self.last_result = self.last_loss = None
         if restore is not None:
             restore()  # may bring the gradients of an unfinished window
         trainer.strategy.join_replica_groups(trainer)  # fault tolerance: a group that is behind heals, before data
@@ -146,7 +143,7 @@ class FitLoop:
             batch_start=hooks.train_batch_start(),
             batch_end_hooks=hooks.implementations("on_train_batch_end"),
             manual=not runner.module.automatic_optimization,
-            loss_divisor=accumulate if isinstance(accumulate := config.accumulate_grad_batches, int) else 1,
+            loss_divisor=1,  # set as each epoch starts
             max_steps=config.max_steps if config.max_steps != -1 else math.inf,
             next_log_step=config.log_every_n_steps or _LOSS_CHECK_STEPS,
         )
@@ -154,6 +151,8 @@ class FitLoop:
     # ---------------------------------------------------------------------------------- an epoch
     def _run_epoch(self, fit: _Fit) -> _Outcome:
         hooks, self.stopping.inside_epoch = self.trainer.hooks, False  # (a fit that goes on in a stopped epoch)
+        self.accumulate = accumulate = self.accumulation_of(self.progress.epoch)
+        fit.loss_divisor = accumulate if isinstance(accumulate, int) else 1
         # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         hooks.call("on_train_epoch_start")
         # Closed early, the batches end the loader's workers. The steps and the hooks of each batch log per step.
@@ -229,12 +228,11 @@ class FitLoop:
     def _first_window(self) -> Window | None:
         """The epoch's first accumulation window; None when every batch is a window of its own (no accumulation)
         and the step runner runs each in one call."""
-        runner, progress, data = self.runner, self.progress, self.data
-        assert runner is not None and data is not None
-        if runner.accumulate is None:
+        progress, data, accumulate = self.progress, self.data, self.accumulate
+        if not isinstance(accumulate, int) or accumulate == 1 or data is None:
             return None
         left = data.num_batches - progress.epoch_batches + progress.window_batches  # from the window's start
-        return Window(runner.accumulate, left, done=progress.window_batches)
+        return Window(accumulate, left, done=progress.window_batches)
 
     def _loader_ended(self, window: Window | None) -> _Outcome:
         """The end of an epoch whose loader ran out before a batch flagged as its last: it yielded no batch, or
@@ -370,13 +368,17 @@ class FitLoop:
         manual = self.runner is not None and not self.runner.module.automatic_optimization
         return self.progress.total_batches if manual else self.progress.global_step
 
+    def accumulation_of(self, epoch: int) -> int | Literal["auto"]:
+        """The ``accumulate_grad_batches`` of ``epoch``: the flag's, or a ``GradientAccumulationScheduler``'s."""
+        return epoch_accumulation(self.trainer.callbacks, self.trainer.config.accumulate_grad_batches, epoch)
+
     def batches_this_epoch(self) -> float:
         """The training batches the current epoch will have run when it ends: the loader's, or fewer when
         ``max_steps`` ends training inside it (known only where steps follow batches: automatic optimization)."""
         config, progress, runner = self.trainer.config, self.progress, self.runner
         if config.max_steps == -1 or runner is None or not runner.module.automatic_optimization:
             return self.num_training_batches
-        window = runner.accumulate or 1
+        window = self.accumulate if isinstance(self.accumulate, int) else 1
         start = progress.epoch_batches - progress.window_batches  # where the unfinished window began
         return min(self.num_training_batches, start + (config.max_steps - progress.global_step) * window)
 

@@ -127,8 +127,9 @@ class StepRunner:
 
     Args:
         progress: where the fit is, read for the hooks' arguments and the schedulers' counts (never written).
-        accumulate: ``accumulate_grad_batches``: micro-batches per optimizer step, or "auto" (each batch is
-            split into as many pieces as it takes to fit in memory).
+        accumulate: ``accumulate_grad_batches``, checked against the module and the strategy: "auto" splits each
+            batch into as many pieces as it takes to fit in memory; a count is the size of the windows the fit loop
+            gives ``micro_step``.
         clip_val, clip_algorithm: the Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm`` (None: "norm").
         before_step_hooks: called with the optimizer once its gradients are complete and unscaled.
         metrics: the callback metrics, read by schedulers that watch one (``ReduceLROnPlateau``).
@@ -161,8 +162,6 @@ class StepRunner:
         self.before_step_hooks = list(before_step_hooks)
         self.metrics = metrics
         self.hooks = hooks = hooks or StepHooks()
-        #: Micro-batches per optimizer step when more than one (automatic optimization only), else None.
-        self.accumulate = accumulate if isinstance(accumulate, int) and accumulate > 1 else None
         #: With ``accumulate_grad_batches="auto"``: the pieces each batch is cut into to fit in memory.
         self.micro_batches = 1
         #: What ``Module.optimizers()`` returns: the optimizers wrapped so that ``step()`` comes back here.
