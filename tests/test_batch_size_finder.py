@@ -166,3 +166,13 @@ def test_the_trials_are_logged_in_lightnings_words(caplog: pytest.LogCaptureFixt
     assert caplog.text.count("trying batch size") == 2  # 16, 32, then 64: the whole data set
     assert caplog.text.count("The batch size 64 is greater or equal than the length of your dataset: 64.") == 1
     assert "Finished batch size finder, will continue with full run using batch size 64" in caplog.text
+
+
+@pytest.mark.cuda
+def test_the_search_runs_on_the_gpu() -> None:
+    finder = BatchSizeFinder(max_trials=3)
+    model = _Sized()
+    trainer = quiet_trainer(accelerator="cuda", devices=1, max_epochs=1, logger=False, callbacks=[finder])
+    trainer.fit(model)
+    assert finder.optimal_batch_size == model.batch_size == 8  # 2, 4, 8: three trials
+    assert trainer.train_dataloader.batch_size == 8 and next(model.parameters()).device.type == "cuda"

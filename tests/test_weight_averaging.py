@@ -240,3 +240,16 @@ def test_state_has_lightnings_keys() -> None:
     assert state["scheduler_state"]["_step_count"] == 5  # once when made, then after each of epochs 1 to 4
     assert set(state["average_model_state"]) == set(_Normalized().state_dict())
     assert not math.isnan(float(state["average_model_state"]["net.0.weight"].sum()))
+
+
+@pytest.mark.cuda
+def test_the_average_and_the_batchnorm_pass_run_on_the_gpu() -> None:
+    module, swa = _Normalized(), StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=3)
+    _fit(module, swa, accelerator="cuda", devices=1)
+    assert int(swa.n_averaged) == 3
+    for name, parameter in module.named_parameters():
+        assert parameter.device.type == "cuda"
+        torch.testing.assert_close(parameter.detach(), sum(start[name] for start in module.epoch_starts[2:]) / 3)
+    norm = module.net[1]
+    assert norm.running_mean.device.type == "cuda" and int(norm.num_batches_tracked) > 0
+    assert bool(norm.running_var.isfinite().all())
