@@ -91,6 +91,8 @@ def test_lightning_names_are_embers_own_objects() -> None:
         ("from lightning.pytorch.cli import OptimizerCallable", "ember.cli_lightning.OptimizerCallable"),
         ("from lightning.pytorch.cli import LRSchedulerCallable", "ember.cli_lightning.LRSchedulerCallable"),
         ("from lightning.pytorch.cli import ArgsType", "ember.cli_lightning.ArgsType"),
+        ("from pytorch_lightning.cli import instantiate_class", "ember.cli_lightning.instantiate_class"),
+        ("from lightning.pytorch.cli import LRSchedulerTypeUnion", "ember.cli_lightning.LRSchedulerTypeUnion"),
         ("from lightning.pytorch.trainer.states import TrainerStatus", "ember.trainer_state.TrainerStatus"),
         ("from pytorch_lightning.trainer.states import RunningStage", "ember.trainer_state.RunningStage"),
         ("from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig",
