@@ -235,11 +235,11 @@ class EmberCLI:
         auto_configure_optimizers: bool = True,
         load_from_checkpoint_support: bool = True,
     ) -> None:
-        self.model_class = model_class or Module
+        # As given (None: chosen on the command line, among the subclasses of Module or DataModule).
+        self.model_class = model_class
         self.subclass_mode_model = model_class is None or subclass_mode_model
-        self.datamodule_class = datamodule_class or DataModule
+        self.datamodule_class = datamodule_class
         self.subclass_mode_data = datamodule_class is None or subclass_mode_data
-        self.datamodule_given = datamodule_class is not None
         self.save_config_callback = save_config_callback
         self.save_config_kwargs = save_config_kwargs or {}
         self.trainer_class = trainer_class
@@ -250,7 +250,8 @@ class EmberCLI:
         self.load_from_checkpoint_support = load_from_checkpoint_support
         self._subcommand_parsers: dict[str, EmberArgumentParser] = {}
         self._method_arguments: dict[str, list[str]] = {}
-        self.parser = self._build_parser(run, dict(parser_kwargs or {}))
+        self.parser_kwargs = parser_kwargs or {}
+        self.parser = self._build_parser(run, dict(self.parser_kwargs))
         self.config = self._parse(args)
         self.subcommand: str | None = self.config["subcommand"] if run else None
         self._hyperparameters_from_checkpoint()
@@ -304,10 +305,11 @@ class EmberCLI:
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.set_defaults({f"trainer.{key}": value for key, value in self.trainer_defaults.items()
                              if key != "callbacks"})  # fmt: skip
-        parser.add_lightning_class_args(self.model_class, "model", subclass_mode=self.subclass_mode_model)
+        parser.add_lightning_class_args(self.model_class or Module, "model", subclass_mode=self.subclass_mode_model)
         parser.add_lightning_class_args(
-            self.datamodule_class, "data", subclass_mode=self.subclass_mode_data, required=self.datamodule_given
-        )
+            self.datamodule_class or DataModule, "data", subclass_mode=self.subclass_mode_data,
+            required=self.datamodule_class is not None,
+        )  # fmt: skip
         self.add_arguments_to_parser(parser)
         if self.auto_configure_optimizers:
             if not parser.optimizer_groups:
@@ -367,8 +369,8 @@ class EmberCLI:
         instantiators = [
             (_ConfiguredBuilder(self, key), cls, subclass_mode)
             for key, cls, subclass_mode in (
-                ("model", self.model_class, self.subclass_mode_model),
-                ("data", self.datamodule_class, self.subclass_mode_data),
+                ("model", self.model_class or Module, self.subclass_mode_model),
+                ("data", self.datamodule_class or DataModule, self.subclass_mode_data),
             )
             if self.load_from_checkpoint_support and isinstance(cls, type)
         ]

@@ -85,6 +85,7 @@ def test_class_paths_for_the_model_callbacks_optimizer_and_scheduler() -> None:
     ]  # fmt: skip
     cli = EmberCLI(datamodule_class=Data, args=args, run=False, save_config_callback=None)
     assert isinstance(cli.model, Wider) and cli.model.hparams.scale == 3.0
+    assert cli.model_class is None and cli.datamodule_class is Data  # as given
     assert any(isinstance(callback, ember.callbacks.EarlyStopping) for callback in cli.trainer.callbacks)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     optimizer = cli.trainer.optimizers[0]
@@ -310,7 +311,7 @@ def test_seed_options_from_the_environment_and_the_parser_class(monkeypatch: pyt
 
     cli = EmberCLI(Regressor, Data, args=["--seed_everything=4", *_QUIET], run=False, parser_class=Parser,
                    parser_kwargs={"default_env": True})  # fmt: skip
-    assert isinstance(cli.parser, Parser) and cli.trainer.max_steps == 3
+    assert isinstance(cli.parser, Parser) and cli.trainer.max_steps == 3 and cli.parser_kwargs == {"default_env": True}
     assert os.environ["PL_GLOBAL_SEED"] == "4" and os.environ["PL_SEED_WORKERS"] == "1"  # workers seeded too
     assert EmberCLI(Regressor, Data, args=[], run=False).trainer.max_steps == -1  # the environment unread
 
