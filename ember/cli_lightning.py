@@ -32,6 +32,7 @@ from ember._utils import is_overridden
 from ember.callbacks import Callback
 from ember.exceptions import MisconfigurationException
 from ember.hparams import INSTANTIATOR_KEY, given_hyperparameters
+from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.module import DataModule, Module
 from ember.rank_zero import rank_zero_warn
 from ember.seed import seed_everything
@@ -493,8 +494,20 @@ class _ConfiguredBuilder:
                 for parent in parents:
                     holder = holder[parent]
                 holder[name] = value
-        with given_hyperparameters(cls, hparams, instantiator="ember.cli_lightning.instantiate_module"):
+        with given_hyperparameters(cls, hparams, instantiator=_instantiator_name()):
             return cls(*args, **kwargs)
+
+
+def _instantiator_name() -> str:
+    """The name under which hyperparameters record ``instantiate_module``: in a program that uses Lightning's names,
+    Lightning's, under the name it imported the CLI by (Ember serves it, and Lightning can load the checkpoint too);
+    else Ember's own."""
+    served = [root for root in ("lightning.pytorch", "pytorch_lightning") if f"{root}.cli" in sys.modules]
+    return (
+        f"{served[0]}.cli.instantiate_module"
+        if served and lightning_names_served()
+        else f"{__name__}.instantiate_module"
+    )
 
 
 def instantiate_module(cls: type[_T], config: dict[str, Any]) -> _T:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_data, make_loader
 
 import ember
 from ember import lightning_compat
@@ -106,6 +106,24 @@ def test_submodules_and_names_programs_import(statement: str, name: str) -> None
     with served_by_ember():
         exec(statement, namespace)
     assert namespace[statement.split()[-1]] is getattr(importlib.import_module(module), attribute)
+
+
+def test_the_cli_records_lightnings_instantiator_under_the_name_imported(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("jsonargparse")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with served_by_ember():
+        from pytorch_lightning.cli import LightningCLI
+
+        args = ["--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", "--model.features=3",
+                "--trainer.enable_progress_bar=false"]  # fmt: skip
+        cli = LightningCLI(Regressor, args=args, run=False)
+        cli.trainer.fit(cli.model, torch.utils.data.DataLoader(make_data(8, features=3), batch_size=4))
+    # Lightning loads the checkpoint by this name; Ember serves it with its own instantiate_module.
+    assert cli.model.hparams._instantiator == "pytorch_lightning.cli.instantiate_module"
+    loaded = Regressor.load_from_checkpoint(cli.trainer.checkpoint_callback.best_model_path)
+    assert loaded.layer.in_features == 3 and "_instantiator" not in loaded.hparams
 
 
 @pytest.mark.parametrize(
