@@ -328,8 +328,9 @@ class EmberCLI:
     def _parse(self, args: ArgsType) -> Namespace:
         if args is not None and len(sys.argv) > 1:
             rank_zero_warn(
-                f"{type(self).__name__}(args=...) parses args instead of the command line, whose arguments are "
-                f"ignored: sys.argv[1:]={sys.argv[1:]}, args={args}. Give one or the other, not both",
+                f"{self._name()}'s args parameter is intended to run from within Python like if it were from the "
+                "command line. To prevent mistakes it is not recommended to provide both args and command line "
+                f"arguments, got: sys.argv[1:]={sys.argv[1:]}, args={args} (args is parsed; the command line is not)",
                 stacklevel=5,  # the program's call
             )
         if isinstance(args, (dict, Namespace)):
@@ -428,8 +429,9 @@ class EmberCLI:
         schedulers = {key: cls for key, (cls, link) in parser.scheduler_groups.items() if link == "AUTOMATIC"}
         if len(optimizers) > 1 or len(schedulers) > 1:
             raise MisconfigurationException(
-                f"EmberCLI configures one optimizer and one scheduler by itself, not {[*optimizers, *schedulers]}; "
-                "link the groups to the module's arguments (link_to=...) and build them in configure_optimizers"
+                f"`{self._name()}` expects at most one optimizer and one lr_scheduler to be 'AUTOMATIC', but found "
+                f"{[*optimizers, *schedulers]}: link the groups to the module's arguments (link_to=...) and build "
+                "them in its configure_optimizers"
             )
         optimizer = [(cls, self._get(self.config_init, key)) for key, cls in optimizers.items()]
         if not optimizer or not optimizer[0][1] or self.model is None:
@@ -439,7 +441,7 @@ class EmberCLI:
         if is_overridden("configure_optimizers", model, Module):
             rank_zero_warn(
                 f"`{type(model).__name__}.configure_optimizers` will be overridden by "
-                f"`{type(self).__name__}.configure_optimizers`: --optimizer is given"
+                f"`{self._name()}.configure_optimizers`."
             )
 
         def configure_optimizers() -> Any:  # built when the Trainer asks, from the parameters the module has then
@@ -461,6 +463,10 @@ class EmberCLI:
         after = getattr(self, f"after_{subcommand}", None)
         if callable(after):
             after()
+
+    def _name(self) -> str:
+        """How messages name this CLI: Lightning's name in a program that uses Lightning's names."""
+        return "LightningCLI" if type(self) is EmberCLI and lightning_names_served() else type(self).__name__
 
     def _parser(self) -> EmberArgumentParser:
         return self.parser if self.subcommand is None else self._subcommand_parsers[self.subcommand]

@@ -15,6 +15,7 @@ from conftest import Regressor, make_data
 from torch.utils.data import DataLoader
 
 import ember
+from ember.exceptions import MisconfigurationException
 
 pytest.importorskip("jsonargparse")
 from ember.cli_lightning import EmberArgumentParser, EmberCLI, LRSchedulerCallable, OptimizerCallable, instantiate_class
@@ -318,7 +319,7 @@ def test_seed_options_from_the_environment_and_the_parser_class(monkeypatch: pyt
 
 def test_args_with_a_command_line_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["train.py", "fit"])
-    with pytest.warns(UserWarning, match=r"parses args instead of the command line.*sys.argv\[1:\]=\['fit'\]"):
+    with pytest.warns(UserWarning, match=r"EmberCLI's args parameter is intended to run .*sys.argv\[1:\]=\['fit'\]"):
         EmberCLI(Regressor, Data, args=[], run=False)
 
 
@@ -404,3 +405,16 @@ def test_optimizer_groups_linked_to_the_modules_arguments() -> None:
     optimizer, scheduler = cli.trainer.optimizers[0], cli.trainer.lr_scheduler_configs[0].scheduler
     assert isinstance(optimizer, torch.optim.Adam) and isinstance(scheduler, torch.optim.lr_scheduler.ExponentialLR)
     assert scheduler.base_lrs == [0.02]
+
+
+class TwoOptimizers(EmberCLI):
+    def add_arguments_to_parser(self, parser: EmberArgumentParser) -> None:
+        parser.add_optimizer_args(torch.optim.SGD, nested_key="first")
+        parser.add_optimizer_args(torch.optim.Adam, nested_key="second")
+
+
+def test_two_automatic_optimizer_groups_are_refused() -> None:
+    with pytest.raises(
+        MisconfigurationException, match=r"at most one optimizer .* but found \['first', 'second', 'lr_scheduler'\]"
+    ):
+        TwoOptimizers(Regressor, Data, args=["--first.lr=0.1"], run=False)

@@ -108,7 +108,7 @@ def test_submodules_and_names_programs_import(statement: str, name: str) -> None
     assert namespace[statement.split()[-1]] is getattr(importlib.import_module(module), attribute)
 
 
-def test_the_cli_records_lightnings_instantiator_under_the_name_imported(
+def test_the_cli_records_lightnings_instantiator_and_names_under_the_name_imported(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("jsonargparse")
@@ -118,7 +118,9 @@ def test_the_cli_records_lightnings_instantiator_under_the_name_imported(
 
         args = ["--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", "--model.features=3",
                 "--trainer.enable_progress_bar=false"]  # fmt: skip
-        cli = LightningCLI(Regressor, args=args, run=False)
+        # Messages name the CLI as the program does.
+        with pytest.warns(UserWarning, match="`Regressor.configure_optimizers` will be overridden by `LightningCLI"):
+            cli = LightningCLI(Regressor, args=[*args, "--optimizer=SGD", "--optimizer.lr=0.1"], run=False)
         cli.trainer.fit(cli.model, torch.utils.data.DataLoader(make_data(8, features=3), batch_size=4))
     # Lightning loads the checkpoint by this name; Ember serves it with its own instantiate_module.
     assert cli.model.hparams._instantiator == "pytorch_lightning.cli.instantiate_module"
