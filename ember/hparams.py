@@ -3,13 +3,16 @@ the way a checkpoint keeps them and rebuilds an object from them."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import inspect
 import os
 from argparse import Namespace
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from types import FrameType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from torch import nn
 
@@ -20,6 +23,20 @@ from ember.rank_zero import rank_zero_warn
 from ember.utilities import is_picklable
 
 _PRIMITIVES = (bool, int, float, str)
+_T = TypeVar("_T")
+
+#: The hyperparameter that names the function rebuilding its object from the others (see ``given_hyperparameters``).
+INSTANTIATOR_KEY = "_instantiator"
+#: The functions a checkpoint may name there, and what runs for each: Ember's command line records its own, and a
+#: checkpoint of Lightning's CLI names Lightning's, whose work Ember's does. No other name is imported: a checkpoint
+#: must not choose the code that loading it runs.
+_TRUSTED_INSTANTIATORS = dict.fromkeys(
+    ("ember.cli_lightning.instantiate_module", "lightning.pytorch.cli.instantiate_module",
+     "pytorch_lightning.cli.instantiate_module"),
+    "ember.cli_lightning.instantiate_module",
+)  # fmt: skip
+#: The class being built under ``given_hyperparameters``, and the hyperparameters it records.
+_GIVEN: ContextVar[tuple[type, dict[str, Any]] | None] = ContextVar("given_hyperparameters", default=None)
 
 
 class HyperparametersMixin:
@@ -48,7 +65,11 @@ class HyperparametersMixin:
         meet. Each call adds to what earlier calls saved, and ``ignore`` removes names.
         """
         ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
-        init_args = _init_arguments(frame or _caller_frame(), self)
+        given = _GIVEN.get()
+        if given is not None and type(self) is given[0]:
+            init_args = dict(given[1])
+        else:
+            init_args = _init_arguments(frame or _caller_frame(), self)
         configs = [arg for arg in args if not isinstance(arg, str)]
         if configs:  # Lightning takes the first that is not a name, and ignores the names then
             chosen = _config_values(configs[0])
@@ -91,6 +112,36 @@ class HyperparametersMixin:
         """The hyperparameters to send to the loggers: ``hparams_initial`` (none after
         ``save_hyperparameters(logger=False)``)."""
         return dict(self.hparams_initial) if self._log_hparams else {}
+
+
+@contextlib.contextmanager
+def given_hyperparameters(cls: type, hparams: Mapping[str, Any], instantiator: str) -> Iterator[None]:
+    """While a ``cls`` is built, its ``save_hyperparameters()`` records ``hparams`` instead of the arguments its
+    ``__init__`` received, with ``instantiator``: the function that ``load_from_checkpoint`` rebuilds it by. A command
+    line records so the configuration it built the object from (an optimizer given by class path, say), which plain
+    values hold where the arguments received (the optimizer's class, bound to its options) would not."""
+    token = _GIVEN.set((cls, {**hparams, INSTANTIATOR_KEY: instantiator}))
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
+
+
+def build(cls: type[_T], arguments: dict[str, Any]) -> _T:
+    """``cls(**arguments)``; or, where the saved hyperparameters name the function that rebuilds their object (see
+    ``given_hyperparameters``), what that function builds of ``cls`` from them."""
+    path = arguments.pop(INSTANTIATOR_KEY, None)
+    if path is None:
+        return cls(**arguments)
+    target = _TRUSTED_INSTANTIATORS.get(path) if isinstance(path, str) else None
+    if target is None:
+        raise ValueError(
+            f"The instantiator {path!r} from the checkpoint is not among those trusted to rebuild a {cls.__name__} "
+            f"({sorted(_TRUSTED_INSTANTIATORS)}): it was not run, as it could be any code"
+        )
+    module, _, name = target.rpartition(".")
+    instantiate: Callable[[type[_T], dict[str, Any]], _T] = getattr(importlib.import_module(module), name)
+    return instantiate(cls, arguments)
 
 
 def _config_values(config: Any) -> dict[str, Any]:
@@ -214,7 +265,7 @@ def init_arguments(
     arguments = {**saved, **overrides}
     if not any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters.values()):
         # A parent's saved hyperparameters that this class's __init__ does not take are left out.
-        arguments = {name: value for name, value in arguments.items() if name in parameters}
+        arguments = {name: value for name, value in arguments.items() if name in parameters or name == INSTANTIATOR_KEY}
     return arguments
 
 

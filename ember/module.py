@@ -19,7 +19,7 @@ from ember import checkpoint as checkpoint_io
 from ember._utils import sized_len
 from ember.checkpoint.state import load_datamodule_state, load_module_state, load_weights
 from ember.exceptions import MisconfigurationException
-from ember.hparams import HyperparametersMixin, class_only_method, init_arguments
+from ember.hparams import HyperparametersMixin, build, class_only_method, init_arguments
 from ember.metrics import is_metric_object
 from ember.module_hooks import DataHooks, ModuleHooks
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
@@ -399,7 +399,7 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         arguments = init_arguments(
             cls, checkpoint, init_overrides, "module_arguments", "hparams", hparams_file=hparams_file
         )
-        module = cls(**arguments)
+        module = build(cls, arguments)
         strict = _strictness(module, strict)
         module.on_load_checkpoint(checkpoint)
         load_weights(functools.partial(load_module_state, module, strict=strict), module, checkpoint, checkpoint_path)
@@ -513,7 +513,7 @@ class DataModule(HyperparametersMixin, DataHooks):
         """Build the data module from the hyperparameters saved in a checkpoint of a ``fit`` that used it (updated
         from ``hparams_file``, a YAML file, if given), and give it its saved ``state_dict``."""
         checkpoint = checkpoint_io.load(checkpoint_path, map_location, trust_pickles=not weights_only)
-        datamodule = cls(**init_arguments(cls, checkpoint, init_overrides, hparams_file=hparams_file))
+        datamodule = build(cls, init_arguments(cls, checkpoint, init_overrides, hparams_file=hparams_file))
         load_datamodule_state(datamodule, checkpoint)
         return datamodule
 

@@ -101,7 +101,7 @@ class Trainer(LightningProperties):
         overfit_batches: int | float = 0.0,
         fast_dev_run: bool | int = False,
         reload_dataloaders_every_n_epochs: int = 0,
-        val_check_interval: int | float | str | timedelta | Mapping[str, int] | None = 1.0,
+        val_check_interval: int | float | str | timedelta | Mapping[str, int] | None = None,
         check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int | None = None,
         accumulate_grad_batches: int | Literal["auto"] = 1,

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_data, make_loader
 
 import ember
 from ember import lightning_compat
@@ -108,6 +108,8 @@ def test_lightning_names_are_embers_own_objects() -> None:
         ("from lightning.pytorch.cli import OptimizerCallable", "ember.cli_lightning.OptimizerCallable"),
         ("from lightning.pytorch.cli import LRSchedulerCallable", "ember.cli_lightning.LRSchedulerCallable"),
         ("from lightning.pytorch.cli import ArgsType", "ember.cli_lightning.ArgsType"),
+        ("from pytorch_lightning.cli import instantiate_class", "ember.cli_lightning.instantiate_class"),
+        ("from lightning.pytorch.cli import LRSchedulerTypeUnion", "ember.cli_lightning.LRSchedulerTypeUnion"),
         ("from lightning.pytorch.trainer.states import TrainerStatus", "ember.trainer_state.TrainerStatus"),
         ("from pytorch_lightning.trainer.states import RunningStage", "ember.trainer_state.RunningStage"),
         ("from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig",
@@ -121,6 +123,26 @@ def test_submodules_and_names_programs_import(statement: str, name: str) -> None
     with served_by_ember():
         exec(statement, namespace)
     assert namespace[statement.split()[-1]] is getattr(importlib.import_module(module), attribute)
+
+
+def test_the_cli_records_lightnings_instantiator_and_names_under_the_name_imported(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("jsonargparse")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with served_by_ember():
+        from pytorch_lightning.cli import LightningCLI
+
+        args = ["--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", "--model.features=3",
+                "--trainer.enable_progress_bar=false"]  # fmt: skip
+        # Messages name the CLI as the program does.
+        with pytest.warns(UserWarning, match="`Regressor.configure_optimizers` will be overridden by `LightningCLI"):
+            cli = LightningCLI(Regressor, args=[*args, "--optimizer=SGD", "--optimizer.lr=0.1"], run=False)
+        cli.trainer.fit(cli.model, torch.utils.data.DataLoader(make_data(8, features=3), batch_size=4))
+    # Lightning loads the checkpoint by this name; Ember serves it with its own instantiate_module.
+    assert cli.model.hparams._instantiator == "pytorch_lightning.cli.instantiate_module"
+    loaded = Regressor.load_from_checkpoint(cli.trainer.checkpoint_callback.best_model_path)
+    assert loaded.layer.in_features == 3 and "_instantiator" not in loaded.hparams
 
 
 @pytest.mark.parametrize(

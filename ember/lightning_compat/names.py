@@ -172,6 +172,16 @@ _CLI: Names = {
     "ArgsType": "ember.cli_lightning:ArgsType",
     "OptimizerCallable": "ember.cli_lightning:OptimizerCallable",
     "LRSchedulerCallable": "ember.cli_lightning:LRSchedulerCallable",
+    **{
+        name: f"ember.cli_lightning:{name}"
+        for name in (
+            "instantiate_class",
+            "instantiate_module",
+            "LRSchedulerTypeTuple",
+            "LRSchedulerTypeUnion",
+            "LRSchedulerType",
+        )
+    },
 }
 
 #: The modules under ``lightning.pytorch`` that Ember serves ("" is ``lightning.pytorch`` itself).
