@@ -115,7 +115,9 @@ def test_the_batch_size_finder_counts_the_memory_of_ddps_gradient_buckets(
 ) -> None:
     """A trial runs the module unwrapped, but training under DDP holds a copy of the gradients in its buckets."""
     rank0 = two_ranks["tune_peak"][0]
-    peak = float(re.search(r"batch_size=2: fits \(.*peak ([0-9.]+) MiB\)", rank0["printed"]).group(1)) * 2**20
+    trial = re.search(r"Batch size 2 succeeded.* \(trial 1: fits, .*peak ([0-9.]+) MiB\)", rank0["printed"])
+    assert trial is not None, rank0["printed"]
+    peak = float(trial.group(1)) * 2**20
     # At least the weights kept to be put back and the buckets: twice the parameters' bytes (without the
     # buckets the profiler that measures a CPU trial sees the weights only).
     assert peak > 1.9 * rank0["parameter_bytes"]
