@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Regressor, make_data, make_loader
+from conftest import Regressor, make_data, make_loader, quiet_trainer
 
 import ember
 from ember import lightning_compat
@@ -520,3 +520,11 @@ def test_two_process_program_runs_on_ember_as_on_lightning(name: str, tmp_path: 
     assert ours_outcome.values["trainer.global_step"] > 0
     if theirs is not None:
         compare(name, ours_outcome, _finish(theirs, theirs_root))
+
+
+def test_a_lightning_program_is_warned_that_last_found_nothing_to_resume(tmp_path: Any) -> None:
+    # Ember's own programs are told in an INFO line (test_resume.py); Lightning's programs get Lightning's warning.
+    with served_by_ember(), pytest.warns(UserWarning, match=r'ckpt_path="last"\) is set, but .* No checkpoint will'):
+        trainer = quiet_trainer(max_epochs=1, default_root_dir=str(tmp_path), log_every_n_steps=1)
+        trainer.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert trainer.global_step == 2

@@ -4,6 +4,7 @@ mid-write; preemption signals save and exit; elastic restarts resume by themselv
 from __future__ import annotations
 
 import glob
+import logging
 import multiprocessing
 import os
 import random
@@ -516,12 +517,16 @@ def test_on_exception_checkpoint_keeps_the_work_and_last_finds_it(tmp_path: Any)
     assert checkpoint_io.load(os.path.join(root, "saved", "on_exception.ckpt"))["global_step"] == 11
 
 
-def test_last_best_and_the_run_directory(tmp_path: Any) -> None:
+def test_last_best_and_the_run_directory(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     root = str(tmp_path)
     fresh = quiet_trainer(max_epochs=1, default_root_dir=root, log_every_n_steps=1)  # (2 batches: logs each epoch)
-    # a first start with "last" is the usual way to write a script: it trains afresh, with Lightning's warning
-    with pytest.warns(UserWarning, match=r'^.fit\(ckpt_path="last"\) is set, but .* No checkpoint will be loaded'):
+    # A first start with "last" is the usual way to write a script: it trains afresh, saying so in one line (a
+    # program that uses Lightning's names gets Lightning's warning instead: test_lightning_checkpointing).
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="ember"):
+        warnings.simplefilter("always")
         fresh.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert not [warning for warning in caught if "No checkpoint will be loaded" in str(warning.message)]
+    assert 'ckpt_path="last": this run has saved no checkpoint yet, so the fit starts afresh' in caplog.messages
     assert fresh.global_step == 2
 
     more = quiet_trainer(max_epochs=3, default_root_dir=root, callbacks=[ModelCheckpoint(monitor="val_loss")])

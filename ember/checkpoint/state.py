@@ -19,6 +19,7 @@ from ember._utils import local_shard
 from ember.checkpoint import resume, sharded
 from ember.checkpoint.io import CheckpointError
 from ember.hparams import checkpoint_entries
+from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.loggers.logger import VersionedLogger, run_versions
 from ember.rank_zero import announce, rank_zero_warn
 from ember.version import __version__
@@ -119,9 +120,13 @@ def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:
                 f'`.{trainer.stage}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured to save the best '
                 f"model: no best checkpoint is known (none was saved under {trainer.config.root_dir!r})"
             )
-        # Lightning's warning and words: the stage goes on (a fit trains afresh), as a first start of a script that
-        # continues its run expects. Pointing at the user's call: through _begin_stage, _stage, contextlib, the
-        # stage's runner and the strategy's launch (and _evaluate for validate, test and predict).
+        if trainer.stage == "fit" and not lightning_names_served():
+            # The first start of a script that continues its run when started again: said, not warned of.
+            announce('ckpt_path="last": this run has saved no checkpoint yet, so the fit starts afresh')
+            return None
+        # Lightning's warning and words (its programs expect it; an evaluation then uses the module's weights as they
+        # are). Pointing at the user's call: through _begin_stage, _stage, contextlib, the stage's runner and the
+        # strategy's launch (and _evaluate for validate, test and predict).
         rank_zero_warn(
             f'.{trainer.stage}(ckpt_path="last") is set, but there is no last checkpoint available. No checkpoint '
             "will be loaded: this run has saved none yet",
