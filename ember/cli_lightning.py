@@ -200,7 +200,8 @@ class EmberCLI:
         save_config_callback: the callback that saves ``config.yaml`` (None: none), with ``save_config_kwargs``.
         trainer_class, trainer_defaults: the Trainer class (or a function that returns a Trainer) and defaults for
             its flags.
-        seed_everything_default: the default of ``--seed_everything`` (True: a random seed, False: none).
+        seed_everything_default: the default of ``--seed_everything`` (True: ``seed_everything()``'s seed, drawn at
+            random, or 0 in a program that uses Lightning's names; False: none).
         parser_kwargs: options for the parser, or per subcommand (``{"fit": {"default_config_files": [...]}}``);
             ``{"default_env": True}`` reads options from ``PL_*`` variables too (``PL_TRAINER__MAX_EPOCHS``).
         parser_class: the parser's class (an ``EmberArgumentParser``).
@@ -301,7 +302,7 @@ class EmberCLI:
     def _add_arguments(self, parser: EmberArgumentParser) -> None:
         parser.add_argument(
             "--seed_everything", type=bool | int, default=self.seed_everything_default,
-            help="seed every random generator with this int before building anything (True: a random seed)",
+            help="seed every random generator with this int before building anything (True: seed_everything()'s seed)",
         )  # fmt: skip
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.set_defaults({f"trainer.{key}": value for key, value in self.trainer_defaults.items()

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from ember.rank_zero import rank_zero_print
+from ember.lightning_compat.hook import is_installed as lightning_names_served
+from ember.rank_zero import rank_zero_print, rank_zero_warn
 
 _MAX_SEED = 2**32 - 1
 
@@ -19,17 +20,15 @@ def seed_everything(seed: int | str | None = None, workers: bool = False, verbos
     """Seed Python's ``random``, NumPy (when installed) and torch on every device; return the seed.
 
     Without ``seed`` one is read from ``EMBER_GLOBAL_SEED`` (or Lightning's ``PL_GLOBAL_SEED``) or drawn
-    at random (and printed, so the run can be repeated); a seed given as a string of digits is its number.
+    at random (and printed, so the run can be repeated); in a program that uses Lightning's names it is then 0,
+    with Lightning's warning, as in Lightning. A seed given as a string of digits is its number.
     The Trainer derives its data order and DataLoader workers' seeds from the seed as well, so ``workers``
     changes nothing: workers are always seeded. As Lightning's, it sets ``PL_GLOBAL_SEED`` and
     ``PL_SEED_WORKERS`` (``"1"`` with ``workers=True``), which Lightning programs read.
     ``verbose=False`` keeps a drawn seed unprinted.
     """
     if seed is None:
-        env_seed = os.environ.get("EMBER_GLOBAL_SEED", os.environ.get("PL_GLOBAL_SEED"))
-        seed = int(env_seed) if env_seed is not None else random.randint(0, _MAX_SEED)
-        if env_seed is None and verbose:
-            rank_zero_print(f"seed_everything: no seed given, using {seed}")
+        seed = _seed_from_environment(verbose)
     seed = _as_number(seed)
     if not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed_everything(seed={seed}): the seed must be between 0 and {_MAX_SEED}")
@@ -43,6 +42,25 @@ def seed_everything(seed: int | str | None = None, workers: bool = False, verbos
         pass
     else:
         numpy.random.seed(seed)
+    return seed
+
+
+def _seed_from_environment(verbose: bool) -> int:
+    """The seed of ``seed_everything()`` called without one."""
+    name = "EMBER_GLOBAL_SEED" if "EMBER_GLOBAL_SEED" in os.environ else "PL_GLOBAL_SEED"
+    env_seed = os.environ.get(name)
+    if env_seed is not None:
+        try:
+            return int(env_seed)
+        except ValueError:  # Lightning's words first
+            raise ValueError(f"Invalid seed specified via {name}: {env_seed!r} (expected an integer)") from None
+    if lightning_names_served():  # Lightning's programs get Lightning's seed, so that their runs repeat as there
+        if verbose:
+            rank_zero_warn("No seed found, seed set to 0")
+        return 0
+    seed = random.randint(0, _MAX_SEED)
+    if verbose:
+        rank_zero_print(f"seed_everything: no seed given, using {seed}")
     return seed
 
 

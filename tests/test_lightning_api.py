@@ -1564,6 +1564,10 @@ def test_seed_everything_sets_and_reads_lightnings_variables(monkeypatch: pytest
     assert ember.seed_everything() == 11
     with pytest.raises(TypeError, match=r"seed_everything\(seed='x'\): expected an int"):
         ember.seed_everything("x")
+    monkeypatch.delenv("EMBER_GLOBAL_SEED")
+    monkeypatch.setenv("PL_GLOBAL_SEED", "eleven")
+    with pytest.raises(ValueError, match=r"Invalid seed specified via PL_GLOBAL_SEED: 'eleven' \(expected an integer"):
+        ember.seed_everything()
 
 
 def test_trainer_state_says_which_entry_point_and_loop_run_and_how_it_ended() -> None:

@@ -528,3 +528,15 @@ def test_a_lightning_program_is_warned_that_last_found_nothing_to_resume(tmp_pat
         trainer = quiet_trainer(max_epochs=1, default_root_dir=str(tmp_path), log_every_n_steps=1)
         trainer.fit(Regressor(), make_loader(16), ckpt_path="last")
     assert trainer.global_step == 2
+
+
+def test_a_lightning_program_seeded_without_a_seed_gets_lightnings_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ember's own programs draw a seed and print it (test_lightning_api.py); Lightning's seeds with 0, so that a run
+    # of a Lightning program repeats as it does on Lightning.
+    for name in ("EMBER_GLOBAL_SEED", "PL_GLOBAL_SEED"):
+        monkeypatch.delenv(name, raising=False)
+    with served_by_ember(), pytest.warns(UserWarning, match="^No seed found, seed set to 0$"):
+        assert ember.seed_everything() == 0
+    first = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(first, torch.rand(3)) and os.environ["PL_GLOBAL_SEED"] == "0"
