@@ -1,10 +1,10 @@
-"""Helpers for the code of a module or callback: rank-zero output, gradient norms, moving data, pickling."""
+"""Helpers for the code of a module or callback: rank-zero output, gradient norms, FLOPs, moving data, pickling."""
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "extract_batch_size",
     "grad_norm",
     "is_picklable",
+    "measure_flops",
     "move_data_to_device",
     "rank_zero_debug",
     "rank_zero_info",
@@ -52,6 +53,36 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     if norms:
         norms[f"grad_{p}_norm_total"] = torch.stack(list(norms.values())).norm(p)
     return norms
+
+
+def measure_flops(
+    model: nn.Module,
+    forward_fn: Callable[[], torch.Tensor],
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> int:
+    """The FLOPs ``forward_fn()`` takes (a forward of ``model``), and with ``loss_fn`` those of the loss of its
+    output and its backward too, as ``torch.utils.flop_counter`` counts them.
+
+    Build the model and its input on the meta device, so that nothing is computed or allocated::
+
+        with torch.device("meta"):
+            model = MyModel()
+            x = torch.randn(2, 32)
+        forward_flops = measure_flops(model, lambda: model(x))
+        training_flops = measure_flops(model, lambda: model(x), lambda y: y.sum())
+
+    ``model`` is not used to count: it names what is measured, as in Lightning's signature.
+    """
+    # Imported here: the flop counter pulls in much of torch's tracing machinery, which `import ember` must not pay.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        if loss_fn is None:
+            forward_fn()
+        else:
+            loss_fn(forward_fn()).backward()
+    return int(counter.get_total_flops())
 
 
 def is_picklable(obj: object) -> bool:

@@ -145,6 +145,20 @@ def test_the_cli_records_lightnings_instantiator_and_names_under_the_name_import
     assert loaded.layer.in_features == 3 and "_instantiator" not in loaded.hparams
 
 
+def test_measure_flops_counts_a_meta_model_as_lightnings_does() -> None:
+    with served_by_ember():
+        from lightning.fabric.utilities.throughput import measure_flops as from_fabric
+        from pytorch_lightning.utilities import measure_flops
+
+    assert measure_flops is from_fabric is ember.utilities.measure_flops
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        x = torch.randn(2, 32)
+    # Lightning 2.6's counts for this model and input.
+    assert measure_flops(model, lambda: model(x)) == 10752
+    assert measure_flops(model, lambda: model(x), lambda y: y.sum()) == 24064
+
+
 @pytest.mark.parametrize(
     ("statement", "message"),
     [

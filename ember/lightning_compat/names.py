@@ -137,7 +137,7 @@ _UTILITIES: Names = {
     "move_data_to_device": "ember.utilities:move_data_to_device",
     "is_picklable": "ember.utilities:is_picklable",
     "CombinedLoader": "ember.combined_loader:CombinedLoader",
-    "measure_flops": Missing("use ember.callbacks.ThroughputMonitor, which counts the FLOPs of a sample"),
+    "measure_flops": "ember.utilities:measure_flops",
 }
 
 _MODEL_SUMMARY: Names = {
@@ -302,7 +302,8 @@ _FABRIC = "use ember.Trainer with an ember.Module: Ember has no Fabric"
 #: beside ``lightning.pytorch``; Fabric itself is not covered.
 FABRIC: dict[str, Names] = {
     "": {"Fabric": Missing(_FABRIC), "seed_everything": "ember.seed:seed_everything"},
-    "utilities": {},
+    "utilities": {"measure_flops": "ember.utilities:measure_flops"},
+    "utilities.throughput": {"measure_flops": "ember.utilities:measure_flops"},
     "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
     "utilities.data": {"has_iterable_dataset": "ember.data:has_iterable_dataset"},
 }
