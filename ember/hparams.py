@@ -208,7 +208,10 @@ def _frame_arguments(frame: FrameType, owner: object) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------- checkpoints
 def checkpoint_entries(owner: HyperparametersMixin) -> dict[str, Any]:
-    """What a checkpoint keeps of ``owner``'s hyperparameters (under its class's ``CHECKPOINT_HYPER_PARAMS_*`` keys)."""
+    """What a checkpoint keeps of ``owner``'s hyperparameters (under its class's ``CHECKPOINT_HYPER_PARAMS_*`` keys):
+    nothing when it has none, as in Lightning, whose programs test for the key to know whether there are any."""
+    if not owner.hparams:
+        return {}
     key = owner.CHECKPOINT_HYPER_PARAMS_KEY
     entries = {key: plain_values(dict(owner.hparams), key)}
     if owner._config_argument is not None:

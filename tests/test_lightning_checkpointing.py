@@ -367,6 +367,37 @@ def test_a_weights_only_checkpoint_keeps_the_datamodule_and_what_the_module_adds
     assert _Keeping.load_from_checkpoint(tmp_path / "weights.ckpt").hparams.size == 8
 
 
+class _Unconfigured(Regressor):
+    """A Regressor whose __init__ saves no hyperparameters."""
+
+    def __init__(self) -> None:
+        ember.Module.__init__(self)
+        self.layer = torch.nn.Linear(4, 1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class _Stateless(ember.DataModule):
+    def train_dataloader(self) -> Any:
+        return make_loader(16)
+
+
+def test_a_checkpoint_has_no_hyperparameter_or_datamodule_entries_where_they_are_empty(tmp_path: Any) -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, default_root_dir=tmp_path)
+    trainer.fit(_Unconfigured(), datamodule=_Stateless())
+    path = trainer.checkpoint_callback.best_model_path
+    saved = checkpoint_io.load(path)
+    # As in Lightning, whose programs test for these keys to know whether there is anything under them.
+    assert "hyper_parameters" not in saved and "datamodule_hyper_parameters" not in saved
+    assert "_Stateless" not in saved
+    assert not _Unconfigured.load_from_checkpoint(path).hparams
+    assert not _Stateless.load_from_checkpoint(path).hparams
+    trainer = quiet_trainer(max_epochs=2, logger=False, default_root_dir=tmp_path)
+    trainer.fit(_Unconfigured(), datamodule=_Stateless(), ckpt_path=path)
+    assert trainer.current_epoch == 2
+
+
 def test_a_resumed_fit_gives_the_datamodule_its_state_before_the_callbacks_get_theirs(tmp_path: Any) -> None:
     checkpoint = ModelCheckpoint(dirpath=tmp_path)
     quiet_trainer(max_epochs=1, callbacks=[checkpoint], logger=False).fit(Regressor(), datamodule=_Keeping())

@@ -65,19 +65,27 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
     # module's on_save_checkpoint adds: only the callbacks, whose state is training state, are not asked.
     datamodule = trainer.datamodule
     if datamodule is not None:
-        key = type(datamodule).__qualname__  # as Lightning keys it
-        if key in checkpoint:
-            raise ValueError(
-                f"the checkpoint keeps {type(datamodule).__name__}'s state_dict under its class's name, {key!r}, "
-                "which is the name of another of its entries: rename the class"
-            )
-        checkpoint[key] = datamodule.state_dict()
-        checkpoint.update(checkpoint_entries(datamodule))
+        checkpoint.update(_datamodule_state(datamodule, checkpoint), **checkpoint_entries(datamodule))
     if weights_only:
         trainer.hooks.call_module("on_save_checkpoint", checkpoint)
     else:
         trainer.hooks.call("on_save_checkpoint", checkpoint)
     return checkpoint
+
+
+def _datamodule_state(datamodule: DataModule, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The datamodule's state_dict under its class's name, as Lightning keys it; nothing when it is empty, as in
+    Lightning (``load_datamodule_state`` then has nothing to give back, which loses nothing)."""
+    state = datamodule.state_dict()
+    if not state:
+        return {}
+    key = type(datamodule).__qualname__
+    if key in checkpoint:
+        raise ValueError(
+            f"the checkpoint keeps {type(datamodule).__name__}'s state_dict under its class's name, {key!r}, "
+            "which is the name of another of its entries: rename the class"
+        )
+    return {key: state}
 
 
 def refuse_nonfinite_weights(trainer: Trainer, path: str) -> None:
