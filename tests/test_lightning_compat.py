@@ -145,6 +145,16 @@ def test_the_cli_records_lightnings_instantiator_and_names_under_the_name_import
     assert loaded.layer.in_features == 3 and "_instantiator" not in loaded.hparams
 
 
+def test_spike_detection_is_served_with_its_exception() -> None:
+    with served_by_ember():
+        from lightning.fabric.utilities.spike import TrainingSpikeException
+        from pytorch_lightning.callbacks import SpikeDetection
+        from pytorch_lightning.callbacks.spike import SpikeDetection as FromModule
+
+    assert SpikeDetection is FromModule is ember.callbacks.SpikeDetection
+    assert TrainingSpikeException is ember.callbacks.TrainingSpikeException
+
+
 def test_measure_flops_counts_a_meta_model_as_lightnings_does() -> None:
     with served_by_ember():
         from lightning.fabric.utilities.throughput import measure_flops as from_fabric

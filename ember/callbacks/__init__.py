@@ -14,6 +14,7 @@ from ember.callbacks.prediction_writer import BasePredictionWriter
 from ember.callbacks.progress import ProgressBar
 from ember.callbacks.progress_bars import RichProgressBar, TQDMProgressBar
 from ember.callbacks.progress_base import ProgressBarBase
+from ember.callbacks.spike import SpikeDetection, TrainingSpikeException
 from ember.callbacks.stage_throughput import StageThroughputMonitor
 from ember.callbacks.throughput import ThroughputMonitor
 from ember.callbacks.timer import Timer
@@ -36,9 +37,11 @@ __all__ = [
     "ProgressBar",
     "ProgressBarBase",
     "RichProgressBar",
+    "SpikeDetection",
     "StageThroughputMonitor",
     "StochasticWeightAveraging",
     "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",
+    "TrainingSpikeException",
 ]

@@ -72,6 +72,7 @@ _CALLBACKS: Names = {
             "StochasticWeightAveraging",
             "TQDMProgressBar",
             "RichProgressBar",
+            "SpikeDetection",
         )
     },
     # Lightning's ThroughputMonitor logs each stage's counts and rates under its names; Ember's logs TFLOP/s and MFU.
@@ -85,7 +86,6 @@ _CALLBACKS: Names = {
     "ModelPruning": Missing("apply torch.nn.utils.prune in a callback of your own"),
     "LearningRateFinder": "ember.tuner:LearningRateFinder",
     "BatchSizeFinder": "ember.tuner:BatchSizeFinder",
-    "SpikeDetection": Missing("use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end"),
 }
 
 _STRATEGIES: Names = {
@@ -229,6 +229,7 @@ PYTORCH: dict[str, Names] = {
     "callbacks.rich_model_summary": {"RichModelSummary": "ember.callbacks:ModelSummary"},
     "callbacks.device_stats_monitor": {"DeviceStatsMonitor": "ember.callbacks:DeviceStatsMonitor"},
     "callbacks.timer": {"Timer": "ember.callbacks:Timer"},
+    "callbacks.spike": {"SpikeDetection": "ember.callbacks:SpikeDetection"},
     "callbacks.on_exception_checkpoint": {"OnExceptionCheckpoint": "ember.callbacks:OnExceptionCheckpoint"},
     "callbacks.throughput_monitor": {"ThroughputMonitor": "ember.callbacks:StageThroughputMonitor"},
     "callbacks.progress": {
@@ -305,6 +306,7 @@ FABRIC: dict[str, Names] = {
     "utilities": {"measure_flops": "ember.utilities:measure_flops"},
     "utilities.throughput": {"measure_flops": "ember.utilities:measure_flops"},
     "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
+    "utilities.spike": {"TrainingSpikeException": "ember.callbacks:TrainingSpikeException"},
     "utilities.data": {"has_iterable_dataset": "ember.data:has_iterable_dataset"},
 }
 
@@ -326,7 +328,6 @@ MISSING_MODULES = {
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
     "callbacks.weight_averaging": _SWA,
     "callbacks.pruning": "apply torch.nn.utils.prune in a callback of your own",
-    "callbacks.spike": "use EarlyStopping(divergence_threshold=...), or a check in on_train_batch_end",
     "strategies.deepspeed": "use ember.strategies.FSDPStrategy, which shards parameters, gradients and optimizer "
     "state (ZeRO 3)",
     "strategies.xla": "Ember runs on CUDA, MPS and CPU devices, not on TPUs",
