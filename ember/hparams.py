@@ -252,15 +252,15 @@ def init_arguments(
     hparams_file: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """The arguments that rebuild a ``cls`` from the hyperparameters ``checkpoint`` saved (or, without them, from
-    those under ``past_keys``, where older releases saved them), updated from the YAML file ``hparams_file``, with
-    ``overrides`` taking precedence; an argument that ``cls.__init__`` does not take is left out, unless it takes
-    ``**kwargs``."""
+    those under ``past_keys``, where older releases saved them), or, as in Lightning, from the YAML file
+    ``hparams_file`` in their place, with ``overrides`` taking precedence; an argument that ``cls.__init__`` does not
+    take is left out, unless it takes ``**kwargs``."""
     found = next((key for key in (cls.CHECKPOINT_HYPER_PARAMS_KEY, *past_keys) if key in checkpoint), None)
     saved = dict(checkpoint[found]) if found is not None else {}
     if hparams_file is not None:
         if os.path.splitext(os.fspath(hparams_file))[1].lower() not in (".yml", ".yaml"):
             raise ValueError(f"load_from_checkpoint(hparams_file={hparams_file!r}): a .yml or .yaml file is required")
-        saved.update(load_hparams_from_yaml(hparams_file))
+        saved = dict(load_hparams_from_yaml(hparams_file))
     parameters = inspect.signature(cls.__init__).parameters
     config_argument = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_NAME)
     if config_argument in parameters:  # they were given whole, as one config: give them back as one

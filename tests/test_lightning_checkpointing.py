@@ -430,6 +430,16 @@ def test_load_from_checkpoint_takes_hyperparameters_from_a_yaml_file_under_the_k
         Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=tmp_path / "hparams.txt")
 
 
+def test_a_yaml_hparams_file_takes_the_place_of_the_checkpoints_hyperparameters(tmp_path: Any) -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False, default_root_dir=tmp_path)
+    trainer.fit(Regressor(lr=0.2), make_loader())
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    (tmp_path / "hparams.yaml").write_text("features: 4\n")
+    # As in Lightning: what the file leaves out comes from __init__'s defaults, not from the checkpoint.
+    loaded = Regressor.load_from_checkpoint(tmp_path / "model.ckpt", hparams_file=tmp_path / "hparams.yaml")
+    assert dict(loaded.hparams) == {"lr": 0.05, "features": 4}
+
+
 def test_load_from_checkpoint_called_on_an_instance_is_refused_as_it_would_change_nothing(tmp_path: Any) -> None:
     module = Regressor()
     assert callable(module.load_from_checkpoint)  # it can be read, as inspecting a module does
