@@ -31,7 +31,7 @@ def canonical_precision(flag: str | int) -> str:
     name = _ALIASES.get(flag) if isinstance(flag, (str, int)) else None
     if name is None:
         accepted = ", ".join(repr(key) for key in _ALIASES)
-        raise ValueError(f"precision={flag!r} is not supported; choose one of {accepted}")
+        raise ValueError(f"precision={flag!r}: Precision {flag!r} is invalid. Allowed precision values: {accepted}")
     return name
 
 

@@ -131,3 +131,43 @@ def test_deterministic_with_benchmark_is_warned_and_both_are_set(monkeypatch: py
         trainer = ember.Trainer(deterministic=True, benchmark=True, logger=False, enable_checkpointing=False)
     assert trainer.config.benchmark is True
     assert torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
+
+
+def test_deterministic_false_turns_torch_determinism_off_and_none_leaves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    calls: list[tuple[bool, bool]] = []
+
+    def record(on: bool, warn_only: bool = False) -> None:
+        calls.append((on, warn_only))
+
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", record)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    for flag in (None, False, True, "warn"):
+        ember.Trainer(deterministic=flag, logger=False, enable_checkpointing=False)
+    assert calls == [(False, False), (True, False), (True, True)]  # None: the program's own setting stays
+
+
+def test_default_root_dir_is_read_with_the_home_directory_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import os
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    trainer = ember.Trainer(default_root_dir="~/runs/../here", enable_checkpointing=False, logger=False)
+    assert trainer.default_root_dir == os.path.join(str(tmp_path), "here")
+    assert ember.Trainer(default_root_dir="s3://bucket/runs", logger=False).default_root_dir == "s3://bucket/runs"
+
+
+def test_clipping_algorithm_and_profiler_names_are_taken_in_any_case() -> None:
+    from ember.profilers import SimpleProfiler
+
+    trainer = ember.Trainer(gradient_clip_val=0.5, gradient_clip_algorithm="VALUE", profiler="Simple", logger=False)
+    assert trainer.gradient_clip_algorithm == "value" and isinstance(trainer.profiler, SimpleProfiler)
+    with pytest.raises(FlagError, match="`gradient_clip_algorithm` foo is invalid"):
+        ember.Trainer(gradient_clip_algorithm="Foo")
+
+
+def test_a_refused_precision_or_checkpoint_callback_is_named_in_lightnings_words() -> None:
+    with pytest.raises(ValueError, match=r"Precision 'fp16' is invalid. Allowed precision values: .*'bf16-true'"):
+        ember.Trainer(precision="fp16")
+    with pytest.raises(ValueError, match="Trainer was configured with `enable_checkpointing=False` but found"):
+        ember.Trainer(enable_checkpointing=False, callbacks=[ember.callbacks.ModelCheckpoint()], logger=False)

@@ -18,7 +18,7 @@ from ember.exceptions import MisconfigurationException
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ({"precision": "17"}, r"precision='17' is not supported; choose one of .*'bf16-mixed'"),
+        ({"precision": "17"}, r"precision='17': Precision '17' is invalid. Allowed precision values: .*'bf16-mixed'"),
         ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of"),
         ({"max_epochs": -5}, r"max_epochs=-5: `max_epochs` must be a non-negative integer or -1"),
         ({"max_steps": -3}, r"max_steps=-3"),
