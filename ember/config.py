@@ -264,7 +264,8 @@ class TrainerConfig:
             _check_bool("benchmark", self.benchmark, also="None")
         self._check_distributed()
         if self.deterministic and self.benchmark:  # as Lightning: allowed, since the user set both
-            rank_zero_warn("You passed deterministic=True and benchmark=True: PyTorch then ignores cudnn.deterministic")
+            rank_zero_warn("You passed `deterministic=True` and `benchmark=True`. Note that PyTorch ignores "
+                "torch.backends.cudnn.deterministic=True when torch.backends.cudnn.benchmark=True.")  # fmt: skip
         self._check_gpus()
         self._check_barebones()
         if self.plugins is not None:

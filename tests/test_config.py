@@ -127,7 +127,7 @@ def test_deterministic_with_benchmark_is_warned_and_both_are_set(monkeypatch: py
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *args, **kwargs: None)  # left as it was
-    with pytest.warns(UserWarning, match="deterministic=True and benchmark=True"):
+    with pytest.warns(UserWarning, match=r"`deterministic=True` and `benchmark=True`. Note that PyTorch ignores"):
         trainer = ember.Trainer(deterministic=True, benchmark=True, logger=False, enable_checkpointing=False)
     assert trainer.config.benchmark is True
     assert torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
