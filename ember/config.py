@@ -336,11 +336,11 @@ class TrainerConfig:
         loggers = [] if self.logger is None else self.logger if isinstance(self.logger, Sequence) else [self.logger]
         if not isinstance(self.logger, bool) and not all(is_logger(item) for item in loggers):
             raise FlagError(f"logger={self.logger!r}: expected True, False, a Logger or a list of them")
-        profiler = lowered(self.profiler)  # Lightning reads the name in any case ("Simple")
-        object.__setattr__(self, "profiler", profiler)
+        object.__setattr__(self, "profiler", profiler := lowered(self.profiler))  # in any case ("Simple"), as Lightning
         if profiler is not None and not isinstance(profiler, Profiler) and profiler not in _PROFILERS:
             raise FlagError(
-                f"profiler={profiler!r}: choose None, 'simple', 'pytorch' or an instance of ember.profilers.Profiler"
+                f"profiler={profiler!r}: When passing string value for the `profiler` parameter of `Trainer`, it can "
+                f"only be one of {list(_PROFILERS)} (else pass None or an instance of ember.profilers.Profiler)"
             )
         root = self.default_root_dir
         if root is not None and not isinstance(root, (str, os.PathLike)):
