@@ -244,7 +244,7 @@ class TrainerConfig:
                 object.__setattr__(self, flag, _DEFAULTS[flag])  # the record holds what the loops apply
         if self.accelerator not in ACCELERATORS:
             raise FlagError(f"accelerator={self.accelerator!r} is not supported; choose one of {ACCELERATORS}")
-        _check_devices("devices", self.devices)
+        _check_devices("devices", self.devices, self.accelerator)
         _check_int("num_nodes", self.num_nodes, minimum=1)
         if not isinstance(self.strategy, (str, Strategy)):
             raise FlagError(f"strategy={self.strategy!r}: expected a strategy name or an ember Strategy")
@@ -361,7 +361,7 @@ class TrainerConfig:
     def _check_gpus(self) -> None:
         if self.gpus is None:
             return
-        _check_devices("gpus", self.gpus)
+        _check_devices("gpus", self.gpus, "cuda")
         if self.accelerator != "auto" or self.devices != "auto":
             raise FlagError("gpus= is the older spelling of accelerator='cuda', devices=...; pass only one of them")
 
@@ -506,10 +506,8 @@ def _environment_flags() -> dict[str, Any]:
 
 #: Flags for which None, as Lightning's signature allows and the config files its CLI writes spell it, means the
 #: default.
-_NONE_IS_DEFAULT = (
-    "precision", "logger", "val_check_interval", "num_sanity_val_steps", "log_every_n_steps", "enable_checkpointing",
-    "enable_progress_bar", "enable_model_summary",
-)  # fmt: skip
+_NONE_IS_DEFAULT = ("precision", "logger", "val_check_interval", "num_sanity_val_steps", "log_every_n_steps",
+                    "enable_checkpointing", "enable_progress_bar", "enable_model_summary")  # fmt: skip
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
 
 
@@ -571,7 +569,9 @@ def _whole_count(value: Any) -> int | None:
     return None
 
 
-def _check_devices(flag: str, value: Any) -> None:
+def _check_devices(flag: str, value: Any, accelerator: str) -> None:
+    if accelerator == "cpu" and value != "auto" and not (isinstance(value, (int, str)) and str(value).isdigit()):
+        raise FlagError(f"{flag}={value!r}: `devices` selected with `CPUAccelerator` should be an int > 0 (processes)")
     if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return
     if isinstance(value, Sequence) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):

@@ -171,3 +171,10 @@ def test_a_refused_precision_or_checkpoint_callback_is_named_in_lightnings_words
         ember.Trainer(precision="fp16")
     with pytest.raises(ValueError, match="Trainer was configured with `enable_checkpointing=False` but found"):
         ember.Trainer(enable_checkpointing=False, callbacks=[ember.callbacks.ModelCheckpoint()], logger=False)
+
+
+@pytest.mark.parametrize("devices", [[0], [0, 1], -1, "-1", "0,", 1.5])
+def test_devices_on_the_cpu_accelerator_is_a_count_of_processes(devices: Any) -> None:
+    with pytest.raises(TypeError, match=r"`devices` selected with `CPUAccelerator` should be an int > 0"):
+        ember.Trainer(accelerator="cpu", devices=devices)
+    assert ember.Trainer(accelerator="cpu", devices="1", logger=False).num_devices == 1
