@@ -536,8 +536,8 @@ def _check_bool(flag: str, value: Any, also: str = "") -> None:
 
 def _check_int(flag: str, value: Any, minimum: int, also: str = "", noun: str = "int") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:  # (in Lightning's words for the flag)
-        rule = f"`{flag}` must be a non-negative integer or -1" if minimum < 0 else f"should be an {noun} >= {minimum}"
-        raise FlagError(f"{flag}={value!r}: {rule}" + (f" or {also}" if also else ""))
+        rule = "must be a non-negative integer or -1" if minimum < 0 else f"should be an {noun} >= {minimum}"
+        raise FlagError(f"{flag}={value!r}: `{flag}` {rule}" + (f" or {also}" if also else ""))
 
 
 def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:

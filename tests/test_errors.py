@@ -22,7 +22,7 @@ from ember.exceptions import MisconfigurationException
         ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of"),
         ({"max_epochs": -5}, r"max_epochs=-5: `max_epochs` must be a non-negative integer or -1"),
         ({"max_steps": -3}, r"max_steps=-3"),
-        ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0: should be an int >= 1 or 'auto'"),
+        ({"accumulate_grad_batches": 0}, r"=0: `accumulate_grad_batches` should be an int >= 1 or 'auto'"),
         (
             {"devices": (os.cpu_count() or 1) + 1, "accelerator": "cpu"},
             r"devices=\d+, but this machine has \d+ CPU cores",
