@@ -8,6 +8,7 @@ import functools
 import importlib
 import inspect
 import operator
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
@@ -206,6 +207,18 @@ def replaces(name: str, instance: object, base: type) -> bool:
         else:
             break
     return own is not None and getattr(own, "__func__", own) is not getattr(base, name, None)
+
+
+def lowered(value: Any) -> Any:
+    """``value`` in lower case when it is a string (a flag's name Lightning reads in any case), else as given."""
+    return value.lower() if isinstance(value, str) else value
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """``path`` with ``~`` expanded and normalised, as Lightning reads ``default_root_dir``; a URL (``s3://...``)
+    is left as given, since it names no local file."""
+    path = os.fspath(path)
+    return path if "://" in path else os.path.normpath(os.path.expanduser(path))
 
 
 _TIME_PATTERN = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")

@@ -1,12 +1,11 @@
 """Every ``Trainer`` flag, checked once into one frozen record.
 
 ``TrainerConfig`` holds the flags as the user gave them (None, where Lightning's signature allows it and the
-config files its CLI writes spell it, as the default), each checked for its type and range when the record is
-built; the values the run derives from them (the epoch limit when none was given,
-``max_time`` in seconds, the ``torch.compile`` options) are properties. The flags that stand for others
-(``fast_dev_run``, ``overfit_batches``, ``barebones``) are applied once, by ``resolved()``, into the record
-the Trainer keeps, so the loops read only the usual flags. Each field's docstring is the flag's
-documentation: the docs site's flag reference is generated from this file.
+config files its CLI writes spell it, as the default), each checked for its type and range when the record is built;
+the values the run derives from them (the epoch limit when none was given, ``max_time`` in seconds, the
+``torch.compile`` options) are properties. The flags that stand for others (``fast_dev_run``, ``overfit_batches``,
+``barebones``) are applied once, by ``resolved()``, into the record the Trainer keeps, so the loops read only the
+usual flags. Each field's docstring is the flag's documentation: the docs site's flag reference is generated from it.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 
-from ember._utils import parse_max_time
+from ember._utils import local_path, lowered, parse_max_time
 from ember.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBarBase
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.loggers import Logger
@@ -181,19 +180,18 @@ class TrainerConfig:
     them, or for a profiler, anomaly detection or ``fast_dev_run``, is an error)."""
 
     default_root_dir: str | os.PathLike[str] | None = None
-    """Where logs and checkpoints go when no path is given (default: the working directory)."""
+    """Where logs and checkpoints go when no path is given (default: the working directory; ``~`` is home)."""
 
     doctor: bool | int = False
     """True (or a number of steps above 5, 30 by default) watches the first steps of ``fit`` and
     prints what slows them down, with the fixes; training then goes on."""
 
     # ---------------------------------------------------------------------- reproducibility
-    deterministic: bool | Literal["warn"] = False
-    """Use deterministic algorithms only (True), or warn when a non-deterministic one runs ("warn")."""
+    deterministic: bool | Literal["warn"] | None = None
+    """True: deterministic algorithms only; "warn": a warning when another runs; False: any; None leaves torch's."""
 
     benchmark: bool | None = None
-    """cuDNN benchmark mode: pick the fastest convolution algorithms by trying them; None leaves
-    torch's setting."""
+    """cuDNN benchmark mode: pick the fastest convolution algorithms by trying them; None leaves torch's setting."""
 
     # -------------------------------------------------------------------------------- misc
     inference_mode: bool = True
@@ -231,8 +229,7 @@ class TrainerConfig:
     needed for a step to commit and the timeouts (None: its defaults). Without that launcher it is not used."""
 
     gpus: int | str | Sequence[int] | None = None
-    """Lightning 1's spelling of ``accelerator="gpu", devices=...`` (deprecated: it warns, naming the flags to
-    use)."""
+    """Lightning 1's spelling of ``accelerator="gpu", devices=...`` (deprecated: it warns, naming the flags to use)."""
 
     plugins: Any = None
     """Lightning's plugins (precision, cluster environments, checkpoint I/O); Ember has none, so only None is
@@ -247,7 +244,7 @@ class TrainerConfig:
                 object.__setattr__(self, flag, _DEFAULTS[flag])  # the record holds what the loops apply
         if self.accelerator not in ACCELERATORS:
             raise FlagError(f"accelerator={self.accelerator!r} is not supported; choose one of {ACCELERATORS}")
-        _check_devices("devices", self.devices)
+        _check_devices("devices", self.devices, self.accelerator)
         _check_int("num_nodes", self.num_nodes, minimum=1)
         if not isinstance(self.strategy, (str, Strategy)):
             raise FlagError(f"strategy={self.strategy!r}: expected a strategy name or an ember Strategy")
@@ -261,13 +258,14 @@ class TrainerConfig:
         self._check_watching()
         for flag in _BOOL_FLAGS:
             _check_bool(flag, getattr(self, flag))
-        if self.deterministic != "warn":
+        if self.deterministic not in ("warn", None):
             _check_bool("deterministic", self.deterministic, also="'warn'")
         if self.benchmark is not None:
             _check_bool("benchmark", self.benchmark, also="None")
         self._check_distributed()
         if self.deterministic and self.benchmark:  # as Lightning: allowed, since the user set both
-            rank_zero_warn("You passed deterministic=True and benchmark=True: PyTorch then ignores cudnn.deterministic")
+            rank_zero_warn("You passed `deterministic=True` and `benchmark=True`. Note that PyTorch ignores "
+                "torch.backends.cudnn.deterministic=True when torch.backends.cudnn.benchmark=True.")  # fmt: skip
         self._check_gpus()
         self._check_barebones()
         if self.plugins is not None:
@@ -328,6 +326,7 @@ class TrainerConfig:
         clip = self.gradient_clip_val
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
             raise FlagError(f"gradient_clip_val={clip!r}: `gradient_clip_val` should be an int or a float >= 0")
+        object.__setattr__(self, "gradient_clip_algorithm", lowered(self.gradient_clip_algorithm))  # "VALUE", too
         if self.gradient_clip_algorithm is not None:  # None, as Lightning's, says the module may choose
             _check_choice("gradient_clip_algorithm", self.gradient_clip_algorithm, ("norm", "value"))
 
@@ -337,10 +336,11 @@ class TrainerConfig:
         loggers = [] if self.logger is None else self.logger if isinstance(self.logger, Sequence) else [self.logger]
         if not isinstance(self.logger, bool) and not all(is_logger(item) for item in loggers):
             raise FlagError(f"logger={self.logger!r}: expected True, False, a Logger or a list of them")
-        profiler = self.profiler
+        object.__setattr__(self, "profiler", profiler := lowered(self.profiler))  # in any case ("Simple"), as Lightning
         if profiler is not None and not isinstance(profiler, Profiler) and profiler not in _PROFILERS:
             raise FlagError(
-                f"profiler={profiler!r}: choose None, 'simple', 'pytorch' or an instance of ember.profilers.Profiler"
+                f"profiler={profiler!r}: When passing string value for the `profiler` parameter of `Trainer`, it can "
+                f"only be one of {list(_PROFILERS)} (else pass None or an instance of ember.profilers.Profiler)"
             )
         root = self.default_root_dir
         if root is not None and not isinstance(root, (str, os.PathLike)):
@@ -361,7 +361,7 @@ class TrainerConfig:
     def _check_gpus(self) -> None:
         if self.gpus is None:
             return
-        _check_devices("gpus", self.gpus)
+        _check_devices("gpus", self.gpus, "cuda")
         if self.accelerator != "auto" or self.devices != "auto":
             raise FlagError("gpus= is the older spelling of accelerator='cuda', devices=...; pass only one of them")
 
@@ -474,7 +474,7 @@ class TrainerConfig:
 
     @property
     def root_dir(self) -> str:
-        return os.fspath(self.default_root_dir) if self.default_root_dir is not None else os.getcwd()
+        return local_path(self.default_root_dir) if self.default_root_dir is not None else os.getcwd()
 
 
 #: What names a Trainer flag's default in the environment: ``PL_TRAINER_MAX_STEPS=7``, as in Lightning.
@@ -506,10 +506,8 @@ def _environment_flags() -> dict[str, Any]:
 
 #: Flags for which None, as Lightning's signature allows and the config files its CLI writes spell it, means the
 #: default.
-_NONE_IS_DEFAULT = (
-    "precision", "logger", "val_check_interval", "num_sanity_val_steps", "log_every_n_steps", "enable_checkpointing",
-    "enable_progress_bar", "enable_model_summary", "deterministic",
-)  # fmt: skip
+_NONE_IS_DEFAULT = ("precision", "logger", "val_check_interval", "num_sanity_val_steps", "log_every_n_steps",
+                    "enable_checkpointing", "enable_progress_bar", "enable_model_summary")  # fmt: skip
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
 
 
@@ -538,8 +536,8 @@ def _check_bool(flag: str, value: Any, also: str = "") -> None:
 
 def _check_int(flag: str, value: Any, minimum: int, also: str = "", noun: str = "int") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:  # (in Lightning's words for the flag)
-        rule = f"`{flag}` must be a non-negative integer or -1" if minimum < 0 else f"should be an {noun} >= {minimum}"
-        raise FlagError(f"{flag}={value!r}: {rule}" + (f" or {also}" if also else ""))
+        rule = "must be a non-negative integer or -1" if minimum < 0 else f"should be an {noun} >= {minimum}"
+        raise FlagError(f"{flag}={value!r}: `{flag}` {rule}" + (f" or {also}" if also else ""))
 
 
 def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:
@@ -571,7 +569,9 @@ def _whole_count(value: Any) -> int | None:
     return None
 
 
-def _check_devices(flag: str, value: Any) -> None:
+def _check_devices(flag: str, value: Any, accelerator: str) -> None:
+    if accelerator == "cpu" and value != "auto" and not (isinstance(value, (int, str)) and str(value).isdigit()):
+        raise FlagError(f"{flag}={value!r}: `devices` selected with `CPUAccelerator` should be an int > 0 (processes)")
     if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return
     if isinstance(value, Sequence) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):

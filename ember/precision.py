@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ember._utils import apply_to_tensors
+from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
 # Every spelling users pass, mapped to the canonical name.
@@ -24,6 +25,7 @@ _ALIASES: dict[str | int, str] = {
     "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
     "16-true": "16-true", "bf16-true": "bf16-true",
 }  # fmt: skip
+_HISTORICAL = (16, "16", "bf16")  # the spellings Lightning still takes but advises against
 
 
 def canonical_precision(flag: str | int) -> str:
@@ -31,7 +33,7 @@ def canonical_precision(flag: str | int) -> str:
     name = _ALIASES.get(flag) if isinstance(flag, (str, int)) else None
     if name is None:
         accepted = ", ".join(repr(key) for key in _ALIASES)
-        raise ValueError(f"precision={flag!r} is not supported; choose one of {accepted}")
+        raise ValueError(f"precision={flag!r}: Precision {flag!r} is invalid. Allowed precision values: {accepted}")
     return name
 
 
@@ -168,15 +170,32 @@ class MixedPrecision(Precision):
             self.scaler.load_state_dict(state["scaler"])
 
 
-def build_precision(flag: str | int, device: torch.device) -> Precision:
-    """The precision plugin for ``flag`` on ``device``, refusing modes the device cannot run."""
-    name = canonical_precision(flag)
-    if name == "16-mixed" and device.type == "cpu":
+def _warn_float16_on_cpu() -> None:
+    if lightning_names_served():  # Lightning's words, at each Trainer as Lightning's (its tests expect it each time)
+        rank_zero_warn(
+            "You passed `Trainer(accelerator='cpu', precision='16-mixed')` but AMP with fp16 is not supported on "
+            "CPU. Using `precision='bf16-mixed'` instead.",
+            stacklevel=4,
+        )
+    else:
         rank_zero_warn_once(
             "precision='16-mixed' needs a GPU (float16 autocast with a GradScaler); "
             "on CPU Ember uses precision='bf16-mixed' instead",
+            stacklevel=4,
+        )
+
+
+def build_precision(flag: str | int, device: torch.device) -> Precision:
+    """The precision plugin for ``flag`` on ``device``, refusing modes the device cannot run."""
+    name = canonical_precision(flag)
+    if flag in _HISTORICAL and lightning_names_served():  # Lightning's advice, to the programs that use its names
+        rank_zero_warn(
+            f"`precision={flag}` is supported for historical reasons but its usage is discouraged. "
+            f"Please set your precision to {name} instead!",
             stacklevel=3,
         )
+    if name == "16-mixed" and device.type == "cpu":
+        _warn_float16_on_cpu()
         name = "bf16-mixed"
     # Emulation does not count: a card that only emulates bfloat16 (V100, T4) runs it many times slower.
     lacks_bf16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)

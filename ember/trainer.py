@@ -117,7 +117,7 @@ class Trainer(LightningProperties):
         enable_autolog_hparams: bool = True,
         barebones: bool = False,
         default_root_dir: str | os.PathLike | None = None,
-        deterministic: bool | Literal["warn"] | None = False,
+        deterministic: bool | Literal["warn"] | None = None,
         benchmark: bool | None = None,
         inference_mode: bool = True,
         detect_anomaly: bool = False,

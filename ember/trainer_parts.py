@@ -42,10 +42,11 @@ P = ParamSpec("P")
 
 
 def set_determinism(config: TrainerConfig) -> None:
+    if config.deterministic is not None:  # as Lightning: False turns torch's setting off, None leaves it
+        torch.use_deterministic_algorithms(bool(config.deterministic), warn_only=config.deterministic == "warn")
     if config.deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first matmul.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=config.deterministic == "warn")
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = bool(config.benchmark)  # benchmark=True too only where asked for, warned
     elif config.benchmark is not None:
@@ -132,12 +133,14 @@ def default_callbacks(config: TrainerConfig) -> list[Callback]:
     bar = bars[0] if bars else None
     if not config.enable_progress_bar and bar is not None:
         raise MisconfigurationException(
-            f"Trainer: `enable_progress_bar=False` but found `{type(bar).__name__}` in callbacks: remove one of them"
+            f"Trainer was configured with `enable_progress_bar=False` but found `{type(bar).__name__}` in callbacks "
+            "list: remove one of them"
         )
     checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in given)
     if not config.enable_checkpointing and checkpointing:
         raise MisconfigurationException(
-            "Trainer: `enable_checkpointing=False` but found `ModelCheckpoint` in callbacks: remove one of them"
+            "Trainer was configured with `enable_checkpointing=False` but found `ModelCheckpoint` in callbacks list: "
+            "remove one of them"
         )
     _add_timer(given, config.max_time)
     if config.enable_progress_bar and bar is None:

@@ -21,10 +21,10 @@ from ember.config import FlagError, TrainerConfig
         ({"benchmark": "yes"}, r"benchmark='yes': expected True or False or None"),
         ({"max_epochs": True}, r"max_epochs=True: `max_epochs` must be a non-negative integer or -1"),
         ({"max_steps": 2.0}, r"max_steps=2.0"),
-        ({"num_nodes": True}, r"num_nodes=True: should be an int >= 1"),
-        ({"log_every_n_steps": True}, r"log_every_n_steps=True: should be an int >= 0"),
-        ({"accumulate_grad_batches": True}, r"accumulate_grad_batches=True: should be an int >= 1 or 'auto'"),
-        ({"check_val_every_n_epoch": 0}, r"check_val_every_n_epoch=0: should be an integer >= 1 or None"),
+        ({"num_nodes": True}, r"num_nodes=True: `num_nodes` should be an int >= 1"),
+        ({"log_every_n_steps": True}, r"log_every_n_steps=True: `log_every_n_steps` should be an int >= 0"),
+        ({"accumulate_grad_batches": True}, r"=True: `accumulate_grad_batches` should be an int >= 1 or 'auto'"),
+        ({"check_val_every_n_epoch": 0}, r"=0: `check_val_every_n_epoch` should be an integer >= 1 or None"),
         ({"limit_train_batches": True}, r"limit_train_batches=True: expected None, a number of batches"),
         ({"limit_val_batches": 1.01}, r"limit_val_batches=1.01: passed invalid value; an int counts batches \(>= 0\)"),
         ({"limit_train_batches": 1.5}, r"limit_train_batches=1.5: passed invalid value; .* or a whole number"),
@@ -127,7 +127,54 @@ def test_deterministic_with_benchmark_is_warned_and_both_are_set(monkeypatch: py
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *args, **kwargs: None)  # left as it was
-    with pytest.warns(UserWarning, match="deterministic=True and benchmark=True"):
+    with pytest.warns(UserWarning, match=r"`deterministic=True` and `benchmark=True`. Note that PyTorch ignores"):
         trainer = ember.Trainer(deterministic=True, benchmark=True, logger=False, enable_checkpointing=False)
     assert trainer.config.benchmark is True
     assert torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
+
+
+def test_deterministic_false_turns_torch_determinism_off_and_none_leaves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    calls: list[tuple[bool, bool]] = []
+
+    def record(on: bool, warn_only: bool = False) -> None:
+        calls.append((on, warn_only))
+
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", record)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    for flag in (None, False, True, "warn"):
+        ember.Trainer(deterministic=flag, logger=False, enable_checkpointing=False)
+    assert calls == [(False, False), (True, False), (True, True)]  # None: the program's own setting stays
+
+
+def test_default_root_dir_is_read_with_the_home_directory_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import os
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    trainer = ember.Trainer(default_root_dir="~/runs/../here", enable_checkpointing=False, logger=False)
+    assert trainer.default_root_dir == os.path.join(str(tmp_path), "here")
+    assert ember.Trainer(default_root_dir="s3://bucket/runs", logger=False).default_root_dir == "s3://bucket/runs"
+
+
+def test_clipping_algorithm_and_profiler_names_are_taken_in_any_case() -> None:
+    from ember.profilers import SimpleProfiler
+
+    trainer = ember.Trainer(gradient_clip_val=0.5, gradient_clip_algorithm="VALUE", profiler="Simple", logger=False)
+    assert trainer.gradient_clip_algorithm == "value" and isinstance(trainer.profiler, SimpleProfiler)
+    with pytest.raises(FlagError, match="`gradient_clip_algorithm` foo is invalid"):
+        ember.Trainer(gradient_clip_algorithm="Foo")
+
+
+def test_a_refused_precision_or_checkpoint_callback_is_named_in_lightnings_words() -> None:
+    with pytest.raises(ValueError, match=r"Precision 'fp16' is invalid. Allowed precision values: .*'bf16-true'"):
+        ember.Trainer(precision="fp16")
+    with pytest.raises(ValueError, match="Trainer was configured with `enable_checkpointing=False` but found"):
+        ember.Trainer(enable_checkpointing=False, callbacks=[ember.callbacks.ModelCheckpoint()], logger=False)
+
+
+@pytest.mark.parametrize("devices", [[0], [0, 1], -1, "-1", "0,", 1.5])
+def test_devices_on_the_cpu_accelerator_is_a_count_of_processes(devices: Any) -> None:
+    with pytest.raises(TypeError, match=r"`devices` selected with `CPUAccelerator` should be an int > 0"):
+        ember.Trainer(accelerator="cpu", devices=devices)
+    assert ember.Trainer(accelerator="cpu", devices="1", logger=False).num_devices == 1

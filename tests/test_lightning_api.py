@@ -1381,7 +1381,7 @@ def test_none_means_the_default_as_in_lightnings_config_files() -> None:
     assert trainer.config == ember.Trainer().config
     assert trainer.config.precision == "32-true" and trainer.config.log_every_n_steps == 50
     assert trainer.config.num_sanity_val_steps == 2 and trainer.config.val_check_interval == 1.0
-    assert trainer.config.gradient_clip_algorithm is None and trainer.config.deterministic is False
+    assert trainer.config.gradient_clip_algorithm is None and trainer.config.deterministic is None
     assert trainer.logger is not None and trainer.checkpoint_callback is not None
 
 

@@ -244,6 +244,20 @@ def test_a_program_using_lightning_s_names_gets_lightning_s_progress_bar_class()
     assert type(ember.Trainer().progress_bar_callback) is ember.callbacks.ProgressBar  # Ember's own
 
 
+def test_a_program_using_lightning_s_names_gets_lightning_s_precision_advice_at_each_trainer() -> None:
+    with served_by_ember():
+        from lightning.pytorch import Trainer
+
+        for _ in range(2):  # each Trainer warns, as Lightning's: a program (or a test) building two sees it twice
+            with pytest.warns(UserWarning) as caught:
+                assert Trainer(accelerator="cpu", precision=16, logger=False).precision == "bf16-mixed"
+            messages = [str(warning.message) for warning in caught]
+            assert any(message.startswith("`precision=16` is supported for historical reasons") for message in messages)
+            assert any("AMP with fp16 is not supported on CPU. Using `precision='bf16-mixed'`" in m for m in messages)
+        with pytest.warns(UserWarning, match=r"`precision=bf16` is supported for historical reasons.* bf16-mixed"):
+            Trainer(precision="bf16", logger=False)
+
+
 def test_a_bar_of_one_s_own_on_lightning_s_progress_bar_draws_nothing_else(capsys: pytest.CaptureFixture[str]) -> None:
     with served_by_ember():
         from lightning.pytorch import Trainer

@@ -20,5 +20,6 @@ def select_profiler(profiler: str | Profiler | None) -> Profiler:
     if isinstance(profiler, str) and profiler in _BY_NAME:
         return _BY_NAME[profiler]()
     raise ValueError(
-        f"profiler={profiler!r}: choose None, 'simple', 'pytorch' or an instance of ember.profilers.Profiler"
+        f"profiler={profiler!r}: When passing string value for the `profiler` parameter of `Trainer`, it can only be "
+        f"one of {list(_BY_NAME)} (else pass None or an instance of ember.profilers.Profiler)"
     )

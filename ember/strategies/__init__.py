@@ -48,9 +48,14 @@ def _device_type(accelerator: str) -> str:
         return "cuda" if cuda else "mps" if mps else "cpu"
     if not {"cpu": True, "cuda": cuda, "mps": mps, "gpu": cuda or mps}[accelerator]:
         missing = {"gpu": "no GPU (CUDA or Apple MPS)", "cuda": "no CUDA device", "mps": "no Apple MPS device"}
+        lightnings = "No supported gpu backend found!" if accelerator == "gpu" else (
+            f"`{accelerator.upper()}Accelerator` can not run on your system since the accelerator is not available. "
+            "The following accelerator(s) is available and can be passed into `accelerator` argument of `Trainer`: "
+            "['cpu']."
+        )  # fmt: skip
         raise MisconfigurationException(
             f"accelerator={accelerator!r}: {missing[accelerator]} is available on this machine; pass "
-            "accelerator='cpu', or 'auto' to use whatever device it has"
+            f"accelerator='cpu', or 'auto' to use whatever device it has ({lightnings})"
         )
     if accelerator == "gpu":  # as in Lightning: whichever kind of GPU the machine has
         return "cuda" if cuda else "mps"
