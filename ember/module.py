@@ -11,7 +11,6 @@ from itertools import chain
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Literal, cast
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ember import _utils
@@ -21,6 +20,7 @@ from ember.checkpoint.state import load_datamodule_state, load_module_state, loa
 from ember.exceptions import MisconfigurationException
 from ember.hparams import HyperparametersMixin, build, class_only_method, init_arguments
 from ember.metrics import is_metric_object
+from ember.module_export import ExportMixin
 from ember.module_hooks import DataHooks, ModuleHooks
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ember.trainer import Trainer
 
 
-class Module(HyperparametersMixin, ModuleHooks, nn.Module):
+class Module(HyperparametersMixin, ModuleHooks, ExportMixin):
     """A ``torch.nn.Module`` that also says how to train, validate, test and predict with it.
 
     Define ``training_step(batch, batch_idx)`` (returning the loss, a dict with ``"loss"``, or None
@@ -52,8 +52,8 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     strict_loading: bool = True
     #: What ``torch.jit.script(module)`` leaves out: properties that read the Trainer, which TorchScript cannot compile.
     __jit_unused_properties__: ClassVar[list[str]] = [
-        "trainer", "device", "current_epoch", "global_step", "global_rank", "local_rank", "dtype", "logger", "loggers",
-        "hparams", "hparams_initial", "hparams_for_logger",
+        "trainer", "device", "on_gpu", "current_epoch", "global_step", "global_rank", "local_rank", "dtype", "logger",
+        "loggers", "hparams", "hparams_initial", "hparams_for_logger",
     ]  # fmt: skip
 
     if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     @property
     def trainer(self) -> Trainer:
         if self._trainer is None and not _utils.graph_traces:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a `Trainer`")
+            raise RuntimeError(f"{type(self).__name__} is not attached to a `Trainer`.")
         return self._trainer  # type: ignore[return-value]  # None only while a graph is traced
 
     @trainer.setter
@@ -274,21 +274,14 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
 
         return gather(data)
 
-    def freeze(self) -> None:
-        """No gradients for any parameter, and evaluation mode."""
-        for parameter in self.parameters():
-            parameter.requires_grad_(False)
-        self.eval()
-
-    def unfreeze(self) -> None:
-        """Gradients for every parameter, and training mode."""
-        for parameter in self.parameters():
-            parameter.requires_grad_(True)
-        self.train()
-
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward(*args, **kwargs)`` (``retain_graph=True``, ...) as the strategy and precision need it (loss
         scaling, gradient sync), between the ``on_before_backward`` and ``on_after_backward`` hooks."""
+        if self.automatic_optimization:  # the Trainer's backward would then run on a graph this one freed
+            raise MisconfigurationException(
+                "to use manual_backward, please disable automatic optimization: set model property "
+                "`automatic_optimization` as False"
+            )
         self.trainer.fit_loop.manual_backward(loss, *args, **kwargs)
 
     def clip_gradients(
