@@ -239,9 +239,13 @@ class Module(HyperparametersMixin, ModuleHooks, ExportMixin):
         self._toggled_requires_grad = saved
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
-        """Undo ``toggle_optimizer``: every parameter gets back the ``requires_grad`` it had before."""
-        for parameter, requires_grad in getattr(self, "_toggled_requires_grad", {}).items():
-            parameter.requires_grad_(requires_grad)
+        """Undo ``toggle_optimizer``: the other optimizers' parameters get back the ``requires_grad`` they had;
+        ``optimizer``'s keep theirs (as a ``toggled_optimizer`` block left them), as in Lightning."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        saved = getattr(self, "_toggled_requires_grad", {})
+        others = [other for other in self.trainer.optimizers if other is not optimizer]
+        for parameter in chain.from_iterable(_parameters_of(other) for other in others):
+            parameter.requires_grad_(saved.get(parameter, parameter.requires_grad))
         self._toggled_requires_grad = {}
 
     @contextlib.contextmanager

@@ -289,6 +289,28 @@ def test_toggle_optimizer_freezes_the_other_optimizers_parameters() -> None:
     assert states == [(True, False), (False, True), (True, False)]
 
 
+def test_untoggle_optimizer_leaves_the_toggled_optimizer_s_parameters_as_the_block_set_them() -> None:
+    states: list[tuple[bool, bool]] = []
+
+    class Two(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.other = nn.Linear(4, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            first, _ = self.optimizers()
+            with self.toggled_optimizer(first):
+                self.layer.bias.requires_grad_(False)  # the user freezes part of the toggled optimizer's model
+            states.append((self.layer.bias.requires_grad, self.other.weight.requires_grad))
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)]
+
+    quiet_trainer(max_steps=1, limit_train_batches=1, max_epochs=1, logger=False).fit(Two(), make_loader())
+    assert states == [(False, True)]  # as in Lightning: only the other optimizers' parameters are given back
+
+
 def test_logger_and_loggers_of_the_module() -> None:
     model = Regressor()
     assert model.logger is None and model.loggers == []
