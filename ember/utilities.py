@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 from collections.abc import Iterable, Iterator, Mapping
+from enum import Enum
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ move_data_to_device = move_to_device  # Lightning's name
 
 __all__ = [
     "AttributeDict",
+    "GradClipAlgorithmType",
     "extract_batch_size",
     "grad_norm",
     "is_picklable",
@@ -35,6 +37,13 @@ __all__ = [
     "rank_zero_print",
     "rank_zero_warn",
 ]
+
+
+class GradClipAlgorithmType(str, Enum):
+    """The values of ``gradient_clip_algorithm``, as Lightning names them; each is equal to its string."""
+
+    VALUE = "value"
+    NORM = "norm"
 
 
 def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:

@@ -518,6 +518,17 @@ def test_the_module_clips_as_it_chooses_when_the_trainer_does_not() -> None:
     assert 0 < moved < 1e-6 and model.received == (None, None)
 
 
+def test_lightning_s_clipping_algorithm_names_are_served_and_taken() -> None:
+    algorithms = _served("lightning.pytorch.utilities", "GradClipAlgorithmType")
+    assert [algorithms.VALUE, algorithms.NORM] == ["value", "norm"] and algorithms("norm") is algorithms.NORM
+    model = _Clipping()
+    trainer = quiet_trainer(max_steps=1, logger=False, gradient_clip_val=1e-6, gradient_clip_algorithm=algorithms.VALUE)
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    trainer.fit(model)
+    moved = max(float((after.detach() - old).abs().max()) for after, old in zip(model.parameters(), before))
+    assert 0 < moved < 1e-6 and model.received == (1e-6, "value")
+
+
 # ------------------------------------------------------------------------------ the flags
 def test_flags_default_to_the_environment_s(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PL_TRAINER_LOGGER", "False")
