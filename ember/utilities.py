@@ -52,7 +52,10 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     ``self.log_dict``; the values stay on the device."""
     p = float(norm_type)
     if p <= 0:
-        raise ValueError(f"grad_norm(norm_type={norm_type!r}): expected a positive number or 'inf'")
+        raise ValueError(
+            f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {p} "
+            f"(grad_norm(norm_type={norm_type!r}))"
+        )
     norms = {
         f"grad_{p}_norm{group_separator}{name}": parameter.grad.detach().norm(p)
         for name, parameter in module.named_parameters()

@@ -311,6 +311,16 @@ def test_untoggle_optimizer_leaves_the_toggled_optimizer_s_parameters_as_the_blo
     assert states == [(False, True)]  # as in Lightning: only the other optimizers' parameters are given back
 
 
+def test_grad_norm_names_each_gradient_s_norm_and_refuses_a_norm_type_not_positive() -> None:
+    model = Regressor()
+    model(torch.ones(2, 4)).sum().backward()
+    norms = ember.utilities.grad_norm(model, norm_type="inf")
+    assert sorted(norms) == ["grad_inf_norm/layer.bias", "grad_inf_norm/layer.weight", "grad_inf_norm_total"]
+    assert float(norms["grad_inf_norm/layer.bias"]) == 2.0 and float(norms["grad_inf_norm_total"]) == 2.0
+    with pytest.raises(ValueError, match=r"`norm_type` must be a positive number or 'inf' \(infinity norm\). Got -1.0"):
+        ember.utilities.grad_norm(model, norm_type=-1)
+
+
 def test_logger_and_loggers_of_the_module() -> None:
     model = Regressor()
     assert model.logger is None and model.loggers == []
