@@ -82,7 +82,8 @@ class ExportMixin(nn.Module):
             raise ValueError(f"The 'method' parameter only supports 'script' or 'trace', but value given was: {method}")
         self.train(mode)
         if file_path is not None:
-            torch.jit.save(script, os.fspath(file_path))
+            with open(file_path, "wb") as file:
+                torch.jit.save(script, file)
         return script
 
     def _to_device(self, inputs: Any) -> Any:

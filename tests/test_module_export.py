@@ -37,7 +37,7 @@ def test_to_torchscript_exports_in_evaluation_mode_and_keeps_the_module_s(method
     assert torch.allclose(torch.jit.load(str(path))(x), model(x))
 
 
-def test_to_torchscript_traces_the_inputs_given_and_refuses_what_it_cannot_do() -> None:
+def test_to_torchscript_traces_the_inputs_given_and_refuses_what_it_cannot_do(tmp_path: Any) -> None:
     model = Regressor()
     traced = model.to_torchscript(method="trace", example_inputs=torch.zeros(1, 4))
     assert traced(torch.ones(2, 4)).shape == (2, 1)
@@ -45,6 +45,8 @@ def test_to_torchscript_traces_the_inputs_given_and_refuses_what_it_cannot_do() 
         model.to_torchscript(method="trace")
     with pytest.raises(ValueError, match="only supports 'script' or 'trace', but value given was: onnx"):
         model.to_torchscript(method="onnx")
+    with pytest.raises(FileNotFoundError):  # as writing any file there would
+        model.to_torchscript(file_path=tmp_path / "missing" / "model.pt")
 
 
 def test_the_summary_shows_each_layer_s_sizes_when_the_module_has_an_example_input(capsys: Any) -> None:
