@@ -1,9 +1,10 @@
-"""What a ``Module`` offers besides training: its device type, freezing it, exporting it with TorchScript."""
+"""What a ``Module`` offers besides training: its device type, freezing it, exporting it (TorchScript, ONNX)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class ExportMixin(nn.Module):
-    """``on_gpu``, ``freeze``/``unfreeze``, ``example_input_array`` and ``to_torchscript``, as Lightning's."""
+    """``on_gpu``, ``freeze``/``unfreeze``, ``example_input_array``, ``to_torchscript``, ``to_onnx``: Lightning's."""
 
     #: An input of ``forward`` (a tensor; a tuple of positional arguments; a dict of keyword arguments): the model
     #: summary shows each layer's input and output sizes for it, and ``to_torchscript(method="trace")`` traces it.
@@ -85,6 +86,28 @@ class ExportMixin(nn.Module):
             with open(file_path, "wb") as file:
                 torch.jit.save(script, file)
         return script
+
+    @torch.no_grad()
+    def to_onnx(
+        self, file_path: str | os.PathLike[str] | BinaryIO | None = None, input_sample: Any = None, **kwargs: Any
+    ) -> Any:
+        """``torch.onnx.export`` of the module (which needs the ``onnx`` package) on ``input_sample``, or else
+        ``example_input_array``, moved to the module's device; ``kwargs`` go to ``torch.onnx.export``, whose result
+        it returns. The module keeps its mode."""
+        if importlib.util.find_spec("onnx") is None:
+            raise ModuleNotFoundError(f"`{type(self).__name__}.to_onnx()` requires `onnx` to be installed.")
+        if input_sample is None:
+            if self.example_input_array is None:
+                raise ValueError(
+                    "Could not export to ONNX since neither `input_sample` nor `model.example_input_array` attribute "
+                    "is set."
+                )
+            input_sample = self.example_input_array
+        mode = self.training
+        # torch declares a path only, but writes to a file object too (Lightning passes a BytesIO through).
+        exported = torch.onnx.export(self, self._to_device(input_sample), file_path, **kwargs)  # type: ignore[arg-type]
+        self.train(mode)
+        return exported
 
     def _to_device(self, inputs: Any) -> Any:
         """``inputs`` through the batch transfer hooks, on the module's device, as a batch would be."""

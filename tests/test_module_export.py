@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -69,3 +70,24 @@ class _ManualBackwardInAutomatic(Regressor):
 def test_manual_backward_under_automatic_optimization_is_refused() -> None:
     with pytest.raises(MisconfigurationException, match="to use manual_backward, please disable automatic opt"):
         quiet_trainer(max_steps=1, logger=False).fit(_ManualBackwardInAutomatic(), make_loader(16))
+
+
+def test_to_onnx_needs_onnx_and_an_input_then_exports_the_example(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Regressor()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    with pytest.raises(ModuleNotFoundError, match=r"`Regressor.to_onnx\(\)` requires `onnx` to be installed."):
+        model.to_onnx("model.onnx")
+    monkeypatch.undo()
+    exports: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())  # as if onnx were installed
+    monkeypatch.setattr(torch.onnx, "export", lambda *args, **kwargs: exports.append((*args, kwargs)) or "program")
+    with pytest.raises(ValueError, match="neither `input_sample` nor `model.example_input_array` attribute is set"):
+        model.to_onnx("model.onnx")
+    model.example_input_array = torch.zeros(2, 4)
+    assert model.to_onnx("model.onnx", opset_version=17) == "program" and model.training
+    ((module, sample, path, kwargs),) = exports
+    assert (
+        module is model
+        and torch.equal(sample, torch.zeros(2, 4))
+        and (path, kwargs) == ("model.onnx", {"opset_version": 17})
+    )
