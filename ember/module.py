@@ -270,7 +270,8 @@ class Module(HyperparametersMixin, ModuleHooks, ExportMixin):
             if isinstance(value, Mapping):
                 return type(value)({key: gather(item) for key, item in value.items()})  # type: ignore[call-arg]
             if isinstance(value, (list, tuple)):
-                return type(value)(gather(item) for item in value)
+                items = [gather(item) for item in value]
+                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple's fields
             if isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool):
                 tensor = torch.as_tensor(value, device=device)
                 return tensor if strategy.world_size == 1 else strategy.all_gather(tensor, sync_grads=sync_grads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import csv
 import functools
 import os
@@ -248,6 +249,18 @@ def test_all_gather_on_one_process_returns_the_data_as_tensors() -> None:
     trainer = quiet_trainer(max_epochs=1)
     trainer.fit(Gather(), make_loader(), make_loader(16))
     assert torch.equal(gathered[0]["n"], torch.tensor(3)) and torch.equal(gathered[0]["t"], torch.ones(2))
+
+
+def test_all_gather_keeps_a_namedtuple_s_type() -> None:
+    Pair = collections.namedtuple("Pair", "loss count")
+    gathered: list[Any] = []
+
+    class Gather(Regressor):
+        def on_train_start(self) -> None:
+            gathered.append(self.all_gather(Pair(torch.ones(2), 3)))
+
+    quiet_trainer(max_steps=1, logger=False).fit(Gather(), make_loader())
+    assert type(gathered[0]) is Pair and torch.equal(gathered[0].count, torch.tensor(3))
 
 
 def test_dtype_follows_the_parameters() -> None:
