@@ -11,7 +11,6 @@ from itertools import chain
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Literal, cast
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ember import _utils
@@ -21,6 +20,7 @@ from ember.checkpoint.state import load_datamodule_state, load_module_state, loa
 from ember.exceptions import MisconfigurationException
 from ember.hparams import HyperparametersMixin, build, class_only_method, init_arguments
 from ember.metrics import is_metric_object
+from ember.module_export import ExportMixin
 from ember.module_hooks import DataHooks, ModuleHooks
 from ember.rank_zero import rank_zero_warn, rank_zero_warn_once
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ember.trainer import Trainer
 
 
-class Module(HyperparametersMixin, ModuleHooks, nn.Module):
+class Module(HyperparametersMixin, ModuleHooks, ExportMixin):
     """A ``torch.nn.Module`` that also says how to train, validate, test and predict with it.
 
     Define ``training_step(batch, batch_idx)`` (returning the loss, a dict with ``"loss"``, or None
@@ -52,8 +52,8 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     strict_loading: bool = True
     #: What ``torch.jit.script(module)`` leaves out: properties that read the Trainer, which TorchScript cannot compile.
     __jit_unused_properties__: ClassVar[list[str]] = [
-        "trainer", "device", "current_epoch", "global_step", "global_rank", "local_rank", "dtype", "logger", "loggers",
-        "hparams", "hparams_initial", "hparams_for_logger",
+        "trainer", "device", "on_gpu", "current_epoch", "global_step", "global_rank", "local_rank", "dtype", "logger",
+        "loggers", "hparams", "hparams_initial", "hparams_for_logger",
     ]  # fmt: skip
 
     if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
     @property
     def trainer(self) -> Trainer:
         if self._trainer is None and not _utils.graph_traces:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a `Trainer`")
+            raise RuntimeError(f"{type(self).__name__} is not attached to a `Trainer`.")
         return self._trainer  # type: ignore[return-value]  # None only while a graph is traced
 
     @trainer.setter
@@ -239,9 +239,13 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         self._toggled_requires_grad = saved
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
-        """Undo ``toggle_optimizer``: every parameter gets back the ``requires_grad`` it had before."""
-        for parameter, requires_grad in getattr(self, "_toggled_requires_grad", {}).items():
-            parameter.requires_grad_(requires_grad)
+        """Undo ``toggle_optimizer``: the other optimizers' parameters get back the ``requires_grad`` they had;
+        ``optimizer``'s keep theirs (as a ``toggled_optimizer`` block left them), as in Lightning."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        saved = getattr(self, "_toggled_requires_grad", {})
+        others = [other for other in self.trainer.optimizers if other is not optimizer]
+        for parameter in chain.from_iterable(_parameters_of(other) for other in others):
+            parameter.requires_grad_(saved.get(parameter, parameter.requires_grad))
         self._toggled_requires_grad = {}
 
     @contextlib.contextmanager
@@ -266,7 +270,8 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
             if isinstance(value, Mapping):
                 return type(value)({key: gather(item) for key, item in value.items()})  # type: ignore[call-arg]
             if isinstance(value, (list, tuple)):
-                return type(value)(gather(item) for item in value)
+                items = [gather(item) for item in value]
+                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple's fields
             if isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool):
                 tensor = torch.as_tensor(value, device=device)
                 return tensor if strategy.world_size == 1 else strategy.all_gather(tensor, sync_grads=sync_grads)
@@ -274,21 +279,14 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
 
         return gather(data)
 
-    def freeze(self) -> None:
-        """No gradients for any parameter, and evaluation mode."""
-        for parameter in self.parameters():
-            parameter.requires_grad_(False)
-        self.eval()
-
-    def unfreeze(self) -> None:
-        """Gradients for every parameter, and training mode."""
-        for parameter in self.parameters():
-            parameter.requires_grad_(True)
-        self.train()
-
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward(*args, **kwargs)`` (``retain_graph=True``, ...) as the strategy and precision need it (loss
         scaling, gradient sync), between the ``on_before_backward`` and ``on_after_backward`` hooks."""
+        if self.automatic_optimization:  # the Trainer's backward would then run on a graph this one freed
+            raise MisconfigurationException(
+                "to use manual_backward, please disable automatic optimization: set model property "
+                "`automatic_optimization` as False"
+            )
         self.trainer.fit_loop.manual_backward(loss, *args, **kwargs)
 
     def clip_gradients(
@@ -302,7 +300,8 @@ class Module(HyperparametersMixin, ModuleHooks, nn.Module):
         not given, and an error when it differs from a flag that was given. Nothing to do without a value."""
         config = self.trainer.config
         clip_val = _one_of("gradient_clip_val", config.gradient_clip_val, gradient_clip_val)
-        algorithm = _one_of("gradient_clip_algorithm", config.gradient_clip_algorithm, gradient_clip_algorithm)
+        given = gradient_clip_algorithm.lower() if isinstance(gradient_clip_algorithm, str) else None  # any case
+        algorithm = _one_of("gradient_clip_algorithm", config.gradient_clip_algorithm, given)
         if algorithm not in (None, "norm", "value"):
             raise MisconfigurationException(
                 f"`gradient_clip_algorithm` {algorithm} is invalid. Allowed algorithms: ['value', 'norm'] "

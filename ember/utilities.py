@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from enum import Enum
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ move_data_to_device = move_to_device  # Lightning's name
 
 __all__ = [
     "AttributeDict",
+    "GradClipAlgorithmType",
     "extract_batch_size",
     "grad_norm",
     "is_picklable",
@@ -38,13 +40,23 @@ __all__ = [
 ]
 
 
+class GradClipAlgorithmType(str, Enum):
+    """The values of ``gradient_clip_algorithm``, as Lightning names them; each is equal to its string."""
+
+    VALUE = "value"
+    NORM = "norm"
+
+
 def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:
     """The ``norm_type``-norm of each parameter's gradient, as ``grad_<p>_norm/<name>``, and of all of them
     together, as ``grad_<p>_norm_total`` (``<p>`` is ``norm_type`` as a float: "2.0", "inf"). Ready for
     ``self.log_dict``; the values stay on the device."""
     p = float(norm_type)
     if p <= 0:
-        raise ValueError(f"grad_norm(norm_type={norm_type!r}): expected a positive number or 'inf'")
+        raise ValueError(
+            f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {p} "
+            f"(grad_norm(norm_type={norm_type!r}))"
+        )
     norms = {
         f"grad_{p}_norm{group_separator}{name}": parameter.grad.detach().norm(p)
         for name, parameter in module.named_parameters()

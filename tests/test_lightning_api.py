@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import csv
 import functools
 import os
@@ -250,6 +251,18 @@ def test_all_gather_on_one_process_returns_the_data_as_tensors() -> None:
     assert torch.equal(gathered[0]["n"], torch.tensor(3)) and torch.equal(gathered[0]["t"], torch.ones(2))
 
 
+def test_all_gather_keeps_a_namedtuple_s_type() -> None:
+    Pair = collections.namedtuple("Pair", "loss count")
+    gathered: list[Any] = []
+
+    class Gather(Regressor):
+        def on_train_start(self) -> None:
+            gathered.append(self.all_gather(Pair(torch.ones(2), 3)))
+
+    quiet_trainer(max_steps=1, logger=False).fit(Gather(), make_loader())
+    assert type(gathered[0]) is Pair and torch.equal(gathered[0].count, torch.tensor(3))
+
+
 def test_dtype_follows_the_parameters() -> None:
     dtypes: list[torch.dtype] = []
 
@@ -287,6 +300,38 @@ def test_toggle_optimizer_freezes_the_other_optimizers_parameters() -> None:
 
     quiet_trainer(max_steps=1, limit_train_batches=1, max_epochs=1, logger=False).fit(Two(), make_loader())
     assert states == [(True, False), (False, True), (True, False)]
+
+
+def test_untoggle_optimizer_leaves_the_toggled_optimizer_s_parameters_as_the_block_set_them() -> None:
+    states: list[tuple[bool, bool]] = []
+
+    class Two(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.other = nn.Linear(4, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            first, _ = self.optimizers()
+            with self.toggled_optimizer(first):
+                self.layer.bias.requires_grad_(False)  # the user freezes part of the toggled optimizer's model
+            states.append((self.layer.bias.requires_grad, self.other.weight.requires_grad))
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)]
+
+    quiet_trainer(max_steps=1, limit_train_batches=1, max_epochs=1, logger=False).fit(Two(), make_loader())
+    assert states == [(False, True)]  # as in Lightning: only the other optimizers' parameters are given back
+
+
+def test_grad_norm_names_each_gradient_s_norm_and_refuses_a_norm_type_not_positive() -> None:
+    model = Regressor()
+    model(torch.ones(2, 4)).sum().backward()
+    norms = ember.utilities.grad_norm(model, norm_type="inf")
+    assert sorted(norms) == ["grad_inf_norm/layer.bias", "grad_inf_norm/layer.weight", "grad_inf_norm_total"]
+    assert float(norms["grad_inf_norm/layer.bias"]) == 2.0 and float(norms["grad_inf_norm_total"]) == 2.0
+    with pytest.raises(ValueError, match=r"`norm_type` must be a positive number or 'inf' \(infinity norm\). Got -1.0"):
+        ember.utilities.grad_norm(model, norm_type=-1)
 
 
 def test_logger_and_loggers_of_the_module() -> None:
@@ -520,7 +565,8 @@ def test_an_optimizer_step_that_never_runs_the_closure_is_an_error() -> None:
         def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
             optimizer.step()
 
-    with pytest.raises(RuntimeError, match=r"Forgetful.optimizer_step\(\) did not call the optimizer_closure"):
+    refused = r"The closure hasn't been executed.*Forgetful.optimizer_step\(\) did not call the optimizer_closure"
+    with pytest.raises(MisconfigurationException, match=refused):
         quiet_trainer(max_steps=1, logger=False).fit(Forgetful(), make_loader())
 
 

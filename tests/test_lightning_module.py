@@ -509,13 +509,25 @@ def test_clipping_both_in_the_trainer_and_the_module_is_refused(flags: dict, cli
         trainer.fit(_Clipping(**clip))
 
 
-def test_the_module_clips_as_it_chooses_when_the_trainer_does_not() -> None:
-    model = _Clipping(gradient_clip_val=1e-6, gradient_clip_algorithm="value")
+@pytest.mark.parametrize("algorithm", ["value", "VALUE"])  # any case, as the Trainer's flag
+def test_the_module_clips_as_it_chooses_when_the_trainer_does_not(algorithm: str) -> None:
+    model = _Clipping(gradient_clip_val=1e-6, gradient_clip_algorithm=algorithm)
     before = [parameter.detach().clone() for parameter in model.parameters()]
     quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False).fit(model)
     # SGD at lr 0.1 moves each weight by 0.1 times its gradient, clamped to 1e-6 (unclamped, about 0.1).
     moved = max(float((after.detach() - old).abs().max()) for after, old in zip(model.parameters(), before))
     assert 0 < moved < 1e-6 and model.received == (None, None)
+
+
+def test_lightning_s_clipping_algorithm_names_are_served_and_taken() -> None:
+    algorithms = _served("lightning.pytorch.utilities", "GradClipAlgorithmType")
+    assert [algorithms.VALUE, algorithms.NORM] == ["value", "norm"] and algorithms("norm") is algorithms.NORM
+    model = _Clipping()
+    trainer = quiet_trainer(max_steps=1, logger=False, gradient_clip_val=1e-6, gradient_clip_algorithm=algorithms.VALUE)
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    trainer.fit(model)
+    moved = max(float((after.detach() - old).abs().max()) for after, old in zip(model.parameters(), before))
+    assert 0 < moved < 1e-6 and model.received == (1e-6, "value")
 
 
 # ------------------------------------------------------------------------------ the flags

@@ -24,8 +24,9 @@ class ModelSummary(Callback):
     ``max_depth`` is how deep to list layers: 1 (the default) lists the module's direct children, -1
     every layer; 0 shows nothing, as Lightning's. Logged to the "ember" logger at INFO on the global-zero process;
     ``Trainer(enable_model_summary=False)`` turns it off. Sharded parameters (DTensors, as FSDP2 makes them)
-    count with their full size. A subclass that overrides ``summarize`` (Lightning's hook) is given Lightning's
-    columns and totals instead, with the ``summarize_kwargs`` given to ``__init__``.
+    count with their full size. A module with an ``example_input_array`` gets Lightning's table instead (modes,
+    FLOPs, each layer's input and output sizes), and so does a subclass that overrides ``summarize`` (Lightning's
+    hook), given Lightning's columns and totals with the ``summarize_kwargs`` given to ``__init__``.
     """
 
     def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
@@ -40,11 +41,11 @@ class ModelSummary(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None:
         if not self.max_depth:  # as Lightning's: depth 0 turns the summary off
             return
-        if not is_overridden("summarize", self, ModelSummary):
+        # Ember's shorter table runs nothing; a module with an example_input_array asks for each layer's sizes, and a
+        # subclass that overrides summarize for Lightning's columns: both run the example once, as Lightning's does.
+        if pl_module.example_input_array is None and not is_overridden("summarize", self, ModelSummary):
             announce(summarize(pl_module, self.max_depth))
             return
-        # A subclass shows the summary its own way, from what Lightning's callback gives it (this measures the
-        # layers, running the model's example_input_array once, as Lightning's does).
         summary = SummaryObject(pl_module, self.max_depth)
         if trainer.is_global_zero:
             self.summarize(
@@ -64,7 +65,8 @@ class ModelSummary(Callback):
     ) -> None:
         """Show a summary in Lightning's table (Lightning's hook, for a subclass to override, or to call): the
         columns as (header, cells) pairs, as ``ember.model_summary.ModelSummary.summary_data`` gives them, and the
-        totals. The callback calls it when a subclass overrides it, and otherwise shows Ember's shorter table."""
+        totals. The callback calls it when a subclass overrides it or the module has an ``example_input_array``, and
+        otherwise shows Ember's shorter table."""
         announce(summary_table(summary_data, total_parameters, trainable_parameters, model_size,
                                total_training_modes, total_flops))  # fmt: skip
 

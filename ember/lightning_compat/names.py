@@ -133,6 +133,7 @@ _PROFILERS: Names = {
 _UTILITIES: Names = {
     **_RANK_ZERO,
     "grad_norm": "ember.utilities:grad_norm",
+    "GradClipAlgorithmType": "ember.utilities:GradClipAlgorithmType",
     "AttributeDict": "ember.utilities:AttributeDict",
     "move_data_to_device": "ember.utilities:move_data_to_device",
     "is_picklable": "ember.utilities:is_picklable",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ember._utils import batch_size_of, split_batch, takes_batch_idx
+from ember.exceptions import MisconfigurationException
 from ember.loops.loss import training_loss
 from ember.loops.progress import Progress
 from ember.optim import (
@@ -365,10 +366,11 @@ class StepRunner:
             finally:
                 self._closing = None
             if closure is not None and not closure.ran:
-                raise RuntimeError(
-                    f"{type(self.module).__name__}.optimizer_step() did not call the optimizer_closure it received; "
-                    "call optimizer.step(closure=optimizer_closure), or optimizer_closure() to run the step's "
-                    "training_step and backward without stepping"
+                raise MisconfigurationException(
+                    "The closure hasn't been executed. HINT: did you call `optimizer_closure()` in your "
+                    f"`optimizer_step` hook? ({type(self.module).__name__}.optimizer_step() did not call the "
+                    "optimizer_closure it received; call optimizer.step(closure=optimizer_closure), or "
+                    "optimizer_closure() to run the step's training_step and backward without stepping)"
                 )
         elif self.closure_steps and closure is not None:
             self._step_with(optimizer, closure, {}, window.gradient_scale, clip=True)
