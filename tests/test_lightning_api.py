@@ -1491,8 +1491,11 @@ def test_inference_mode_and_anomaly_detection(inference_mode: bool) -> None:
     model = Watching()
     trainer.fit(model, make_loader(8), make_loader(8))
     trainer.test(model, make_loader(8), verbose=False)
-    assert seen == {"train": (False, True, True), "validate": (inference_mode, False, True),
+    # As Lightning's, fit's validations run under no_grad whatever the flag: what their hooks make trains on.
+    assert seen == {"train": (False, True, True), "validate": (False, False, True),
                     "test": (inference_mode, False, True)}  # fmt: skip
+    trainer.validate(model, make_loader(8), verbose=False)
+    assert seen["validate"] == (inference_mode, False, True)
     assert not torch.is_anomaly_enabled()
 
 

@@ -92,9 +92,13 @@ class EvaluationLoop:
         """The batches of each loader that the sanity check of ``fit`` runs (``num_sanity_val_steps`` at most)."""
         return sanity_counts(self.num_batches, self.trainer.config.num_sanity_val_steps)
 
-    def run(self, loaders: list[Iterable], counts: list[float], *, sanity_check: bool = False) -> Any:
+    def run(
+        self, loaders: list[Iterable], counts: list[float], *, sanity_check: bool = False, fitting: bool = False
+    ) -> Any:
         """Evaluate ``counts[i]`` batches of each loader (the skeleton every evaluation stage runs); a
-        ``sanity_check`` runs ``num_sanity_batches`` of them and publishes no metrics."""
+        ``sanity_check`` runs ``num_sanity_batches`` of them and publishes no metrics. ``fitting``: a validation
+        of ``fit``, which runs under ``torch.no_grad`` as Lightning's, never ``inference_mode``: tensors its hooks
+        make (a pruning mask of ``ModelPruning``) are trained on afterwards, which inference tensors cannot be."""
         trainer = self.trainer
         hooks, module, hook = trainer.hooks, trainer.lightning_module, self._hook
         assert module is not None
@@ -103,7 +107,7 @@ class EvaluationLoop:
             counts = self.num_sanity_batches
         self.running = True
         # As in Lightning, the stage's hooks run without gradients too, from the evaluation mode's to the end's.
-        no_grad = _no_grad(trainer.config.inference_mode and trainer.strategy.allows_inference_mode)
+        no_grad = _no_grad(not fitting and trainer.config.inference_mode and trainer.strategy.allows_inference_mode)
         try:
             with no_grad:
                 self._begin(len(loaders))

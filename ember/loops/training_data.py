@@ -198,7 +198,7 @@ class ValidationSchedule:
         self.load_when_due(sanity_check)
         steps = self._trainer.config.num_sanity_val_steps if sanity_check else -1
         if sum(sanity_counts(self.counts, steps)):
-            loop.run(self.loaders or [], self.counts, sanity_check=sanity_check)
+            loop.run(self.loaders or [], self.counts, sanity_check=sanity_check, fitting=True)
         if self._timer is not None and not sanity_check:  # the time counts again from the end of this validation
             self._timer = (self._timer[0], time.monotonic())
 
