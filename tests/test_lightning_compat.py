@@ -95,6 +95,8 @@ def test_lightning_names_are_embers_own_objects() -> None:
          "ember.callbacks.StochasticWeightAveraging"),
         ("from pytorch_lightning.callbacks.stochastic_weight_avg import StochasticWeightAveraging",
          "ember.callbacks.StochasticWeightAveraging"),
+        ("from lightning.pytorch.callbacks import ModelPruning", "ember.callbacks.ModelPruning"),
+        ("from pytorch_lightning.callbacks.pruning import ModelPruning", "ember.callbacks.ModelPruning"),
         ("from lightning.pytorch.callbacks import GradientAccumulationScheduler",
          "ember.callbacks.GradientAccumulationScheduler"),
         ("from pytorch_lightning.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler",

@@ -14,6 +14,7 @@ from ember.callbacks.prediction_writer import BasePredictionWriter
 from ember.callbacks.progress import ProgressBar
 from ember.callbacks.progress_bars import RichProgressBar, TQDMProgressBar
 from ember.callbacks.progress_base import ProgressBarBase
+from ember.callbacks.pruning import ModelPruning
 from ember.callbacks.spike import SpikeDetection, TrainingSpikeException
 from ember.callbacks.stage_throughput import StageThroughputMonitor
 from ember.callbacks.throughput import ThroughputMonitor
@@ -32,6 +33,7 @@ __all__ = [
     "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",
+    "ModelPruning",
     "ModelSummary",
     "OnExceptionCheckpoint",
     "ProgressBar",

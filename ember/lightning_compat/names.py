@@ -73,6 +73,7 @@ _CALLBACKS: Names = {
             "TQDMProgressBar",
             "RichProgressBar",
             "SpikeDetection",
+            "ModelPruning",
         )
     },
     # Lightning's ThroughputMonitor logs each stage's counts and rates under its names; Ember's logs TFLOP/s and MFU.
@@ -83,7 +84,6 @@ _CALLBACKS: Names = {
     "Checkpoint": "ember.callbacks:ModelCheckpoint",
     "WeightAveraging": Missing(_SWA),
     "EMAWeightAveraging": Missing(_SWA),
-    "ModelPruning": Missing("apply torch.nn.utils.prune in a callback of your own"),
     "LearningRateFinder": "ember.tuner:LearningRateFinder",
     "BatchSizeFinder": "ember.tuner:BatchSizeFinder",
 }
@@ -231,6 +231,7 @@ PYTORCH: dict[str, Names] = {
     "callbacks.device_stats_monitor": {"DeviceStatsMonitor": "ember.callbacks:DeviceStatsMonitor"},
     "callbacks.timer": {"Timer": "ember.callbacks:Timer"},
     "callbacks.spike": {"SpikeDetection": "ember.callbacks:SpikeDetection"},
+    "callbacks.pruning": {"ModelPruning": "ember.callbacks:ModelPruning"},
     "callbacks.on_exception_checkpoint": {"OnExceptionCheckpoint": "ember.callbacks:OnExceptionCheckpoint"},
     "callbacks.throughput_monitor": {"ThroughputMonitor": "ember.callbacks:StageThroughputMonitor"},
     "callbacks.progress": {
@@ -328,7 +329,6 @@ MISSING_MODULES = {
     "loggers.neptune": _LOGGER,
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
     "callbacks.weight_averaging": _SWA,
-    "callbacks.pruning": "apply torch.nn.utils.prune in a callback of your own",
     "strategies.deepspeed": "use ember.strategies.FSDPStrategy, which shards parameters, gradients and optimizer "
     "state (ZeRO 3)",
     "strategies.xla": "Ember runs on CUDA, MPS and CPU devices, not on TPUs",
