@@ -273,7 +273,7 @@ class ModelPruning(Callback):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: Module, checkpoint: dict[str, Any]) -> None:
         # The checkpoint holds the pruned weights under their own names, while training goes on with its masks.
         if self._make_pruning_permanent:
-            checkpoint["state_dict"] = _permanent_state_dict(pl_module)
+            checkpoint["state_dict"] = _fold_masks(checkpoint["state_dict"])
 
 
 def _is_container(module: nn.Module, root: nn.Module) -> bool:
@@ -302,10 +302,11 @@ def _copy_parameter(layer: nn.Module, source: nn.Module, name: str) -> None:
         target.data = values.data.to(target.device)
 
 
-def _permanent_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``module``'s state_dict on the CPU, each pruned tensor as its mask times its original values."""
-    state = module.state_dict()
+def _fold_masks(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a state_dict, as the strategy gathered it) with each pruned tensor as its mask times its original
+    values, under its own name."""
+    state = dict(state)
     for key in [key.removesuffix("_mask") for key in state if key.endswith("_mask")]:
         original, mask = state.pop(f"{key}_orig"), state.pop(f"{key}_mask")
         state[key] = mask.to(original.dtype) * original
-    return {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+    return state
