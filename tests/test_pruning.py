@@ -52,7 +52,7 @@ def _zeros(model: nn.Module) -> dict[str, int]:
 
 def test_the_defaults_prune_half_of_every_layer_s_weights_and_biases_together_and_leave_plain_weights() -> None:
     initial = copy.deepcopy(_Net().state_dict())
-    model = _fit(ModelPruning("l1_unstructured"))
+    model = _fit(ModelPruning("l1_unstructured", parameters_to_prune=None))
     state = model.state_dict()
     # The masks are folded in when training ends: plain parameters, no pruning hooks left.
     assert sorted(state) == sorted(initial)

@@ -63,7 +63,7 @@ class ModelPruning(Callback):
     def __init__(
         self,
         pruning_fn: Callable[..., Any] | str,
-        parameters_to_prune: ParameterList = (),
+        parameters_to_prune: ParameterList | None = (),
         parameter_names: list[str] | None = None,
         use_global_unstructured: bool = True,
         amount: Amount | Callable[[int], Amount] = 0.5,
@@ -98,7 +98,7 @@ class ModelPruning(Callback):
         if verbose not in (0, 1, 2):
             raise MisconfigurationException("`verbose` must be any of (0, 1, 2)")
         self.amount = amount
-        self._parameters_to_prune: ParameterList = parameters_to_prune
+        self._parameters_to_prune: ParameterList = parameters_to_prune or ()
         self._apply_pruning = apply_pruning
         self._make_pruning_permanent = make_pruning_permanent
         self._use_lottery_ticket_hypothesis = use_lottery_ticket_hypothesis
