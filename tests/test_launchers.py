@@ -199,9 +199,13 @@ def test_only_a_script_or_module_run_is_re_run_in_the_workers(monkeypatch: pytes
     assert script_target() == ["-m", "package.train"]
 
 
-LIGHTNING_MODULE = """
+LIGHTNING_SCRIPT = """
+import os
+
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
 
 class Net(LightningModule):
     def __init__(self):
@@ -216,19 +220,9 @@ class Net(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
-"""
 
-LIGHTNING_SCRIPT = """
-import os
-
-import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 if __name__ == "__main__":
-    import ember.lightning  # here only: the workers, which import this script again, need it from their launcher
-    from lightning.pytorch import Trainer
-    from net import Net
-
     x = torch.randn(32, 4)
     model = Net()
     before = model.layer.weight.clone()
@@ -243,10 +237,12 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_lightning_script_s_code_after_fit_runs_once_with_the_workers_results(tmp_path: Any) -> None:
-    (tmp_path / "net.py").write_text(LIGHTNING_MODULE)
+def test_a_lightning_script_run_under_the_hook_spawns_workers_that_import_it_with_the_hook(tmp_path: Any) -> None:
+    # The script imports Lightning at its top and is run by a launcher that installed the hook first: each
+    # spawned worker runs the script again, before it gets its job, and must have the hook by then.
     (tmp_path / "train.py").write_text(LIGHTNING_SCRIPT)
-    command = [sys.executable, str(tmp_path / "train.py")]
+    launcher = "import ember.lightning, runpy; runpy.run_path('train.py', run_name='__main__')"
+    command = [sys.executable, "-c", launcher]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=110)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("after fit:") == 1 and "after fit: 4 True True ['train_loss'] True" in result.stdout
