@@ -25,6 +25,7 @@ import ember
 from ember.callbacks import LambdaCallback, ModelCheckpoint
 from ember.exceptions import MisconfigurationException
 from ember.launch import script_target
+from ember.strategies import DDPStrategy
 from ember.strategies.launchers import GRACE_SECONDS, WorkerTraceback, _checked
 from ember.tuner import Tuner
 
@@ -72,6 +73,12 @@ class _WithData(Regressor):
         return make_loader(32, batch_size=4)
 
 
+def _log_reduced_ranks(trainer: ember.Trainer, module: ember.Module) -> None:
+    rank = torch.tensor(float(trainer.global_rank + 1))
+    module.log("ranks_summed", trainer.strategy.reduce(rank, reduce_op="sum"))
+    module.log("ranks_averaged", trainer.strategy.reduce(rank, group=None, reduce_op="AVG"))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_caller() -> None:
@@ -80,7 +87,8 @@ def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_call
     # not inherit it (they would wait on it forever). A test run before in this process may have left one.
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    trainer, model = _fit("ddp_notebook", callbacks=[checkpoint])  # ddp_fork's workers start as these do
+    reducing = LambdaCallback(on_validation_epoch_end=_log_reduced_ranks)  # Lightning's keywords of reduce
+    trainer, model = _fit("ddp_notebook", callbacks=[checkpoint, reducing])  # ddp_fork's workers start as these do
     # Two processes with batches of 4 step as one with batches of 8.
     _assert_close(parameters_of(model), _fitted_in_one_process(batch_size=8))
     assert (trainer.global_step, trainer.current_epoch) == (8, 2)
@@ -91,7 +99,8 @@ def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_call
     assert os.path.isfile(checkpoint.best_model_path) and os.path.isfile(checkpoint.last_model_path)
     assert checkpoint.best_model_score is not None and os.listdir(trainer.runs_dir) == ["version_0"]
     (results,) = trainer.validate(model, make_loader(16, batch_size=4))
-    assert set(results) == {"val_loss"} and trainer.callback_metrics["val_loss"] == results["val_loss"]
+    assert trainer.callback_metrics["val_loss"] == results["val_loss"]
+    assert results == {"val_loss": results["val_loss"], "ranks_summed": 3.0, "ranks_averaged": 1.5}
     # Without a module, test runs the fitted one with the best checkpoint's weights, in new workers.
     (results,) = trainer.test(dataloaders=make_loader(16, batch_size=4), ckpt_path="best")
     assert set(results) == {"test_loss"} and trainer.state.fn == "test"
@@ -164,6 +173,11 @@ def test_ddp_without_a_script_spawns_where_the_main_module_can_be_imported_else_
     assert _checked("popen") == "spawn"
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a notebook's
     assert _checked("popen") == "fork"
+
+
+def test_reduce_refuses_an_operation_it_does_not_know_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"reduce_op='median' is not a reduction: use one of 'mean', 'avg', 'sum'"):
+        DDPStrategy().reduce(torch.tensor(1.0), reduce_op="median")  # type: ignore[arg-type]
 
 
 def test_spawn_needs_a_main_module_it_can_import(monkeypatch: pytest.MonkeyPatch) -> None:

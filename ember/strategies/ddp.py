@@ -171,14 +171,17 @@ class ParallelStrategy(Strategy):
             return None
 
     # ---------------------------------------------------------------------- communication
-    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: ReduceOp = "mean") -> torch.Tensor:
         import torch.distributed as dist
 
+        ops = {"mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}  # fmt: skip
+        op = str(getattr(reduce_op, "name", reduce_op)).lower()  # torch's ReduceOp.SUM too, as Lightning takes it
+        if op not in ops:
+            raise ValueError(f"reduce_op={reduce_op!r} is not a reduction: use one of {', '.join(map(repr, ops))}")
         reduced = torch.as_tensor(tensor, device=self.root_device).detach().clone()
-        dist_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                   "min": dist.ReduceOp.MIN}[op]  # fmt: skip
-        dist.all_reduce(reduced, op=dist_op)
-        return reduced / self.world_size if op == "mean" else reduced
+        dist.all_reduce(reduced, op=ops[op], group=group)
+        return reduced / dist.get_world_size(group) if op in ("mean", "avg") else reduced
 
     def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
         import torch.distributed as dist

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ember.module import Module
     from ember.trainer import Trainer
 
-ReduceOp = Literal["mean", "sum", "max", "min"]
+ReduceOp = Literal["mean", "avg", "sum", "max", "min"]
 T = TypeVar("T")
 _NO_CONTEXT = contextlib.nullcontext()  # reusable, so entering it per step allocates nothing
 
@@ -372,7 +372,8 @@ class Strategy:
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------- communication
-    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: ReduceOp = "mean") -> torch.Tensor:
+        """``tensor`` reduced over the processes of ``group`` (all by default), as Lightning's ``reduce``."""
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
