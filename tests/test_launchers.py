@@ -131,9 +131,11 @@ def test_ddp_where_no_script_can_be_re_run_starts_workers_and_resumes_as_an_unin
 @pytest.mark.timeout(120)
 def test_a_worker_s_exception_is_raised_in_the_caller_with_its_rank_and_traceback() -> None:
     started = time.monotonic()
+    trainer = quiet_trainer(devices=2, strategy="ddp_fork", max_epochs=2, logger=False)
     with pytest.raises(ValueError, match="no value fits on rank 1") as raised:
-        _fit("ddp_fork", model=_Failing(), logger=False)
+        trainer.fit(_Failing(), make_loader(32, batch_size=4))
     assert time.monotonic() - started < 30
+    assert trainer.interrupted and trainer.state.fn == "fit"  # the caller's Trainer says how its stage ended
     cause = raised.value.__cause__
     assert isinstance(cause, WorkerTraceback)
     assert str(cause).startswith("on rank 1:") and "in training_step" in str(cause)

@@ -247,6 +247,8 @@ def _outcome(
     worker that ended without a report, or the ``SystemExit`` a worker exited with (see ``_FIRST``)."""
     failures = [(rank, report) for rank, report in reports if report[0] != "returned"]
     if failures:
+        if results is not None:
+            results.fail()
         rank, report = min(failures, key=lambda failure: _FIRST[failure[1][0]])
         if report[0] == "exited":
             raise SystemExit(report[1])

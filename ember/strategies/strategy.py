@@ -58,6 +58,9 @@ class WorkerResults(Protocol):
     def adopt(self, collected: Any) -> None:
         """Called in the caller with rank zero's ``collect()``."""
 
+    def fail(self) -> None:
+        """Called in the caller when a worker failed, before its exception is raised there."""
+
 
 class Strategy:
     """Runs the module on one device. Parallel strategies subclass it and override what differs.
