@@ -77,6 +77,12 @@ def _log_reduced_ranks(trainer: ember.Trainer, module: ember.Module) -> None:
     rank = torch.tensor(float(trainer.global_rank + 1))
     module.log("ranks_summed", trainer.strategy.reduce(rank, reduce_op="sum"))
     module.log("ranks_averaged", trainer.strategy.reduce(rank, group=None, reduce_op="AVG"))
+    trainer.strategy.barrier("reduced")
+    module.log("ranks_gathered", trainer.strategy.all_gather(rank, group=None).sum())
+    zero = trainer.global_rank == 0
+    decisions = [trainer.strategy.reduce_boolean_decision(zero, all=every) for every in (True, False)]
+    module.log("all_ranks_zero", float(decisions[0]))
+    module.log("any_rank_zero", float(decisions[1]))
 
 
 @pytest.mark.slow
@@ -87,7 +93,7 @@ def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_call
     # not inherit it (they would wait on it forever). A test run before in this process may have left one.
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    reducing = LambdaCallback(on_validation_epoch_end=_log_reduced_ranks)  # Lightning's keywords of reduce
+    reducing = LambdaCallback(on_validation_epoch_end=_log_reduced_ranks)  # Lightning's keywords of the collectives
     trainer, model = _fit("ddp_notebook", callbacks=[checkpoint, reducing])  # ddp_fork's workers start as these do
     # Two processes with batches of 4 step as one with batches of 8.
     _assert_close(parameters_of(model), _fitted_in_one_process(batch_size=8))
@@ -100,7 +106,9 @@ def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_call
     assert checkpoint.best_model_score is not None and os.listdir(trainer.runs_dir) == ["version_0"]
     (results,) = trainer.validate(model, make_loader(16, batch_size=4))
     assert trainer.callback_metrics["val_loss"] == results["val_loss"]
-    assert results == {"val_loss": results["val_loss"], "ranks_summed": 3.0, "ranks_averaged": 1.5}
+    reduced = {"ranks_summed": 3.0, "ranks_averaged": 1.5, "ranks_gathered": 3.0, "all_ranks_zero": 0.0,
+               "any_rank_zero": 1.0}  # fmt: skip
+    assert results == {"val_loss": results["val_loss"], **reduced}
     # Without a module, test runs the fitted one with the best checkpoint's weights, in new workers.
     (results,) = trainer.test(dataloaders=make_loader(16, batch_size=4), ckpt_path="best")
     assert set(results) == {"test_loss"} and trainer.state.fn == "test"

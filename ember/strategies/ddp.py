@@ -183,16 +183,17 @@ class ParallelStrategy(Strategy):
         dist.all_reduce(reduced, op=ops[op], group=group)
         return reduced / dist.get_world_size(group) if op in ("mean", "avg") else reduced
 
-    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         import torch.distributed as dist
 
+        group = dist.group.WORLD if group is None else group
         tensor = torch.as_tensor(tensor, device=self.root_device).contiguous()
         if sync_grads:  # gradients flow back to each rank's own tensor
             from torch.distributed.nn.functional import all_gather
 
-            return torch.stack(all_gather(tensor))
-        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(gathered, tensor)
+            return torch.stack(all_gather(tensor, group=group))
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor, group=group)
         return torch.stack(gathered)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -209,7 +210,7 @@ class ParallelStrategy(Strategy):
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    def barrier(self) -> None:
+    def barrier(self, name: str | None = None) -> None:
         import torch.distributed as dist
 
         if self.root_device.type == "cuda":

@@ -379,8 +379,9 @@ class Strategy:
         """``tensor`` reduced over the processes of ``group`` (all by default), as Lightning's ``reduce``."""
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
-        """Stack ``tensor`` from every rank along a new first dimension (``sync_grads``: differentiably)."""
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        """Stack ``tensor`` from every rank (of ``group``) along a new first dimension (``sync_grads``:
+        differentiably)."""
         return tensor.unsqueeze(0)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -390,8 +391,13 @@ class Strategy:
         """Every rank's ``obj`` (any picklable value), in rank order."""
         return [obj]
 
-    def barrier(self) -> None:
-        pass
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank (``name`` only tells the waits apart, as Lightning's)."""
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Whether every rank decided so (``all``), else whether any rank did, as Lightning's."""
+        count = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
+        return bool(count == self.world_size) if all else bool(count > 0)
 
     # ---------------------------------------------------------------------------- checkpoints
     def module_state_dict(self) -> dict[str, Any]:
