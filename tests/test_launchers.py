@@ -83,6 +83,8 @@ def _log_reduced_ranks(trainer: ember.Trainer, module: ember.Module) -> None:
     decisions = [trainer.strategy.reduce_boolean_decision(zero, all=every) for every in (True, False)]
     module.log("all_ranks_zero", float(decisions[0]))
     module.log("any_rank_zero", float(decisions[1]))
+    layout = (trainer.strategy.num_processes, trainer.strategy.process_group_backend)
+    module.log("gloo_processes", float(layout[0]) if layout[1] == "gloo" else -1.0)
 
 
 @pytest.mark.slow
@@ -107,7 +109,7 @@ def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_call
     (results,) = trainer.validate(model, make_loader(16, batch_size=4))
     assert trainer.callback_metrics["val_loss"] == results["val_loss"]
     reduced = {"ranks_summed": 3.0, "ranks_averaged": 1.5, "ranks_gathered": 3.0, "all_ranks_zero": 0.0,
-               "any_rank_zero": 1.0}  # fmt: skip
+               "any_rank_zero": 1.0, "gloo_processes": 2.0}  # fmt: skip
     assert results == {"val_loss": results["val_loss"], **reduced}
     # Without a module, test runs the fitted one with the best checkpoint's weights, in new workers.
     (results,) = trainer.test(dataloaders=make_loader(16, batch_size=4), ckpt_path="best")

@@ -82,6 +82,11 @@ class ParallelStrategy(Strategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def num_processes(self) -> int:
+        """The processes on each machine, one per device (Lightning's name)."""
+        return len(self.parallel_devices)
+
+    @property
     def world_size(self) -> int:
         if self.environment is not None:
             return self.environment.world_size
@@ -134,6 +139,7 @@ class ParallelStrategy(Strategy):
         if dist.is_initialized():
             return
         backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        self.process_group_backend = backend  # what the run uses, as Lightning's reads once set up
         # The backend's own timeout is a backstop: the watchdog names the missing rank and ends the run first.
         options: dict[str, Any] = {"backend": backend, "timeout": self.timeout + _BACKSTOP}
         if backend == "nccl":
