@@ -319,7 +319,7 @@ def has_len_all_ranks(
     name = type(dataloader).__name__
     total = local
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        total = int(strategy.reduce(torch.tensor(local, device=strategy.root_device), "sum").item())
+        total = int(strategy.reduce(torch.tensor(local, device=strategy.root_device), reduce_op="sum").item())
     if total == 0:
         rank_zero_warn(f"Total length of `{name}` across ranks is zero: it has no batches to run.")
     elif local == 0:

@@ -98,7 +98,7 @@ class _Logged:
 class MetricStore:
     """What one stage (fit's training, validation, test) has logged since its epoch began."""
 
-    def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor]) -> None:
+    def __init__(self, reduce: Callable[..., torch.Tensor]) -> None:
         self.reduce = reduce  # how epoch values are reduced (over the processes too)
         self._entries: dict[str, _Logged] = {}
         #: The batch being processed; its size is inferred only if a per-epoch mean needs it.
@@ -158,7 +158,7 @@ class MetricStore:
                 entry.step_fresh = False
                 if entry.sync_dist:
                     reduced = torch.as_tensor(entry.step_value, dtype=torch.float32).reshape(())
-                    entry.step_value = self.reduce(reduced, entry.reduce_fx)
+                    entry.step_value = self.reduce(reduced, reduce_op=entry.reduce_fx)
             values[_step_name(key, entry)] = entry.step_value
         return values
 
@@ -200,9 +200,9 @@ class MetricStore:
             # The global mean weighs each rank by the number of samples it saw.
             pair = torch.stack([torch.as_tensor(total, dtype=torch.float32, device=device).reshape(()),
                                 torch.tensor(float(entry.weight), device=device)])  # fmt: skip
-            pair = self.reduce(pair, "sum")
+            pair = self.reduce(pair, reduce_op="sum")
             return pair[0] / pair[1]
-        return self.reduce(torch.as_tensor(total, dtype=torch.float32, device=device), entry.reduce_fx)
+        return self.reduce(torch.as_tensor(total, dtype=torch.float32, device=device), reduce_op=entry.reduce_fx)
 
     def clear(self) -> None:
         for entry in self._entries.values():
@@ -362,7 +362,7 @@ class RunMetrics:
     index among its loader's batches in the stage, and written when the evaluation's epoch ends.
     """
 
-    def __init__(self, reduce: Callable[[torch.Tensor, ReduceFx], torch.Tensor], loggers: list[Logger],
+    def __init__(self, reduce: Callable[..., torch.Tensor], loggers: list[Logger],
                  is_global_zero: Callable[[], bool], copy_values: bool = False) -> None:  # fmt: skip
         self.train = MetricStore(reduce)
         self.eval = MetricStore(reduce)

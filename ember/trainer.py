@@ -365,7 +365,7 @@ class Trainer(LightningProperties):
             ckpt_path = "last"  # restarted by the elastic agent after a failure: continue the run
         ckpt_path = checked_path(ckpt_path)
         args = (model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
-        self.strategy.launch(self._fit, *args, results=StageResults(self, model))
+        self.strategy.launch(self._fit, *args, results=StageResults(self, model, "fit"))
 
     def _fit(self, model: Module, train_dataloaders: _Loaders, val_dataloaders: _Loaders, datamodule: DataModule | None,
              ckpt_path: str | None, weights_only: bool | None) -> None:  # fmt: skip
@@ -434,7 +434,7 @@ class Trainer(LightningProperties):
         model, ckpt_path = evaluated_module(self, model, loop.stage, ckpt_path)
         check_module(model, loop.stage)
         args = (loop, model, dataloaders, checked_path(ckpt_path), datamodule, option, weights_only)
-        return self.strategy.launch(self._run_evaluation, *args, results=StageResults(self, model))
+        return self.strategy.launch(self._run_evaluation, *args, results=StageResults(self, model, loop.stage))
 
     def _run_evaluation(self, loop: EvaluationLoop, model: Module, dataloaders: _Loaders, ckpt_path: str | None,
                         datamodule: DataModule | None, option: bool, weights_only: bool | None) -> Any:  # fmt: skip

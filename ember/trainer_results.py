@@ -36,9 +36,10 @@ class _Collected:
 class StageResults:
     """Collects a stage's results on rank zero's worker and hands them to the caller's Trainer and ``module``."""
 
-    def __init__(self, trainer: Trainer, module: Module) -> None:
+    def __init__(self, trainer: Trainer, module: Module, stage: str) -> None:
         self.trainer = trainer
         self.module = module
+        self.stage = stage
 
     def collect(self) -> _Collected:
         trainer = self.trainer
@@ -69,6 +70,11 @@ class StageResults:
             logger.use_version(version)  # trainer.log_dir is the workers' run directory, not a new one
         trainer.state.begin(collected.stage)
         trainer.state.end(interrupted=collected.status != TrainerStatus.FINISHED)
+
+    def fail(self) -> None:
+        # As Lightning's caller, which ran the stage's entry point too: the stage ended with an exception.
+        self.trainer.state.begin(self.stage)
+        self.trainer.state.end(interrupted=True)
 
 
 def _facts(callback: ModelCheckpoint) -> dict[str, Any]:

@@ -317,7 +317,8 @@ strategy = select_strategy(accelerator=os.environ.get("ACCELERATOR", "cpu"), dev
                            precision="32-true", sync_batchnorm=False,
                            strategy=DDPStrategy(timeout=datetime.timedelta(seconds=20)))
 strategy.setup_environment()
-print("sum", float(strategy.reduce(torch.tensor(float(strategy.global_rank + 1)), "sum")), strategy.root_device)
+summed = strategy.reduce(torch.tensor(float(strategy.global_rank + 1)), reduce_op="sum")
+print("sum", float(summed), strategy.root_device)
 """
 
 

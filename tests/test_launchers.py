@@ -25,6 +25,7 @@ import ember
 from ember.callbacks import LambdaCallback, ModelCheckpoint
 from ember.exceptions import MisconfigurationException
 from ember.launch import script_target
+from ember.strategies import DDPStrategy
 from ember.strategies.launchers import GRACE_SECONDS, WorkerTraceback, _checked
 from ember.tuner import Tuner
 
@@ -72,6 +73,20 @@ class _WithData(Regressor):
         return make_loader(32, batch_size=4)
 
 
+def _log_reduced_ranks(trainer: ember.Trainer, module: ember.Module) -> None:
+    rank = torch.tensor(float(trainer.global_rank + 1))
+    module.log("ranks_summed", trainer.strategy.reduce(rank, reduce_op="sum"))
+    module.log("ranks_averaged", trainer.strategy.reduce(rank, group=None, reduce_op="AVG"))
+    trainer.strategy.barrier("reduced")
+    module.log("ranks_gathered", trainer.strategy.all_gather(rank, group=None).sum())
+    zero = trainer.global_rank == 0
+    decisions = [trainer.strategy.reduce_boolean_decision(zero, all=every) for every in (True, False)]
+    module.log("all_ranks_zero", float(decisions[0]))
+    module.log("any_rank_zero", float(decisions[1]))
+    layout = (trainer.strategy.num_processes, trainer.strategy.process_group_backend)
+    module.log("gloo_processes", float(layout[0]) if layout[1] == "gloo" else -1.0)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_caller() -> None:
@@ -80,7 +95,8 @@ def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_call
     # not inherit it (they would wait on it forever). A test run before in this process may have left one.
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    trainer, model = _fit("ddp_notebook", callbacks=[checkpoint])  # ddp_fork's workers start as these do
+    reducing = LambdaCallback(on_validation_epoch_end=_log_reduced_ranks)  # Lightning's keywords of the collectives
+    trainer, model = _fit("ddp_notebook", callbacks=[checkpoint, reducing])  # ddp_fork's workers start as these do
     # Two processes with batches of 4 step as one with batches of 8.
     _assert_close(parameters_of(model), _fitted_in_one_process(batch_size=8))
     assert (trainer.global_step, trainer.current_epoch) == (8, 2)
@@ -91,7 +107,10 @@ def test_forked_workers_return_fit_validate_test_and_predict_results_to_the_call
     assert os.path.isfile(checkpoint.best_model_path) and os.path.isfile(checkpoint.last_model_path)
     assert checkpoint.best_model_score is not None and os.listdir(trainer.runs_dir) == ["version_0"]
     (results,) = trainer.validate(model, make_loader(16, batch_size=4))
-    assert set(results) == {"val_loss"} and trainer.callback_metrics["val_loss"] == results["val_loss"]
+    assert trainer.callback_metrics["val_loss"] == results["val_loss"]
+    reduced = {"ranks_summed": 3.0, "ranks_averaged": 1.5, "ranks_gathered": 3.0, "all_ranks_zero": 0.0,
+               "any_rank_zero": 1.0, "gloo_processes": 2.0}  # fmt: skip
+    assert results == {"val_loss": results["val_loss"], **reduced}
     # Without a module, test runs the fitted one with the best checkpoint's weights, in new workers.
     (results,) = trainer.test(dataloaders=make_loader(16, batch_size=4), ckpt_path="best")
     assert set(results) == {"test_loss"} and trainer.state.fn == "test"
@@ -122,9 +141,11 @@ def test_ddp_where_no_script_can_be_re_run_starts_workers_and_resumes_as_an_unin
 @pytest.mark.timeout(120)
 def test_a_worker_s_exception_is_raised_in_the_caller_with_its_rank_and_traceback() -> None:
     started = time.monotonic()
+    trainer = quiet_trainer(devices=2, strategy="ddp_fork", max_epochs=2, logger=False)
     with pytest.raises(ValueError, match="no value fits on rank 1") as raised:
-        _fit("ddp_fork", model=_Failing(), logger=False)
+        trainer.fit(_Failing(), make_loader(32, batch_size=4))
     assert time.monotonic() - started < 30
+    assert trainer.interrupted and trainer.state.fn == "fit"  # the caller's Trainer says how its stage ended
     cause = raised.value.__cause__
     assert isinstance(cause, WorkerTraceback)
     assert str(cause).startswith("on rank 1:") and "in training_step" in str(cause)
@@ -166,6 +187,11 @@ def test_ddp_without_a_script_spawns_where_the_main_module_can_be_imported_else_
     assert _checked("popen") == "fork"
 
 
+def test_reduce_refuses_an_operation_it_does_not_know_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"reduce_op='median' is not a reduction: use one of 'mean', 'avg', 'sum'"):
+        DDPStrategy().reduce(torch.tensor(1.0), reduce_op="median")  # type: ignore[arg-type]
+
+
 def test_spawn_needs_a_main_module_it_can_import(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a notebook's
     with pytest.raises(MisconfigurationException, match="use strategy='ddp_notebook'"):
@@ -199,9 +225,13 @@ def test_only_a_script_or_module_run_is_re_run_in_the_workers(monkeypatch: pytes
     assert script_target() == ["-m", "package.train"]
 
 
-LIGHTNING_MODULE = """
+LIGHTNING_SCRIPT = """
+import os
+
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
 
 class Net(LightningModule):
     def __init__(self):
@@ -216,19 +246,9 @@ class Net(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
-"""
 
-LIGHTNING_SCRIPT = """
-import os
-
-import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 if __name__ == "__main__":
-    import ember.lightning  # here only: the workers, which import this script again, need it from their launcher
-    from lightning.pytorch import Trainer
-    from net import Net
-
     x = torch.randn(32, 4)
     model = Net()
     before = model.layer.weight.clone()
@@ -243,10 +263,12 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_lightning_script_s_code_after_fit_runs_once_with_the_workers_results(tmp_path: Any) -> None:
-    (tmp_path / "net.py").write_text(LIGHTNING_MODULE)
+def test_a_lightning_script_run_under_the_hook_spawns_workers_that_import_it_with_the_hook(tmp_path: Any) -> None:
+    # The script imports Lightning at its top and is run by a launcher that installed the hook first: each
+    # spawned worker runs the script again, before it gets its job, and must have the hook by then.
     (tmp_path / "train.py").write_text(LIGHTNING_SCRIPT)
-    command = [sys.executable, str(tmp_path / "train.py")]
+    launcher = "import ember.lightning, runpy; runpy.run_path('train.py', run_name='__main__')"
+    command = [sys.executable, "-c", launcher]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=110)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("after fit:") == 1 and "after fit: 4 True True ['train_loss'] True" in result.stdout

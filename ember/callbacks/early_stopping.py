@@ -116,7 +116,7 @@ class EarlyStopping(Callback):
         reason, message = self._stopping_reason(metrics[self.monitor].detach().squeeze().clone())
         stopping = reason is not EarlyStoppingReason.NOT_STOPPED
         # The same decision on every rank, or some would leave the loop while others wait for them.
-        if trainer.strategy.reduce(torch.tensor(float(stopping)), "max"):
+        if trainer.strategy.reduce(torch.tensor(float(stopping)), reduce_op="max"):
             self.stopped_epoch = trainer.current_epoch
             self.stopping_reason = reason
             self.stopping_reason_message = message if stopping else "another process decided to stop"

@@ -72,7 +72,7 @@ class SpikeDetection(Callback):
         value = float(loss.float().mean())  # one host sync per batch: the check needs the value
         spiked = batch_idx >= self.warmup and self._is_spike(value)
         # Each process checks its own loss; a spike on any stops all of them together.
-        if trainer.strategy.reduce(torch.tensor(float(spiked), device=loss.device), "max"):
+        if trainer.strategy.reduce(torch.tensor(float(spiked), device=loss.device), reduce_op="max"):
             self._handle_spike(trainer, batch_idx)
         elif math.isfinite(value):
             self._recent.append(value)

@@ -93,7 +93,7 @@ def refuse_nonfinite_weights(trainer: Trainer, path: str) -> None:
     checkpoint is never saved at ``path``, and those saved before stay as they are."""
     module = trainer.lightning_module
     nonfinite = nonfinite_parameters(module) if module is not None else []
-    if trainer.strategy.reduce(torch.tensor(float(len(nonfinite))), "max") > 0:
+    if trainer.strategy.reduce(torch.tensor(float(len(nonfinite))), reduce_op="max") > 0:
         shown = f" ({', '.join(nonfinite[:5])}{', ...' if len(nonfinite) > 5 else ''})" if nonfinite else ""
         raise FloatingPointError(
             f"the weights hold NaN or infinite values at global step {trainer.global_step}{shown}: "

@@ -455,7 +455,7 @@ class StepRunner:
                 output = loss = None
                 out_of_memory = True
             if strategy.world_size > 1:
-                out_of_memory = bool(strategy.reduce(torch.tensor(float(out_of_memory)), "max"))
+                out_of_memory = bool(strategy.reduce(torch.tensor(float(out_of_memory)), reduce_op="max"))
             if not out_of_memory:
                 strategy.sync_gradients()
                 return output, loss

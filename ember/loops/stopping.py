@@ -84,7 +84,8 @@ class Interruptions:
             pace = (now - agreement.since) / agreement.steps
             proposal = min(StopAgreement.MAX_STEPS, max(1, int(StopAgreement.SECONDS / max(pace, 1e-9))))
             # The "max" of the negated proposals is the fewest steps any rank proposes.
-            flags = strategy.reduce(torch.tensor([float(signal_number), float(out_of_time), -proposal]), "max")
+            local = torch.tensor([float(signal_number), float(out_of_time), -proposal])
+            flags = strategy.reduce(local, reduce_op="max")
             signal_flag, time_flag, fewest = flags.tolist()
             signal_number, out_of_time = int(signal_flag), time_flag > 0
             agreement.steps = agreement.countdown = int(-fewest)

@@ -82,6 +82,11 @@ class ParallelStrategy(Strategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def num_processes(self) -> int:
+        """The processes on each machine, one per device (Lightning's name)."""
+        return len(self.parallel_devices)
+
+    @property
     def world_size(self) -> int:
         if self.environment is not None:
             return self.environment.world_size
@@ -134,6 +139,7 @@ class ParallelStrategy(Strategy):
         if dist.is_initialized():
             return
         backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        self.process_group_backend = backend  # what the run uses, as Lightning's reads once set up
         # The backend's own timeout is a backstop: the watchdog names the missing rank and ends the run first.
         options: dict[str, Any] = {"backend": backend, "timeout": self.timeout + _BACKSTOP}
         if backend == "nccl":
@@ -171,25 +177,29 @@ class ParallelStrategy(Strategy):
             return None
 
     # ---------------------------------------------------------------------- communication
-    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: ReduceOp = "mean") -> torch.Tensor:
         import torch.distributed as dist
 
+        ops = {"mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}  # fmt: skip
+        op = str(getattr(reduce_op, "name", reduce_op)).lower()  # torch's ReduceOp.SUM too, as Lightning takes it
+        if op not in ops:
+            raise ValueError(f"reduce_op={reduce_op!r} is not a reduction: use one of {', '.join(map(repr, ops))}")
         reduced = torch.as_tensor(tensor, device=self.root_device).detach().clone()
-        dist_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                   "min": dist.ReduceOp.MIN}[op]  # fmt: skip
-        dist.all_reduce(reduced, op=dist_op)
-        return reduced / self.world_size if op == "mean" else reduced
+        dist.all_reduce(reduced, op=ops[op], group=group)
+        return reduced / dist.get_world_size(group) if op in ("mean", "avg") else reduced
 
-    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         import torch.distributed as dist
 
+        group = dist.group.WORLD if group is None else group
         tensor = torch.as_tensor(tensor, device=self.root_device).contiguous()
         if sync_grads:  # gradients flow back to each rank's own tensor
             from torch.distributed.nn.functional import all_gather
 
-            return torch.stack(all_gather(tensor))
-        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(gathered, tensor)
+            return torch.stack(all_gather(tensor, group=group))
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor, group=group)
         return torch.stack(gathered)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -206,7 +216,7 @@ class ParallelStrategy(Strategy):
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    def barrier(self) -> None:
+    def barrier(self, name: str | None = None) -> None:
         import torch.distributed as dist
 
         if self.root_device.type == "cuda":

@@ -75,7 +75,10 @@ def start_workers(
             reader, writer = context.Pipe(duplex=False)
             arguments = (rank, size, port, sent, is_installed(), writer)
             # Every start method's context has Process (typeshed's BaseContext does not say so).
-            process = context.Process(target=_work, args=arguments, name=f"ember-rank{rank}")  # type: ignore[attr-defined]
+            name = f"ember-rank{rank}"
+            if is_installed() and start_method != "fork":
+                name = _HookName(name)
+            process = context.Process(target=_work, args=arguments, name=name)  # type: ignore[attr-defined]
             process.start()
             writer.close()  # the worker holds the other end: the pipe ends with it
             processes.append(process)
@@ -90,6 +93,21 @@ def start_workers(
         _end(processes)
         server.close()  # if the store never took it
     return _outcome(reports, processes, results)
+
+
+class _HookName(str):
+    """A worker's name that installs the Lightning import hook where it is unpickled. A spawned worker reads its
+    name, with multiprocessing's other preparation data, before it runs the caller's main script again: a script
+    run under the hook (``import ember.lightning`` then ``runpy.run_path``) must import Lightning's names from
+    Ember there too, before the job (which installs it too) arrives."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_hook_name, (str(self),))
+
+
+def _hook_name(name: str) -> str:
+    install()
+    return name
 
 
 def _checked(start_method: str) -> str:
@@ -229,6 +247,8 @@ def _outcome(
     worker that ended without a report, or the ``SystemExit`` a worker exited with (see ``_FIRST``)."""
     failures = [(rank, report) for rank, report in reports if report[0] != "returned"]
     if failures:
+        if results is not None:
+            results.fail()
         rank, report = min(failures, key=lambda failure: _FIRST[failure[1][0]])
         if report[0] == "exited":
             raise SystemExit(report[1])

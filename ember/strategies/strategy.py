@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ember.module import Module
     from ember.trainer import Trainer
 
-ReduceOp = Literal["mean", "sum", "max", "min"]
+ReduceOp = Literal["mean", "avg", "sum", "max", "min"]
 T = TypeVar("T")
 _NO_CONTEXT = contextlib.nullcontext()  # reusable, so entering it per step allocates nothing
 
@@ -57,6 +57,9 @@ class WorkerResults(Protocol):
 
     def adopt(self, collected: Any) -> None:
         """Called in the caller with rank zero's ``collect()``."""
+
+    def fail(self) -> None:
+        """Called in the caller when a worker failed, before its exception is raised there."""
 
 
 class Strategy:
@@ -372,11 +375,13 @@ class Strategy:
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------- communication
-    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: ReduceOp = "mean") -> torch.Tensor:
+        """``tensor`` reduced over the processes of ``group`` (all by default), as Lightning's ``reduce``."""
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
-        """Stack ``tensor`` from every rank along a new first dimension (``sync_grads``: differentiably)."""
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        """Stack ``tensor`` from every rank (of ``group``) along a new first dimension (``sync_grads``:
+        differentiably)."""
         return tensor.unsqueeze(0)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -386,8 +391,13 @@ class Strategy:
         """Every rank's ``obj`` (any picklable value), in rank order."""
         return [obj]
 
-    def barrier(self) -> None:
-        pass
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank (``name`` only tells the waits apart, as Lightning's)."""
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Whether every rank decided so (``all``), else whether any rank did, as Lightning's."""
+        count = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
+        return bool(count == self.world_size) if all else bool(count > 0)
 
     # ---------------------------------------------------------------------------- checkpoints
     def module_state_dict(self) -> dict[str, Any]:

@@ -160,7 +160,7 @@ def search_batch_size(
     good, size = _largest_fit(*search) if max_trials else (init_val, init_val)
     # Every rank must fit, and every rank enters the collective, even one that found nothing: it would
     # otherwise leave the others waiting in it until the timeout.
-    agreed = int(trainer.strategy.reduce(torch.tensor(float(good)), "min"))
+    agreed = int(trainer.strategy.reduce(torch.tensor(float(good)), reduce_op="min"))
     if agreed == 0:
         _set(owner, batch_arg_name, original)
         raise torch.OutOfMemoryError(
