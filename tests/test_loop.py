@@ -550,7 +550,7 @@ class _TwoRanks:
     def __init__(self) -> None:
         self.agreements = 0
 
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, group: object = None, reduce_op: str = "mean") -> torch.Tensor:
         self.agreements += 1
         return tensor
 
