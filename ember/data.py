@@ -13,7 +13,7 @@ import copy
 import functools
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -397,6 +397,17 @@ def loader_batches(loader: Iterable) -> Iterator[Any]:
     if isinstance(loader, DataLoader) and loader.num_workers > 0 and not loader.persistent_workers:
         return _ending_workers(iterator)
     return iterator
+
+
+def limited(loader: Iterable, count: float) -> Generator[Any, None, None]:
+    """The first ``count`` batches of ``loader`` (all of them for ``math.inf``), as ``loader_batches`` gives them;
+    closed early, it closes them (ending the loader's workers)."""
+    batches = loader_batches(loader)
+    try:
+        yield from (batches if math.isinf(count) else islice(batches, int(count)))
+    finally:
+        if isinstance(batches, Generator):
+            batches.close()
 
 
 def _ending_workers(iterator: Iterator[Any]) -> Iterator[Any]:

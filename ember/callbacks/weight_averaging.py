@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
-import math
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -22,7 +20,7 @@ from torch.optim.swa_utils import SWALR
 
 from ember._utils import takes_batch_idx
 from ember.callbacks.callback import Callback
-from ember.data import loader_batches
+from ember.data import limited
 from ember.exceptions import MisconfigurationException
 from ember.optim import LRSchedulerConfig
 from ember.rank_zero import announce, rank_zero_warn
@@ -256,7 +254,6 @@ class StochasticWeightAveraging(Callback):
         loader = trainer.fit_loop.train_loader  # several training loaders: combined, as training reads them
         if loader is None:
             return
-        limit = trainer.num_training_batches
         to_device = trainer.hooks.batch_transfer(trainer.strategy)
         with_index = takes_batch_idx(pl_module.training_step)
         was_training = pl_module.training
@@ -264,7 +261,7 @@ class StochasticWeightAveraging(Callback):
         pl_module.train()
         try:
             with (
-                contextlib.closing(_batches(loader, None if math.isinf(limit) else int(limit))) as batches,
+                contextlib.closing(limited(loader, trainer.num_training_batches)) as batches,
                 torch.no_grad(),
                 trainer.run_metrics.discarding("training_step"),
             ):
@@ -275,16 +272,6 @@ class StochasticWeightAveraging(Callback):
         finally:
             pl_module.train(was_training)
             self.reset_momenta()
-
-
-def _batches(loader: Iterable, limit: int | None) -> Generator[Any, None, None]:
-    """The first ``limit`` batches of ``loader`` (None: all); closed early, a loader's workers end."""
-    batches = loader_batches(loader)
-    try:
-        yield from itertools.islice(batches, limit)
-    finally:
-        if isinstance(batches, Generator):
-            batches.close()
 
 
 def _check_settings(

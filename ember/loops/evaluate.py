@@ -10,18 +10,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import math
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
 
 from ember._utils import apply_to_tensors, takes_batch_idx
-from ember.data import count_batches, loader_batches
+from ember.data import count_batches, limited
 from ember.data_failures import named_failures
 from ember.metrics import Number, to_floats
 from ember.rank_zero import rank_zero_warn
@@ -337,11 +335,6 @@ def takes_dataloader_idx(step: Callable[..., Any]) -> bool:
     parameters = inspect.signature(step).parameters.values()
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
-
-
-def limited(loader: Iterable, count: float) -> Iterator[Any]:
-    batches = loader_batches(loader)
-    return batches if math.isinf(count) else islice(batches, int(count))
 
 
 def sanity_counts(counts: list[float], steps: int) -> list[float]:
