@@ -62,13 +62,16 @@ class SpikeDetection(Callback):
         self.last_val: float = 0.0
         self._recent: collections.deque[float] = collections.deque(maxlen=window)
 
-    @torch.no_grad()
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        loss = _loss_of(outputs)
+    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
+        # Once, after a resumed fit has restored the path: a directory gets the file's name.
         if self.exclude_batches_path is None:
             self.exclude_batches_path = os.path.join(trainer.default_root_dir, "skip_batches.json")
         if not str(self.exclude_batches_path).endswith(".json"):
             self.exclude_batches_path = os.path.join(self.exclude_batches_path, "skip_batches.json")
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = _loss_of(outputs)
         value = float(loss.float().mean())  # one host sync per batch: the check needs the value
         spiked = batch_idx >= self.warmup and self._is_spike(value)
         # Each process checks its own loss; a spike on any stops all of them together.
