@@ -382,9 +382,9 @@ def test_on_one_machine_the_store_binds_and_every_rank_dials_loopback(monkeypatc
 
     monkeypatch.setattr(torch.distributed, "TCPStore", store)
     monkeypatch.setattr(ddp, "_keep_alive", [])  # closes the listening socket after the test
-    port = _free_port()
+    ports = {nodes: _free_port() for nodes in (1, 2)}  # each free: a port next to a free one may be taken
     for rank, nodes in ((0, 1), (1, 1), (0, 2), (1, 2)):
-        environment = ClusterEnvironment("slurm", 4, rank, rank, 4 // nodes, 0, "192.0.2.1", port + nodes)
+        environment = ClusterEnvironment("slurm", 4, rank, rank, 4 // nodes, 0, "192.0.2.1", ports[nodes])
         ddp._make_store(environment, timedelta(seconds=1))
     assert stores == [
         ("127.0.0.1", True, "127.0.0.1"),
