@@ -283,7 +283,7 @@ class Trainer(LightningProperties):
 
     @property
     def estimated_stepping_batches(self) -> float:
-        """Optimizer steps ``fit`` will take (``math.inf`` if unbounded); usable in ``configure_optimizers``, and
+        """Optimizer steps ``fit`` will take (``math.inf`` if unbounded); usable from ``setup`` on, and
         outside ``fit`` (the tuner's trials) from the training loader the module or datamodule makes."""
         return estimated_stepping_batches(self)
 
@@ -369,14 +369,12 @@ class Trainer(LightningProperties):
 
     def _fit(self, model: Module, train_dataloaders: _Loaders, val_dataloaders: _Loaders, datamodule: DataModule | None,
              ckpt_path: str | None, weights_only: bool | None) -> None:  # fmt: skip
+        given = train_dataloaders is not None
+        self.fit_loop.prepare(lambda: self._loaders("train", train_dataloaders, required=True)[0], given)
         with self._stage("fit", model, datamodule, ckpt_path) as path:
             validates = validates_in_fit(model, val_dataloaders is not None or self.hooks.has_loaders("val"))
             restore = functools.partial(checkpoint_state.resume_from, self, path, weights_only) if path else None
-            self.fit_loop.run(
-                lambda: self._loaders("train", train_dataloaders, required=True)[0],
-                (lambda: self._loaders("val", val_dataloaders)) if validates else None,
-                restore, train_given=train_dataloaders is not None,
-            )  # fmt: skip
+            self.fit_loop.run((lambda: self._loaders("val", val_dataloaders)) if validates else None, restore)
         if self.preempted:
             self.print(self.fit_loop.stopping.report(self.global_step))  # once the progress bar has ended
             # The usual status of a process ended by that signal (143 for SIGTERM, 130 for Ctrl-C), so that

@@ -187,7 +187,7 @@ def estimated_stepping_batches(trainer: Trainer) -> float:
     and outside it (the tuner's trials) from the training loader the datamodule or the module makes."""
     config, data = trainer.config, trainer.fit_loop.data
     if trainer.stage == "fit" and data is not None:
-        data.load()  # asked for in configure_optimizers: the training loader is needed now
+        data.load()  # asked for in setup or configure_optimizers: the training loader is needed now
     batches = trainer.num_training_batches
     if trainer.stage != "fit" and trainer.lightning_module is not None:
         loader = Hooks(trainer, trainer.lightning_module, [], trainer.datamodule).data_loaders("train")

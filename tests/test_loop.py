@@ -511,6 +511,33 @@ def test_model_is_placed_once_and_estimated_steps_are_known_early() -> None:
     assert math.isinf(quiet_trainer(max_time="00:00:01:00").estimated_stepping_batches)
 
 
+def test_estimated_steps_in_setup_ask_for_the_training_loader_once_and_validation_follows_its_length() -> None:
+    seen: list[float] = []
+    asked: list[str] = []
+
+    class Planning(Regressor):
+        def setup(self, stage: str) -> None:
+            seen.append(self.trainer.estimated_stepping_batches)
+
+        def train_dataloader(self) -> DataLoader:
+            asked.append("train")
+            return make_loader(40, batch_size=8)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            asked.append(f"validation after {self.trainer.global_step}")
+
+        def val_dataloader(self) -> DataLoader:
+            return make_loader(8, batch_size=8)
+
+    trainer = quiet_trainer(max_epochs=2, num_sanity_val_steps=0, val_check_interval=2, logger=False)
+    trainer.fit(Planning())
+    assert seen == [10] and trainer.global_step == 10  # 5 batches an epoch, known in setup
+    assert asked == ["train"] + [f"validation after {step}" for step in (2, 4, 7, 9)]
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    trainer.fit(Planning(), make_loader(24, batch_size=8))  # the loader given to fit is the one counted
+    assert seen[-1] == 3
+
+
 class _Tight(Regressor):
     """Pretends that batches above ``limit`` samples do not fit in memory."""
 

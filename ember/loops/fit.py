@@ -81,14 +81,18 @@ class FitLoop:
         self.sanity_checking = False
 
     # ---------------------------------------------------------------------------------- a fit
-    def run(self, load_train: Callable[[], Iterable], load_validation: Callable[[], list[Iterable]] | None,
-            restore: Callable[[], None] | None, train_given: bool = False) -> None:  # fmt: skip
-        """Train on what ``load_train`` gives (``train_given``: the loaders passed to ``fit``), validating on what
-        ``load_validation`` gives (None: no validation); ``restore`` puts a checkpoint's state in place once the
-        optimizers exist."""
+    def prepare(self, load_train: Callable[[], Iterable], train_given: bool) -> None:
+        """Before a fit's ``setup`` (where ``estimated_stepping_batches`` may ask for the training loader): it trains
+        on what ``load_train`` gives (``train_given``: the loaders passed to ``fit``)."""
+        self.last_result, self.last_loss, self.accumulate = None, None, self.trainer.config.accumulate_grad_batches
+        self.data = TrainingData(self.trainer, load_train, train_given)
+
+    def run(self, load_validation: Callable[[], list[Iterable]] | None, restore: Callable[[], None] | None) -> None:
+        """The fit ``prepare`` began, validating on what ``load_validation`` gives (None: no validation);
+        ``restore`` puts a checkpoint's state in place once the optimizers exist."""
         trainer, progress, config, hooks = self.trainer, self.progress, self.trainer.config, self.trainer.hooks
-        self.last_result, self.last_loss, self.accumulate = None, None, config.accumulate_grad_batches
-        self.data = TrainingData(trainer, load_train, load_validation, train_given)
+        assert self.data is not None, "prepare() comes first"
+        self.data.validate_on(load_validation)
         self.runner = self._start_optimization()
         self.state.start(data_seed=trainer.strategy.broadcast(torch.initial_seed() % 2**63))
         if restore is not None:
@@ -299,12 +303,11 @@ class FitLoop:
 
     # --------------------------------------------------------------------------- validation
     def _validate(self, at_epoch_end: bool, after_step: bool) -> None:
-        trainer = self.trainer
         assert self.data is not None
         if after_step:  # as Lightning: the gradients of a finished step go (not those of a window under way)
-            trainer.hooks.call_module("on_validation_model_zero_grad")
+            self.trainer.hooks.call_module("on_validation_model_zero_grad")
         self.at_epoch_end = at_epoch_end
-        self.data.validation.run(trainer.validate_loop)
+        self.data.validation.run(self.trainer.validate_loop)
         self.at_epoch_end = False
 
     def _sanity_check(self) -> None:

@@ -39,19 +39,25 @@ class TrainingData:
     ``reload_dataloaders_every_n_epochs`` epochs, counted from the first epoch that reads it.
     """
 
-    def __init__(self, trainer: Trainer, load: Callable[[], Iterable],
-                 load_validation: Callable[[], list[Iterable]] | None, loaders_given: bool) -> None:  # fmt: skip
+    def __init__(self, trainer: Trainer, load: Callable[[], Iterable], loaders_given: bool) -> None:
         self._trainer = trainer
         self._load = load
         #: Whether the training loaders were passed to ``fit`` (else the module or the datamodule makes them).
         self.loaders_given = loaders_given
-        self.validation = ValidationSchedule(trainer, load_validation)
+        self.validation = ValidationSchedule(trainer, None)  # none until ``validate_on`` (after ``setup``) says
         self.loader: Iterable | None = None
         self.num_batches = 0.0
         self._first_epoch: int | None = None  # the first epoch that read the loader
         self._replicas = 1  # the ranks that read disjoint shards of the data
         # For a loader that reads an EpochOrder: (samples of the order a batch of every rank reads, its length).
         self._order: tuple[int, int] | None = None
+
+    def validate_on(self, load: Callable[[], list[Iterable]] | None) -> None:
+        """Validate on what ``load`` gives (None: no validation): known once ``setup`` has run, which may already
+        have asked for the training loader."""
+        self.validation = ValidationSchedule(self._trainer, load)
+        if self.num_batches:
+            self.validation.plan(self.num_batches)
 
     def load(self) -> None:
         """Ask for the training loader, unless it is there."""
