@@ -53,6 +53,16 @@ def test_tensorboard_event_files_read_back_with_scalars_and_hyperparameters(tmp_
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as file:
         assert yaml.safe_load(file) == {"lr": 0.03, "features": 4}
 
+    # a Namespace, a dataclass or a list of dicts among the hyperparameters is flattened as Lightning's
+    flat = TensorBoardLogger(str(tmp_path), name="flat")
+    flat.log_hyperparams({"args": argparse.Namespace(depth=2), "layers": [{"width": 8}], "sizes": [1, 2]})
+    flat.finalize("success")
+    events = EventAccumulator(flat.log_dir)
+    events.Reload()
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    session = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    assert set(session.hparams) == {"args/depth", "layers/0/width", "sizes"}
+
 
 def test_mlflow_runs_read_back_from_the_local_store(tmp_path: Any) -> None:
     pytest.importorskip("mlflow")
@@ -110,7 +120,14 @@ def test_wandb_offline_run_holds_the_metrics_and_hyperparameters(
     assert logger.version == run.id and logger.name == "regression"
     assert run.config["lr"] == 0.03 and run.config["features"] == 4
     assert {"train_loss", "val_loss", "trainer/global_step"} <= set(run.summary.keys())
-    assert run.summary["trainer/global_step"] == 8
+    assert run.summary["trainer/global_step"] == 7  # the last logging step's index, as in Lightning
+    # as Lightning's: nested dicts stay groups of the config, a class is its name, other objects their text
+    logger.log_hyperparams(
+        {"optim": {"name": "sgd", "betas": [0.9]}, "act": torch.nn.ReLU, "args": argparse.Namespace(a=1)}
+    )
+    assert run.config["optim"] == {"name": "sgd", "betas": [0.9]} and "optim/name" not in run.config
+    assert (run.config["act"], run.config["args"]) == ("ReLU", "Namespace(a=1)")
+    assert logger.log_dir is None and trainer.log_dir == str(tmp_path)  # a W&B run's files are wandb's
     assert trainer.checkpoint_callback is not None
     assert trainer.checkpoint_callback.dirpath == os.path.join(str(tmp_path), "regression", run.id, "checkpoints")
     run.finish()

@@ -6,6 +6,7 @@ A file-based logger's ``save_dir`` may be a local path or, as in Lightning, the 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 import posixpath
@@ -340,11 +341,25 @@ def claim_version(root: str) -> int:
 
 
 def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as one level, their keys joined with "/": {"opt": {"lr": 1}} becomes {"opt/lr": 1}."""
+    """Nested dicts as one level, their keys joined with "/": {"opt": {"lr": 1}} becomes {"opt/lr": 1}. As in
+    Lightning, a ``Namespace`` or dataclass value is a dict of its fields, and a list of dicts has its items'
+    indices as keys: {"layers": [{"n": 2}]} becomes {"layers/0/n": 2}."""
     flat: dict[str, Any] = {}
     for key, value in params.items():
+        value = _fields(value)
         if isinstance(value, Mapping):
             flat.update(flatten(value, f"{prefix}{key}/"))
+        elif isinstance(value, list) and value and all(isinstance(item, Mapping) for item in value):
+            flat.update(flatten({str(index): item for index, item in enumerate(value)}, f"{prefix}{key}/"))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _fields(value: Any) -> Any:
+    """A ``Namespace`` or a dataclass instance as the dict of its fields; any other value as it is."""
+    if isinstance(value, Namespace):
+        return vars(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
