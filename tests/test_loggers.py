@@ -47,21 +47,34 @@ def test_tensorboard_event_files_read_back_with_scalars_and_hyperparameters(tmp_
 
     events = EventAccumulator(logger.log_dir)
     events.Reload()
-    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
-    session = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    records = events.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/session_start_info"]).session_start_info
     assert session.hparams["lr"].number_value == pytest.approx(0.03)
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as file:
         assert yaml.safe_load(file) == {"lr": 0.03, "features": 4}
 
-    # a Namespace, a dataclass or a list of dicts among the hyperparameters is flattened as Lightning's
-    flat = TensorBoardLogger(str(tmp_path), name="flat")
-    flat.log_hyperparams({"args": argparse.Namespace(depth=2), "layers": [{"width": 8}], "sizes": [1, 2]})
-    flat.finalize("success")
-    events = EventAccumulator(flat.log_dir)
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/experiment"]).experiment
+    assert [info.name.tag for info in experiment.metric_infos] == ["hp_metric"]  # the HPARAMS tab's metric
+
+    # as Lightning's: a Namespace, a dataclass or a list of dicts among the hyperparameters is flattened; the
+    # metrics given are the HPARAMS tab's, and without any the hyperparameters go to hparams.yaml only
+    params = {"args": argparse.Namespace(depth=2), "layers": [{"width": 8}], "sizes": [1, 2]}
+    named, unnamed = (TensorBoardLogger(str(tmp_path), name=name, default_hp_metric=False) for name in "ab")
+    named.log_hyperparams(params, {"hp/acc": 0.0})
+    unnamed.log_hyperparams(params)
+    for logger in named, unnamed:
+        logger.finalize("success")
+    events = EventAccumulator(named.log_dir)
     events.Reload()
-    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
-    session = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    records = events.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/session_start_info"]).session_start_info
     assert set(session.hparams) == {"args/depth", "layers/0/width", "sizes"}
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/experiment"]).experiment
+    assert [info.name.tag for info in experiment.metric_infos] == ["hp/acc"]
+    events = EventAccumulator(unnamed.log_dir)
+    events.Reload()
+    assert not [tag for tag in events.summary_metadata if tag.startswith("_hparams_")]
+    assert os.path.isfile(os.path.join(unnamed.log_dir, "hparams.yaml"))
 
 
 def test_mlflow_runs_read_back_from_the_local_store(tmp_path: Any) -> None:
