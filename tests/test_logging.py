@@ -116,6 +116,8 @@ def test_csv_logger_versions_runs_and_writes_hyperparameters(tmp_path: Any) -> N
         trainer = quiet_trainer(max_epochs=1, default_root_dir=str(tmp_path), log_every_n_steps=2)
         trainer.fit(Regressor(lr=0.02), make_loader(), make_loader())
         assert trainer.log_dir == os.path.join(str(tmp_path), "ember_logs", expected)
+    open(os.path.join(str(tmp_path), "ember_logs", "version_7"), "w").close()  # a file of a run's name is no run
+    assert CSVLogger(str(tmp_path)).version == 2
     with open(os.path.join(trainer.log_dir, "hparams.yaml")) as file:
         assert "lr: 0.02" in file.read().splitlines()
     rows = _rows(os.path.join(trainer.log_dir, "metrics.csv"))

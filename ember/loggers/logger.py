@@ -265,13 +265,15 @@ def next_version(root: str) -> int:
 
 
 def run_versions(root: str) -> list[int]:
-    """The ``N`` of every ``version_N`` directory under ``root``, in increasing order."""
+    """The ``N`` of every ``version_N`` directory under ``root``, in increasing order (a file of such a name is
+    no run, as in Lightning)."""
     filesystem = url_filesystem(root)
     if filesystem is not None:
-        found = filesystem.ls(root, detail=False) if filesystem.isdir(root) else []
-        entries = [posixpath.basename(entry.rstrip("/")) for entry in found]
+        found = filesystem.ls(root, detail=True) if filesystem.isdir(root) else []
+        entries = [posixpath.basename(entry["name"].rstrip("/")) for entry in found if entry["type"] == "directory"]
     else:
-        entries = os.listdir(root) if os.path.isdir(root) else []
+        found_here = os.listdir(root) if os.path.isdir(root) else []
+        entries = [entry for entry in found_here if os.path.isdir(os.path.join(root, entry))]
     return sorted(int(m.group(1)) for entry in entries if (m := _VERSION_DIR.match(entry)))
 
 
