@@ -12,6 +12,7 @@ import sys
 import warnings
 from typing import Any
 
+import numpy
 import pytest
 import torch
 import yaml
@@ -58,7 +59,7 @@ def test_tensorboard_event_files_read_back_with_scalars_and_hyperparameters(tmp_
 
     # as Lightning's: a Namespace, a dataclass or a list of dicts among the hyperparameters is flattened; the
     # metrics given are the HPARAMS tab's, and without any the hyperparameters go to hparams.yaml only
-    params = {"args": argparse.Namespace(depth=2), "layers": [{"width": 8}], "sizes": [1, 2]}
+    params = {"args": argparse.Namespace(depth=2), "layers": [{"width": 8}], "sizes": [1, 2], "p": numpy.float32(0.5)}
     named, unnamed = (TensorBoardLogger(str(tmp_path), name=name, default_hp_metric=False) for name in "ab")
     named.log_hyperparams(params, {"hp/acc": 0.0})
     unnamed.log_hyperparams(params)
@@ -68,7 +69,8 @@ def test_tensorboard_event_files_read_back_with_scalars_and_hyperparameters(tmp_
     events.Reload()
     records = events.PluginTagToContent("hparams")
     session = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/session_start_info"]).session_start_info
-    assert set(session.hparams) == {"args/depth", "layers/0/width", "sizes"}
+    assert set(session.hparams) == {"args/depth", "layers/0/width", "sizes", "p"}
+    assert session.hparams["p"].number_value == 0.5  # a NumPy number is a number
     experiment = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/experiment"]).experiment
     assert [info.name.tag for info in experiment.metric_infos] == ["hp/acc"]
     events = EventAccumulator(unnamed.log_dir)

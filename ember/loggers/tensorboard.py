@@ -200,10 +200,13 @@ def _to(value: Any, device: torch.device) -> Any:
 
 
 def _hparam_value(value: Any) -> int | float | str | bool:
-    """A value TensorBoard can show: numbers, strings and booleans as they are, a one-element tensor as its number
-    (TensorBoard's writer indexes a tensor, which a 0-dimensional one refuses), anything else as text."""
+    """A value TensorBoard can show: numbers (NumPy's too), strings and booleans as they are, a one-element tensor
+    as its number (TensorBoard's writer indexes a tensor, which a 0-dimensional one refuses), anything else as
+    text."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     if isinstance(value, (bool, int, float, str)):
         return value
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # a NumPy scalar, as its number
+        return value.item()
     return str(value)
