@@ -125,6 +125,21 @@ def test_csv_logger_versions_runs_and_writes_hyperparameters(tmp_path: Any) -> N
     assert rows[-1]["val_loss"] and rows[-1]["epoch"] == "0"
 
 
+def test_a_logger_subclass_places_its_runs_by_its_own_name_and_version(tmp_path: Any) -> None:
+    class Named(CSVLogger):
+        @property
+        def name(self) -> str:
+            return "project"
+
+        @property
+        def version(self) -> str:
+            return "trial"
+
+    logger = Named(str(tmp_path))
+    assert logger.root_dir == os.path.join(str(tmp_path), "project")
+    assert logger.log_dir == os.path.join(str(tmp_path), "project", "trial")
+
+
 def test_csv_logger_widens_its_header_when_a_metric_appears(tmp_path: Any) -> None:
     logger = CSVLogger(str(tmp_path), flush_logs_every_n_steps=1)
     logger.log_metrics({"a": 1.0}, step=1)

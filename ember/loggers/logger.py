@@ -144,8 +144,9 @@ class VersionedLogger(Logger):
 
     @property
     def runs_dir(self) -> str:
-        """The directory this logger's runs (``version_<N>``) live in."""
-        return os.path.join(self._save_dir, self._name)
+        """The directory this logger's runs (``version_<N>``) live in: ``<save_dir>/<name>``, of a subclass's
+        ``save_dir`` and ``name`` too, as in Lightning."""
+        return os.path.join(self.save_dir, self.name)
 
     @property
     def root_dir(self) -> str:
