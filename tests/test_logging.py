@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, LearningRateMonitor
-from ember.loggers import CSVLogger
+from ember.loggers import CSVLogger, Logger
 
 
 def _rows(path: str) -> list[dict[str, str]]:
@@ -138,6 +138,25 @@ def test_a_logger_subclass_places_its_runs_by_its_own_name_and_version(tmp_path:
     logger = Named(str(tmp_path))
     assert logger.root_dir == os.path.join(str(tmp_path), "project")
     assert logger.log_dir == os.path.join(str(tmp_path), "project", "trial")
+
+
+def test_a_stop_inside_an_accumulation_window_writes_no_step_values_of_its_batch() -> None:
+    steps: list[int | None] = []
+
+    class Recording(Logger):
+        def log_metrics(self, metrics: Any, step: int | None = None) -> None:
+            if "train_loss" in metrics:
+                steps.append(step)
+
+    class Stopping(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 4:  # the first batch of the third window: it accumulates
+                self.trainer.should_stop = True
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_epochs=1, logger=Recording(), log_every_n_steps=2, accumulate_grad_batches=2)
+    trainer.fit(Stopping(), make_loader())
+    assert trainer.global_step == 2 and steps == [1]  # as Lightning: only the second step's, none at the stop
 
 
 def test_csv_logger_widens_its_header_when_a_metric_appears(tmp_path: Any) -> None:
