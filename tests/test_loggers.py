@@ -101,6 +101,7 @@ def test_mlflow_runs_read_back_from_the_local_store(tmp_path: Any) -> None:
     # checkpoints go into the run's directory of the store
     assert trainer.checkpoint_callback is not None
     assert trainer.checkpoint_callback.dirpath == os.path.join(store, logger.name, logger.version, "checkpoints")
+    assert logger.log_dir is None and trainer.log_dir == store  # the run's files are MLflow's, as in Lightning
 
 
 def test_mlflow_marks_a_failed_run_and_cleans_metric_names(tmp_path: Any) -> None:
