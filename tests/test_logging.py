@@ -159,6 +159,32 @@ def test_a_stop_inside_an_accumulation_window_writes_no_step_values_of_its_batch
     assert trainer.global_step == 2 and steps == [1]  # as Lightning: only the second step's, none at the stop
 
 
+def test_a_logger_starts_its_experiment_before_setup_and_gets_the_hyperparameters_after_on_fit_start() -> None:
+    events: list[str] = []
+
+    class Recording(Logger):
+        @property
+        def experiment(self) -> Any:
+            events.append("experiment")
+            return self
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            events.append("log_hyperparams")
+
+        def log_metrics(self, metrics: Any, step: int | None = None) -> None:
+            pass
+
+    class Tracing(Regressor):
+        def setup(self, stage: str) -> None:
+            events.append("setup")
+
+        def on_fit_start(self) -> None:
+            events.append("on_fit_start")
+
+    quiet_trainer(max_steps=1, logger=Recording(), enable_checkpointing=False).fit(Tracing(), make_loader())
+    assert events == ["experiment", "setup", "on_fit_start", "log_hyperparams"]  # Lightning's order
+
+
 def test_csv_logger_widens_its_header_when_a_metric_appears(tmp_path: Any) -> None:
     logger = CSVLogger(str(tmp_path), flush_logs_every_n_steps=1)
     logger.log_metrics({"a": 1.0}, step=1)

@@ -94,8 +94,8 @@ class FitLoop:
         if restore is not None:
             restore()  # may bring the gradients of an unfinished window
         trainer.strategy.join_replica_groups(trainer)  # fault tolerance: a group that is behind heals, before data
-        log_hyperparameters(trainer)
         hooks.call("on_fit_start")
+        log_hyperparameters(trainer)  # after on_fit_start, as in Lightning
         if (limit := reached_limit(config, progress)) is not None:  # a complete run, resumed: say so
             announce(f"nothing to train: the run has reached {limit} (epoch {progress.epoch}, step "
                      f"{progress.global_step})")  # fmt: skip
