@@ -92,6 +92,8 @@ class RunDirectory:
             versions = settle_versions(trainer.loggers, continuing)
             for directory in self._written(trainer):
                 checkpoint_io.prepare_directory(directory)
+            for logger in trainer.loggers:  # as Lightning, each starts its experiment (a W&B run) before any hook
+                getattr(logger, "experiment", None)
         except OSError as error:
             return [], error
         return versions, None

@@ -213,8 +213,9 @@ def log_hyperparameters(trainer: Trainer) -> None:
         differing = sorted((name for name in own.keys() & data.keys() if not _same(own[name], data[name])), key=str)
         if differing:
             raise RuntimeError(
-                f"Error while merging hparams: {differing} are hyperparameters of both the module and the "
-                "datamodule, with different values; rename one of them, or give them the same value"
+                f"Error while merging hparams: the keys {differing} are present in both the LightningModule's and "
+                "LightningDataModule's hparams but have different values; rename one of them, or give them the same "
+                "value"
             )
         hyperparameters = {**own, **data}
     if not trainer.is_global_zero:

@@ -273,7 +273,7 @@ def test_the_module_and_datamodule_may_not_disagree_on_a_hyperparameter() -> Non
             super().__init__()
             self.save_hyperparameters()
 
-    with pytest.raises(RuntimeError, match=r"Error while merging hparams: \['lr'\]"):
+    with pytest.raises(RuntimeError, match=r"Error while merging hparams: the keys \['lr'\] are present in both"):
         quiet_trainer(max_steps=1, logger=CSVLogger("logs")).fit(Regressor(lr=0.1), datamodule=Data())
     quiet_trainer(max_steps=1, logger=CSVLogger("logs")).fit(Regressor(lr=0.5), datamodule=Data())
 

@@ -12,6 +12,7 @@ import sys
 import warnings
 from typing import Any
 
+import numpy
 import pytest
 import torch
 import yaml
@@ -47,11 +48,35 @@ def test_tensorboard_event_files_read_back_with_scalars_and_hyperparameters(tmp_
 
     events = EventAccumulator(logger.log_dir)
     events.Reload()
-    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
-    session = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    records = events.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/session_start_info"]).session_start_info
     assert session.hparams["lr"].number_value == pytest.approx(0.03)
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as file:
         assert yaml.safe_load(file) == {"lr": 0.03, "features": 4}
+
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/experiment"]).experiment
+    assert [info.name.tag for info in experiment.metric_infos] == ["hp_metric"]  # the HPARAMS tab's metric
+
+    # as Lightning's: a Namespace, a dataclass or a list of dicts among the hyperparameters is flattened; the
+    # metrics given are the HPARAMS tab's, and without any the hyperparameters go to hparams.yaml only
+    params = {"args": argparse.Namespace(depth=2), "layers": [{"width": 8}], "sizes": [1, 2], "p": numpy.float32(0.5)}
+    named, unnamed = (TensorBoardLogger(str(tmp_path), name=name, default_hp_metric=False) for name in "ab")
+    named.log_hyperparams(params, {"hp/acc": 0.0})
+    unnamed.log_hyperparams(params)
+    for logger in named, unnamed:
+        logger.finalize("success")
+    events = EventAccumulator(named.log_dir)
+    events.Reload()
+    records = events.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/session_start_info"]).session_start_info
+    assert set(session.hparams) == {"args/depth", "layers/0/width", "sizes", "p"}
+    assert session.hparams["p"].number_value == 0.5  # a NumPy number is a number
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(records["_hparams_/experiment"]).experiment
+    assert [info.name.tag for info in experiment.metric_infos] == ["hp/acc"]
+    events = EventAccumulator(unnamed.log_dir)
+    events.Reload()
+    assert not [tag for tag in events.summary_metadata if tag.startswith("_hparams_")]
+    assert os.path.isfile(os.path.join(unnamed.log_dir, "hparams.yaml"))
 
 
 def test_mlflow_runs_read_back_from_the_local_store(tmp_path: Any) -> None:
@@ -76,6 +101,7 @@ def test_mlflow_runs_read_back_from_the_local_store(tmp_path: Any) -> None:
     # checkpoints go into the run's directory of the store
     assert trainer.checkpoint_callback is not None
     assert trainer.checkpoint_callback.dirpath == os.path.join(store, logger.name, logger.version, "checkpoints")
+    assert logger.log_dir is None and trainer.log_dir == store  # the run's files are MLflow's, as in Lightning
 
 
 def test_mlflow_marks_a_failed_run_and_cleans_metric_names(tmp_path: Any) -> None:
@@ -110,7 +136,14 @@ def test_wandb_offline_run_holds_the_metrics_and_hyperparameters(
     assert logger.version == run.id and logger.name == "regression"
     assert run.config["lr"] == 0.03 and run.config["features"] == 4
     assert {"train_loss", "val_loss", "trainer/global_step"} <= set(run.summary.keys())
-    assert run.summary["trainer/global_step"] == 8
+    assert run.summary["trainer/global_step"] == 7  # the last logging step's index, as in Lightning
+    # as Lightning's: nested dicts stay groups of the config, a class is its name, other objects their text
+    logger.log_hyperparams(
+        {"optim": {"name": "sgd", "betas": [0.9]}, "act": torch.nn.ReLU, "args": argparse.Namespace(a=1)}
+    )
+    assert run.config["optim"] == {"name": "sgd", "betas": [0.9]} and "optim/name" not in run.config
+    assert (run.config["act"], run.config["args"]) == ("ReLU", "Namespace(a=1)")
+    assert logger.log_dir is None and trainer.log_dir == str(tmp_path)  # a W&B run's files are wandb's
     assert trainer.checkpoint_callback is not None
     assert trainer.checkpoint_callback.dirpath == os.path.join(str(tmp_path), "regression", run.id, "checkpoints")
     run.finish()

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, LearningRateMonitor
-from ember.loggers import CSVLogger
+from ember.loggers import CSVLogger, Logger
 
 
 def _rows(path: str) -> list[dict[str, str]]:
@@ -116,11 +116,73 @@ def test_csv_logger_versions_runs_and_writes_hyperparameters(tmp_path: Any) -> N
         trainer = quiet_trainer(max_epochs=1, default_root_dir=str(tmp_path), log_every_n_steps=2)
         trainer.fit(Regressor(lr=0.02), make_loader(), make_loader())
         assert trainer.log_dir == os.path.join(str(tmp_path), "ember_logs", expected)
+    open(os.path.join(str(tmp_path), "ember_logs", "version_7"), "w").close()  # a file of a run's name is no run
+    assert CSVLogger(str(tmp_path)).version == 2
     with open(os.path.join(trainer.log_dir, "hparams.yaml")) as file:
         assert "lr: 0.02" in file.read().splitlines()
     rows = _rows(os.path.join(trainer.log_dir, "metrics.csv"))
     assert [row["step"] for row in rows if row["train_loss"]] == ["1", "3", "5", "7"]
     assert rows[-1]["val_loss"] and rows[-1]["epoch"] == "0"
+
+
+def test_a_logger_subclass_places_its_runs_by_its_own_name_and_version(tmp_path: Any) -> None:
+    class Named(CSVLogger):
+        @property
+        def name(self) -> str:
+            return "project"
+
+        @property
+        def version(self) -> str:
+            return "trial"
+
+    logger = Named(str(tmp_path))
+    assert logger.root_dir == os.path.join(str(tmp_path), "project")
+    assert logger.log_dir == os.path.join(str(tmp_path), "project", "trial")
+
+
+def test_a_stop_inside_an_accumulation_window_writes_no_step_values_of_its_batch() -> None:
+    steps: list[int | None] = []
+
+    class Recording(Logger):
+        def log_metrics(self, metrics: Any, step: int | None = None) -> None:
+            if "train_loss" in metrics:
+                steps.append(step)
+
+    class Stopping(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 4:  # the first batch of the third window: it accumulates
+                self.trainer.should_stop = True
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_epochs=1, logger=Recording(), log_every_n_steps=2, accumulate_grad_batches=2)
+    trainer.fit(Stopping(), make_loader())
+    assert trainer.global_step == 2 and steps == [1]  # as Lightning: only the second step's, none at the stop
+
+
+def test_a_logger_starts_its_experiment_before_setup_and_gets_the_hyperparameters_after_on_fit_start() -> None:
+    events: list[str] = []
+
+    class Recording(Logger):
+        @property
+        def experiment(self) -> Any:
+            events.append("experiment")
+            return self
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            events.append("log_hyperparams")
+
+        def log_metrics(self, metrics: Any, step: int | None = None) -> None:
+            pass
+
+    class Tracing(Regressor):
+        def setup(self, stage: str) -> None:
+            events.append("setup")
+
+        def on_fit_start(self) -> None:
+            events.append("on_fit_start")
+
+    quiet_trainer(max_steps=1, logger=Recording(), enable_checkpointing=False).fit(Tracing(), make_loader())
+    assert events == ["experiment", "setup", "on_fit_start", "log_hyperparams"]  # Lightning's order
 
 
 def test_csv_logger_widens_its_header_when_a_metric_appears(tmp_path: Any) -> None:

@@ -6,6 +6,7 @@ A file-based logger's ``save_dir`` may be a local path or, as in Lightning, the 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 import posixpath
@@ -143,8 +144,9 @@ class VersionedLogger(Logger):
 
     @property
     def runs_dir(self) -> str:
-        """The directory this logger's runs (``version_<N>``) live in."""
-        return os.path.join(self._save_dir, self._name)
+        """The directory this logger's runs (``version_<N>``) live in: ``<save_dir>/<name>``, of a subclass's
+        ``save_dir`` and ``name`` too, as in Lightning."""
+        return os.path.join(self.save_dir, self.name)
 
     @property
     def root_dir(self) -> str:
@@ -264,13 +266,15 @@ def next_version(root: str) -> int:
 
 
 def run_versions(root: str) -> list[int]:
-    """The ``N`` of every ``version_N`` directory under ``root``, in increasing order."""
+    """The ``N`` of every ``version_N`` directory under ``root``, in increasing order (a file of such a name is
+    no run, as in Lightning)."""
     filesystem = url_filesystem(root)
     if filesystem is not None:
-        found = filesystem.ls(root, detail=False) if filesystem.isdir(root) else []
-        entries = [posixpath.basename(entry.rstrip("/")) for entry in found]
+        found = filesystem.ls(root, detail=True) if filesystem.isdir(root) else []
+        entries = [posixpath.basename(entry["name"].rstrip("/")) for entry in found if entry["type"] == "directory"]
     else:
-        entries = os.listdir(root) if os.path.isdir(root) else []
+        found_here = os.listdir(root) if os.path.isdir(root) else []
+        entries = [entry for entry in found_here if os.path.isdir(os.path.join(root, entry))]
     return sorted(int(m.group(1)) for entry in entries if (m := _VERSION_DIR.match(entry)))
 
 
@@ -340,11 +344,25 @@ def claim_version(root: str) -> int:
 
 
 def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as one level, their keys joined with "/": {"opt": {"lr": 1}} becomes {"opt/lr": 1}."""
+    """Nested dicts as one level, their keys joined with "/": {"opt": {"lr": 1}} becomes {"opt/lr": 1}. As in
+    Lightning, a ``Namespace`` or dataclass value is a dict of its fields, and a list of dicts has its items'
+    indices as keys: {"layers": [{"n": 2}]} becomes {"layers/0/n": 2}."""
     flat: dict[str, Any] = {}
     for key, value in params.items():
+        value = _fields(value)
         if isinstance(value, Mapping):
             flat.update(flatten(value, f"{prefix}{key}/"))
+        elif isinstance(value, list) and value and all(isinstance(item, Mapping) for item in value):
+            flat.update(flatten({str(index): item for index, item in enumerate(value)}, f"{prefix}{key}/"))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _fields(value: Any) -> Any:
+    """A ``Namespace`` or a dataclass instance as the dict of its fields; any other value as it is."""
+    if isinstance(value, Namespace):
+        return vars(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value

@@ -100,12 +100,6 @@ class MLflowLogger(Logger):
         """The local store's directory, or None when runs go to a tracking server."""
         return self._local_dir
 
-    @property
-    def log_dir(self) -> str | None:
-        if self._local_dir is None:
-            return None
-        return os.path.join(self._local_dir, self.name, self.version)
-
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         from mlflow.entities import Metric
 

@@ -26,7 +26,9 @@ class TensorBoardLogger(VersionedLogger):
     """Writes TensorBoard event files into ``<save_dir>/<name>/version_<N>``, and ``hparams.yaml`` beside them.
 
     Scalars appear under their logged names; hyperparameters appear in TensorBoard's HPARAMS tab next
-    to every logged metric. Extra keyword arguments go to ``torch.utils.tensorboard.SummaryWriter``
+    to the metrics that ``log_hyperparams`` names (``hp_metric`` by default: log a value to it, or give
+    ``log_hyperparams(params, {"hp/acc": 0})`` with ``default_hp_metric=False``), as in Lightning. Extra keyword
+    arguments go to ``torch.utils.tensorboard.SummaryWriter``
     (for example ``flush_secs``). Needs the ``tensorboard`` package: ``pip install 'ember[tensorboard]'``.
 
     Logged scalars are handed to the writer every ``flush_logs_every_n_steps`` steps and at the end of a
@@ -125,13 +127,13 @@ class TensorBoardLogger(VersionedLogger):
             metrics = {"hp_metric": -1}
         elif metrics is not None and not isinstance(metrics, Mapping):
             metrics = {"hp_metric": metrics}
-        if metrics:
-            self.log_metrics(metrics, step)
+        if not metrics:  # as in Lightning: the HPARAMS tab shows a run with the metrics named here, none without
+            return
+        self.log_metrics(metrics, step)
         values = {key: _hparam_value(value) for key, value in flatten(params).items()}
-        # Only the session's start record: without an experiment record, TensorBoard's HPARAMS tab
-        # lists every scalar of the run as a metric, so nothing has to be named in advance.
-        _, session_start, _ = hparams(values, {})
-        self.experiment.file_writer.add_summary(session_start)
+        writer = self.experiment.file_writer
+        for summary in hparams(values, dict(metrics)):  # the experiment (its metrics), the session's start and end
+            writer.add_summary(summary, step)
 
     def log_graph(self, model: torch.nn.Module, input_array: Any = None) -> None:
         """Record ``model``'s graph, traced with ``input_array`` (by default its ``example_input_array``: a tensor,
@@ -198,10 +200,13 @@ def _to(value: Any, device: torch.device) -> Any:
 
 
 def _hparam_value(value: Any) -> int | float | str | bool:
-    """A value TensorBoard can show: numbers, strings and booleans as they are, a one-element tensor as its number
-    (TensorBoard's writer indexes a tensor, which a 0-dimensional one refuses), anything else as text."""
+    """A value TensorBoard can show: numbers (NumPy's too), strings and booleans as they are, a one-element tensor
+    as its number (TensorBoard's writer indexes a tensor, which a 0-dimensional one refuses), anything else as
+    text."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     if isinstance(value, (bool, int, float, str)):
         return value
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # a NumPy scalar, as its number
+        return value.item()
     return str(value)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
 
 from ember._utils import require
-from ember.loggers.logger import Logger, flatten, params_dict
+from ember.loggers.logger import Logger, params_dict
 
 
 class WandbLogger(Logger):
@@ -95,17 +96,31 @@ class WandbLogger(Logger):
     def save_dir(self) -> str:
         return self._save_dir
 
-    @property
-    def log_dir(self) -> str:
-        return os.path.join(self._save_dir, self.name, self.version)
-
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         values = {f"{self._prefix}-{key}" if self._prefix else key: value for key, value in metrics.items()}
         self.experiment.log(values if step is None else {**values, "trainer/global_step": step})
 
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None) -> None:
-        self.experiment.config.update(flatten(params_dict(params)), allow_val_change=True)
+        """Update the run's config with ``params``, nested dicts kept as they are (W&B shows them as groups), as in
+        Lightning: a class or function as its name, any other value JSON cannot hold as its text."""
+        config = {key: _config_value(value) for key, value in params_dict(params).items()}
+        self.experiment.config.update(config, allow_val_change=True)
 
     def finalize(self, status: str) -> None:
         """Nothing to flush: wandb writes as it goes, and ends the run when the process exits (or at
         ``wandb.finish()``), so that later stages of the same Trainer log into the same run."""
+
+
+def _config_value(value: Any) -> Any:
+    """``value`` as a W&B config holds it: a class or function (an optimizer's class, an activation) as its name
+    (Lightning tries calling a function first, which Ember does not do to a user's code), anything JSON cannot
+    hold as its text."""
+    if callable(value) and hasattr(value, "__name__"):
+        return value.__name__
+    if value is None or isinstance(value, (bool, int, float, str, list, dict)):
+        return value
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError, OverflowError):
+        return str(value)
+    return value

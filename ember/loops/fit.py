@@ -98,8 +98,8 @@ class FitLoop:
         if restore is not None:
             restore()  # may bring the gradients of an unfinished window
         trainer.strategy.join_replica_groups(trainer)  # fault tolerance: a group that is behind heals, before data
-        log_hyperparameters(trainer)
         hooks.call("on_fit_start")
+        log_hyperparameters(trainer)  # after on_fit_start, as in Lightning
         if (limit := reached_limit(config, progress)) is not None:  # a complete run, resumed: say so
             announce(f"nothing to train: the run has reached {limit} (epoch {progress.epoch}, step "
                      f"{progress.global_step})")  # fmt: skip
@@ -214,9 +214,9 @@ class FitLoop:
                 hook_output = batch_end_output(result.output, result.loss, fit.loss_divisor)
                 for hook in ends:
                     hook(hook_output, batch, batch_idx)
-            # Logs are written every log_every_n_steps, and at each step once stopping is asked for (as Lightning).
+            # Logs are written every log_every_n_steps, and at each optimizer step once stopping is asked (Lightning's)
             if (progress.total_batches if fit.manual else progress.global_step) >= fit.next_log_step \
-                    or stopping.requested:  # fmt: skip
+                    or (stopping.requested and result.closes_window):  # fmt: skip
                 self._write_step_logs(fit)
             validated = validation is not None and validation.due(progress, batch_idx, is_last)
             if validated:
