@@ -19,6 +19,7 @@ from torch import nn
 
 import ember
 from ember.callbacks import (
+    BackboneFinetuning,
     BaseFinetuning,
     BasePredictionWriter,
     Callback,
@@ -442,6 +443,43 @@ def test_adding_parameters_the_optimizer_holds_warns() -> None:
     with pytest.warns(UserWarning, match="already belong to a group.*Did you init your optimizer in"):
         BaseFinetuning.unfreeze_and_add_param_group(model, optimizer)
     assert [len(group["params"]) for group in optimizer.param_groups] == [2, 2]  # only the second layer's joined
+
+
+class _Backbone(Regressor):
+    """A frozen-at-first backbone under the regression's layer; the optimizer holds what trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.backbone(x))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def test_a_finetuning_run_resumes_with_the_groups_its_schedule_added(tmp_path: Any) -> None:
+    def fit(epochs: int, ckpt_path: str | None = None) -> tuple[_Backbone, BackboneFinetuning]:
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+        saving = ember.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+        trainer = quiet_trainer(max_epochs=epochs, limit_val_batches=0, logger=False, callbacks=[finetuning, saving])
+        model = _Backbone()
+        trainer.fit(model, make_loader(16), ckpt_path=ckpt_path)
+        return model, finetuning
+
+    whole, _ = fit(3)
+    _, first = fit(2)
+    groups = first.state_dict()["internal_optimizer_metadata"][0]
+    assert [group["params"] for group in groups] == [
+        ["layer.weight", "layer.bias"],
+        ["backbone.weight", "backbone.bias"],
+    ]
+    assert groups[1]["lr"] == pytest.approx(0.01) and first.state_dict()["previous_backbone_lr"] == pytest.approx(0.01)
+    resumed, again = fit(3, str(tmp_path / "last.ckpt"))
+    assert again.previous_backbone_lr == pytest.approx(0.02)  # the schedule goes on
+    for continued, uninterrupted in zip(resumed.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(continued, uninterrupted)  # the backbone trains on, in its group
 
 
 def test_prediction_writer_refuses_an_unknown_interval() -> None:
