@@ -101,6 +101,18 @@ def test_nested_actions_count_their_own_time_only() -> None:
     assert records["waiting"].total >= 0.04 and records["training_step"].total < 0.02  # the sleep is not in it
 
 
+def test_the_simple_table_without_extended_has_the_mean_and_total_only() -> None:
+    tables = {}
+    for extended in (True, False):
+        profiler = SimpleProfiler(extended=extended)
+        with profiler.profile("load"):
+            pass
+        tables[extended] = profiler.summary().splitlines()
+    assert tables[True][1].split() == ["Action", "Calls", "Mean", "(ms)", "Max", "(ms)", "Total", "(s)", "%"]
+    assert tables[False][1].split() == ["Action", "Mean", "(ms)", "Total", "(s)"]
+    assert len(tables[False][3].split()) == 3  # "load", its mean and its total
+
+
 def test_an_action_may_start_in_one_hook_and_stop_in_another() -> None:
     class EpochAction(Callback):
         def on_train_epoch_start(self, trainer: ember.Trainer, module: Any) -> None:

@@ -45,11 +45,15 @@ class SimpleProfiler(Profiler):
     ``records`` holds the figures after the stage, and ``recorded_durations`` (Lightning's name) each call's
     time, by action. On a CUDA device it waits for the device when
     actions start and stop, so that GPU work counts for the action that queued it; this removes the
-    overlap of host and device, so a profiled run is slower than an unprofiled one.
+    overlap of host and device, so a profiled run is slower than an unprofiled one. ``extended=False`` leaves the
+    calls, the longest call and the share out of the table, as Lightning's leaves out the calls and the share.
     """
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str = "profile") -> None:
+    def __init__(
+        self, dirpath: str | os.PathLike | None = None, filename: str = "profile", extended: bool = True
+    ) -> None:
         super().__init__(dirpath, filename)
+        self.extended = extended
         self.records: dict[str, Record] = {}
         self._stack: list[list] = []  # [action, start time, time spent in actions started inside it]
         self._stage = ""
@@ -101,7 +105,8 @@ class SimpleProfiler(Profiler):
         other = max(total - sum(record.total for record in self.records.values()), 0.0)
         width = max(len(action) for action in [*self.records, _OTHER])
 
-        def line(action: str, *cells: str) -> str:
+        def line(action: str, calls: str, mean: str, longest: str, spent: str, share: str) -> str:
+            cells = (calls, mean, longest, spent, share) if self.extended else (mean, spent)
             return f"{action:<{width}}" + "".join(f"  {cell:>10}" for cell in cells)
 
         def seconds(value: float) -> tuple[str, str]:
