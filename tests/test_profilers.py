@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, ProgressBar
-from ember.profilers import PassThroughProfiler, SimpleProfiler
+from ember.profilers import PassThroughProfiler, Profiler, SimpleProfiler
 
 
 class _MLP(ember.Module):
@@ -111,6 +111,37 @@ def test_the_simple_table_without_extended_has_the_mean_and_total_only() -> None
     assert tables[True][1].split() == ["Action", "Calls", "Mean", "(ms)", "Max", "(ms)", "Total", "(s)", "%"]
     assert tables[False][1].split() == ["Action", "Mean", "(ms)", "Total", "(s)"]
     assert len(tables[False][3].split()) == 3  # "load", its mean and its total
+
+
+def test_a_profiler_of_ones_own_overrides_lightnings_setup_and_teardown(tmp_path: Any, capsys: Any) -> None:
+    class Counting(Profiler):
+        def __init__(self) -> None:
+            super().__init__(dirpath=tmp_path, filename=None)  # no file: the summary is printed only
+            self.counts: dict[str, int] = {}
+            self.stages: list[tuple[str, Any, Any]] = []
+
+        def start(self, action: str) -> None:
+            self.counts[action] = self.counts.get(action, 0) + 1
+
+        def stop(self, action: str) -> None:
+            pass
+
+        def summary(self) -> str:
+            return f"counted {self.counts['backward']} backward passes"
+
+        def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
+            super().setup(stage, local_rank=local_rank, log_dir=log_dir)
+            self.stages.append(("setup", stage, local_rank))
+
+        def teardown(self, stage: str | None) -> None:
+            self.stages.append(("teardown", stage, self.local_rank))
+            super().teardown(stage=stage)
+
+    profiler = Counting()
+    trainer = quiet_trainer(max_steps=3, logger=False, profiler=profiler, enable_checkpointing=False)
+    trainer.fit(Regressor(), make_loader())
+    assert profiler.stages == [("setup", "fit", 0), ("teardown", "fit", 0)]
+    assert "counted 3 backward passes" in capsys.readouterr().out and not os.listdir(tmp_path)
 
 
 def test_an_action_may_start_in_one_hook_and_stop_in_another() -> None:

@@ -32,7 +32,7 @@ class PyTorchProfiler(Profiler):
     def __init__(
         self,
         dirpath: str | os.PathLike | None = None,
-        filename: str = "profile",
+        filename: str | None = "profile",
         schedule: Callable[[int], Any] | None = None,
         activities: Iterable[torch.profiler.ProfilerActivity] | None = None,
         record_shapes: bool = False,
@@ -53,7 +53,7 @@ class PyTorchProfiler(Profiler):
         self._steps_begun = 0
         self._traces_written = 0
 
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def attach(self, trainer: Trainer, stage: str) -> None:
         self._step_kind = _STEP_LOADER[stage]
         self._steps_begun = self._traces_written = 0
         directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
@@ -78,13 +78,13 @@ class PyTorchProfiler(Profiler):
             profile_memory=self.profile_memory,
             with_stack=self.with_stack,
         )
-        super().setup(trainer, stage)
+        super().attach(trainer, stage)
         self._profiler.start()
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def detach(self, trainer: Trainer, stage: str) -> None:
         if self._profiler is not None:
             self._profiler.stop()
-        super().teardown(trainer, stage)
+        super().detach(trainer, stage)
         if not self._traces_written:
             rank_zero_warn(
                 f"PyTorchProfiler recorded no trace of {stage}: it ran fewer steps than the schedule waits for "

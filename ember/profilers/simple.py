@@ -50,29 +50,27 @@ class SimpleProfiler(Profiler):
     """
 
     def __init__(
-        self, dirpath: str | os.PathLike | None = None, filename: str = "profile", extended: bool = True
+        self, dirpath: str | os.PathLike | None = None, filename: str | None = "profile", extended: bool = True
     ) -> None:
         super().__init__(dirpath, filename)
         self.extended = extended
         self.records: dict[str, Record] = {}
         self._stack: list[list] = []  # [action, start time, time spent in actions started inside it]
-        self._stage = ""
-        self._started = 0.0
+        self._started = time.perf_counter()  # used on its own, it reports the time since it was made
         self._elapsed = 0.0
         self._device: torch.device | None = None
 
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def attach(self, trainer: Trainer, stage: str) -> None:
         self.records = {}
         self._stack = []
-        self._stage = stage
         device = trainer.strategy.root_device
         self._device = device if device.type == "cuda" else None
-        super().setup(trainer, stage)
+        super().attach(trainer, stage)
         self._started = time.perf_counter()
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def detach(self, trainer: Trainer, stage: str) -> None:
         self._elapsed = time.perf_counter() - self._started
-        super().teardown(trainer, stage)
+        super().detach(trainer, stage)
 
     def start(self, action: str) -> None:
         if self._device is not None:
@@ -100,7 +98,7 @@ class SimpleProfiler(Profiler):
     def summary(self) -> str:
         if not self.records:
             return ""
-        total = max(self._elapsed, 1e-9)
+        total = max(self._elapsed or time.perf_counter() - self._started, 1e-9)
         rows = sorted(self.records.items(), key=lambda item: item[1].total, reverse=True)
         other = max(total - sum(record.total for record in self.records.values()), 0.0)
         width = max(len(action) for action in [*self.records, _OTHER])
@@ -114,7 +112,7 @@ class SimpleProfiler(Profiler):
 
         header = line("Action", "Calls", "Mean (ms)", "Max (ms)", "Total (s)", "%")
         rule = "-" * len(header)
-        lines = [f"Profile of {self._stage}: {total:.3f} s", header, rule]
+        lines = [f"Profile of {self._stage or 'the actions'}: {total:.3f} s", header, rule]
         for action, record in rows:
             mean, longest = f"{1e3 * record.total / record.calls:.3f}", f"{1e3 * record.longest:.3f}"
             lines.append(line(action, str(record.calls), mean, longest, *seconds(record.total)))
