@@ -373,6 +373,8 @@ class RunMetrics:
         # Asked at each write: a process that a strategy starts from inside the caller learns its rank after this.
         self._is_global_zero = is_global_zero
         self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
+        # By store: the epoch values reduced before the hooks that end the epoch, for publish_epoch to write.
+        self._reduced: dict[int, dict[str, tuple[Number, _Logged]]] = {}
         self._prog_bar_epoch_values: dict[str, Number] = {}
         self._logged: dict[str, float] = {}  # the values last written to the loggers
         self._fitting = False  # whether the stage is fit's (see the class's step labels)
@@ -476,26 +478,48 @@ class RunMetrics:
         eval_steps = self.eval.prog_bar_step_values()
         return {**self._prog_bar_epoch_values, **eval_steps, **self.train.prog_bar_step_values()}
 
+    def reduce_epoch(self, store: MetricStore) -> None:
+        """Reduce what the epoch's steps logged into ``store`` and make it callback metrics, before the hooks that
+        end the epoch run: as in Lightning, a callback's ``on_validation_epoch_end`` (or ``on_train_epoch_end``)
+        reads them. ``publish_epoch`` writes them, with what those hooks log."""
+        reduced = store.epoch_values()
+        self._expose(reduced)
+        self._reduced[id(store)] = {**self._reduced.get(id(store), {}), **reduced}
+
+    def drop_epoch(self, store: MetricStore) -> None:
+        """Forget ``store``'s epoch (a sanity check's, whose values describe nothing), reduced or not."""
+        store.clear()
+        for key, (_, entry) in self._reduced.pop(id(store), {}).items():
+            for name in (key, epoch_name(key, entry)):
+                self._epoch_values.pop(name, None)
+                self._prog_bar_epoch_values.pop(name, None)
+
     def publish_epoch(self, store: MetricStore, steps: int, epoch: int) -> dict[str, tuple[Number, set[int]]]:
         """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers (after
         the evaluation's step values), labelled as ``steps`` (the optimizer steps taken) says. Returns each
         value meant for loggers with the evaluation loaders that logged it (none: logged outside them, for all)."""
         if store is self.eval:
             self._write_evaluation_steps()
+        values = {**self._reduced.pop(id(store), {}), **store.epoch_values()}
+        self._expose(values)
         for_loggers = {}
         published = {}
-        for key, (value, entry) in store.epoch_values().items():
+        for key, (value, entry) in values.items():
+            if entry.to_logger:  # what an evaluation returns too, as Lightning's (logger=False: only for callbacks)
+                name = epoch_name(key, entry)
+                for_loggers[name] = value
+                published[name] = value, entry.loaders
+        self.write(for_loggers, self._label(steps), epoch)
+        return published
+
+    def _expose(self, values: Mapping[str, tuple[Number, _Logged]]) -> None:
+        for key, (value, entry) in values.items():
             name = epoch_name(key, entry)
             self._epoch_values[name] = value
             if name != key:
                 self._epoch_values[key] = value  # "loss" holds the epoch value when both were logged
             if entry.prog_bar:
                 self._prog_bar_epoch_values[name] = value
-            if entry.to_logger:  # what an evaluation returns too, as Lightning's (logger=False: only for callbacks)
-                for_loggers[name] = value
-                published[name] = value, entry.loaders
-        self.write(for_loggers, self._label(steps), epoch)
-        return published
 
     def log_values(self, values: Mapping[str, float], step: int) -> None:
         """Values a callback measured itself (learning rates): written to the loggers with the label ``step`` and
@@ -514,6 +538,7 @@ class RunMetrics:
         """Forget everything logged: each stage (fit, validate, test, predict) starts with no metrics."""
         self.train.clear()
         self.eval.clear()
+        self._reduced.clear()
         self._epoch_values.clear()
         self._prog_bar_epoch_values.clear()
         self._logged.clear()

@@ -430,6 +430,34 @@ def test_has_work_in_is_asked_only_where_a_callback_overrides_it() -> None:
     assert asked == ["on_fit_start"]
 
 
+def test_a_callback_reads_the_epochs_values_where_the_epoch_ends() -> None:
+    class Reads(Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[str, bool, list[str]]] = []
+
+        def on_validation_epoch_end(self, trainer: ember.Trainer, pl_module: Any) -> None:
+            self.seen.append(("validation", trainer.sanity_checking, sorted(trainer.callback_metrics)))
+
+        def on_train_epoch_end(self, trainer: ember.Trainer, pl_module: Any) -> None:
+            self.seen.append(("train", False, sorted(trainer.callback_metrics)))
+
+    class Logs(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("mean", float(batch_idx), on_step=False, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+    reads = Reads()
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=1,
+                            logger=False, enable_checkpointing=False, callbacks=[reads])  # fmt: skip
+    trainer.fit(Logs(), make_loader(), make_loader())
+    assert reads.seen == [
+        ("validation", True, ["val_loss"]),  # the sanity check's, dropped after it
+        ("validation", False, ["train_loss", "val_loss"]),
+        ("train", False, ["mean", "train_loss", "val_loss"]),
+    ]
+    assert float(trainer.callback_metrics["mean"]) == 0.5
+
+
 def test_the_public_functions_of_callback_are_hooks_that_lambda_callback_takes() -> None:
     functions = {name for name, _ in inspect.getmembers(Callback, inspect.isfunction) if not name.startswith("_")}
     assert {"setup", "on_exception", "has_work_in"} <= functions and not {"log", "log_dict"} & functions
