@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, ProgressBar
-from ember.profilers import PassThroughProfiler, Profiler, SimpleProfiler
+from ember.exceptions import MisconfigurationException
+from ember.profilers import PassThroughProfiler, Profiler, PyTorchProfiler, SimpleProfiler
 
 
 class _MLP(ember.Module):
@@ -188,11 +189,25 @@ def test_pytorch_profiler_writes_a_trace_with_the_trainers_actions(tmp_path: Any
     with open(trace) as file:
         names = {event.get("name") for event in json.load(file)["traceEvents"]}
     assert {"training_step", "backward", "optimizer_step", "train: waiting for data"} <= names
+    assert "[pl][module]torch.nn.modules.linear.Linear: layer" in names  # record_module_names, as Lightning
     assert any(name.startswith("aten::") for name in names if name)
     with open(os.path.join(trainer.log_dir, "fit-profile.txt")) as file:
         assert "Self CPU" in file.read()
     with pytest.warns(UserWarning, match="recorded no trace of fit"):
         quiet_trainer(max_steps=1, profiler="pytorch", logger=False).fit(Regressor(), make_loader())
+
+
+def test_pytorch_profiler_takes_lightnings_arguments(tmp_path: Any) -> None:
+    traces: list[Any] = []
+    profiler = PyTorchProfiler(
+        dirpath=tmp_path, export_to_chrome=False, on_trace_ready=traces.append, sort_by_key="cpu_time_total",
+        record_module_names=False, table_kwargs={"max_name_column_width": 20}, with_flops=True,
+    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=6, logger=False, profiler=profiler, enable_checkpointing=False)
+    trainer.fit(Regressor(), make_loader())
+    assert len(traces) == 1 and glob.glob(str(tmp_path / "*")) == [str(tmp_path / "fit-profile.txt")]
+    with pytest.raises(MisconfigurationException, match=r"profiler_kwargs\) does not take \['trace_memory'\]"):
+        PyTorchProfiler(trace_memory=True)
 
 
 def test_hooks_are_timed_under_lightnings_names_from_prepare_data_to_teardown(tmp_path: Any) -> None:
