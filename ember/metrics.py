@@ -169,19 +169,21 @@ class MetricStore:
             if entry.prog_bar and entry.step_value is not None
         }
 
-    def epoch_values(self) -> dict[str, tuple[Number, _Logged]]:
-        """Reduce every per-epoch value (across ranks where ``sync_dist``) and reset the aggregates."""
+    def epoch_values(self, keep_metrics: bool = False) -> dict[str, tuple[Number, _Logged]]:
+        """Reduce every per-epoch value (across ranks where ``sync_dist``) and reset the aggregates (metric objects
+        only unless ``keep_metrics``: the epoch's end hooks may still compute them; computing again is cached)."""
         values = {}
         for key, entry in self._entries.items():
             if not entry.on_epoch:
-                if entry.metric is not None:  # logged per step only: its state must not grow across epochs
+                if entry.metric is not None and not keep_metrics:  # per step only: its state must not grow
                     entry.metric.reset()
                     entry.metric = None
                 continue
             if entry.metric is not None:
                 value = _as_number(key, entry.metric.compute())  # a metric object syncs across ranks itself
-                entry.metric.reset()
-                entry.metric = None
+                if not keep_metrics:
+                    entry.metric.reset()
+                    entry.metric = None
             elif entry.total is None:
                 continue
             else:
@@ -373,8 +375,7 @@ class RunMetrics:
         # Asked at each write: a process that a strategy starts from inside the caller learns its rank after this.
         self._is_global_zero = is_global_zero
         self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
-        # By store: the epoch values reduced before the hooks that end the epoch, for publish_epoch to write.
-        self._reduced: dict[int, dict[str, tuple[Number, _Logged]]] = {}
+        self._reduced: dict[int, dict[str, tuple[Number, _Logged]]] = {}  # by store: reduced, not yet written
         self._prog_bar_epoch_values: dict[str, Number] = {}
         self._logged: dict[str, float] = {}  # the values last written to the loggers
         self._fitting = False  # whether the stage is fit's (see the class's step labels)
@@ -479,10 +480,9 @@ class RunMetrics:
         return {**self._prog_bar_epoch_values, **eval_steps, **self.train.prog_bar_step_values()}
 
     def reduce_epoch(self, store: MetricStore) -> None:
-        """Reduce what the epoch's steps logged into ``store`` and make it callback metrics, before the hooks that
-        end the epoch run: as in Lightning, a callback's ``on_validation_epoch_end`` (or ``on_train_epoch_end``)
-        reads them. ``publish_epoch`` writes them, with what those hooks log."""
-        reduced = store.epoch_values()
+        """Make the epoch's values in ``store`` callback metrics before the hooks that end the epoch, which read them
+        as in Lightning (a callback's too); ``publish_epoch`` writes them with what those hooks log."""
+        reduced = store.epoch_values(keep_metrics=True)
         self._expose(reduced)
         self._reduced[id(store)] = {**self._reduced.get(id(store), {}), **reduced}
 
@@ -512,7 +512,7 @@ class RunMetrics:
         self.write(for_loggers, self._label(steps), epoch)
         return published
 
-    def _expose(self, values: Mapping[str, tuple[Number, _Logged]]) -> None:
+    def _expose(self, values: Mapping[str, tuple[Number, _Logged]]) -> None:  # values reduced, as callback metrics
         for key, (value, entry) in values.items():
             name = epoch_name(key, entry)
             self._epoch_values[name] = value

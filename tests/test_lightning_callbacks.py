@@ -14,6 +14,7 @@ from unittest.mock import Mock
 
 import pytest
 import torch
+import torchmetrics
 from conftest import Regressor, make_loader, quiet_trainer
 from torch import nn
 
@@ -442,20 +443,29 @@ def test_a_callback_reads_the_epochs_values_where_the_epoch_ends() -> None:
             self.seen.append(("train", False, sorted(trainer.callback_metrics)))
 
     class Logs(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mean = torchmetrics.MeanMetric()
+            self.computed: list[float] = []
+
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            self.log("mean", float(batch_idx), on_step=False, on_epoch=True)
+            self.mean(float(batch_idx))
+            self.log("mean", self.mean, on_step=False, on_epoch=True)
             return super().training_step(batch, batch_idx)
 
-    reads = Reads()
+        def on_train_epoch_end(self) -> None:
+            self.computed.append(float(self.mean.compute()))  # the metric is reset after the epoch's end hooks
+
+    reads, module = Reads(), Logs()
     trainer = quiet_trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=1,
                             logger=False, enable_checkpointing=False, callbacks=[reads])  # fmt: skip
-    trainer.fit(Logs(), make_loader(), make_loader())
+    trainer.fit(module, make_loader(), make_loader())
     assert reads.seen == [
         ("validation", True, ["val_loss"]),  # the sanity check's, dropped after it
         ("validation", False, ["train_loss", "val_loss"]),
         ("train", False, ["mean", "train_loss", "val_loss"]),
     ]
-    assert float(trainer.callback_metrics["mean"]) == 0.5
+    assert float(trainer.callback_metrics["mean"]) == 0.5 and module.computed == [0.5]
 
 
 def test_the_public_functions_of_callback_are_hooks_that_lambda_callback_takes() -> None:
