@@ -169,19 +169,21 @@ class MetricStore:
             if entry.prog_bar and entry.step_value is not None
         }
 
-    def epoch_values(self) -> dict[str, tuple[Number, _Logged]]:
-        """Reduce every per-epoch value (across ranks where ``sync_dist``) and reset the aggregates."""
+    def epoch_values(self, keep_metrics: bool = False) -> dict[str, tuple[Number, _Logged]]:
+        """Reduce every per-epoch value (across ranks where ``sync_dist``) and reset the aggregates (metric objects
+        only unless ``keep_metrics``: the epoch's end hooks may still compute them; computing again is cached)."""
         values = {}
         for key, entry in self._entries.items():
             if not entry.on_epoch:
-                if entry.metric is not None:  # logged per step only: its state must not grow across epochs
+                if entry.metric is not None and not keep_metrics:  # per step only: its state must not grow
                     entry.metric.reset()
                     entry.metric = None
                 continue
             if entry.metric is not None:
                 value = _as_number(key, entry.metric.compute())  # a metric object syncs across ranks itself
-                entry.metric.reset()
-                entry.metric = None
+                if not keep_metrics:
+                    entry.metric.reset()
+                    entry.metric = None
             elif entry.total is None:
                 continue
             else:
@@ -373,6 +375,7 @@ class RunMetrics:
         # Asked at each write: a process that a strategy starts from inside the caller learns its rank after this.
         self._is_global_zero = is_global_zero
         self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
+        self._reduced: dict[int, dict[str, tuple[Number, _Logged]]] = {}  # by store: reduced, not yet written
         self._prog_bar_epoch_values: dict[str, Number] = {}
         self._logged: dict[str, float] = {}  # the values last written to the loggers
         self._fitting = False  # whether the stage is fit's (see the class's step labels)
@@ -476,26 +479,47 @@ class RunMetrics:
         eval_steps = self.eval.prog_bar_step_values()
         return {**self._prog_bar_epoch_values, **eval_steps, **self.train.prog_bar_step_values()}
 
+    def reduce_epoch(self, store: MetricStore) -> None:
+        """Make the epoch's values in ``store`` callback metrics before the hooks that end the epoch, which read them
+        as in Lightning (a callback's too); ``publish_epoch`` writes them with what those hooks log."""
+        reduced = store.epoch_values(keep_metrics=True)
+        self._expose(reduced)
+        self._reduced[id(store)] = {**self._reduced.get(id(store), {}), **reduced}
+
+    def drop_epoch(self, store: MetricStore) -> None:
+        """Forget ``store``'s epoch (a sanity check's, whose values describe nothing), reduced or not."""
+        store.clear()
+        for key, (_, entry) in self._reduced.pop(id(store), {}).items():
+            for name in (key, epoch_name(key, entry)):
+                self._epoch_values.pop(name, None)
+                self._prog_bar_epoch_values.pop(name, None)
+
     def publish_epoch(self, store: MetricStore, steps: int, epoch: int) -> dict[str, tuple[Number, set[int]]]:
         """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers (after
         the evaluation's step values), labelled as ``steps`` (the optimizer steps taken) says. Returns each
         value meant for loggers with the evaluation loaders that logged it (none: logged outside them, for all)."""
         if store is self.eval:
             self._write_evaluation_steps()
+        values = {**self._reduced.pop(id(store), {}), **store.epoch_values()}
+        self._expose(values)
         for_loggers = {}
         published = {}
-        for key, (value, entry) in store.epoch_values().items():
+        for key, (value, entry) in values.items():
+            if entry.to_logger:  # what an evaluation returns too, as Lightning's (logger=False: only for callbacks)
+                name = epoch_name(key, entry)
+                for_loggers[name] = value
+                published[name] = value, entry.loaders
+        self.write(for_loggers, self._label(steps), epoch)
+        return published
+
+    def _expose(self, values: Mapping[str, tuple[Number, _Logged]]) -> None:  # values reduced, as callback metrics
+        for key, (value, entry) in values.items():
             name = epoch_name(key, entry)
             self._epoch_values[name] = value
             if name != key:
                 self._epoch_values[key] = value  # "loss" holds the epoch value when both were logged
             if entry.prog_bar:
                 self._prog_bar_epoch_values[name] = value
-            if entry.to_logger:  # what an evaluation returns too, as Lightning's (logger=False: only for callbacks)
-                for_loggers[name] = value
-                published[name] = value, entry.loaders
-        self.write(for_loggers, self._label(steps), epoch)
-        return published
 
     def log_values(self, values: Mapping[str, float], step: int) -> None:
         """Values a callback measured itself (learning rates): written to the loggers with the label ``step`` and
@@ -514,6 +538,7 @@ class RunMetrics:
         """Forget everything logged: each stage (fit, validate, test, predict) starts with no metrics."""
         self.train.clear()
         self.eval.clear()
+        self._reduced.clear()
         self._epoch_values.clear()
         self._prog_bar_epoch_values.clear()
         self._logged.clear()

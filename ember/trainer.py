@@ -521,7 +521,7 @@ class Trainer(LightningProperties):
         # The run's directory is settled before any hook (setup, a profiler) can ask for it. A fit resumed
         # with "last" continues its predecessor's directory in place; any other run has one of its own.
         self._run_directory.settle(continuing=path if stage == "fit" and ckpt_path == "last" else None)
-        self.profiler.setup(self, stage)  # from prepare_data to teardown, as Lightning times the hooks
+        self.profiler.attach(self, stage)  # from prepare_data to teardown, as Lightning times the hooks
         hooks.prepare_data()  # once per machine, or once in all (prepare_data_per_node=False)
         self.strategy.barrier()
         hooks.setup(stage)
@@ -543,7 +543,7 @@ class Trainer(LightningProperties):
                 if self._hooks is not None and teardown_hooks:  # as Lightning: a stage that raised skips teardown()
                     self._hooks.teardown(stage)
             finally:
-                self.profiler.teardown(self, stage)  # its wrappers come off whatever teardown() did
+                self.profiler.detach(self, stage)  # its wrappers come off whatever teardown() did
             if self.is_global_zero:
                 for logger in self.loggers:
                     logger.finalize(status)

@@ -14,11 +14,13 @@ from unittest.mock import Mock
 
 import pytest
 import torch
+import torchmetrics
 from conftest import Regressor, make_loader, quiet_trainer
 from torch import nn
 
 import ember
 from ember.callbacks import (
+    BackboneFinetuning,
     BaseFinetuning,
     BasePredictionWriter,
     Callback,
@@ -429,6 +431,43 @@ def test_has_work_in_is_asked_only_where_a_callback_overrides_it() -> None:
     assert asked == ["on_fit_start"]
 
 
+def test_a_callback_reads_the_epochs_values_where_the_epoch_ends() -> None:
+    class Reads(Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[str, bool, list[str]]] = []
+
+        def on_validation_epoch_end(self, trainer: ember.Trainer, pl_module: Any) -> None:
+            self.seen.append(("validation", trainer.sanity_checking, sorted(trainer.callback_metrics)))
+
+        def on_train_epoch_end(self, trainer: ember.Trainer, pl_module: Any) -> None:
+            self.seen.append(("train", False, sorted(trainer.callback_metrics)))
+
+    class Logs(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mean = torchmetrics.MeanMetric()
+            self.computed: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.mean(float(batch_idx))
+            self.log("mean", self.mean, on_step=False, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+        def on_train_epoch_end(self) -> None:
+            self.computed.append(float(self.mean.compute()))  # the metric is reset after the epoch's end hooks
+
+    reads, module = Reads(), Logs()
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=1,
+                            logger=False, enable_checkpointing=False, callbacks=[reads])  # fmt: skip
+    trainer.fit(module, make_loader(), make_loader())
+    assert reads.seen == [
+        ("validation", True, ["val_loss"]),  # the sanity check's, dropped after it
+        ("validation", False, ["train_loss", "val_loss"]),
+        ("train", False, ["mean", "train_loss", "val_loss"]),
+    ]
+    assert float(trainer.callback_metrics["mean"]) == 0.5 and module.computed == [0.5]
+
+
 def test_the_public_functions_of_callback_are_hooks_that_lambda_callback_takes() -> None:
     functions = {name for name, _ in inspect.getmembers(Callback, inspect.isfunction) if not name.startswith("_")}
     assert {"setup", "on_exception", "has_work_in"} <= functions and not {"log", "log_dict"} & functions
@@ -442,6 +481,43 @@ def test_adding_parameters_the_optimizer_holds_warns() -> None:
     with pytest.warns(UserWarning, match="already belong to a group.*Did you init your optimizer in"):
         BaseFinetuning.unfreeze_and_add_param_group(model, optimizer)
     assert [len(group["params"]) for group in optimizer.param_groups] == [2, 2]  # only the second layer's joined
+
+
+class _Backbone(Regressor):
+    """A frozen-at-first backbone under the regression's layer; the optimizer holds what trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.backbone(x))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def test_a_finetuning_run_resumes_with_the_groups_its_schedule_added(tmp_path: Any) -> None:
+    def fit(epochs: int, ckpt_path: str | None = None) -> tuple[_Backbone, BackboneFinetuning]:
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+        saving = ember.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+        trainer = quiet_trainer(max_epochs=epochs, limit_val_batches=0, logger=False, callbacks=[finetuning, saving])
+        model = _Backbone()
+        trainer.fit(model, make_loader(16), ckpt_path=ckpt_path)
+        return model, finetuning
+
+    whole, _ = fit(3)
+    _, first = fit(2)
+    groups = first.state_dict()["internal_optimizer_metadata"][0]
+    assert [group["params"] for group in groups] == [
+        ["layer.weight", "layer.bias"],
+        ["backbone.weight", "backbone.bias"],
+    ]
+    assert groups[1]["lr"] == pytest.approx(0.01) and first.state_dict()["previous_backbone_lr"] == pytest.approx(0.01)
+    resumed, again = fit(3, str(tmp_path / "last.ckpt"))
+    assert again.previous_backbone_lr == pytest.approx(0.02)  # the schedule goes on
+    for continued, uninterrupted in zip(resumed.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(continued, uninterrupted)  # the backbone trains on, in its group
 
 
 def test_prediction_writer_refuses_an_unknown_interval() -> None:

@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, ProgressBar
-from ember.profilers import PassThroughProfiler, SimpleProfiler
+from ember.exceptions import MisconfigurationException
+from ember.profilers import PassThroughProfiler, Profiler, PyTorchProfiler, SimpleProfiler
 
 
 class _MLP(ember.Module):
@@ -101,6 +102,49 @@ def test_nested_actions_count_their_own_time_only() -> None:
     assert records["waiting"].total >= 0.04 and records["training_step"].total < 0.02  # the sleep is not in it
 
 
+def test_the_simple_table_without_extended_has_the_mean_and_total_only() -> None:
+    tables = {}
+    for extended in (True, False):
+        profiler = SimpleProfiler(extended=extended)
+        with profiler.profile("load"):
+            pass
+        tables[extended] = profiler.summary().splitlines()
+    assert tables[True][1].split() == ["Action", "Calls", "Mean", "(ms)", "Max", "(ms)", "Total", "(s)", "%"]
+    assert tables[False][1].split() == ["Action", "Mean", "(ms)", "Total", "(s)"]
+    assert len(tables[False][3].split()) == 3  # "load", its mean and its total
+
+
+def test_a_profiler_of_ones_own_overrides_lightnings_setup_and_teardown(tmp_path: Any, capsys: Any) -> None:
+    class Counting(Profiler):
+        def __init__(self) -> None:
+            super().__init__(dirpath=tmp_path, filename=None)  # no file: the summary is printed only
+            self.counts: dict[str, int] = {}
+            self.stages: list[tuple[str, Any, Any]] = []
+
+        def start(self, action: str) -> None:
+            self.counts[action] = self.counts.get(action, 0) + 1
+
+        def stop(self, action: str) -> None:
+            pass
+
+        def summary(self) -> str:
+            return f"counted {self.counts['backward']} backward passes"
+
+        def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
+            super().setup(stage, local_rank=local_rank, log_dir=log_dir)
+            self.stages.append(("setup", stage, local_rank))
+
+        def teardown(self, stage: str | None) -> None:
+            self.stages.append(("teardown", stage, self.local_rank))
+            super().teardown(stage=stage)
+
+    profiler = Counting()
+    trainer = quiet_trainer(max_steps=3, logger=False, profiler=profiler, enable_checkpointing=False)
+    trainer.fit(Regressor(), make_loader())
+    assert profiler.stages == [("setup", "fit", 0), ("teardown", "fit", 0)]
+    assert "counted 3 backward passes" in capsys.readouterr().out and not os.listdir(tmp_path)
+
+
 def test_an_action_may_start_in_one_hook_and_stop_in_another() -> None:
     class EpochAction(Callback):
         def on_train_epoch_start(self, trainer: ember.Trainer, module: Any) -> None:
@@ -145,11 +189,25 @@ def test_pytorch_profiler_writes_a_trace_with_the_trainers_actions(tmp_path: Any
     with open(trace) as file:
         names = {event.get("name") for event in json.load(file)["traceEvents"]}
     assert {"training_step", "backward", "optimizer_step", "train: waiting for data"} <= names
+    assert "[pl][module]torch.nn.modules.linear.Linear: layer" in names  # record_module_names, as Lightning
     assert any(name.startswith("aten::") for name in names if name)
     with open(os.path.join(trainer.log_dir, "fit-profile.txt")) as file:
         assert "Self CPU" in file.read()
     with pytest.warns(UserWarning, match="recorded no trace of fit"):
         quiet_trainer(max_steps=1, profiler="pytorch", logger=False).fit(Regressor(), make_loader())
+
+
+def test_pytorch_profiler_takes_lightnings_arguments(tmp_path: Any) -> None:
+    traces: list[Any] = []
+    profiler = PyTorchProfiler(
+        dirpath=tmp_path, export_to_chrome=False, on_trace_ready=traces.append, sort_by_key="cpu_time_total",
+        record_module_names=False, table_kwargs={"max_name_column_width": 20}, with_flops=True,
+    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=6, logger=False, profiler=profiler, enable_checkpointing=False)
+    trainer.fit(Regressor(), make_loader())
+    assert len(traces) == 1 and glob.glob(str(tmp_path / "*")) == [str(tmp_path / "fit-profile.txt")]
+    with pytest.raises(MisconfigurationException, match=r"profiler_kwargs\) does not take \['trace_memory'\]"):
+        PyTorchProfiler(trace_memory=True)
 
 
 def test_hooks_are_timed_under_lightnings_names_from_prepare_data_to_teardown(tmp_path: Any) -> None:

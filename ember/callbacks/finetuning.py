@@ -25,16 +25,43 @@ class BaseFinetuning(Callback):
     Subclass it and define ``freeze_before_training(pl_module)`` (called when a stage is set up, before the
     optimizers are built: build them from ``filter(lambda p: p.requires_grad, self.parameters())``) and
     ``finetune_function(pl_module, epoch, optimizer)`` (called with each optimizer when each training epoch
-    starts; ``unfreeze_and_add_param_group`` gives an unfrozen part its own parameter group). Resuming a run
-    whose callback added parameter groups is not supported: such a run starts its schedule afresh.
+    starts; ``unfreeze_and_add_param_group`` gives an unfrozen part its own parameter group). Its state, saved in
+    checkpoints, is each optimizer's parameter groups with their parameters' names (``internal_optimizer_metadata``,
+    as in Lightning): a resumed fit puts the groups the schedule had added back into the optimizers, their
+    parameters trainable again, before the optimizers' states are loaded.
     """
+
+    def __init__(self) -> None:
+        self._groups: dict[int, list[dict[str, Any]]] = {}  # by optimizer: its groups, parameters by name
 
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         self.freeze_before_training(pl_module)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
-        for optimizer in trainer.optimizers:
+        names = {parameter: name for name, parameter in pl_module.named_parameters()}
+        for index, optimizer in enumerate(trainer.optimizers):
             self.finetune_function(pl_module, trainer.current_epoch, optimizer)
+            known = self._groups.setdefault(index, [])  # groups as they were added, as Lightning keeps them
+            known += [
+                {**group, "params": [names[parameter] for parameter in group["params"]]}
+                for group in optimizer.param_groups[len(known) :]
+            ]
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: Module, checkpoint: dict[str, Any]) -> None:
+        # Called once the optimizers exist, before their saved states are loaded: those states hold the groups
+        # the schedule added, which configure_optimizers (built from the parameters that train) leaves out.
+        saved = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("internal_optimizer_metadata", {})
+        parameters = dict(pl_module.named_parameters())
+        for index, optimizer in enumerate(trainer.optimizers):
+            for group in saved.get(index, [])[len(optimizer.param_groups) :]:
+                added = [parameters[name].requires_grad_(True) for name in group["params"]]
+                optimizer.add_param_group({**group, "params": added})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"internal_optimizer_metadata": self._groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._groups = state_dict.get("internal_optimizer_metadata", {})
 
     def freeze_before_training(self, pl_module: Module) -> None:
         raise NotImplementedError(f"{type(self).__name__} must define freeze_before_training(pl_module)")
@@ -140,6 +167,7 @@ class BackboneFinetuning(BaseFinetuning):
         verbose: bool = False,
         rounding: int = 12,
     ) -> None:
+        super().__init__()
         self.unfreeze_backbone_at_epoch = unfreeze_backbone_at_epoch
         self.lambda_func = lambda_func
         self.backbone_initial_ratio_lr = backbone_initial_ratio_lr
@@ -158,6 +186,13 @@ class BackboneFinetuning(BaseFinetuning):
 
     def freeze_before_training(self, pl_module: Module) -> None:
         self.freeze(pl_module.backbone)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "previous_backbone_lr": self.previous_backbone_lr}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.previous_backbone_lr = state_dict.get("previous_backbone_lr")
 
     def finetune_function(self, pl_module: Module, epoch: int, optimizer: torch.optim.Optimizer) -> None:
         current_lr = optimizer.param_groups[0]["lr"]

@@ -169,14 +169,13 @@ class EvaluationLoop:
             self.trainer.run_metrics.evaluation_batch_done(dataloader_idx)
 
     def _end_epoch(self, loaders: int) -> None:
-        pass
+        self.trainer.run_metrics.reduce_epoch(self.trainer.run_metrics.eval)  # for the epoch's end hooks to read
 
     def _results(self, loaders: int, sanity_check: bool) -> Any:
-        """The epoch's metrics, published (a sanity check's are dropped: they describe nothing)."""
+        """The epoch's metrics, published (a sanity check's are not: the fit drops them once its hooks ran)."""
         trainer = self.trainer
         metrics = trainer.run_metrics
         if sanity_check:
-            metrics.eval.clear()
             return [{} for _ in range(loaders)]
         published = metrics.publish_epoch(metrics.eval, trainer.fit_loop.logging_step, trainer.current_epoch)
         return per_dataloader(published, loaders)

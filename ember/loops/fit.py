@@ -281,6 +281,7 @@ class FitLoop:
         assert module is not None and runner is not None
         self.check_losses()
         self._report_idle_epoch(fit)
+        metrics.reduce_epoch(metrics.train)  # as Lightning, the epoch's end hooks read its values (a callback's too)
         hooks.call("on_train_epoch_end", epoch_readers=False)
         metrics.publish_epoch(metrics.train, self.logging_step, progress.epoch)
         if completed:
@@ -320,6 +321,7 @@ class FitLoop:
             trainer.hooks.call_callbacks("on_sanity_check_start")
             self.data.validation.run(trainer.validate_loop, sanity_check=True)
             trainer.hooks.call_callbacks("on_sanity_check_end")
+            trainer.run_metrics.drop_epoch(trainer.run_metrics.eval)  # its values describe nothing: as Lightning, gone
         finally:
             set_random_state(generators)
             self.sanity_checking = False

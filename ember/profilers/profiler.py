@@ -19,29 +19,34 @@ _END = object()
 
 
 class Profiler:
-    """Times named actions. Subclasses implement ``start``, ``stop`` and ``summary``.
+    """Times named actions. Subclasses implement ``start``, ``stop`` and ``summary``; as in Lightning, they may also
+    override ``setup(stage, local_rank, log_dir)`` and ``teardown(stage)`` (calling ``super()``'s).
 
-    For each stage (fit, validate, test, predict) the Trainer calls ``setup``, which makes these
+    For each stage (fit, validate, test, predict) the Trainer calls ``attach``, which makes these
     actions call ``start``/``stop``: ``<kind>: waiting for data`` (the loader producing a batch),
     ``<kind>: batch_to_device``, ``training_step`` (the forward pass; likewise ``validation_step``,
     ...), ``backward``, ``unscale_gradients``, ``clip_gradients``, ``optimizer_step``, ``logging``
     (writing to the loggers) and each overridden hook under Lightning's name for it (``hook_action``), from
     ``prepare_data`` to ``teardown``, with the datamodule's ``state_dict`` and ``load_state_dict`` (which the
     checkpoints call). User code can add its
-    own with ``with self.trainer.profiler.profile("name"):``. At the end of the stage ``teardown``
-    removes the wrappers, writes ``summary()`` to ``<dirpath>/<stage>-<filename>.txt`` (one file per
-    rank, ``-rank<N>`` added when there are several) and prints it on the global-zero process.
-    ``dirpath`` defaults to the run's log directory.
+    own with ``with self.trainer.profiler.profile("name"):``. At the end of the stage ``detach``
+    removes the wrappers, and ``describe`` writes ``summary()`` to ``<dirpath>/<stage>-<filename>.txt`` (one file
+    per rank, ``-rank<N>`` added when there are several), prints it on the global-zero process and calls
+    ``teardown``. ``dirpath`` defaults to the run's log directory.
     """
 
     #: Whether it records anything (the hook caller times the hooks of a stage only then).
     enabled: ClassVar[bool] = True
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str = "profile") -> None:
+    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = "profile") -> None:
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
         self.filename = filename
         self._patches = Patches()
         self._phase = "train"  # the kind of loader the latest batch came from
+        self._stage: str | None = None
+        self._local_rank: int | None = None
+        self._report_path: str | None = None  # where the stage's summary goes (None: printed only)
+        self._prints = True  # whether this process prints the summary (the global-zero one)
 
     def start(self, action: str) -> None:
         raise NotImplementedError
@@ -61,9 +66,34 @@ class Profiler:
         finally:
             self.stop(action)
 
+    @property
+    def local_rank(self) -> int:
+        return 0 if self._local_rank is None else self._local_rank
+
     # ------------------------------------------------------------------------------ lifecycle
-    def setup(self, trainer: Trainer, stage: str) -> None:
-        """Start profiling ``stage``: wrap what the run calls so that it reports its actions here."""
+    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
+        """Called as ``stage`` starts, once the run reports its actions here (Lightning's hook)."""
+        self._stage, self._local_rank = stage, local_rank
+
+    def teardown(self, stage: str | None) -> None:
+        """Called once the stage's summary is written (Lightning's hook)."""
+
+    def describe(self) -> None:
+        """Write the summary of the stage that ended and print it, then ``teardown``; a profiler used without a
+        Trainer may call it too (it prints its summary, and writes it into ``dirpath`` when one is given)."""
+        report, path = self.summary(), self._report_path
+        if path is None and self.dirpath is not None and self.filename is not None:
+            path = os.path.join(self.dirpath, f"{self.filename}.txt")
+        if report and path is not None:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as file:
+                file.write(report + "\n")
+        if report and self._prints:
+            print(report if path is None else f"{report}\n(written to {path})")
+        self.teardown(self._stage)
+
+    def attach(self, trainer: Trainer, stage: str) -> None:
+        """Start profiling ``stage``: wrap what the run calls so that it reports its actions here, then ``setup``."""
         self._phase = "train"
         strategy = trainer.strategy
         self._wrap(strategy, "batch_to_device", lambda *args: f"{self._phase}: batch_to_device")
@@ -75,6 +105,12 @@ class Profiler:
         if datamodule is not None:
             for name in ("state_dict", "load_state_dict"):
                 self._wrap(datamodule, name, hook_action("LightningDataModule", type(datamodule).__name__, name))
+        directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
+        rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+        if self.filename is not None:  # None: printed only, as Lightning's profilers without a filename
+            self._report_path = os.path.join(directory, f"{stage}-{self.filename}{rank}.txt")
+        self._prints = trainer.is_global_zero
+        self.setup(stage, local_rank=trainer.local_rank, log_dir=directory)
 
     def timed_batches(self, batches: Iterable, kind: str) -> Iterator[Any]:
         """``batches`` (from a loader of ``kind``: "train", "val", "test", "predict"), each wait for one timed
@@ -91,20 +127,11 @@ class Profiler:
                 return
             yield batch
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
-        """Stop profiling: remove the wrappers, then write and print the summary."""
+    def detach(self, trainer: Trainer, stage: str) -> None:
+        """Stop profiling: remove the wrappers, then ``describe`` the stage."""
         self._patches.undo()
-        report = self.summary()
-        if not report:
-            return
-        directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
-        rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
-        path = os.path.join(directory, f"{stage}-{self.filename}{rank}.txt")
-        os.makedirs(directory, exist_ok=True)
-        with open(path, "w") as file:
-            file.write(report + "\n")
-        if trainer.is_global_zero:
-            print(f"{report}\n(written to {path})")
+        self.describe()
+        self._report_path = None
 
     def next_batch(self, kind: str) -> None:
         """Called as the run asks a loader of ``kind`` ("train", "val", "test" or "predict") for a batch."""
@@ -139,10 +166,10 @@ class PassThroughProfiler(Profiler):
     def stop(self, action: str) -> None:
         pass
 
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def attach(self, trainer: Trainer, stage: str) -> None:
         pass
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def detach(self, trainer: Trainer, stage: str) -> None:
         pass
 
     def timed_batches(self, batches: Iterable, kind: str) -> Iterator[Any]:

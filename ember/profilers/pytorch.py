@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.exceptions import MisconfigurationException
 from ember.profilers.profiler import Profiler, latest_start
 from ember.rank_zero import rank_zero_warn
 
@@ -26,19 +29,30 @@ class PyTorchProfiler(Profiler):
     recorded window is written as ``<dirpath>/<stage>-rank<N>.<time>.pt.trace.json``, a Chrome trace
     that Perfetto (ui.perfetto.dev) and TensorBoard's profiler plugin open; the summary is the table of
     the operators that took the most time. ``activities`` defaults to the CPU, plus CUDA when the run
-    uses a GPU; ``record_shapes``, ``profile_memory`` and ``with_stack`` are torch.profiler's options.
+    uses a GPU; ``record_shapes``, ``profile_memory``, ``with_stack`` and the other ``profiler_kwargs``
+    (``on_trace_ready``, ``with_flops``, ...) are ``torch.profiler.profile``'s. As in Lightning,
+    ``export_to_chrome=False`` writes no trace, ``record_module_names`` marks each submodule's forward in the
+    trace, ``sort_by_key`` orders the summary (by default the operators' own time) and ``table_kwargs`` are
+    further arguments of its table; ``group_by_input_shapes`` (with ``record_shapes=True``) keeps the calls of
+    each input shape apart.
     """
 
     def __init__(
         self,
         dirpath: str | os.PathLike | None = None,
-        filename: str = "profile",
+        filename: str | None = "profile",
         schedule: Callable[[int], Any] | None = None,
         activities: Iterable[torch.profiler.ProfilerActivity] | None = None,
         record_shapes: bool = False,
         profile_memory: bool = False,
         with_stack: bool = False,
         row_limit: int = 20,
+        group_by_input_shapes: bool = False,
+        export_to_chrome: bool = True,
+        sort_by_key: str | None = None,
+        record_module_names: bool = True,
+        table_kwargs: dict[str, Any] | None = None,
+        **profiler_kwargs: Any,
     ) -> None:
         super().__init__(dirpath, filename)
         self.schedule = schedule
@@ -47,13 +61,20 @@ class PyTorchProfiler(Profiler):
         self.profile_memory = profile_memory
         self.with_stack = with_stack
         self.row_limit = row_limit
+        self.group_by_input_shapes = group_by_input_shapes and record_shapes
+        self.export_to_chrome = export_to_chrome
+        self.sort_by_key = sort_by_key
+        self.record_module_names = record_module_names
+        self.table_kwargs = _checked("table_kwargs", table_kwargs or {}, torch.autograd.profiler_util.EventList.table)
+        self.profiler_kwargs = _checked("profiler_kwargs", profiler_kwargs, torch.profiler.profile.__init__)
+        self._module_ranges: list[torch.utils.hooks.RemovableHandle] = []
         self._profiler: torch.profiler.profile | None = None
         self._ranges: list[tuple[str, torch.profiler.record_function]] = []
         self._step_kind = "train"
         self._steps_begun = 0
         self._traces_written = 0
 
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def attach(self, trainer: Trainer, stage: str) -> None:
         self._step_kind = _STEP_LOADER[stage]
         self._steps_begun = self._traces_written = 0
         directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
@@ -61,9 +82,14 @@ class PyTorchProfiler(Profiler):
             directory, worker_name=f"{stage}-rank{trainer.global_rank}"
         )
 
+        if not self.export_to_chrome:
+            write_trace = None
+        write_trace = self.profiler_kwargs.get("on_trace_ready", write_trace)
+
         def trace_ready(profiler: torch.profiler.profile) -> None:
             self._traces_written += 1
-            write_trace(profiler)
+            if write_trace is not None:
+                write_trace(profiler)
 
         activities = self.activities
         if activities is None:
@@ -77,14 +103,20 @@ class PyTorchProfiler(Profiler):
             record_shapes=self.record_shapes,
             profile_memory=self.profile_memory,
             with_stack=self.with_stack,
+            **{name: value for name, value in self.profiler_kwargs.items() if name != "on_trace_ready"},
         )
-        super().setup(trainer, stage)
+        if self.record_module_names and trainer.lightning_module is not None:
+            self._mark_modules(trainer.lightning_module)
+        super().attach(trainer, stage)
         self._profiler.start()
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def detach(self, trainer: Trainer, stage: str) -> None:
         if self._profiler is not None:
             self._profiler.stop()
-        super().teardown(trainer, stage)
+        for handle in self._module_ranges:
+            handle.remove()
+        self._module_ranges = []
+        super().detach(trainer, stage)
         if not self._traces_written:
             rank_zero_warn(
                 f"PyTorchProfiler recorded no trace of {stage}: it ran fewer steps than the schedule waits for "
@@ -100,6 +132,22 @@ class PyTorchProfiler(Profiler):
     def stop(self, action: str) -> None:
         self._ranges.pop(latest_start(self._ranges, action))[1].__exit__(None, None, None)
 
+    def _mark_modules(self, module: torch.nn.Module) -> None:
+        """Each submodule's forward as a range of its own, named as Lightning names it."""
+        for name, submodule in module.named_modules():
+            if name:
+                label = f"[pl][module]{type(submodule).__module__}.{type(submodule).__name__}: {name}"
+                self._module_ranges += [
+                    submodule.register_forward_pre_hook(functools.partial(self._enter_module, label=label)),
+                    submodule.register_forward_hook(functools.partial(self._exit_module, label=label)),
+                ]
+
+    def _enter_module(self, module: torch.nn.Module, inputs: Any, label: str) -> None:
+        self.start(label)
+
+    def _exit_module(self, module: torch.nn.Module, inputs: Any, output: Any, label: str) -> None:
+        self.stop(label)
+
     def next_batch(self, kind: str) -> None:
         super().next_batch(kind)
         if kind == self._step_kind and self._profiler is not None:
@@ -110,8 +158,23 @@ class PyTorchProfiler(Profiler):
     def summary(self) -> str:
         if self._profiler is None or self._profiler.profiler is None:
             return ""
-        events = self._profiler.key_averages()
+        events = self._profiler.key_averages(group_by_input_shape=self.group_by_input_shapes)
         if not events:
             return ""
-        sort_by = "self_device_time_total" if any(e.self_device_time_total for e in events) else "self_cpu_time_total"
-        return events.table(sort_by=sort_by, row_limit=self.row_limit)
+        sort_by = self.sort_by_key
+        if sort_by is None:
+            on_device = any(event.self_device_time_total for event in events)
+            sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
+        return events.table(sort_by=sort_by, row_limit=self.row_limit, **self.table_kwargs)
+
+
+def _checked(argument: str, given: dict[str, Any], function: Callable[..., Any]) -> dict[str, Any]:
+    """``given``, or an error naming the keys that ``function`` does not take (the profiler's own arguments)."""
+    taken = set(inspect.signature(function).parameters) - {"self", "sort_by", "row_limit", "schedule", "activities"}
+    unknown = sorted(set(given) - taken)
+    if unknown:
+        raise MisconfigurationException(
+            f"PyTorchProfiler({argument}) does not take {unknown}: choose among {sorted(taken)} (sort_by, row_limit, "
+            "schedule and activities are PyTorchProfiler's own arguments)"
+        )
+    return given

@@ -45,30 +45,32 @@ class SimpleProfiler(Profiler):
     ``records`` holds the figures after the stage, and ``recorded_durations`` (Lightning's name) each call's
     time, by action. On a CUDA device it waits for the device when
     actions start and stop, so that GPU work counts for the action that queued it; this removes the
-    overlap of host and device, so a profiled run is slower than an unprofiled one.
+    overlap of host and device, so a profiled run is slower than an unprofiled one. ``extended=False`` leaves the
+    calls, the longest call and the share out of the table, as Lightning's leaves out the calls and the share.
     """
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str = "profile") -> None:
+    def __init__(
+        self, dirpath: str | os.PathLike | None = None, filename: str | None = "profile", extended: bool = True
+    ) -> None:
         super().__init__(dirpath, filename)
+        self.extended = extended
         self.records: dict[str, Record] = {}
         self._stack: list[list] = []  # [action, start time, time spent in actions started inside it]
-        self._stage = ""
-        self._started = 0.0
+        self._started = time.perf_counter()  # used on its own, it reports the time since it was made
         self._elapsed = 0.0
         self._device: torch.device | None = None
 
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def attach(self, trainer: Trainer, stage: str) -> None:
         self.records = {}
         self._stack = []
-        self._stage = stage
         device = trainer.strategy.root_device
         self._device = device if device.type == "cuda" else None
-        super().setup(trainer, stage)
+        super().attach(trainer, stage)
         self._started = time.perf_counter()
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def detach(self, trainer: Trainer, stage: str) -> None:
         self._elapsed = time.perf_counter() - self._started
-        super().teardown(trainer, stage)
+        super().detach(trainer, stage)
 
     def start(self, action: str) -> None:
         if self._device is not None:
@@ -96,12 +98,13 @@ class SimpleProfiler(Profiler):
     def summary(self) -> str:
         if not self.records:
             return ""
-        total = max(self._elapsed, 1e-9)
+        total = max(self._elapsed or time.perf_counter() - self._started, 1e-9)
         rows = sorted(self.records.items(), key=lambda item: item[1].total, reverse=True)
         other = max(total - sum(record.total for record in self.records.values()), 0.0)
         width = max(len(action) for action in [*self.records, _OTHER])
 
-        def line(action: str, *cells: str) -> str:
+        def line(action: str, calls: str, mean: str, longest: str, spent: str, share: str) -> str:
+            cells = (calls, mean, longest, spent, share) if self.extended else (mean, spent)
             return f"{action:<{width}}" + "".join(f"  {cell:>10}" for cell in cells)
 
         def seconds(value: float) -> tuple[str, str]:
@@ -109,7 +112,7 @@ class SimpleProfiler(Profiler):
 
         header = line("Action", "Calls", "Mean (ms)", "Max (ms)", "Total (s)", "%")
         rule = "-" * len(header)
-        lines = [f"Profile of {self._stage}: {total:.3f} s", header, rule]
+        lines = [f"Profile of {self._stage or 'the actions'}: {total:.3f} s", header, rule]
         for action, record in rows:
             mean, longest = f"{1e3 * record.total / record.calls:.3f}", f"{1e3 * record.longest:.3f}"
             lines.append(line(action, str(record.calls), mean, longest, *seconds(record.total)))
