@@ -277,3 +277,22 @@ def test_logs_and_checkpoints_follow_the_umask(umask: int, tmp_path: Any) -> Non
     for path, mode in written.items():
         expected = (0o777 if os.path.isdir(os.path.join(run, path)) else 0o666) & ~umask
         assert mode == expected, (path, oct(mode), oct(expected))
+
+
+def test_fit_says_which_limit_ended_it_through_the_ember_logger(caplog: pytest.LogCaptureFixture) -> None:
+    class StopsEarly(Regressor):
+        def on_train_epoch_end(self) -> None:
+            self.trainer.should_stop = True
+
+    ended = []
+    for flags, module in (({"max_epochs": 2}, Regressor()), ({"max_steps": 3}, Regressor()),
+                          ({"max_epochs": 5}, StopsEarly())):  # fmt: skip
+        caplog.clear()
+        with caplog.at_level("INFO", logger="ember"):
+            quiet_trainer(logger=False, **flags).fit(module, make_loader(32))
+        ended.append([record.getMessage() for record in caplog.records if "stopped" in record.getMessage()])
+    assert ended == [
+        ["`Trainer.fit` stopped: `max_epochs=2` reached."],
+        ["`Trainer.fit` stopped: `max_steps=3` reached."],
+        [],
+    ]

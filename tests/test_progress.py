@@ -252,7 +252,8 @@ def test_printing_through_the_trainer_goes_above_the_bar(monkeypatch: pytest.Mon
         trainer.fit(Printing(), make_loader(64))
     screen = _screen(stream.getvalue())
     assert [line.split()[:2] if line.startswith("Epoch") else line for line in screen] == [
-        "half way", "epoch 0 done", ["Epoch", "0/1"], "half way", "epoch 1 done", ["Epoch", "1/1"]
+        "half way", "epoch 0 done", ["Epoch", "0/1"], "half way", "epoch 1 done", ["Epoch", "1/1"],
+        "`Trainer.fit` stopped: `max_epochs=2` reached.",
     ], screen  # fmt: skip
 
 
@@ -507,7 +508,9 @@ def test_a_bar_on_the_base_class_draws_nothing_but_what_it_chooses(capsys: pytes
     assert trainer.progress_bar_callback is bar
     trainer.fit(Regressor(), make_loader(16), make_loader(8))
     trainer.print("only this")
-    assert capsys.readouterr().out == "only this\n" and bar.total_train_batches == 2
+    # The Trainer's own lines only: the bar draws nothing.
+    assert capsys.readouterr().out == "`Trainer.fit` stopped: `max_epochs=1` reached.\nonly this\n"
+    assert bar.total_train_batches == 2
     assert Tuner(trainer).lr_find(Regressor(), make_loader(64), num_training=5) is not None  # no display to draw
     with pytest.raises(ValueError, match="multiple progress bar callbacks"):
         ember.Trainer(callbacks=[Quiet(), ProgressBar()])

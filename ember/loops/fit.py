@@ -23,7 +23,7 @@ from ember.exceptions import PossibleUserWarning
 from ember.loops.loss import LossCheck, batch_end_output
 from ember.loops.progress import Progress
 from ember.loops.step import StepResult, StepRunner, Window
-from ember.loops.stopping import Stopping, reached_limit
+from ember.loops.stopping import Stopping, limit_message, reached_limit
 from ember.loops.training_data import TrainingData
 from ember.optim import LightningOptimizer, configure_optimization, drop_gradients
 from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
@@ -100,10 +100,7 @@ class FitLoop:
         trainer.strategy.join_replica_groups(trainer)  # fault tolerance: a group that is behind heals, before data
         hooks.call("on_fit_start")
         log_hyperparameters(trainer)  # after on_fit_start, as in Lightning
-        if (limit := reached_limit(config, progress)) is not None:  # a complete run, resumed: say so
-            announce(f"nothing to train: the run has reached {limit} (epoch {progress.epoch}, step "
-                     f"{progress.global_step})")  # fmt: skip
-        elif self.data.validation.enabled and config.num_sanity_val_steps:
+        if reached_limit(config, progress) is None and self.data.validation.enabled and config.num_sanity_val_steps:
             self._sanity_check()
         self.data.load_before_training()
         hooks.call("on_train_start")
@@ -118,8 +115,10 @@ class FitLoop:
         hooks.call("on_fit_end")
 
     def done(self) -> bool:
-        """Whether a limit is reached (``max_steps``, ``max_epochs``) or stopping was asked for and may happen."""
-        limit = reached_limit(self.trainer.config, self.progress)
+        """Whether a limit is reached (``max_steps``, ``max_epochs``: said, as Lightning says it, or that there was
+        nothing to train) or stopping was asked for and may happen."""
+        if (limit := reached_limit(self.trainer.config, self.progress)) is not None:
+            announce(limit_message(limit, self.progress, trained=self.last_result is not None))
         return limit is not None or (self.stopping.requested and self.stopping.may_stop(self.trainer))
 
     def _start_optimization(self) -> StepRunner:
@@ -140,8 +139,7 @@ class FitLoop:
         )  # fmt: skip
 
     def _look_up(self, runner: StepRunner) -> _Fit:
-        trainer = self.trainer
-        config, hooks = trainer.config, trainer.hooks
+        trainer, config, hooks = self.trainer, self.trainer.config, self.trainer.hooks
         return _Fit(
             to_device=hooks.batch_transfer(trainer.strategy),
             batch_start=hooks.train_batch_start(),
@@ -170,8 +168,7 @@ class FitLoop:
     def _epoch_batches(self) -> Generator[tuple[int, Any, bool], None, None]:
         assert self.data is not None
         batches = self.data.batches(self.trainer, self.progress, self.state.data_seed)
-        random_state = self.state.take_random_state()
-        if random_state is not None:
+        if (random_state := self.state.take_random_state()) is not None:
             # A resumed run continues the random streams (dropout, ...) exactly where its predecessor stopped.
             set_random_state(random_state)
         return batches
@@ -187,8 +184,7 @@ class FitLoop:
         assert runner is not None and data is not None
         store, to_device, ends = self.trainer.run_metrics.train, fit.to_device, fit.batch_end_hooks
         losses, positions = self.losses.losses, self.losses.positions
-        window = self._first_window()
-        batch_start = fit.batch_start
+        window, batch_start = self._first_window(), fit.batch_start
         validation = data.validation if data.validation.selects(progress.epoch) else None
         samples_per_batch = data.samples_per_batch
         for batch_idx, batch, is_last in batches:

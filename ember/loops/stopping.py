@@ -201,3 +201,11 @@ def reached_limit(config: TrainerConfig, progress: Progress) -> str | None:
     if config.epoch_limit != -1 and progress.epoch >= config.epoch_limit:
         return f"max_epochs={config.epoch_limit}"
     return None
+
+
+def limit_message(limit: str, progress: Progress, trained: bool) -> str:
+    """What is said when ``fit`` ends at ``limit``: Lightning's words, or, when it ``trained`` no batch (a complete
+    run, resumed), that there was nothing to train."""
+    if trained:
+        return f"`Trainer.fit` stopped: `{limit}` reached."
+    return f"nothing to train: the run has reached {limit} (epoch {progress.epoch}, step {progress.global_step})"
