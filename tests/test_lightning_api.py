@@ -716,6 +716,30 @@ def test_eval_batch_hooks_get_the_loader_index_only_with_several_loaders() -> No
     assert seen == [(0,), (0, 0), (0, 1)]
 
 
+def test_a_step_or_batch_hook_that_does_not_fit_the_loaders_dataloader_idx_is_refused() -> None:
+    class NoIndex(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+            pass
+
+    class NeedsIndex(Regressor):
+        def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int) -> None:  # type: ignore[override]
+            pass
+
+    class HookWithoutIndex(Regressor):
+        def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+            pass
+
+    trainer = quiet_trainer(logger=False)
+    with pytest.raises(RuntimeError, match=r"multiple `val_dataloader`, but no `dataloader_idx` .* `NoIndex\.valid"):
+        trainer.validate(NoIndex(), [make_loader(8), make_loader(8)])
+    with pytest.raises(RuntimeError, match=r"only a single `test_dataloader`, but .* `NeedsIndex\.test_step\(\)`"):
+        trainer.test(NeedsIndex(), make_loader(8))
+    inputs = DataLoader(torch.randn(4, 4), batch_size=2)
+    with pytest.raises(RuntimeError, match=r"multiple `predict_dataloader`, .* `HookWithoutIndex\.on_predict_batch"):
+        trainer.predict(HookWithoutIndex(), [inputs, inputs])
+    assert trainer.predict(HookWithoutIndex(), inputs) is not None  # one loader: no index, none expected
+
+
 def test_configure_model_and_configure_callbacks() -> None:
     calls: list[str] = []
 

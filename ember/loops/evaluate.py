@@ -108,6 +108,7 @@ class EvaluationLoop:
         no_grad = _no_grad(not fitting and trainer.config.inference_mode and trainer.strategy.allows_inference_mode)
         try:
             with no_grad:
+                check_dataloader_idx(module, hook, self.kind, several=len(loaders) > 1)
                 self._begin(len(loaders))
                 modes = _eval_mode(hooks, module, hook)
                 hooks.call(f"on_{hook}_start")
@@ -242,15 +243,14 @@ class PredictionLoop(EvaluationLoop):
 
 class _StepArguments:
     """What a step and the batch hooks receive: ``batch_idx`` if the step takes it, and with several loaders
-    ``dataloader_idx`` if the step takes a third argument (the hooks then always get it)."""
+    ``dataloader_idx`` (``check_dataloader_idx`` has made sure they take it)."""
 
     def __init__(self, step: Callable[..., Any], several: bool) -> None:
-        self._with_index = several and takes_dataloader_idx(step)
         self._with_batch_idx = takes_batch_idx(step)
         self._several = several
 
     def of(self, batch: Any, batch_idx: int, dataloader_idx: int) -> tuple[Any, ...]:
-        if self._with_index:
+        if self._several:
             return batch, batch_idx, dataloader_idx
         return (batch, batch_idx) if self._with_batch_idx else (batch,)
 
@@ -330,11 +330,26 @@ def per_dataloader(metrics: dict[str, tuple[Number, set[int]]], count: int) -> l
     ]
 
 
-def takes_dataloader_idx(step: Callable[..., Any]) -> bool:
-    """Whether a step accepts a third argument: with several loaders it then receives their index."""
-    parameters = inspect.signature(step).parameters.values()
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+def check_dataloader_idx(module: torch.nn.Module, hook: str, kind: str, several: bool) -> None:
+    """Refuse, as Lightning does before a stage's first batch, a step or a batch hook of the module that cannot
+    take the ``dataloader_idx`` that several loaders give it, or that needs one a single loader does not give."""
+    for name in (f"{hook}_step", f"on_{hook}_batch_start", f"on_{hook}_batch_end"):
+        parameters = inspect.signature(getattr(module, name)).parameters
+        index = parameters.get("dataloader_idx")
+        takes = any(p.kind == p.VAR_POSITIONAL for p in parameters.values()) or (
+            index is not None and index.kind in (index.POSITIONAL_ONLY, index.POSITIONAL_OR_KEYWORD)
+        )
+        where = f"`{type(module).__name__}.{name}()`"
+        if several and not takes:
+            raise RuntimeError(
+                f"You provided multiple `{kind}_dataloader`, but no `dataloader_idx` argument in {where}. Try "
+                "adding `dataloader_idx=0` to its signature."
+            )
+        if not several and index is not None and index.default is inspect.Parameter.empty:
+            raise RuntimeError(
+                f"You provided only a single `{kind}_dataloader`, but have included `dataloader_idx` in {where}. "
+                "Either remove the argument or give it a default value i.e. `dataloader_idx=0`."
+            )
 
 
 def sanity_counts(counts: list[float], steps: int) -> list[float]:
