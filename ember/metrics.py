@@ -107,6 +107,8 @@ class MetricStore:
         self._batch_size = 1
         #: Keep copies of logged tensors: the step's outputs are overwritten by the next (CUDA graphs).
         self.copy_values = False
+        #: Epoch values reduced before the epoch's end hooks (``RunMetrics.reduce_epoch``), not yet published.
+        self.reduced: dict[str, tuple[Number, _Logged]] = {}
 
     def record(self, entry: _Logged, value: Any, batch_size: int | None) -> None:
         """Record one ``self.log`` value in ``entry``, with the options ``RunMetrics.log`` gave it.
@@ -169,19 +171,21 @@ class MetricStore:
             if entry.prog_bar and entry.step_value is not None
         }
 
-    def epoch_values(self) -> dict[str, tuple[Number, _Logged]]:
-        """Reduce every per-epoch value (across ranks where ``sync_dist``) and reset the aggregates."""
+    def epoch_values(self, final: bool = True) -> dict[str, tuple[Number, _Logged]]:
+        """Reduce every per-epoch value (across ranks where ``sync_dist``) and reset the aggregates; metric
+        objects are reset only when ``final`` (before the epoch's end hooks, the module may still read them)."""
         values = {}
         for key, entry in self._entries.items():
             if not entry.on_epoch:
-                if entry.metric is not None:  # logged per step only: its state must not grow across epochs
+                if entry.metric is not None and final:  # logged per step only: its state must not grow
                     entry.metric.reset()
                     entry.metric = None
                 continue
             if entry.metric is not None:
                 value = _as_number(key, entry.metric.compute())  # a metric object syncs across ranks itself
-                entry.metric.reset()
-                entry.metric = None
+                if final:  # (computed again then: torchmetrics keeps the result until its next update)
+                    entry.metric.reset()
+                    entry.metric = None
             elif entry.total is None:
                 continue
             else:
@@ -209,6 +213,7 @@ class MetricStore:
             if entry.metric is not None:  # updated by batches whose values are dropped (the sanity check)
                 entry.metric.reset()
         self._entries.clear()
+        self.reduced.clear()
 
 
 def _step_name(key: str, entry: _Logged) -> str:
@@ -476,22 +481,32 @@ class RunMetrics:
         eval_steps = self.eval.prog_bar_step_values()
         return {**self._prog_bar_epoch_values, **eval_steps, **self.train.prog_bar_step_values()}
 
-    def publish_epoch(self, store: MetricStore, steps: int, epoch: int) -> dict[str, tuple[Number, set[int]]]:
-        """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers (after
-        the evaluation's step values), labelled as ``steps`` (the optimizer steps taken) says. Returns each
-        value meant for loggers with the evaluation loaders that logged it (none: logged outside them, for all)."""
-        if store is self.eval:
-            self._write_evaluation_steps()
-        for_loggers = {}
-        published = {}
-        for key, (value, entry) in store.epoch_values().items():
+    def reduce_epoch(self, store: MetricStore, final: bool = True) -> None:
+        """Reduce the epoch values ``store`` holds so far and make them callback metrics, kept for
+        ``publish_epoch`` to write; not ``final``: before the epoch's end hooks, which read them, as in Lightning."""
+        reduced = store.epoch_values(final)
+        store.reduced.update(reduced)
+        for key, (value, entry) in reduced.items():
             name = epoch_name(key, entry)
             self._epoch_values[name] = value
             if name != key:
                 self._epoch_values[key] = value  # "loss" holds the epoch value when both were logged
             if entry.prog_bar:
                 self._prog_bar_epoch_values[name] = value
+
+    def publish_epoch(self, store: MetricStore, steps: int, epoch: int) -> dict[str, tuple[Number, set[int]]]:
+        """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers (after
+        the evaluation's step values), labelled as ``steps`` (the optimizer steps taken) says. Returns each
+        value meant for loggers with the evaluation loaders that logged it (none: logged outside them, for all)."""
+        if store is self.eval:
+            self._write_evaluation_steps()
+        self.reduce_epoch(store)
+        reduced, store.reduced = store.reduced, {}
+        for_loggers = {}
+        published = {}
+        for key, (value, entry) in reduced.items():
             if entry.to_logger:  # what an evaluation returns too, as Lightning's (logger=False: only for callbacks)
+                name = epoch_name(key, entry)
                 for_loggers[name] = value
                 published[name] = value, entry.loaders
         self.write(for_loggers, self._label(steps), epoch)

@@ -170,13 +170,16 @@ class EvaluationLoop:
             self.trainer.run_metrics.evaluation_batch_done(dataloader_idx)
 
     def _end_epoch(self, loaders: int) -> None:
-        pass
+        # The epoch's end hooks read its values in the callback metrics, as Lightning's do.
+        self.trainer.run_metrics.reduce_epoch(self.trainer.run_metrics.eval, final=False)
 
     def _results(self, loaders: int, sanity_check: bool) -> Any:
-        """The epoch's metrics, published (a sanity check's are dropped: they describe nothing)."""
+        """The epoch's metrics, published (a sanity check's are only read by its hooks: they describe nothing,
+        and ``fit`` forgets them once the check ends)."""
         trainer = self.trainer
         metrics = trainer.run_metrics
         if sanity_check:
+            metrics.reduce_epoch(metrics.eval)
             metrics.eval.clear()
             return [{} for _ in range(loaders)]
         published = metrics.publish_epoch(metrics.eval, trainer.fit_loop.logging_step, trainer.current_epoch)

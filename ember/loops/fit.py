@@ -314,9 +314,7 @@ class FitLoop:
         assert self.data is not None
         self.sanity_checking, generators = True, random_state()
         try:
-            trainer.hooks.call_callbacks("on_sanity_check_start")
-            self.data.validation.run(trainer.validate_loop, sanity_check=True)
-            trainer.hooks.call_callbacks("on_sanity_check_end")
+            self.data.validation.sanity_check(trainer.validate_loop)
         finally:
             set_random_state(generators)
             self.sanity_checking = False
