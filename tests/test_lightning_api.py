@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import ember
-from ember.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from ember.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
 from ember.exceptions import MisconfigurationException
 from ember.loggers import CSVLogger
 from ember.optim import LightningOptimizer
@@ -738,6 +738,19 @@ def test_a_step_or_batch_hook_that_does_not_fit_the_loaders_dataloader_idx_is_re
     with pytest.raises(RuntimeError, match=r"multiple `predict_dataloader`, .* `HookWithoutIndex\.on_predict_batch"):
         trainer.predict(HookWithoutIndex(), [inputs, inputs])
     assert trainer.predict(HookWithoutIndex(), inputs) is not None  # one loader: no index, none expected
+
+
+def test_a_writer_is_given_the_batch_indices_of_loaders_with_a_batch_sampler_only() -> None:
+    given: list[Any] = []
+
+    class Writer(BasePredictionWriter):
+        def write_on_epoch_end(self, trainer: Any, module: Any, predictions: Any, batch_indices: Any) -> None:
+            given.append(batch_indices)
+
+    unbatched = DataLoader(torch.randn(2, 3, 4), batch_size=None)  # two batches, no batch sampler
+    trainer = quiet_trainer(logger=False, callbacks=[Writer(write_interval="epoch")])
+    trainer.predict(Regressor(), [DataLoader(torch.randn(3, 4), batch_size=2), unbatched], return_predictions=False)
+    assert given == [[[[0, 1], [2]], []]]
 
 
 def test_configure_model_and_configure_callbacks() -> None:

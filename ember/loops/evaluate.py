@@ -223,7 +223,10 @@ class PredictionLoop(EvaluationLoop):
         return loader
 
     def _next_batch(self, batch_idx: int) -> None:
-        self.current_batch_indices = self._produced[batch_idx] if self._produced is not None else []
+        if self._produced is None:  # as Lightning's: no indices known, so none listed for the loader's batches
+            self.current_batch_indices = []
+            return
+        self.current_batch_indices = self._produced[batch_idx]
         self.epoch_batch_indices[-1].append(self.current_batch_indices)
 
     def _batch_done(self, output: Any, dataloader_idx: int) -> None:
