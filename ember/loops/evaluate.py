@@ -108,13 +108,14 @@ class EvaluationLoop:
         no_grad = _no_grad(not fitting and trainer.config.inference_mode and trainer.strategy.allows_inference_mode)
         try:
             with no_grad:
-                check_dataloader_idx(module, hook, self.kind, several=len(loaders) > 1)
                 self._begin(len(loaders))
                 modes = _eval_mode(hooks, module, hook)
                 hooks.call(f"on_{hook}_start")
                 if self._remake and self._make_loaders is not None:
                     loaders = self._make_loaders()
                     counts = self.num_batches = self.count(loaders)
+                # Checked once the start hooks have run, so that a BatchSizeFinder refuses several loaders first.
+                check_dataloader_idx(module, hook, self.kind, several=len(loaders) > 1)
                 arguments = _StepArguments(getattr(module, f"{hook}_step"), several=len(loaders) > 1)
                 hooks.call(f"on_{hook}_epoch_start")
                 for dataloader_idx, (loader, count) in enumerate(zip(loaders, counts)):
