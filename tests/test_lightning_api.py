@@ -740,6 +740,15 @@ def test_a_step_or_batch_hook_that_does_not_fit_the_loaders_dataloader_idx_is_re
     assert trainer.predict(HookWithoutIndex(), inputs) is not None  # one loader: no index, none expected
 
 
+def test_a_loader_hook_that_returns_none_is_refused_with_lightnings_type_error() -> None:
+    class NoData(Regressor):
+        def val_dataloader(self) -> None:  # type: ignore[override]
+            return None
+
+    with pytest.raises(TypeError, match=r"returned from `NoData\.val_dataloader\(\)`\. Found None"):
+        quiet_trainer(logger=False).fit(NoData(), make_loader(8))
+
+
 def test_a_writer_is_given_the_batch_indices_of_loaders_with_a_batch_sampler_only() -> None:
     given: list[Any] = []
 

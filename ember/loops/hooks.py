@@ -204,7 +204,13 @@ class Hooks:
         """What ``<kind>_dataloader()`` ("train", "val", ...) of the datamodule returns, else the module's (None:
         neither defines it)."""
         found = self._loader_owner(kind)
-        return None if found is None else self._call_owner(found, f"{kind}_dataloader", (), {})
+        if found is None:
+            return None
+        loaders = self._call_owner(found, f"{kind}_dataloader", (), {})
+        if loaders is None:  # (Lightning's words first)
+            raise TypeError(f"An invalid dataloader was returned from `{type(found).__name__}.{kind}_dataloader()`. "
+                            "Found None: return a DataLoader (or several), or leave the hook out")  # fmt: skip
+        return loaders
 
     def has_loaders(self, kind: str) -> bool:
         """Whether the datamodule or the module defines ``<kind>_dataloader()``."""
