@@ -444,6 +444,12 @@ class RunMetrics:
                 f"You called `self.log({name}, ...)` twice in `{scope.hook}` with different arguments. This is not "
                 "allowed: a name keeps the options of its first call in a hook"
             )
+        index = scope.dataloader_idx
+        if entry is not None and not add_dataloader_idx and index is not None and entry.loaders - {index}:
+            raise MisconfigurationException(  # as Lightning's: the loaders' values would be mixed
+                f"You called `self.log({name}, ...)` twice in `{scope.hook}` with different arguments. This is not "
+                "allowed: with add_dataloader_idx=False, each loader's values need a name of their own"
+            )
         if logger and not self._loggers:
             rank_zero_warn_once(
                 f"You called `self.log({name!r}, ..., logger=True)` but have no logger configured: pass one to the "

@@ -428,6 +428,19 @@ def test_each_loaders_results_hold_what_its_steps_logged_without_the_loader_inde
     ]
 
 
+def test_a_name_without_the_loader_index_is_refused_where_a_second_loader_logs_it_too() -> None:
+    class Mixed(Regressor):
+        def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.log("acc", 1.0, add_dataloader_idx=False)
+
+        def on_test_epoch_end(self) -> None:
+            self.log("acc", 2.0, add_dataloader_idx=False)  # outside the loaders' steps: its own value
+
+    assert quiet_trainer(logger=False).test(Mixed(), make_loader(8), verbose=False) == [{"acc": 2.0}]
+    with pytest.raises(MisconfigurationException, match="add_dataloader_idx=False, each loader's values need a name"):
+        quiet_trainer(logger=False).test(Mixed(), [make_loader(8), make_loader(8)], verbose=False)
+
+
 def test_an_evaluations_epoch_end_hooks_read_its_values_and_the_sanity_checks_are_forgotten_after_it() -> None:
     seen: list[tuple[str, list[str]]] = []
 
