@@ -576,7 +576,7 @@ class Trainer(LightningProperties):
         if given is None:
             if required:  # (the default hooks raise the same error)
                 raise not_implemented(f"{kind}_dataloader", f": no {kind} data; pass dataloaders to the Trainer's "
-                                      "method, or override the hook on the Module or a DataModule")  # fmt: skip
+                                      "method, or define it on the DataModule given (else the Module)")  # fmt: skip
             return []
         config = self.config
         shown, prepared = prepare_loaders(given, kind, self.strategy, config.overfit_batches,
