@@ -500,7 +500,7 @@ class Trainer(LightningProperties):
     ) -> str | None:
         self.stage = stage
         self.state.begin(stage)
-        self._hooks = None
+        self._hooks, self._latest_loaders = None, {}  # trainer.val_dataloaders, ...: this stage's only, as Lightning's
         self.run_metrics.reset(fitting=stage == "fit")
         self.lightning_module = module
         module.trainer = self

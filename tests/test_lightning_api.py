@@ -208,8 +208,10 @@ def test_the_loaders_of_each_kind() -> None:
     assert seen == [4] and trainer.train_dataloader is not None
     trainer.test(model, [make_loader(8), make_loader(8)], verbose=False)
     assert isinstance(trainer.test_dataloaders, list) and len(trainer.test_dataloaders) == 2
+    assert trainer.train_dataloader is None and trainer.val_dataloaders is None  # only the latest stage's
     trainer.predict(model, DataLoader(make_data(8).tensors[0], batch_size=2))
     assert next(iter(trainer.predict_dataloaders)).shape == (2, 4)  # type: ignore[arg-type]
+    assert trainer.test_dataloaders is None
 
 
 # ---------------------------------------------------------------------------- the module's API
