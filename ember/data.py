@@ -173,6 +173,9 @@ def prepare_loaders(
     epoch): the loaders shown are then copies that do.
     """
     combined = _combined(given, kind)
+    if kind == "predict" and combined is not None and combined.mode != "sequential":
+        raise ValueError('`trainer.predict()` only supports the `CombinedLoader(mode="sequential")` mode: got '
+                         f'mode="{combined.mode}"; prediction reads its loaders one after the other')  # fmt: skip
     loaders = combined.flattened if combined is not None else [given]
     if not all(isinstance(loader, Iterable) for loader in loaders):  # refused now, not at the first batch
         place = "`Trainer.fit(train_dataloaders=...)`" if kind == "train" else f"the {kind} dataloaders"

@@ -107,6 +107,8 @@ class MetricStore:
         self._batch_size = 1
         #: Keep copies of logged tensors: the step's outputs are overwritten by the next (CUDA graphs).
         self.copy_values = False
+        #: Epoch values reduced before the epoch's end hooks (``RunMetrics.reduce_epoch``), not yet published.
+        self.reduced: dict[str, tuple[Number, _Logged]] = {}
 
     def record(self, entry: _Logged, value: Any, batch_size: int | None) -> None:
         """Record one ``self.log`` value in ``entry``, with the options ``RunMetrics.log`` gave it.
@@ -169,19 +171,19 @@ class MetricStore:
             if entry.prog_bar and entry.step_value is not None
         }
 
-    def epoch_values(self, keep_metrics: bool = False) -> dict[str, tuple[Number, _Logged]]:
-        """Reduce every per-epoch value (across ranks where ``sync_dist``) and reset the aggregates (metric objects
-        only unless ``keep_metrics``: the epoch's end hooks may still compute them; computing again is cached)."""
+    def epoch_values(self, final: bool = True) -> dict[str, tuple[Number, _Logged]]:
+        """Reduce every per-epoch value (across ranks where ``sync_dist``) and reset the aggregates; metric
+        objects are reset only when ``final`` (before the epoch's end hooks, the module may still read them)."""
         values = {}
         for key, entry in self._entries.items():
             if not entry.on_epoch:
-                if entry.metric is not None and not keep_metrics:  # per step only: its state must not grow
+                if entry.metric is not None and final:  # logged per step only: its state must not grow
                     entry.metric.reset()
                     entry.metric = None
                 continue
             if entry.metric is not None:
                 value = _as_number(key, entry.metric.compute())  # a metric object syncs across ranks itself
-                if not keep_metrics:
+                if final:  # (computed again then: torchmetrics keeps the result until its next update)
                     entry.metric.reset()
                     entry.metric = None
             elif entry.total is None:
@@ -211,6 +213,7 @@ class MetricStore:
             if entry.metric is not None:  # updated by batches whose values are dropped (the sanity check)
                 entry.metric.reset()
         self._entries.clear()
+        self.reduced.clear()
 
 
 def _step_name(key: str, entry: _Logged) -> str:
@@ -375,7 +378,6 @@ class RunMetrics:
         # Asked at each write: a process that a strategy starts from inside the caller learns its rank after this.
         self._is_global_zero = is_global_zero
         self._epoch_values: dict[str, Number] = {}  # finished epochs' values, read by callbacks
-        self._reduced: dict[int, dict[str, tuple[Number, _Logged]]] = {}  # by store: reduced, not yet written
         self._prog_bar_epoch_values: dict[str, Number] = {}
         self._logged: dict[str, float] = {}  # the values last written to the loggers
         self._fitting = False  # whether the stage is fit's (see the class's step labels)
@@ -442,6 +444,12 @@ class RunMetrics:
                 f"You called `self.log({name}, ...)` twice in `{scope.hook}` with different arguments. This is not "
                 "allowed: a name keeps the options of its first call in a hook"
             )
+        index = scope.dataloader_idx
+        if entry is not None and not add_dataloader_idx and index is not None and entry.loaders - {index}:
+            raise MisconfigurationException(  # as Lightning's: the loaders' values would be mixed
+                f"You called `self.log({name}, ...)` twice in `{scope.hook}` with different arguments. This is not "
+                "allowed: with add_dataloader_idx=False, each loader's values need a name of their own"
+            )
         if logger and not self._loggers:
             rank_zero_warn_once(
                 f"You called `self.log({name!r}, ..., logger=True)` but have no logger configured: pass one to the "
@@ -479,20 +487,18 @@ class RunMetrics:
         eval_steps = self.eval.prog_bar_step_values()
         return {**self._prog_bar_epoch_values, **eval_steps, **self.train.prog_bar_step_values()}
 
-    def reduce_epoch(self, store: MetricStore) -> None:
-        """Make the epoch's values in ``store`` callback metrics before the hooks that end the epoch, which read them
-        as in Lightning (a callback's too); ``publish_epoch`` writes them with what those hooks log."""
-        reduced = store.epoch_values(keep_metrics=True)
-        self._expose(reduced)
-        self._reduced[id(store)] = {**self._reduced.get(id(store), {}), **reduced}
-
-    def drop_epoch(self, store: MetricStore) -> None:
-        """Forget ``store``'s epoch (a sanity check's, whose values describe nothing), reduced or not."""
-        store.clear()
-        for key, (_, entry) in self._reduced.pop(id(store), {}).items():
-            for name in (key, epoch_name(key, entry)):
-                self._epoch_values.pop(name, None)
-                self._prog_bar_epoch_values.pop(name, None)
+    def reduce_epoch(self, store: MetricStore, final: bool = True) -> None:
+        """Reduce the epoch values ``store`` holds so far and make them callback metrics, kept for
+        ``publish_epoch`` to write; not ``final``: before the epoch's end hooks, which read them, as in Lightning."""
+        reduced = store.epoch_values(final)
+        store.reduced.update(reduced)
+        for key, (value, entry) in reduced.items():
+            name = epoch_name(key, entry)
+            self._epoch_values[name] = value
+            if name != key:
+                self._epoch_values[key] = value  # "loss" holds the epoch value when both were logged
+            if entry.prog_bar:
+                self._prog_bar_epoch_values[name] = value
 
     def publish_epoch(self, store: MetricStore, steps: int, epoch: int) -> dict[str, tuple[Number, set[int]]]:
         """Reduce ``store``'s epoch values, make them callback metrics, and write those meant for loggers (after
@@ -500,26 +506,17 @@ class RunMetrics:
         value meant for loggers with the evaluation loaders that logged it (none: logged outside them, for all)."""
         if store is self.eval:
             self._write_evaluation_steps()
-        values = {**self._reduced.pop(id(store), {}), **store.epoch_values()}
-        self._expose(values)
+        self.reduce_epoch(store)
+        reduced, store.reduced = store.reduced, {}
         for_loggers = {}
         published = {}
-        for key, (value, entry) in values.items():
+        for key, (value, entry) in reduced.items():
             if entry.to_logger:  # what an evaluation returns too, as Lightning's (logger=False: only for callbacks)
                 name = epoch_name(key, entry)
                 for_loggers[name] = value
                 published[name] = value, entry.loaders
         self.write(for_loggers, self._label(steps), epoch)
         return published
-
-    def _expose(self, values: Mapping[str, tuple[Number, _Logged]]) -> None:  # values reduced, as callback metrics
-        for key, (value, entry) in values.items():
-            name = epoch_name(key, entry)
-            self._epoch_values[name] = value
-            if name != key:
-                self._epoch_values[key] = value  # "loss" holds the epoch value when both were logged
-            if entry.prog_bar:
-                self._prog_bar_epoch_values[name] = value
 
     def log_values(self, values: Mapping[str, float], step: int) -> None:
         """Values a callback measured itself (learning rates): written to the loggers with the label ``step`` and
@@ -538,7 +535,6 @@ class RunMetrics:
         """Forget everything logged: each stage (fit, validate, test, predict) starts with no metrics."""
         self.train.clear()
         self.eval.clear()
-        self._reduced.clear()
         self._epoch_values.clear()
         self._prog_bar_epoch_values.clear()
         self._logged.clear()

@@ -178,8 +178,6 @@ class Trainer(LightningProperties):
         #: The module being run (the name Lightning uses).
         self.lightning_module: Module | None = None
         self.datamodule: DataModule | None = None
-        #: The checkpoint the last ``fit``, ``validate``, ``test`` or ``predict`` loaded (None: none).
-        self.ckpt_path: str | None = None
         self._hooks: Hooks | None = None  # the latest stage's (kept after it: save_checkpoint calls them)
         self._environment_ready = False
         self._stage_loaders: list[Iterable] = []  # the loaders of the stage in progress
@@ -361,6 +359,7 @@ class Trainer(LightningProperties):
         check_module(model, "fit")
         self.config = self.config.for_fit()
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        ckpt_path = self._stage_checkpoint(ckpt_path)
         if ckpt_path is None and restarted and not self.strategy.heals_from_peers:
             ckpt_path = "last"  # restarted by the elastic agent after a failure: continue the run
         ckpt_path = checked_path(ckpt_path)
@@ -429,7 +428,7 @@ class Trainer(LightningProperties):
                   weights_only: bool | None) -> Any:  # fmt: skip
         """``validate``, ``test`` and ``predict``: ``option`` is their ``verbose`` or ``return_predictions``."""
         dataloaders, datamodule = data_source(loop.stage, dataloaders, datamodule)
-        model, ckpt_path = evaluated_module(self, model, loop.stage, ckpt_path)
+        model, ckpt_path = evaluated_module(self, model, loop.stage, self._stage_checkpoint(ckpt_path))
         check_module(model, loop.stage)
         args = (loop, model, dataloaders, checked_path(ckpt_path), datamodule, option, weights_only)
         return self.strategy.launch(self._run_evaluation, *args, results=StageResults(self, model, loop.stage))
@@ -499,7 +498,7 @@ class Trainer(LightningProperties):
     ) -> str | None:
         self.stage = stage
         self.state.begin(stage)
-        self._hooks = None
+        self._hooks, self._latest_loaders = None, {}  # trainer.val_dataloaders, ...: this stage's only, as Lightning's
         self.run_metrics.reset(fitting=stage == "fit")
         self.lightning_module = module
         module.trainer = self
@@ -517,7 +516,7 @@ class Trainer(LightningProperties):
             self.strategy.setup_environment()
             self.strategy.describe_position(self._position)
             self._environment_ready = True
-        path = self.ckpt_path = checkpoint_state.resolve(self, ckpt_path)
+        path = self._ckpt_path = checkpoint_state.resolve(self, ckpt_path)
         # The run's directory is settled before any hook (setup, a profiler) can ask for it. A fit resumed
         # with "last" continues its predecessor's directory in place; any other run has one of its own.
         self._run_directory.settle(continuing=path if stage == "fit" and ckpt_path == "last" else None)
@@ -575,7 +574,7 @@ class Trainer(LightningProperties):
         if given is None:
             if required:  # (the default hooks raise the same error)
                 raise not_implemented(f"{kind}_dataloader", f": no {kind} data; pass dataloaders to the Trainer's "
-                                      "method, or override the hook on the Module or a DataModule")  # fmt: skip
+                                      "method, or define it on the DataModule given (else the Module)")  # fmt: skip
             return []
         config = self.config
         shown, prepared = prepare_loaders(given, kind, self.strategy, config.overfit_batches,

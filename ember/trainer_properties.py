@@ -5,6 +5,7 @@ never kept apart from them."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember._utils import Reads
+from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from ember.config import TrainerConfig
@@ -70,6 +72,9 @@ class LightningProperties:
     fit_loop: FitLoop
     _loggers: list[Logger]
 
+    _ckpt_path: str | None = None  # the checkpoint the latest stage loaded, or the one the user set
+    _ckpt_path_managed = False  # whether the user set it (Lightning's "user managed" checkpoint path)
+
     reload_dataloaders_every_n_epochs: Reads[int] = Reads("config.reload_dataloaders_every_n_epochs")
     overfit_batches: Reads[int | float] = Reads("config.overfit_batches")
     enable_autolog_hparams: Reads[bool] = Reads("config.enable_autolog_hparams")
@@ -95,6 +100,32 @@ class LightningProperties:
     @logger.setter
     def logger(self, logger: Logger | None) -> None:
         self.loggers = [] if logger is None else [logger]
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """The checkpoint the latest ``fit``, ``validate``, ``test`` or ``predict`` loaded (None: none). Set, it
+        is the one the next stages load when they are given no ``ckpt_path``, until it is set to None."""
+        return self._ckpt_path
+
+    @ckpt_path.setter
+    def ckpt_path(self, path: str | os.PathLike | None) -> None:
+        self._ckpt_path = None if path is None else os.fspath(path)
+        self._ckpt_path_managed = bool(path)
+
+    def _stage_checkpoint(self, ckpt_path: str | os.PathLike | None) -> str | os.PathLike | None:
+        """The ``ckpt_path`` a stage takes: the one set on the Trainer unless the stage is given another, which
+        then takes its place, with Lightning's warning."""
+        if not self._ckpt_path_managed:
+            return ckpt_path
+        if ckpt_path is None:
+            return self._ckpt_path
+        rank_zero_warn(
+            f"`trainer.ckpt_path = {self._ckpt_path!r}` was called but then you passed "
+            f"`trainer.fit(ckpt_path={ckpt_path!r})`. The latter will be loaded.",  # (Lightning's words, any stage)
+            stacklevel=4,
+        )
+        self.ckpt_path = None
+        return ckpt_path
 
     @property
     def device_ids(self) -> list[int]:

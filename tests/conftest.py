@@ -97,11 +97,11 @@ class Regressor(ember.Module):
         self.log("train_loss", loss)
         return loss
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x), y))
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         x, y = batch
         self.log("test_loss", F.mse_loss(self(x), y))
 

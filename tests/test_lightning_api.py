@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import ember
-from ember.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from ember.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
 from ember.exceptions import MisconfigurationException
 from ember.loggers import CSVLogger
 from ember.optim import LightningOptimizer
@@ -208,8 +208,10 @@ def test_the_loaders_of_each_kind() -> None:
     assert seen == [4] and trainer.train_dataloader is not None
     trainer.test(model, [make_loader(8), make_loader(8)], verbose=False)
     assert isinstance(trainer.test_dataloaders, list) and len(trainer.test_dataloaders) == 2
+    assert trainer.train_dataloader is None and trainer.val_dataloaders is None  # only the latest stage's
     trainer.predict(model, DataLoader(make_data(8).tensors[0], batch_size=2))
     assert next(iter(trainer.predict_dataloaders)).shape == (2, 4)  # type: ignore[arg-type]
+    assert trainer.test_dataloaders is None
 
 
 # ---------------------------------------------------------------------------- the module's API
@@ -714,6 +716,52 @@ def test_eval_batch_hooks_get_the_loader_index_only_with_several_loaders() -> No
     trainer.fit(model, make_loader(8), make_loader(8))
     trainer.test(model, [make_loader(8), make_loader(8)], verbose=False)
     assert seen == [(0,), (0, 0), (0, 1)]
+
+
+def test_a_step_or_batch_hook_that_does_not_fit_the_loaders_dataloader_idx_is_refused() -> None:
+    class NoIndex(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+            pass
+
+    class NeedsIndex(Regressor):
+        def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int) -> None:  # type: ignore[override]
+            pass
+
+    class HookWithoutIndex(Regressor):
+        def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+            pass
+
+    trainer = quiet_trainer(logger=False)
+    with pytest.raises(RuntimeError, match=r"multiple `val_dataloader`, but no `dataloader_idx` .* `NoIndex\.valid"):
+        trainer.validate(NoIndex(), [make_loader(8), make_loader(8)])
+    with pytest.raises(RuntimeError, match=r"only a single `test_dataloader`, but .* `NeedsIndex\.test_step\(\)`"):
+        trainer.test(NeedsIndex(), make_loader(8))
+    inputs = DataLoader(torch.randn(4, 4), batch_size=2)
+    with pytest.raises(RuntimeError, match=r"multiple `predict_dataloader`, .* `HookWithoutIndex\.on_predict_batch"):
+        trainer.predict(HookWithoutIndex(), [inputs, inputs])
+    assert trainer.predict(HookWithoutIndex(), inputs) is not None  # one loader: no index, none expected
+
+
+def test_a_loader_hook_that_returns_none_is_refused_with_lightnings_type_error() -> None:
+    class NoData(Regressor):
+        def val_dataloader(self) -> None:  # type: ignore[override]
+            return None
+
+    with pytest.raises(TypeError, match=r"returned from `NoData\.val_dataloader\(\)`\. Found None"):
+        quiet_trainer(logger=False).fit(NoData(), make_loader(8))
+
+
+def test_a_writer_is_given_the_batch_indices_of_loaders_with_a_batch_sampler_only() -> None:
+    given: list[Any] = []
+
+    class Writer(BasePredictionWriter):
+        def write_on_epoch_end(self, trainer: Any, module: Any, predictions: Any, batch_indices: Any) -> None:
+            given.append(batch_indices)
+
+    unbatched = DataLoader(torch.randn(2, 3, 4), batch_size=None)  # two batches, no batch sampler
+    trainer = quiet_trainer(logger=False, callbacks=[Writer(write_interval="epoch")])
+    trainer.predict(Regressor(), [DataLoader(torch.randn(3, 4), batch_size=2), unbatched], return_predictions=False)
+    assert given == [[[[0, 1], [2]], []]]
 
 
 def test_configure_model_and_configure_callbacks() -> None:

@@ -537,3 +537,24 @@ def test_strict_loading_false_lets_a_stage_and_load_from_checkpoint_leave_weight
     assert not Headed.load_from_checkpoint(tmp_path / "body.ckpt", lenient=True).strict_loading
     with pytest.raises(ValueError, match=r"strict=True\)` which is in conflict with `Headed.strict_loading=False"):
         Headed.load_from_checkpoint(tmp_path / "body.ckpt", strict=True, lenient=True)
+
+
+def test_a_checkpoint_path_set_on_the_trainer_is_loaded_by_the_next_stages_until_one_is_given_another(
+    tmp_path: Any,
+) -> None:
+    every_epoch = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=1, logger=False, callbacks=[every_epoch])
+    model = Regressor()
+    trainer.fit(model, make_loader(8))
+    first, last = str(tmp_path / "epoch=0.ckpt"), str(tmp_path / "epoch=1.ckpt")
+    assert trainer.ckpt_path is None  # the fit loaded none
+    trainer.ckpt_path = first
+    loaded: list[str | None] = []
+    for _ in range(2):
+        trainer.test(model, make_loader(8), verbose=False)
+        loaded.append(trainer.ckpt_path)
+    with pytest.warns(UserWarning, match="`trainer.ckpt_path = .*` was called but then you passed"):
+        trainer.test(model, make_loader(8), ckpt_path=last, verbose=False)
+    loaded.append(trainer.ckpt_path)
+    trainer.test(model, make_loader(8), verbose=False)  # the path given took the place of the one set
+    assert [*loaded, trainer.ckpt_path] == [first, first, last, None]

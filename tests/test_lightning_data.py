@@ -100,6 +100,15 @@ def test_a_list_of_numbers_in_a_combined_loader_is_one_iterable() -> None:
     assert list(sequential) == [(1, 0, 0), (2, 1, 0), (0, 0, 2)] and len(sequential) == 3
 
 
+def test_prediction_takes_a_combined_loader_in_the_sequential_mode_only() -> None:
+    inputs = DataLoader(torch.randn(4, 4), batch_size=2)
+    trainer = quiet_trainer(logger=False)
+    with pytest.raises(ValueError, match=r"`CombinedLoader\(mode=.sequential.\)` mode: got mode=.min_size"):
+        trainer.predict(Regressor(), CombinedLoader([inputs, inputs], "min_size"))  # type: ignore[arg-type]
+    predictions = trainer.predict(Regressor(), CombinedLoader([inputs, inputs], "sequential"))  # type: ignore[arg-type]
+    assert [len(outputs) for outputs in predictions] == [2, 2]
+
+
 def test_a_combined_loader_gives_its_loaders_samplers_in_their_structure() -> None:
     shuffled, ordered = make_loader(8, shuffle=True), make_loader(8)
     combined = CombinedLoader({"a": shuffled, "b": [ordered, range(3)]})

@@ -428,6 +428,56 @@ def test_each_loaders_results_hold_what_its_steps_logged_without_the_loader_inde
     ]
 
 
+def test_a_name_without_the_loader_index_is_refused_where_a_second_loader_logs_it_too() -> None:
+    class Mixed(Regressor):
+        def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.log("acc", 1.0, add_dataloader_idx=False)
+
+        def on_test_epoch_end(self) -> None:
+            self.log("acc", 2.0, add_dataloader_idx=False)  # outside the loaders' steps: its own value
+
+    assert quiet_trainer(logger=False).test(Mixed(), make_loader(8), verbose=False) == [{"acc": 2.0}]
+    with pytest.raises(MisconfigurationException, match="add_dataloader_idx=False, each loader's values need a name"):
+        quiet_trainer(logger=False).test(Mixed(), [make_loader(8), make_loader(8)], verbose=False)
+
+
+def test_an_evaluations_epoch_end_hooks_read_its_values_and_the_sanity_checks_are_forgotten_after_it() -> None:
+    seen: list[tuple[str, list[str]]] = []
+
+    class Reads(Callback):
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            seen.append(("validation_end", sorted(trainer.callback_metrics)))
+
+        def on_sanity_check_end(self, trainer: Any, module: Any) -> None:
+            seen.append(("sanity_check_end", sorted(trainer.callback_metrics)))
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            seen.append(("train_start", sorted(trainer.callback_metrics)))
+
+    class Model(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.log("val_loss", 1.0, on_step=True, prog_bar=True)
+
+        def on_validation_epoch_end(self) -> None:
+            seen.append(("epoch_end", sorted(self.trainer.callback_metrics)))
+            assert self.trainer.progress_bar_metrics["val_loss_epoch"] == 1.0
+            self.log("late", 2.0)
+
+    trainer = quiet_trainer(
+        max_epochs=1, limit_train_batches=1, num_sanity_val_steps=1, logger=False, callbacks=[Reads()]
+    )
+    trainer.fit(Model(), make_loader(8), make_loader(8))
+    epoch_values = ["val_loss", "val_loss_epoch"]
+    assert seen == [
+        ("epoch_end", epoch_values),
+        ("validation_end", ["late", *epoch_values]),
+        ("sanity_check_end", ["late", *epoch_values]),
+        ("train_start", []),
+        ("epoch_end", ["train_loss", *epoch_values]),
+        ("validation_end", ["late", "train_loss", *epoch_values]),
+    ]
+
+
 def test_an_evaluation_returns_the_values_meant_for_the_loggers_only() -> None:
     class Hides(Regressor):
         def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -494,8 +544,9 @@ def test_informational_messages_are_logged_by_ember_and_shown_by_default(capsys:
         logging.getLogger("ember").removeHandler(handler)
     shown = capsys.readouterr().out
     assert "fast_dev_run: running 1 batch(es) of each loop" in shown and "Total params" in shown
-    assert [record.levelno for record in records] == [logging.INFO, logging.INFO]
+    assert [record.levelno for record in records] == [logging.INFO] * 3
     assert records[0].getMessage().startswith("fast_dev_run") and "Total params" in records[1].getMessage()
+    assert records[2].getMessage() == "`Trainer.fit` stopped: `max_steps=1` reached."  # as Lightning says it
 
 
 def test_the_ember_loggers_level_silences_informational_messages(capsys: pytest.CaptureFixture[str]) -> None:

@@ -487,6 +487,24 @@ def test_datamodule_supplies_data_and_gets_its_hooks_called() -> None:
     assert trainer.global_step == 2
 
 
+def test_a_datamodule_given_is_the_only_source_of_loaders() -> None:
+    class TrainOnly(ember.DataModule):
+        def train_dataloader(self) -> DataLoader:
+            return make_loader(8)
+
+    class WithOwnLoaders(Regressor):
+        def val_dataloader(self) -> DataLoader:
+            raise AssertionError("a datamodule was given: the module's loaders are not asked for")
+
+        test_dataloader = val_dataloader
+
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    with pytest.warns(UserWarning, match="have no `val_dataloader`. Skipping val loop"):
+        trainer.fit(WithOwnLoaders(), datamodule=TrainOnly())
+    with pytest.raises(MisconfigurationException, match="`test_dataloader` must be implemented.*DataModule given"):
+        trainer.test(WithOwnLoaders(), datamodule=TrainOnly())
+
+
 def test_module_dataloader_hooks_are_used() -> None:
     class WithData(Regressor):
         def train_dataloader(self) -> DataLoader:

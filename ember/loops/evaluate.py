@@ -114,6 +114,8 @@ class EvaluationLoop:
                 if self._remake and self._make_loaders is not None:
                     loaders = self._make_loaders()
                     counts = self.num_batches = self.count(loaders)
+                # Checked once the start hooks have run, so that a BatchSizeFinder refuses several loaders first.
+                check_dataloader_idx(module, hook, self.kind, several=len(loaders) > 1)
                 arguments = _StepArguments(getattr(module, f"{hook}_step"), several=len(loaders) > 1)
                 hooks.call(f"on_{hook}_epoch_start")
                 for dataloader_idx, (loader, count) in enumerate(zip(loaders, counts)):
@@ -169,13 +171,17 @@ class EvaluationLoop:
             self.trainer.run_metrics.evaluation_batch_done(dataloader_idx)
 
     def _end_epoch(self, loaders: int) -> None:
-        self.trainer.run_metrics.reduce_epoch(self.trainer.run_metrics.eval)  # for the epoch's end hooks to read
+        # The epoch's end hooks read its values in the callback metrics, as Lightning's do.
+        self.trainer.run_metrics.reduce_epoch(self.trainer.run_metrics.eval, final=False)
 
     def _results(self, loaders: int, sanity_check: bool) -> Any:
-        """The epoch's metrics, published (a sanity check's are not: the fit drops them once its hooks ran)."""
+        """The epoch's metrics, published (a sanity check's are only read by its hooks: they describe nothing,
+        and ``fit`` forgets them once the check ends)."""
         trainer = self.trainer
         metrics = trainer.run_metrics
         if sanity_check:
+            metrics.reduce_epoch(metrics.eval)
+            metrics.eval.clear()
             return [{} for _ in range(loaders)]
         published = metrics.publish_epoch(metrics.eval, trainer.fit_loop.logging_step, trainer.current_epoch)
         return per_dataloader(published, loaders)
@@ -218,7 +224,10 @@ class PredictionLoop(EvaluationLoop):
         return loader
 
     def _next_batch(self, batch_idx: int) -> None:
-        self.current_batch_indices = self._produced[batch_idx] if self._produced is not None else []
+        if self._produced is None:  # as Lightning's: no indices known, so none listed for the loader's batches
+            self.current_batch_indices = []
+            return
+        self.current_batch_indices = self._produced[batch_idx]
         self.epoch_batch_indices[-1].append(self.current_batch_indices)
 
     def _batch_done(self, output: Any, dataloader_idx: int) -> None:
@@ -241,15 +250,14 @@ class PredictionLoop(EvaluationLoop):
 
 class _StepArguments:
     """What a step and the batch hooks receive: ``batch_idx`` if the step takes it, and with several loaders
-    ``dataloader_idx`` if the step takes a third argument (the hooks then always get it)."""
+    ``dataloader_idx`` (``check_dataloader_idx`` has made sure they take it)."""
 
     def __init__(self, step: Callable[..., Any], several: bool) -> None:
-        self._with_index = several and takes_dataloader_idx(step)
         self._with_batch_idx = takes_batch_idx(step)
         self._several = several
 
     def of(self, batch: Any, batch_idx: int, dataloader_idx: int) -> tuple[Any, ...]:
-        if self._with_index:
+        if self._several:
             return batch, batch_idx, dataloader_idx
         return (batch, batch_idx) if self._with_batch_idx else (batch,)
 
@@ -329,11 +337,26 @@ def per_dataloader(metrics: dict[str, tuple[Number, set[int]]], count: int) -> l
     ]
 
 
-def takes_dataloader_idx(step: Callable[..., Any]) -> bool:
-    """Whether a step accepts a third argument: with several loaders it then receives their index."""
-    parameters = inspect.signature(step).parameters.values()
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+def check_dataloader_idx(module: torch.nn.Module, hook: str, kind: str, several: bool) -> None:
+    """Refuse, as Lightning does before a stage's first batch, a step or a batch hook of the module that cannot
+    take the ``dataloader_idx`` that several loaders give it, or that needs one a single loader does not give."""
+    for name in (f"{hook}_step", f"on_{hook}_batch_start", f"on_{hook}_batch_end"):
+        parameters = inspect.signature(getattr(module, name)).parameters
+        index = parameters.get("dataloader_idx")
+        takes = any(p.kind == p.VAR_POSITIONAL for p in parameters.values()) or (
+            index is not None and index.kind in (index.POSITIONAL_ONLY, index.POSITIONAL_OR_KEYWORD)
+        )
+        where = f"`{type(module).__name__}.{name}()`"
+        if several and not takes:
+            raise RuntimeError(
+                f"You provided multiple `{kind}_dataloader`, but no `dataloader_idx` argument in {where}. Try "
+                "adding `dataloader_idx=0` to its signature."
+            )
+        if not several and index is not None and index.default is inspect.Parameter.empty:
+            raise RuntimeError(
+                f"You provided only a single `{kind}_dataloader`, but have included `dataloader_idx` in {where}. "
+                "Either remove the argument or give it a default value i.e. `dataloader_idx=0`."
+            )
 
 
 def sanity_counts(counts: list[float], steps: int) -> list[float]:

@@ -277,7 +277,7 @@ class FitLoop:
         assert module is not None and runner is not None
         self.check_losses()
         self._report_idle_epoch(fit)
-        metrics.reduce_epoch(metrics.train)  # as Lightning, the epoch's end hooks read its values (a callback's too)
+        metrics.reduce_epoch(metrics.train, final=False)  # as Lightning, the epoch's end hooks read its values
         hooks.call("on_train_epoch_end", epoch_readers=False)
         metrics.publish_epoch(metrics.train, self.logging_step, progress.epoch)
         if completed:
@@ -314,10 +314,7 @@ class FitLoop:
         assert self.data is not None
         self.sanity_checking, generators = True, random_state()
         try:
-            trainer.hooks.call_callbacks("on_sanity_check_start")
-            self.data.validation.run(trainer.validate_loop, sanity_check=True)
-            trainer.hooks.call_callbacks("on_sanity_check_end")
-            trainer.run_metrics.drop_epoch(trainer.run_metrics.eval)  # its values describe nothing: as Lightning, gone
+            self.data.validation.sanity_check(trainer.validate_loop)
         finally:
             set_random_state(generators)
             self.sanity_checking = False

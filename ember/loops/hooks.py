@@ -201,20 +201,25 @@ class Hooks:
         return self._call_owner(self._datamodule, name, args, kwargs)
 
     def data_loaders(self, kind: str) -> Any:
-        """What ``<kind>_dataloader()`` ("train", "val", ...) of the datamodule returns, else the module's (None:
-        neither defines it)."""
+        """What ``<kind>_dataloader()`` ("train", "val", ...) of the datamodule returns, or without one the
+        module's (None: it does not define it)."""
         found = self._loader_owner(kind)
-        return None if found is None else self._call_owner(found, f"{kind}_dataloader", (), {})
+        if found is None:
+            return None
+        loaders = self._call_owner(found, f"{kind}_dataloader", (), {})
+        if loaders is None:  # (Lightning's words first)
+            raise TypeError(f"An invalid dataloader was returned from `{type(found).__name__}.{kind}_dataloader()`. "
+                            "Found None: return a DataLoader (or several), or leave the hook out")  # fmt: skip
+        return loaders
 
     def has_loaders(self, kind: str) -> bool:
-        """Whether the datamodule or the module defines ``<kind>_dataloader()``."""
+        """Whether the datamodule (or without one the module) defines ``<kind>_dataloader()``."""
         return self._loader_owner(kind) is not None
 
     def _loader_owner(self, kind: str) -> Any:
-        for owner, base in ((self._datamodule, DataModule), (self._module, Module)):
-            if owner is not None and replaces(f"{kind}_dataloader", owner, base):
-                return owner
-        return None
+        # As Lightning's: a datamodule is the stage's data, whose loaders alone are read (not the module's).
+        owner, base = (self._datamodule, DataModule) if self._datamodule is not None else (self._module, Module)
+        return owner if owner is not None and replaces(f"{kind}_dataloader", owner, base) else None
 
     def _call_owner(self, owner: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Timed (under a profiler) even where the base class's does nothing, as Lightning times these calls.

@@ -208,6 +208,15 @@ class ValidationSchedule:
         if self._timer is not None and not sanity_check:  # the time counts again from the end of this validation
             self._timer = (self._timer[0], time.monotonic())
 
+    def sanity_check(self, loop: EvaluationLoop) -> None:
+        """The sanity check's validation between its hooks, which read its values; as in Lightning, they are
+        forgotten once it ends (they describe nothing)."""
+        hooks = self._trainer.hooks
+        hooks.call_callbacks("on_sanity_check_start")
+        self.run(loop, sanity_check=True)
+        hooks.call_callbacks("on_sanity_check_end")
+        self._trainer.run_metrics.reset(fitting=True)
+
     def load_when_due(self, sanity_check: bool = False) -> None:
         """Ask for the loaders if they are not there, or again when ``reload_dataloaders_every_n_epochs`` says."""
         epoch, every = self._trainer.current_epoch, self._trainer.config.reload_dataloaders_every_n_epochs
