@@ -32,6 +32,7 @@ def _image_size(path: str) -> tuple[int, int]:
 def test_plot_writes_one_panel_per_metric(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     logs = _runs(str(tmp_path), count=2)
+    capsys.readouterr()  # what the fits said
     output = str(tmp_path / "curves.png")
     assert main(["plot", logs, "-o", output]) == 0  # both runs; panels "loss" (train and val) and nothing else
     assert capsys.readouterr().out.strip() == f"wrote {output}"
