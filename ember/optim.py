@@ -358,6 +358,11 @@ def check_optimization_flags(
             f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
             f"batch; strategy {strategy.name!r} with {strategy.world_size} processes cannot (use 'ddp', or a count)"
         )
+    check_manual_optimization_flags(module, accumulate, clip_val)
+
+
+def check_manual_optimization_flags(module: Module, accumulate: int | Literal["auto"], clip_val: float | None) -> None:
+    """Refuse, under manual optimization, the flags by which the Trainer would accumulate or clip gradients."""
     if module.automatic_optimization:
         return
     # Under manual optimization the module steps and clips itself: the Trainer's flags for that would be ignored.
