@@ -274,6 +274,20 @@ def check_module(model: Any, stage: str, config: TrainerConfig | None = None) ->
         raise MisconfigurationException(f"No `{missing[0]}()` method defined to run `Trainer.{stage}`: {needs}")
     if config is not None:
         check_manual_optimization_flags(model, config.accumulate_grad_batches, config.gradient_clip_val)
+    if stage == "predict":
+        _check_predicts(model)
+
+
+def _check_predicts(model: Module) -> None:
+    """Refuse a module that cannot predict (Lightning's messages): its ``predict_step`` switched off, or the
+    default one, which calls ``forward``, without a ``forward``."""
+    if model.predict_step is None:
+        raise MisconfigurationException("`predict_step` cannot be None to run `Trainer.predict`")
+    if not replaces("predict_step", model, Module) and not replaces("forward", model, Module):
+        raise MisconfigurationException(
+            f"`Trainer.predict` requires `forward` method to run: {type(model).__name__} defines neither forward nor "
+            "predict_step"
+        )
 
 
 def validates_in_fit(model: Module, has_loaders: bool) -> bool:

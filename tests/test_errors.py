@@ -229,6 +229,13 @@ def test_missing_training_step_and_missing_data() -> None:
             MisconfigurationException, match=rf"^No `{step}\(\)` method defined to run `Trainer.{stage}`"
         ):
             getattr(quiet_trainer(), stage)(NoStep(), make_loader())
+    # Predicting needs a predict_step, or the default one's forward.
+    with pytest.raises(MisconfigurationException, match=r"^`Trainer.predict` requires `forward` method to run: NoStep"):
+        quiet_trainer().predict(NoStep(), make_loader())
+    switched_off = Regressor()
+    switched_off.predict_step = None  # type: ignore[assignment]
+    with pytest.raises(MisconfigurationException, match="^`predict_step` cannot be None to run `Trainer.predict`"):
+        quiet_trainer().predict(switched_off, make_loader())
     with pytest.raises(MisconfigurationException, match="`train_dataloader` must be implemented.*no train data"):
         quiet_trainer().fit(Regressor())
     with pytest.raises(TypeError, match=r"^`model` must be a `LightningModule`, got `Linear`: Trainer.fit"):
