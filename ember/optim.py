@@ -189,6 +189,11 @@ def configure_optimization(
         )
         return [NoOptimizer()], []
     optimizers, configs = parse_optimizers(result, automatic)
+    if any(isinstance(optimizer, LightningOptimizer) for optimizer in optimizers):
+        raise TypeError(
+            "configure_optimizers returned a LightningOptimizer: return the torch.optim.Optimizer it wraps "
+            "(the Trainer wraps it; self.optimizers() gives the wrapper)"
+        )
     if automatic:
         check_automatic(optimizers)
     for config in configs:

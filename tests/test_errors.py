@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.exceptions import MisconfigurationException
+from ember.optim import LightningOptimizer
 
 
 @pytest.mark.parametrize(
@@ -209,6 +210,10 @@ class _Optimizers(Regressor):
             lambda self: ([torch.optim.SGD(self.parameters(), lr=0.1)],
                           [torch.optim.lr_scheduler.StepLR(torch.optim.SGD(self.parameters(), lr=0.1), 1)]),
             MisconfigurationException, "attached with an optimizer that wasn't returned from `configure_optimizers`",
+        ),
+        (
+            lambda self: [LightningOptimizer(torch.optim.SGD(self.parameters(), lr=0.1))],
+            TypeError, "configure_optimizers returned a LightningOptimizer: return the torch.optim.Optimizer it wraps",
         ),
     ],
 )  # fmt: skip
