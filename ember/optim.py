@@ -189,6 +189,11 @@ def configure_optimization(
         )
         return [NoOptimizer()], []
     optimizers, configs = parse_optimizers(result, automatic)
+    if any(isinstance(optimizer, LightningOptimizer) for optimizer in optimizers):
+        raise TypeError(
+            "configure_optimizers returned a LightningOptimizer: return the torch.optim.Optimizer it wraps "
+            "(the Trainer wraps it; self.optimizers() gives the wrapper)"
+        )
     if automatic:
         check_automatic(optimizers)
     for config in configs:
@@ -358,6 +363,11 @@ def check_optimization_flags(
             f"accumulate_grad_batches='auto' needs a strategy that can average gradients after splitting a "
             f"batch; strategy {strategy.name!r} with {strategy.world_size} processes cannot (use 'ddp', or a count)"
         )
+    check_manual_optimization_flags(module, accumulate, clip_val)
+
+
+def check_manual_optimization_flags(module: Module, accumulate: int | Literal["auto"], clip_val: float | None) -> None:
+    """Refuse, under manual optimization, the flags by which the Trainer would accumulate or clip gradients."""
     if module.automatic_optimization:
         return
     # Under manual optimization the module steps and clips itself: the Trainer's flags for that would be ignored.

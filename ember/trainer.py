@@ -356,7 +356,7 @@ class Trainer(LightningProperties):
         files from a source you trust, since loading them can run code.
         """
         train_dataloaders, datamodule = data_source("fit", train_dataloaders, datamodule, val_dataloaders)
-        check_module(model, "fit")
+        check_module(model, "fit", self.config)
         self.config = self.config.for_fit()
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         ckpt_path = self._stage_checkpoint(ckpt_path)

@@ -33,6 +33,7 @@ from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
 from ember.module import Module
+from ember.optim import check_manual_optimization_flags
 from ember.rank_zero import announce, rank_zero_warn
 
 if TYPE_CHECKING:
@@ -255,7 +256,9 @@ def checked_path(ckpt_path: str | os.PathLike | None) -> str | None:
     raise FileNotFoundError(f"Checkpoint file not found: {ckpt_path} (ckpt_path takes a path, 'last' or 'best')")
 
 
-def check_module(model: Any, stage: str) -> None:
+def check_module(model: Any, stage: str, config: TrainerConfig | None = None) -> None:
+    """Refuse a model ``stage`` cannot run, before anything is set up (with ``config``, a fit's: flags the module's
+    optimization cannot honour, as Lightning checks them before any file is written)."""
     if isinstance(getattr(model, "_orig_mod", None), Module):
         raise TypeError(
             f"Trainer.{stage}() got a torch.compile()d module; pass the Module itself and "
@@ -270,6 +273,22 @@ def check_module(model: Any, stage: str) -> None:
     if missing:
         needs = f"Trainer.{stage}() needs {type(model).__name__} to define {', '.join(missing)}"
         raise MisconfigurationException(f"No `{missing[0]}()` method defined to run `Trainer.{stage}`: {needs}")
+    if config is not None:
+        check_manual_optimization_flags(model, config.accumulate_grad_batches, config.gradient_clip_val)
+    if stage == "predict":
+        _check_predicts(model)
+
+
+def _check_predicts(model: Module) -> None:
+    """Refuse a module that cannot predict (Lightning's messages): its ``predict_step`` switched off, or the
+    default one, which calls ``forward``, without a ``forward``."""
+    if model.predict_step is None:
+        raise MisconfigurationException("`predict_step` cannot be None to run `Trainer.predict`")
+    if not replaces("predict_step", model, Module) and not replaces("forward", model, Module):
+        raise MisconfigurationException(
+            f"`Trainer.predict` requires `forward` method to run: {type(model).__name__} defines neither forward nor "
+            "predict_step"
+        )
 
 
 def validates_in_fit(model: Module, has_loaders: bool) -> bool:

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.exceptions import MisconfigurationException
+from ember.optim import LightningOptimizer
 
 
 @pytest.mark.parametrize(
@@ -210,6 +211,10 @@ class _Optimizers(Regressor):
                           [torch.optim.lr_scheduler.StepLR(torch.optim.SGD(self.parameters(), lr=0.1), 1)]),
             MisconfigurationException, "attached with an optimizer that wasn't returned from `configure_optimizers`",
         ),
+        (
+            lambda self: [LightningOptimizer(torch.optim.SGD(self.parameters(), lr=0.1))],
+            TypeError, "configure_optimizers returned a LightningOptimizer: return the torch.optim.Optimizer it wraps",
+        ),
     ],
 )  # fmt: skip
 def test_unusable_configure_optimizers(make: Any, error: type[Exception], message: str) -> None:
@@ -229,6 +234,13 @@ def test_missing_training_step_and_missing_data() -> None:
             MisconfigurationException, match=rf"^No `{step}\(\)` method defined to run `Trainer.{stage}`"
         ):
             getattr(quiet_trainer(), stage)(NoStep(), make_loader())
+    # Predicting needs a predict_step, or the default one's forward.
+    with pytest.raises(MisconfigurationException, match=r"^`Trainer.predict` requires `forward` method to run: NoStep"):
+        quiet_trainer().predict(NoStep(), make_loader())
+    switched_off = Regressor()
+    switched_off.predict_step = None  # type: ignore[assignment]
+    with pytest.raises(MisconfigurationException, match="^`predict_step` cannot be None to run `Trainer.predict`"):
+        quiet_trainer().predict(switched_off, make_loader())
     with pytest.raises(MisconfigurationException, match="`train_dataloader` must be implemented.*no train data"):
         quiet_trainer().fit(Regressor())
     with pytest.raises(TypeError, match=r"^`model` must be a `LightningModule`, got `Linear`: Trainer.fit"):

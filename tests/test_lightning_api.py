@@ -7,6 +7,7 @@ import csv
 import functools
 import os
 import signal
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -860,7 +861,7 @@ def test_a_manual_schedule_steps_at_the_last_batch_of_each_epoch() -> None:
     assert model.lr_schedulers().get_last_lr() == [pytest.approx(0.025)]
 
 
-def test_manual_optimization_hooks_and_flags() -> None:
+def test_manual_optimization_hooks_and_flags(tmp_path: Path) -> None:
     calls: list[str] = []
 
     class Manual(Regressor):
@@ -885,10 +886,12 @@ def test_manual_optimization_hooks_and_flags() -> None:
 
     quiet_trainer(max_steps=1, logger=False).fit(Manual(), make_loader())
     assert calls == ["on_before_backward", "on_after_backward", "on_before_optimizer_step"]
+    # Refused before the fit writes anything (its run directory, checkpoint directory), as in Lightning.
     with pytest.raises(MisconfigurationException, match="gradient accumulation is not supported for manual optimi"):
-        quiet_trainer(max_steps=1, accumulate_grad_batches=2).fit(Manual(), make_loader())
+        quiet_trainer(default_root_dir=tmp_path / "refused", accumulate_grad_batches=2).fit(Manual(), make_loader())
     with pytest.raises(MisconfigurationException, match="gradient clipping is not supported for manual optimization"):
-        quiet_trainer(max_steps=1, gradient_clip_val=1.0).fit(Manual(), make_loader())
+        quiet_trainer(default_root_dir=tmp_path / "refused", gradient_clip_val=1.0).fit(Manual(), make_loader())
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_fit_without_an_optimizer_warns_and_runs_its_steps() -> None:

@@ -157,6 +157,18 @@ def test_spike_detection_is_served_with_its_exception() -> None:
     assert TrainingSpikeException is ember.callbacks.TrainingSpikeException
 
 
+def test_fabrics_seed_rank_zero_and_exception_are_embers() -> None:
+    with served_by_ember():
+        from lightning.fabric.utilities import rank_zero_only
+        from lightning_fabric.utilities.exceptions import MisconfigurationException
+        from lightning_fabric.utilities.rank_zero import rank_zero_warn
+        from lightning_fabric.utilities.seed import seed_everything
+
+    assert MisconfigurationException is ember.exceptions.MisconfigurationException
+    assert seed_everything is ember.seed_everything
+    assert rank_zero_only is ember.rank_zero.rank_zero_only and rank_zero_warn is ember.rank_zero.rank_zero_warn
+
+
 def test_measure_flops_counts_a_meta_model_as_lightnings_does() -> None:
     with served_by_ember():
         from lightning.fabric.utilities.throughput import measure_flops as from_fabric

@@ -166,6 +166,33 @@ def test_reduce_on_plateau_reads_the_monitored_metric() -> None:
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-5)
 
 
+class _PlateauPerSteps(_Plateau):
+    """A plateau scheduler stepped every 4 optimizer steps on the validation run every 4 batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stepped: list[tuple[int, float]] = []
+        self.validated: list[float] = []
+
+    def configure_optimizers(self) -> Any:
+        config = super().configure_optimizers()
+        config["lr_scheduler"].update(interval="step", frequency=4)
+        return config
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        self.stepped.append((self.global_step, float(metric)))
+        scheduler.step(metric)
+
+    def on_validation_end(self) -> None:
+        self.validated.append(float(self.trainer.callback_metrics["val_loss"]))
+
+
+def test_a_plateau_scheduler_of_steps_steps_after_that_steps_validation_and_reads_its_metric() -> None:
+    model = _PlateauPerSteps()
+    quiet_trainer(max_epochs=1, val_check_interval=4, logger=False).fit(model, make_loader(), make_loader())
+    assert model.stepped == [(4, model.validated[0]), (8, model.validated[1])]
+
+
 def test_a_plateau_scheduler_whose_metric_is_missing_raises_or_with_strict_false_warns_and_waits() -> None:
     def plateau(strict: bool) -> Any:
         def make(optimizer: torch.optim.Optimizer, scheduler: Any) -> Any:

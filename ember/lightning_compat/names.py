@@ -305,7 +305,13 @@ _FABRIC = "use ember.Trainer with an ember.Module: Ember has no Fabric"
 #: beside ``lightning.pytorch``; Fabric itself is not covered.
 FABRIC: dict[str, Names] = {
     "": {"Fabric": Missing(_FABRIC), "seed_everything": "ember.seed:seed_everything"},
-    "utilities": {"measure_flops": "ember.utilities:measure_flops"},
+    "utilities": {
+        "measure_flops": "ember.utilities:measure_flops",
+        **{name: value for name, value in _RANK_ZERO.items() if name != "rank_zero_debug"},
+    },
+    "utilities.rank_zero": _RANK_ZERO,
+    "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
+    "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
     "utilities.throughput": {"measure_flops": "ember.utilities:measure_flops"},
     "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
     "utilities.spike": {"TrainingSpikeException": "ember.callbacks:TrainingSpikeException"},

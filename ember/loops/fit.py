@@ -174,12 +174,10 @@ class FitLoop:
         return batches
 
     def _train_batches(self, batches: Generator[tuple[int, Any, bool], None, None], fit: _Fit) -> _Outcome:
-        """Run the epoch's batches, an optimizer step closing each accumulation window.
-
-        This is the per-batch path, kept as short as a hand-written loop's: what it needs is looked up once
-        per fit, hooks nobody overrides are not called, what is rarely due (writing logs, validating,
-        stopping) costs a comparison when it is not, and the common case (each batch a window of its own)
-        runs in one call of the step runner."""
+        """Run the epoch's batches, an optimizer step closing each accumulation window. The per-batch path, as short
+        as a hand-written loop's: what it needs is looked up once per fit, hooks nobody overrides are not called, what
+        is rarely due (writing logs, validating, stopping) costs a comparison when it is not, and the common case
+        (each batch a window of its own) runs in one call of the step runner."""
         progress, runner, data, stopping = self.progress, self.runner, self.data, self.stopping
         assert runner is not None and data is not None
         store, to_device, ends = self.trainer.run_metrics.train, fit.to_device, fit.batch_end_hooks
@@ -215,8 +213,8 @@ class FitLoop:
                     or (stopping.requested and result.closes_window):  # fmt: skip
                 self._write_step_logs(fit)
             validated = validation is not None and validation.due(progress, batch_idx, is_last)
-            if validated:
-                self._validate(at_epoch_end=is_last, after_step=result.closes_window)
+            if validated or runner.watched_step:
+                self._validate_and_schedule(runner, validated, is_last, result.closes_window)
             if is_last:
                 return _Outcome.EPOCH_DONE
             due = result.closes_window and stopping.interruptions.due()  # once per step boundary: it counts
@@ -226,8 +224,7 @@ class FitLoop:
         return self._loader_ended(window)
 
     def _first_window(self) -> Window | None:
-        """The epoch's first accumulation window; None when every batch is a window of its own (no accumulation)
-        and the step runner runs each in one call."""
+        """The epoch's first accumulation window; None when each batch is a window of its own (one runner call)."""
         progress, data, accumulate = self.progress, self.data, self.accumulate
         if not isinstance(accumulate, int) or accumulate == 1 or data is None:
             return None
@@ -235,27 +232,24 @@ class FitLoop:
         return Window(accumulate, left, done=progress.window_batches)
 
     def _loader_ended(self, window: Window | None) -> _Outcome:
-        """The end of an epoch whose loader ran out before a batch flagged as its last: it yielded no batch, or
-        fewer than its length announced."""
+        """The end of an epoch whose loader yielded no batch, or fewer than its length announced."""
         if self.progress.epoch_batches == 0:
             return self._empty_epoch()
-        if window is not None and window.has_gradients:
-            assert self.runner is not None
-            self.progress.advance(self.runner.close_window(window), 0)  # with what was accumulated
+        if window is not None and window.has_gradients and (runner := self.runner) is not None:
+            self.progress.advance(runner.close_window(window), 0)  # with what was accumulated
+            runner.step_watching_schedulers()
         return _Outcome.EPOCH_DONE
 
     def _empty_epoch(self) -> _Outcome:
-        """An epoch whose loader yielded no batch counts, untrained, as in Lightning; without a limit on epochs
-        the fit ends there, as it could otherwise go on forever."""
+        """An epoch whose loader yielded no batch counts, untrained (as Lightning); with no epoch limit, fit ends."""
         ends, epoch = self.trainer.config.epoch_limit == -1, self.progress.epoch
         then = "fit ends there, as no limit on epochs would end it" if ends else "the epoch trains nothing"
         rank_zero_warn(f"the train dataloader yielded no batches in epoch {epoch}: {then}", PossibleUserWarning)
         return _Outcome.DATA_ENDED if ends else _Outcome.EPOCH_DONE
 
     def _stop(self, interruptions_due: bool, fit: _Fit, validated: bool) -> _Outcome | None:
-        """Whether training stops after this batch, when it may: stopping was asked for (``should_stop``),
-        ``max_steps`` is reached, or ``interruptions_due`` (a step boundary where the signals and the deadline
-        are checked: with several processes, a collective that every rank reaches at the same batch)."""
+        """Whether training stops after this batch: a stop asked for (``should_stop``) that may happen, ``max_steps``
+        reached, or ``interruptions_due`` (a step boundary: signals and the deadline checked by a collective)."""
         trainer, stopping, progress, data = self.trainer, self.stopping, self.progress, self.data
         asked = stopping.requested and stopping.may_stop(trainer)
         if not asked and progress.global_step >= fit.max_steps:
@@ -306,6 +300,12 @@ class FitLoop:
         self.at_epoch_end = at_epoch_end
         self.data.validation.run(self.trainer.validate_loop)
         self.at_epoch_end = False
+
+    def _validate_and_schedule(self, runner: StepRunner, validated: bool, at_epoch_end: bool, after_step: bool) -> None:
+        """The batch's validation where it is due, then (as in Lightning) the schedulers that may watch its metrics."""
+        if validated:
+            self._validate(at_epoch_end, after_step)
+        runner.step_watching_schedulers()
 
     def _sanity_check(self) -> None:
         """Run a few validation batches before training, so a broken validation_step fails in seconds; as in

@@ -157,6 +157,10 @@ class StepRunner:
         self.module = module
         self.optimizers = list(optimizers)
         self.scheduler_configs = list(scheduler_configs)
+        self._watches_per_step = any(c.interval == "step" and c.reads_metric for c in self.scheduler_configs)
+        #: The optimizer step (its count) whose schedulers that watch a metric are still to step; 0: none. The
+        #: fit loop steps them after that step's validation, as Lightning does, so they may watch its metrics.
+        self.watched_step = 0
         self.progress = progress if progress is not None else Progress()
         self.clip_val = clip_val
         self.clip_algorithm = clip_algorithm
@@ -394,7 +398,9 @@ class StepRunner:
             self.dropped_steps += 1
             return 0
         if self.scheduler_configs:
-            self.step_schedulers("step", self.progress.global_step + 1)
+            self.step_schedulers("step", self.progress.global_step + 1, watching=False)
+            if self._watches_per_step:
+                self.watched_step = self.progress.global_step + 1
         return 1
 
     def zero_grad(self, batch_idx: int) -> None:
@@ -422,16 +428,23 @@ class StepRunner:
         for hook in hooks.after_backward:
             hook()
 
-    def step_schedulers(self, interval: Literal["step", "epoch"], count: int) -> None:
-        """Step the schedulers of ``interval`` that are due at its ``count``-th occurrence."""
+    def step_schedulers(self, interval: Literal["step", "epoch"], count: int, watching: bool | None = None) -> None:
+        """Step the schedulers of ``interval`` that are due at its ``count``-th occurrence: those that watch a
+        metric (``watching=True``), those that do not (False), or both (None)."""
         for config in self.scheduler_configs:
-            if config.interval != interval or count % config.frequency:
+            if config.interval != interval or count % config.frequency or watching not in (None, config.reads_metric):
                 continue
             step = self.hooks.lr_scheduler_step or _step_scheduler
             if not config.reads_metric:
                 step(config.scheduler, None)
             elif (value := monitored_value(config, self.metrics())) is not None:
                 step(config.scheduler, value)
+
+    def step_watching_schedulers(self) -> None:
+        """Step the schedulers that watch a metric and are due at the optimizer step ``watched_step`` names."""
+        if self.watched_step:
+            step, self.watched_step = self.watched_step, 0
+            self.step_schedulers("step", step, watching=True)
 
     # ------------------------------------------------------------------- batches split to fit
     def _split_forward_backward(self, batch: Any, batch_idx: int) -> tuple[Any, torch.Tensor | None]:
