@@ -187,7 +187,8 @@ def estimated_stepping_batches(trainer: Trainer) -> float:
     """Optimizer steps ``fit`` will take (``math.inf`` if unbounded): from the fit's training data during ``fit``,
     and outside it (the tuner's trials) from the training loader the datamodule or the module makes."""
     config, data = trainer.config, trainer.fit_loop.data
-    if trainer.stage == "fit" and data is not None:
+    if trainer.stage == "fit" and data is not None and data.loader is None:
+        announce("Loading `train_dataloader` to estimate number of stepping batches.")  # (Lightning's words)
         data.load()  # asked for in setup or configure_optimizers: the training loader is needed now
     batches = trainer.num_training_batches
     if trainer.stage != "fit" and trainer.lightning_module is not None:

@@ -556,7 +556,9 @@ def test_model_is_placed_once_and_estimated_steps_are_known_early() -> None:
     assert math.isinf(quiet_trainer(max_time="00:00:01:00").estimated_stepping_batches)
 
 
-def test_estimated_steps_in_setup_ask_for_the_training_loader_once_and_validation_follows_its_length() -> None:
+def test_estimated_steps_in_setup_ask_for_the_training_loader_once_and_validation_follows_its_length(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     seen: list[float] = []
     asked: list[str] = []
 
@@ -575,8 +577,11 @@ def test_estimated_steps_in_setup_ask_for_the_training_loader_once_and_validatio
             return make_loader(8, batch_size=8)
 
     trainer = quiet_trainer(max_epochs=2, num_sanity_val_steps=0, val_check_interval=2, logger=False)
-    trainer.fit(Planning())
+    with caplog.at_level("INFO", logger="ember"):
+        trainer.fit(Planning())
     assert seen == [10] and trainer.global_step == 10  # 5 batches an epoch, known in setup
+    said = [record.getMessage() for record in caplog.records if "estimate" in record.getMessage()]
+    assert said == ["Loading `train_dataloader` to estimate number of stepping batches."]  # once, as Lightning
     assert asked == ["train"] + [f"validation after {step}" for step in (2, 4, 7, 9)]
     trainer = quiet_trainer(max_epochs=1, logger=False)
     trainer.fit(Planning(), make_loader(24, batch_size=8))  # the loader given to fit is the one counted
