@@ -109,6 +109,17 @@ class Regressor(ember.Module):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 
+class DropoutRegressor(Regressor):
+    """``Regressor`` with dropout on its inputs: a run that draws random numbers every step, for exact resumes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.dropout(x))
+
+
 def quiet_trainer(**flags: Any) -> ember.Trainer:
     """A Trainer without progress output or model summary, for tests that do not look at them."""
     defaults: dict[str, Any] = dict(

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Regressor, make_loader, parameters_of, quiet_trainer
+from conftest import DropoutRegressor, Regressor, make_loader, parameters_of, quiet_trainer
 
 import ember
 from ember.callbacks import Callback, GradientAccumulationScheduler
@@ -131,15 +131,6 @@ class _StopAt(Callback):
             raise KeyboardInterrupt
 
 
-class _Dropout(Regressor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropout = torch.nn.Dropout(0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(self.dropout(x))
-
-
 @pytest.mark.parametrize(("epoch", "batch"), [(1, 5), (0, -1)], ids=["inside-a-window", "at-an-epoch-end"])
 def test_a_resumed_run_follows_the_schedule_of_its_epoch_exactly(
     epoch: int, batch: int, tmp_path: Any, capsys: pytest.CaptureFixture[str]
@@ -148,14 +139,14 @@ def test_a_resumed_run_follows_the_schedule_of_its_epoch_exactly(
         return GradientAccumulationScheduler({1: 4, 2: 3})
 
     ember.seed_everything(3)
-    reference = _Dropout()
+    reference = DropoutRegressor()
     _fit(reference, scheduler())
     path = str(tmp_path / "run.ckpt")
     ember.seed_everything(3)
     with pytest.raises(KeyboardInterrupt):
-        _fit(_Dropout(), scheduler(), _StopAt(epoch, batch, path))
+        _fit(DropoutRegressor(), scheduler(), _StopAt(epoch, batch, path))
     capsys.readouterr()
-    resumed = _Dropout()
+    resumed = DropoutRegressor()
     trainer = _fit(resumed, scheduler(), ckpt_path=path)
     assert "resuming with accumulate" not in capsys.readouterr().out  # the layout of the epoch is the saved one
     assert trainer.global_step == 10 + 3 + 4

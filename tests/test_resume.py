@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import (
+    DropoutRegressor,
     Regressor,
     built_once,
     descendants,
@@ -410,14 +411,7 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadabl
 
 
 # ------------------------------------------------------------------------------------ in one process
-class _Dropout(Regressor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropout = torch.nn.Dropout(0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(self.dropout(x))
-
+class _Dropout(DropoutRegressor):
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
