@@ -283,6 +283,9 @@ def test_lightnings_throughput_monitor_logs_each_stages_counts_then_rates_at_its
     assert [sorted(metrics) for metrics, _ in calls.calls if "test/time" in metrics][-1] == sorted(
         [f"test/{n}" for n in counts] + [f"test/{n}" for n in rates] + ["test/device/flops_per_sec"]
     )
+    trainer.test(model, make_loader(32), verbose=False)  # run again, its counts and steps go on, as Lightning's
+    tested = [(m["test/batches"], m["test/samples"], step) for m, step in calls.calls if "test/batches" in m]
+    assert tested == [(2, 16, 2), (4, 32, 4), (6, 48, 6), (8, 64, 8)]
     assert table_of("pytorch_lightning.callbacks")["ThroughputMonitor"] == "ember.callbacks:StageThroughputMonitor"
     with pytest.raises(ValueError, match=r"ThroughputMonitor\(window_size=1\): expected an int >= 2"):
         StageThroughputMonitor(len, window_size=1)

@@ -67,10 +67,9 @@ class StageThroughputMonitor(Callback):
 
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         self.available_flops = peak_flops(trainer.strategy.root_device, trainer.precision)
-        self._windows = {}  # each stage call counts from zero
 
     def on_train_start(self, trainer: Trainer, pl_module: Module) -> None:
-        self._start("train")
+        self._start("train", trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._update("train", trainer, pl_module, batch)
@@ -80,7 +79,7 @@ class StageThroughputMonitor(Callback):
 
     def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:
         if not trainer.sanity_checking:
-            self._start("validate")
+            self._start("validate", trainer)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, *_: Any) -> None:
         if not trainer.sanity_checking:
@@ -93,24 +92,29 @@ class StageThroughputMonitor(Callback):
         train.start += validate.last - train.last  # the training time leaves out the validation's
 
     def on_test_start(self, trainer: Trainer, pl_module: Module) -> None:
-        self._start("test")
+        self._start("test", trainer)
 
     def on_test_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, *_: Any) -> None:
         self._evaluated("test", trainer, pl_module, batch)
 
     def on_predict_start(self, trainer: Trainer, pl_module: Module) -> None:
-        self._start("predict")
+        self._start("predict", trainer)
 
     def on_predict_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, *_: Any) -> None:
         self._evaluated("predict", trainer, pl_module, batch)
 
     # ------------------------------------------------------------------------------ internals
-    def _start(self, stage: str) -> None:
-        """Start the stage's clock; its counts go on across a fit's validations."""
+    def _start(self, stage: str, trainer: Trainer) -> None:
+        """Start the stage's clock and window. An evaluation's logging steps go on from its previous run's, so no
+        step repeats; so do its counts when it is run again on its own (``trainer.test`` twice, as in Lightning),
+        while a fit's validations each count their batches from zero."""
         previous = self._windows.get(stage)
         window = self._windows[stage] = _Window(self.window_size)
-        if previous is not None and stage != "train":
-            window.logged = previous.logged
+        if previous is None or stage == "train":
+            return
+        window.logged = previous.logged
+        if trainer.state.fn != "fit":
+            window.batches, window.samples, window.lengths = previous.batches, previous.samples, previous.lengths
 
     def _evaluated(self, stage: str, trainer: Trainer, pl_module: Module, batch: Any) -> None:
         window = self._update(stage, trainer, pl_module, batch)
