@@ -717,6 +717,31 @@ def test_progress_bar_tells_its_metrics_and_the_validation_batches_of_each_epoch
     assert bar.get_metrics(trainer, model) == {"v_num": 0, "shown": 2.0}
 
 
+def test_a_bar_knows_the_batches_of_the_evaluation_loader_that_runs_now() -> None:
+    class Totals(TQDMProgressBar):
+        def __init__(self) -> None:
+            super().__init__()
+            self.totals: list[tuple[str, int, float]] = []
+
+        def on_validation_batch_start(
+            self, trainer: Any, pl_module: Any, batch: Any, idx: int, loader: int = 0
+        ) -> None:
+            super().on_validation_batch_start(trainer, pl_module, batch, idx, loader)
+            self.totals.append(("validate", loader, self.total_val_batches_current_dataloader))
+
+        def on_test_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int, loader: int = 0) -> None:
+            super().on_test_batch_start(trainer, pl_module, batch, idx, loader)
+            self.totals.append(("test", loader, self.total_test_batches_current_dataloader))
+
+    bar = Totals()
+    trainer = quiet_trainer(callbacks=[bar], enable_progress_bar=True, limit_val_batches=2)
+    trainer.validate(Regressor(), [make_loader(24), make_loader(8)], verbose=False)
+    trainer.test(Regressor(), [make_loader(16)], verbose=False)
+    assert bar.totals == [("validate", 0, 2), ("validate", 0, 2), ("validate", 1, 1), ("test", 0, 2), ("test", 0, 2)]
+    with pytest.raises(RuntimeError, match="Totals: no evaluation loader runs now"):
+        _ = bar.total_predict_batches_current_dataloader
+
+
 @pytest.mark.parametrize(
     "make",
     [

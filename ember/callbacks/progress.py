@@ -156,6 +156,10 @@ class ProgressBar(ProgressBarBase):
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
         self._start_eval(trainer, self.validation_description, counts)
 
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:  # fmt: skip
+        self.has_dataloader_changed(dataloader_idx)  # for a subclass that reads the current loader's total
+
     def on_validation_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
         self._advance_eval(batch)
@@ -166,6 +170,10 @@ class ProgressBar(ProgressBarBase):
     def on_test_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._start_eval(trainer, self.test_description, trainer.num_test_batches)
 
+    def on_test_batch_start(self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:  # fmt: skip
+        self.has_dataloader_changed(dataloader_idx)
+
     def on_test_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
         self._advance_eval(batch)
@@ -175,6 +183,10 @@ class ProgressBar(ProgressBarBase):
 
     def on_predict_epoch_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._start_eval(trainer, self.predict_description, trainer.num_predict_batches)
+
+    def on_predict_batch_start(self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int,
+                               dataloader_idx: int = 0) -> None:  # fmt: skip
+        self.has_dataloader_changed(dataloader_idx)
 
     def on_predict_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
@@ -205,6 +217,7 @@ class ProgressBar(ProgressBarBase):
                 display.draw([], [])
 
     def _finish_eval(self) -> None:
+        self.reset_dataloader_idx_tracker()
         if self._eval is not None:
             self._eval.draw([], [], final=True)
             self._eval = None

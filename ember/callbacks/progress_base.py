@@ -22,6 +22,7 @@ class ProgressBarBase(Callback):
     def __init__(self) -> None:
         self._enabled = True
         self._trainer: Trainer | None = None
+        self._eval_loader: int | None = None  # the evaluation loader running now, told by has_dataloader_changed
 
     def __getstate__(self) -> dict[str, Any]:
         """Without the Trainer (a copy is set up again by the next stage it runs in)."""
@@ -106,6 +107,44 @@ class ProgressBarBase(Callback):
         if not trainer.validation_enabled or (every is not None and (trainer.current_epoch + 1) % every):
             return 0
         return sum(trainer.num_val_batches)
+
+    @property
+    def total_val_batches_current_dataloader(self) -> float:
+        """The batches of the validation loader that runs now (the sanity check's, in it), as Lightning's: the loader
+        is the last one ``has_dataloader_changed`` was told of (Ember's bar tells it in ``on_validation_batch_start``).
+        """
+        trainer = self.trainer
+        return self._current(trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches)
+
+    @property
+    def total_test_batches_current_dataloader(self) -> float:
+        """The batches of the test loader that runs now (see ``total_val_batches_current_dataloader``)."""
+        return self._current(self.trainer.num_test_batches)
+
+    @property
+    def total_predict_batches_current_dataloader(self) -> float:
+        """The batches of the prediction loader that runs now (see ``total_val_batches_current_dataloader``)."""
+        return self._current(self.trainer.num_predict_batches)
+
+    def has_dataloader_changed(self, dataloader_idx: int) -> bool:
+        """Note ``dataloader_idx`` as the evaluation loader that runs now; whether it differs from the one before (a
+        bar starts a new line for it), as Lightning's."""
+        changed = dataloader_idx != self._eval_loader
+        self._eval_loader = dataloader_idx
+        return changed
+
+    def reset_dataloader_idx_tracker(self) -> None:
+        """Forget the current evaluation loader (at the end of an evaluation), as Lightning's."""
+        self._eval_loader = None
+
+    def _current(self, batches: list[float]) -> float:
+        if self._eval_loader is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: no evaluation loader runs now; the batch totals of the current loader are "
+                "known from on_validation_batch_start (on_test_..., on_predict_...) once has_dataloader_changed("
+                "dataloader_idx) has been called there"
+            )
+        return batches[self._eval_loader]
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` (``Trainer.print`` comes here; a bar that draws keeps the text off its lines)."""
