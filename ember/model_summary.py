@@ -16,7 +16,8 @@ from ember.rank_zero import rank_zero_warn_once
 
 #: A size that no forward pass measured (the layer did not run, or the model has no example input).
 UNKNOWN_SIZE = "?"
-_NOT_APPLICABLE = "n/a"
+NOT_APPLICABLE = "n/a"
+LEFTOVER_PARAMS_NAME = "other params"  # the row of the parameters that belong to no submodule
 _UNITS = (" ", "K", "M", "B", "T")
 # Bits per parameter of the Trainer's precision; another precision counts as 32 bits, as in Lightning.
 _PRECISION_BITS = {"64": 64, "64-true": 64, "32": 32, "32-true": 32, "16": 16, "16-true": 16, "bf16": 16,
@@ -253,9 +254,9 @@ class ModelSummary:
                         ("Out sizes", [str(size) for size in self.out_sizes])]  # fmt: skip
         leftover = self.total_parameters - self.total_layer_params
         if leftover > 0:  # parameters of the root itself, or of the layers below max_depth's
-            row = {" ": " ", "Name": "other params", "Params": readable_count(leftover)}
+            row = {" ": " ", "Name": LEFTOVER_PARAMS_NAME, "Params": readable_count(leftover)}
             for header, cells in columns:
-                cells.append(row.get(header, _NOT_APPLICABLE))
+                cells.append(row.get(header, NOT_APPLICABLE))
         return columns
 
     def __str__(self) -> str:

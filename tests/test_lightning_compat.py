@@ -116,6 +116,8 @@ def test_lightning_names_are_embers_own_objects() -> None:
         ("from pytorch_lightning.trainer.states import RunningStage", "ember.trainer_state.RunningStage"),
         ("from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig",
          "ember.lightning_compat.extras.OptimizerLRSchedulerConfig"),
+        ("from lightning.pytorch.utilities.model_summary.model_summary import LEFTOVER_PARAMS_NAME",
+         "ember.model_summary.LEFTOVER_PARAMS_NAME"),
     ],
 )  # fmt: skip
 def test_submodules_and_names_programs_import(statement: str, name: str) -> None:

@@ -143,6 +143,8 @@ _UTILITIES: Names = {
 
 _MODEL_SUMMARY: Names = {
     **{name: f"ember.model_summary:{name}" for name in ("LayerSummary", "ModelSummary", "summarize")},
+    # the words of the table's cells, which programs compare sizes and rows with
+    **{name: f"ember.model_summary:{name}" for name in ("UNKNOWN_SIZE", "NOT_APPLICABLE", "LEFTOVER_PARAMS_NAME")},
     "get_human_readable_count": "ember.model_summary:readable_count",
     "parse_batch_shape": "ember.model_summary:batch_shape",
 }
