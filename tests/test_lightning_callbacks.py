@@ -37,6 +37,7 @@ from ember.callbacks import (
     Timer,
     TQDMProgressBar,
 )
+from ember.callbacks.progress_base import standard_metrics
 from ember.exceptions import MisconfigurationException
 from ember.tuner import LearningRateFinder, Tuner
 
@@ -714,7 +715,7 @@ def test_progress_bar_tells_its_metrics_and_the_validation_batches_of_each_epoch
     model = Shown()
     trainer.fit(model, make_loader(), make_loader(32))
     assert totals == [0, 3, 0, 3] and bar.trainer is trainer
-    assert bar.get_metrics(trainer, model) == {"v_num": 0, "shown": 2.0}
+    assert bar.get_metrics(trainer, model) == {"v_num": 0, "shown": 2.0} and standard_metrics(trainer) == {"v_num": 0}
 
 
 def test_a_bar_knows_the_batches_of_the_evaluation_loader_that_runs_now() -> None:

@@ -118,6 +118,8 @@ def test_lightning_names_are_embers_own_objects() -> None:
          "ember.lightning_compat.extras.OptimizerLRSchedulerConfig"),
         ("from lightning.pytorch.utilities.model_summary.model_summary import LEFTOVER_PARAMS_NAME",
          "ember.model_summary.LEFTOVER_PARAMS_NAME"),
+        ("from lightning.pytorch.callbacks.progress.progress_bar import get_standard_metrics",
+         "ember.callbacks.progress_base.standard_metrics"),
     ],
 )  # fmt: skip
 def test_submodules_and_names_programs_import(statement: str, name: str) -> None:

@@ -47,10 +47,7 @@ class ProgressBarBase(Callback):
         """Lightning's progress-bar items: the values logged with ``prog_bar=True`` (as floats: this reads the
         device), and ``v_num``, the loggers' version (see ``loggers_version``; of a version that is text, its last 4
         characters, as Lightning shows it). Ember's bar draws the same logged values beside the loss."""
-        version = loggers_version(trainer.loggers)
-        version = version[-4:] if isinstance(version, str) else version
-        standard: dict[str, float | int | str] = {} if version in ("", None) else {"v_num": version}
-        return {**standard, **trainer.progress_bar_metrics}
+        return {**standard_metrics(trainer), **trainer.progress_bar_metrics}
 
     # The titles of the bars, Lightning's properties: a subclass may override them.
     @property
@@ -153,6 +150,14 @@ class ProgressBarBase(Callback):
     def display(self, title: str, total: float) -> ProgressDisplay | None:
         """A display for steps outside the loops (the tuner's): None, this bar draws nothing."""
         return None
+
+
+def standard_metrics(trainer: Trainer) -> dict[str, float | int | str]:
+    """The items every bar shows besides the logged values (Lightning's ``get_standard_metrics``): ``v_num``, the
+    loggers' version (of a version that is text, its last 4 characters), where there is one."""
+    version = loggers_version(trainer.loggers)
+    version = version[-4:] if isinstance(version, str) else version
+    return {} if version in ("", None) else {"v_num": version}
 
 
 def loggers_version(loggers: Sequence[Any]) -> int | str | None:

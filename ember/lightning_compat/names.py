@@ -240,7 +240,10 @@ PYTORCH: dict[str, Names] = {
         "ProgressBar": "ember.callbacks:ProgressBarBase",
         **{name: f"ember.callbacks:{name}" for name in ("TQDMProgressBar", "RichProgressBar")},
     },
-    "callbacks.progress.progress_bar": {"ProgressBar": "ember.callbacks:ProgressBarBase"},
+    "callbacks.progress.progress_bar": {
+        "ProgressBar": "ember.callbacks:ProgressBarBase",
+        "get_standard_metrics": "ember.callbacks.progress_base:standard_metrics",
+    },
     "callbacks.progress.tqdm_progress": {"TQDMProgressBar": "ember.callbacks:TQDMProgressBar"},
     "callbacks.progress.rich_progress": {
         "RichProgressBar": "ember.callbacks:RichProgressBar",
