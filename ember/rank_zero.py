@@ -10,6 +10,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ember.lightning_compat.hook import is_installed as lightning_names_served
+
 _T = TypeVar("_T")
 
 # Launchers that set a global rank, in the order they are trusted.
@@ -82,19 +84,46 @@ def _root_shows_on_console() -> bool:
     return any(getattr(handler, "stream", None) in consoles for handler in logging.getLogger().handlers)
 
 
+class _LightningLevels(logging.Filter):
+    """In a program that uses Lightning's names, drops the messages that the levels it set on Lightning's loggers
+    would have hidden on Lightning: a level set on the logger of the Lightning module that gives the message
+    (``utilities.rank_zero`` unless ``announce`` was told another) or on a package above it, as
+    ``logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)``, which Lightning's docs advise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not lightning_names_served():
+            return True
+        module = getattr(record, "lightning_module", "utilities.rank_zero")
+        packages = ("lightning.pytorch", "pytorch_lightning")  # whichever the program imported
+        return all(record.levelno >= _lightning_level(f"{package}.{module}") for package in packages)
+
+
+def _lightning_level(name: str) -> int:
+    """The level set on logger ``name`` or on the nearest package above it (the root excluded), else INFO, the
+    level Lightning gives its own. Read without creating the loggers that the program never named."""
+    while name:
+        logger = logging.Logger.manager.loggerDict.get(name)
+        if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET:
+            return logger.level
+        name = name.rpartition(".")[0]
+    return logging.INFO
+
+
 # As Lightning's logger: informational messages are shown at INFO by default, by a handler of their own, and
 # logging.getLogger("ember").setLevel(logging.WARNING) silences them. They also reach the root logger's
 # handlers (a log file, pytest's caplog), as any library's records do.
 _logger = logging.getLogger("ember")
 _logger.setLevel(logging.INFO)
 _logger.addHandler(_Console())
+_logger.addFilter(_LightningLevels())
 
 
 @rank_zero_only
-def announce(message: str) -> None:
+def announce(message: str, lightning_module: str = "utilities.rank_zero") -> None:
     """Log an informational message of the Trainer (a model summary, where a run resumes) to the "ember" logger
-    at INFO, on the global-zero process."""
-    _logger.info(message)
+    at INFO, on the global-zero process. ``lightning_module`` is where Lightning logs it, under
+    ``lightning.pytorch``: the levels a Lightning program sets there apply to it."""
+    _logger.info(message, extra={"lightning_module": lightning_module})
 
 
 @rank_zero_only

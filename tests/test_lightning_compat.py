@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -289,6 +290,29 @@ def test_a_bar_of_one_s_own_on_lightning_s_progress_bar_draws_nothing_else(capsy
         assert trainer.progress_bar_callback is bar and isinstance(TQDMProgressBar(), ProgressBar)
     printed = capsys.readouterr().out.splitlines()  # Lightning's base draws nothing: the bar's and the Trainer's lines
     assert printed == ["50%", "100%", "`Trainer.fit` stopped: `max_epochs=1` reached.", "done"]
+
+
+def test_levels_set_on_lightning_s_loggers_apply_to_the_messages_ember_gives_in_lightning_s_words(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    quiet = dict(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    rank_zero, package = logging.getLogger("pytorch_lightning.utilities.rank_zero"), logging.getLogger("lightning")
+    try:
+        with served_by_ember():
+            from pytorch_lightning import Trainer
+
+            rank_zero.setLevel(logging.WARNING)  # the Trainer's messages go; the model summary has a logger of its own
+            Trainer(**quiet).fit(Regressor(), make_loader(16))
+            shown = capsys.readouterr().out
+            assert "Total params" in shown and "`Trainer.fit` stopped" not in shown
+            package.setLevel(logging.ERROR)  # a package above silences all
+            Trainer(**quiet).fit(Regressor(), make_loader(16))
+            assert capsys.readouterr().out == ""
+        ember.Trainer(**quiet).fit(Regressor(), make_loader(16))  # Ember's own programs: Ember's logger decides
+        assert "`Trainer.fit` stopped" in capsys.readouterr().out
+    finally:
+        rank_zero.setLevel(logging.NOTSET)
+        package.setLevel(logging.NOTSET)
 
 
 def test_installing_after_lightning_was_imported_is_refused() -> None:
