@@ -59,6 +59,37 @@ def rank_zero_info(*args: Any, **kwargs: Any) -> None:
     print(*args, **kwargs)
 
 
+class EmberDeprecationWarning(DeprecationWarning):
+    """What ``rank_zero_deprecation`` warns with (Lightning's ``LightningDeprecationWarning``): a
+    ``DeprecationWarning``, which ``pytest.deprecated_call`` and the warning filters take as one."""
+
+
+@rank_zero_only
+def rank_zero_deprecation(message: str, stacklevel: int = 3) -> None:
+    """Warn, on the global-zero process, that what ``message`` names is deprecated."""
+    warnings.warn(message, EmberDeprecationWarning, stacklevel=stacklevel)
+
+
+class WarningCache(set[str]):
+    """Gives each message once (on the global-zero process): as a warning, a deprecation or an informational
+    message (Lightning's class of that name)."""
+
+    def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
+        if message not in self:
+            self.add(message)
+            rank_zero_warn(message, category, stacklevel=4)  # the caller of warn
+
+    def deprecation(self, message: str) -> None:
+        if message not in self:
+            self.add(message)
+            rank_zero_deprecation(message, stacklevel=4)
+
+    def info(self, message: str) -> None:
+        if message not in self:
+            self.add(message)
+            rank_zero_log_info(message)
+
+
 class _Console(logging.Handler):
     """Writes the "ember" logger's messages to ``sys.stdout`` as it is at each message (so that redirecting or
     capturing stdout takes them, as it took their ``print``), above the progress bars while they are drawn;
@@ -124,6 +155,14 @@ def announce(message: str, lightning_module: str = "utilities.rank_zero") -> Non
     at INFO, on the global-zero process. ``lightning_module`` is where Lightning logs it, under
     ``lightning.pytorch``: the levels a Lightning program sets there apply to it."""
     _logger.info(message, extra={"lightning_module": lightning_module})
+
+
+@rank_zero_only
+def rank_zero_log_info(message: Any, *args: Any, **kwargs: Any) -> None:
+    """Lightning's ``rank_zero_info``: ``logging``'s ``info(message, *args)`` (``%``-formatted) on the "ember" logger,
+    on the global-zero process. It is shown as the Trainer's messages are, and the levels a Lightning program sets
+    on Lightning's loggers silence it, as there."""
+    _logger.info(message, *args, **kwargs)
 
 
 @rank_zero_only

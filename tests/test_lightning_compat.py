@@ -77,7 +77,7 @@ def test_lightning_names_are_embers_own_objects() -> None:
         assert ModelCheckpoint is ember.callbacks.ModelCheckpoint and DDPStrategy is ember.strategies.DDPStrategy
         assert BasePredictionWriter is ember.callbacks.BasePredictionWriter and callable(grad_norm)
         assert (
-            rank_zero_info is ember.rank_zero.rank_zero_info
+            rank_zero_info is ember.rank_zero.rank_zero_log_info  # Lightning's logs, Ember's own prints
             and pl.callbacks.EarlyStopping is ptl.callbacks.EarlyStopping
         )
         assert "ModelCheckpoint" in dir(pl.callbacks) and L.__version__.startswith("2.")
@@ -313,6 +313,33 @@ def test_levels_set_on_lightning_s_loggers_apply_to_the_messages_ember_gives_in_
     finally:
         rank_zero.setLevel(logging.NOTSET)
         package.setLevel(logging.NOTSET)
+
+
+def test_lightning_s_rank_zero_helpers_log_and_warn_in_lightning_s_categories(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with served_by_ember():
+        from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_deprecation, rank_zero_info
+
+        with pytest.deprecated_call(match="^old$"):
+            rank_zero_deprecation("old")
+        cache = WarningCache()
+        with pytest.warns(UserWarning) as caught:
+            for _ in range(2):
+                cache.warn("once")
+                cache.deprecation("deprecated once")
+                cache.info("said once")
+        rank_zero_info("%s of %d", "one", 2)  # logging's formatting
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+        try:
+            rank_zero_info("silenced")
+        finally:
+            logging.getLogger("lightning.pytorch").setLevel(logging.NOTSET)
+    assert [(warning.category.__name__, str(warning.message)) for warning in caught] == [
+        ("UserWarning", "once"),
+        ("EmberDeprecationWarning", "deprecated once"),
+    ]
+    assert capsys.readouterr().out == "said once\none of 2\n"
 
 
 def test_installing_after_lightning_was_imported_is_refused() -> None:
