@@ -149,12 +149,17 @@ _logger.addHandler(_Console())
 _logger.addFilter(_LightningLevels())
 
 
+def log_info(message: str, lightning_module: str = "utilities.rank_zero") -> None:
+    """Log an informational message to the "ember" logger at INFO, on this process. ``lightning_module`` is where
+    Lightning logs it, under ``lightning.pytorch``: the levels a Lightning program sets there apply to it."""
+    _logger.info(message, extra={"lightning_module": lightning_module})
+
+
 @rank_zero_only
 def announce(message: str, lightning_module: str = "utilities.rank_zero") -> None:
-    """Log an informational message of the Trainer (a model summary, where a run resumes) to the "ember" logger
-    at INFO, on the global-zero process. ``lightning_module`` is where Lightning logs it, under
-    ``lightning.pytorch``: the levels a Lightning program sets there apply to it."""
-    _logger.info(message, extra={"lightning_module": lightning_module})
+    """Log an informational message of the Trainer (a model summary, where a run resumes), as ``log_info``, on the
+    global-zero process."""
+    log_info(message, lightning_module)
 
 
 @rank_zero_only

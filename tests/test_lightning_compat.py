@@ -300,11 +300,15 @@ def test_levels_set_on_lightning_s_loggers_apply_to_the_messages_ember_gives_in_
     try:
         with served_by_ember():
             from pytorch_lightning import Trainer
+            from pytorch_lightning.callbacks import EarlyStopping
 
-            rank_zero.setLevel(logging.WARNING)  # the Trainer's messages go; the model summary has a logger of its own
-            Trainer(**quiet).fit(Regressor(), make_loader(16))
+            # The Trainer's messages go; the model summary and EarlyStopping have loggers of their own.
+            rank_zero.setLevel(logging.WARNING)
+            stopping = EarlyStopping("train_loss", verbose=True, check_on_train_epoch_end=True)
+            Trainer(callbacks=[stopping], **quiet).fit(Regressor(), make_loader(16))
             shown = capsys.readouterr().out
-            assert "Total params" in shown and "`Trainer.fit` stopped" not in shown
+            assert "Total params" in shown and "Metric train_loss improved" in shown
+            assert "`Trainer.fit` stopped" not in shown
             package.setLevel(logging.ERROR)  # a package above silences all
             Trainer(**quiet).fit(Regressor(), make_loader(16))
             assert capsys.readouterr().out == ""
