@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ember.exceptions import PossibleUserWarning
 from ember.lightning_compat.hook import is_installed as lightning_names_served
 
 _T = TypeVar("_T")
@@ -57,6 +58,12 @@ def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklev
 def rank_zero_info(*args: Any, **kwargs: Any) -> None:
     """Print an informational message (as ``print`` takes it) on the global-zero process."""
     print(*args, **kwargs)
+
+
+def disable_possible_user_warnings(module: str = "") -> None:
+    """Ignore the ``PossibleUserWarning``s (about settings that may be mistakes) from here on: all of them, or those
+    of the modules whose name matches ``module`` (a regular expression, as ``warnings.filterwarnings`` takes)."""
+    warnings.filterwarnings("ignore", category=PossibleUserWarning, module=module)
 
 
 class EmberDeprecationWarning(DeprecationWarning):

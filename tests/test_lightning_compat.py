@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -323,7 +324,9 @@ def test_lightning_s_rank_zero_helpers_log_and_warn_in_lightning_s_categories(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with served_by_ember():
+        from lightning.pytorch.utilities import disable_possible_user_warnings
         from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_deprecation, rank_zero_info
+        from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
         with pytest.deprecated_call(match="^old$"):
             rank_zero_deprecation("old")
@@ -344,6 +347,12 @@ def test_lightning_s_rank_zero_helpers_log_and_warn_in_lightning_s_categories(
         ("EmberDeprecationWarning", "deprecated once"),
     ]
     assert capsys.readouterr().out == "said once\none of 2\n"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        disable_possible_user_warnings()
+        warnings.warn("perhaps a mistake", PossibleUserWarning, stacklevel=1)
+        warnings.warn("a mistake", UserWarning, stacklevel=1)
+    assert [str(warning.message) for warning in caught] == ["a mistake"]
 
 
 def test_installing_after_lightning_was_imported_is_refused() -> None:

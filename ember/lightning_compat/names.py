@@ -144,6 +144,7 @@ _UTILITIES: Names = {
     "is_picklable": "ember.utilities:is_picklable",
     "CombinedLoader": "ember.combined_loader:CombinedLoader",
     "measure_flops": "ember.utilities:measure_flops",
+    "disable_possible_user_warnings": "ember.rank_zero:disable_possible_user_warnings",
 }
 
 _MODEL_SUMMARY: Names = {
@@ -312,13 +313,17 @@ FABRIC: dict[str, Names] = {
     "": {"Fabric": Missing(_FABRIC), "seed_everything": "ember.seed:seed_everything"},
     "utilities": {
         "measure_flops": "ember.utilities:measure_flops",
+        "disable_possible_user_warnings": "ember.rank_zero:disable_possible_user_warnings",
         **{name: value for name, value in _RANK_ZERO.items() if name != "rank_zero_debug"},
     },
     "utilities.rank_zero": _RANK_ZERO_MODULE,
     "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
     "utilities.throughput": {"measure_flops": "ember.utilities:measure_flops"},
-    "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
+    "utilities.warnings": {
+        "PossibleUserWarning": "ember.exceptions:PossibleUserWarning",
+        "disable_possible_user_warnings": "ember.rank_zero:disable_possible_user_warnings",
+    },
     "utilities.spike": {"TrainingSpikeException": "ember.callbacks:TrainingSpikeException"},
     "utilities.data": {"has_iterable_dataset": "ember.data:has_iterable_dataset"},
 }
