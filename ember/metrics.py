@@ -16,10 +16,10 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from ember._utils import batch_size_of
 from ember.exceptions import MisconfigurationException
 from ember.loggers import Logger
 from ember.rank_zero import rank_zero_warn_once
+from ember.utilities import logged_batch_size
 
 ReduceFx = Literal["mean", "sum", "max", "min"]
 #: The reductions ``self.log(reduce_fx=...)`` takes, as Lightning does: their names (in any case, "avg" for the
@@ -111,10 +111,8 @@ class MetricStore:
         self.reduced: dict[str, tuple[Number, _Logged]] = {}
 
     def record(self, entry: _Logged, value: Any, batch_size: int | None) -> None:
-        """Record one ``self.log`` value in ``entry``, with the options ``RunMetrics.log`` gave it.
-
-        Called per step, possibly several times: the common case (a scalar tensor) takes the shortest path.
-        """
+        """Record one ``self.log`` value in ``entry``, with the options ``RunMetrics.log`` gave it: called per step,
+        possibly several times, the common case (a scalar tensor) taking the shortest path."""
         if type(value) is torch.Tensor and value.numel() == 1:  # the usual value, taken without a call more
             value = value.detach()  # logging must never keep the autograd graph alive
         elif is_metric_object(value):
@@ -137,8 +135,9 @@ class MetricStore:
             entry.total = _accumulate(entry.total, value, entry.reduce_fx, 1)
             return
         if batch_size is None:
-            if self._sized_batch is not self.batch:
-                self._sized_batch, self._batch_size = self.batch, batch_size_of(self.batch)
+            if self._sized_batch is not self.batch:  # an epoch's first batch has its tensors compared
+                self._batch_size = logged_batch_size(self.batch, compare=self._sized_batch is None)
+                self._sized_batch = self.batch
             batch_size = self._batch_size
         entry.total = _accumulate(entry.total, value, "mean", batch_size)
         entry.weight += batch_size
@@ -214,6 +213,7 @@ class MetricStore:
                 entry.metric.reset()
         self._entries.clear()
         self.reduced.clear()
+        self._sized_batch = None
 
 
 def _step_name(key: str, entry: _Logged) -> str:

@@ -10,6 +10,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ember.exceptions import PossibleUserWarning
+from ember.lightning_compat.hook import is_installed as lightning_names_served
+
 _T = TypeVar("_T")
 
 # Launchers that set a global rank, in the order they are trusted.
@@ -57,6 +60,43 @@ def rank_zero_info(*args: Any, **kwargs: Any) -> None:
     print(*args, **kwargs)
 
 
+def disable_possible_user_warnings(module: str = "") -> None:
+    """Ignore the ``PossibleUserWarning``s (about settings that may be mistakes) from here on: all of them, or those
+    of the modules whose name matches ``module`` (a regular expression, as ``warnings.filterwarnings`` takes)."""
+    warnings.filterwarnings("ignore", category=PossibleUserWarning, module=module)
+
+
+class EmberDeprecationWarning(DeprecationWarning):
+    """What ``rank_zero_deprecation`` warns with (Lightning's ``LightningDeprecationWarning``): a
+    ``DeprecationWarning``, which ``pytest.deprecated_call`` and the warning filters take as one."""
+
+
+@rank_zero_only
+def rank_zero_deprecation(message: str, stacklevel: int = 3) -> None:
+    """Warn, on the global-zero process, that what ``message`` names is deprecated."""
+    warnings.warn(message, EmberDeprecationWarning, stacklevel=stacklevel)
+
+
+class WarningCache(set[str]):
+    """Gives each message once (on the global-zero process): as a warning, a deprecation or an informational
+    message (Lightning's class of that name)."""
+
+    def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
+        if message not in self:
+            self.add(message)
+            rank_zero_warn(message, category, stacklevel=4)  # the caller of warn
+
+    def deprecation(self, message: str) -> None:
+        if message not in self:
+            self.add(message)
+            rank_zero_deprecation(message, stacklevel=4)
+
+    def info(self, message: str) -> None:
+        if message not in self:
+            self.add(message)
+            rank_zero_log_info(message)
+
+
 class _Console(logging.Handler):
     """Writes the "ember" logger's messages to ``sys.stdout`` as it is at each message (so that redirecting or
     capturing stdout takes them, as it took their ``print``), above the progress bars while they are drawn;
@@ -82,19 +122,59 @@ def _root_shows_on_console() -> bool:
     return any(getattr(handler, "stream", None) in consoles for handler in logging.getLogger().handlers)
 
 
+class _LightningLevels(logging.Filter):
+    """In a program that uses Lightning's names, drops the messages that the levels it set on Lightning's loggers
+    would have hidden on Lightning: a level set on the logger of the Lightning module that gives the message
+    (``utilities.rank_zero`` unless ``announce`` was told another) or on a package above it, as
+    ``logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)``, which Lightning's docs advise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not lightning_names_served():
+            return True
+        module = getattr(record, "lightning_module", "utilities.rank_zero")
+        packages = ("lightning.pytorch", "pytorch_lightning")  # whichever the program imported
+        return all(record.levelno >= _lightning_level(f"{package}.{module}") for package in packages)
+
+
+def _lightning_level(name: str) -> int:
+    """The level set on logger ``name`` or on the nearest package above it (the root excluded), else INFO, the
+    level Lightning gives its own. Read without creating the loggers that the program never named."""
+    while name:
+        logger = logging.Logger.manager.loggerDict.get(name)
+        if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET:
+            return logger.level
+        name = name.rpartition(".")[0]
+    return logging.INFO
+
+
 # As Lightning's logger: informational messages are shown at INFO by default, by a handler of their own, and
 # logging.getLogger("ember").setLevel(logging.WARNING) silences them. They also reach the root logger's
 # handlers (a log file, pytest's caplog), as any library's records do.
 _logger = logging.getLogger("ember")
 _logger.setLevel(logging.INFO)
 _logger.addHandler(_Console())
+_logger.addFilter(_LightningLevels())
+
+
+def log_info(message: str, lightning_module: str = "utilities.rank_zero") -> None:
+    """Log an informational message to the "ember" logger at INFO, on this process. ``lightning_module`` is where
+    Lightning logs it, under ``lightning.pytorch``: the levels a Lightning program sets there apply to it."""
+    _logger.info(message, extra={"lightning_module": lightning_module})
 
 
 @rank_zero_only
-def announce(message: str) -> None:
-    """Log an informational message of the Trainer (a model summary, where a run resumes) to the "ember" logger
-    at INFO, on the global-zero process."""
-    _logger.info(message)
+def announce(message: str, lightning_module: str = "utilities.rank_zero") -> None:
+    """Log an informational message of the Trainer (a model summary, where a run resumes), as ``log_info``, on the
+    global-zero process."""
+    log_info(message, lightning_module)
+
+
+@rank_zero_only
+def rank_zero_log_info(message: Any, *args: Any, **kwargs: Any) -> None:
+    """Lightning's ``rank_zero_info``: ``logging``'s ``info(message, *args)`` (``%``-formatted) on the "ember" logger,
+    on the global-zero process. It is shown as the Trainer's messages are, and the levels a Lightning program sets
+    on Lightning's loggers silence it, as there."""
+    _logger.info(message, *args, **kwargs)
 
 
 @rank_zero_only

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember._utils import AttributeDict, move_to_device
+from ember._utils import AttributeDict, batch_size_of, move_to_device
 from ember.exceptions import MisconfigurationException
 from ember.rank_zero import (
     rank_zero_debug,
@@ -110,6 +110,25 @@ def extract_batch_size(batch: Any) -> int:
     """The batch size Lightning's ``extract_batch_size`` infers: the first dimension of the first tensor in
     ``batch`` (1 for a scalar tensor), looking through mappings, iterables and dataclasses in order. Tensors that
     disagree are warned about (once); a batch with no tensor, or too deep to look through, is refused."""
+    found = checked_batch_size(batch)
+    if found is None:
+        raise MisconfigurationException(
+            "We could not infer the batch_size from the batch. Either simplify its structure or provide the "
+            "batch_size as `self.log(..., batch_size=batch_size)`."
+        )
+    return found
+
+
+def logged_batch_size(batch: Any, compare: bool) -> int:
+    """The size ``self.log`` weighs a per-epoch mean by: the first tensor's, its disagreement with the others warned
+    about (once) as ``extract_batch_size`` does when ``compare`` (each epoch's first batch: a batch's structure seldom
+    changes, and comparing every batch would cost each step); 1 for a batch without tensors."""
+    return (checked_batch_size(batch) if compare else batch_size_of(batch)) or 1
+
+
+def checked_batch_size(batch: Any) -> int | None:
+    """``extract_batch_size``'s size, warning (once) when ``batch``'s tensors disagree; None when it holds no tensor
+    or is too deep to look through."""
     found = None
     try:
         for size in _batch_sizes(batch):
@@ -122,12 +141,7 @@ def extract_batch_size(batch: Any) -> int:
                 )
                 break
     except RecursionError:
-        found = None
-    if found is None:
-        raise MisconfigurationException(
-            "We could not infer the batch_size from the batch. Either simplify its structure or provide the "
-            "batch_size as `self.log(..., batch_size=batch_size)`."
-        )
+        return None
     return found
 
 

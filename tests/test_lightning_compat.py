@@ -15,11 +15,13 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import os
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,7 +78,7 @@ def test_lightning_names_are_embers_own_objects() -> None:
         assert ModelCheckpoint is ember.callbacks.ModelCheckpoint and DDPStrategy is ember.strategies.DDPStrategy
         assert BasePredictionWriter is ember.callbacks.BasePredictionWriter and callable(grad_norm)
         assert (
-            rank_zero_info is ember.rank_zero.rank_zero_info
+            rank_zero_info is ember.rank_zero.rank_zero_log_info  # Lightning's logs, Ember's own prints
             and pl.callbacks.EarlyStopping is ptl.callbacks.EarlyStopping
         )
         assert "ModelCheckpoint" in dir(pl.callbacks) and L.__version__.startswith("2.")
@@ -293,6 +295,68 @@ def test_a_bar_of_one_s_own_on_lightning_s_progress_bar_draws_nothing_else(capsy
         assert trainer.progress_bar_callback is bar and isinstance(TQDMProgressBar(), ProgressBar)
     printed = capsys.readouterr().out.splitlines()  # Lightning's base draws nothing: the bar's and the Trainer's lines
     assert printed == ["50%", "100%", "`Trainer.fit` stopped: `max_epochs=1` reached.", "done"]
+
+
+def test_levels_set_on_lightning_s_loggers_apply_to_the_messages_ember_gives_in_lightning_s_words(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    quiet = dict(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    rank_zero, package = logging.getLogger("pytorch_lightning.utilities.rank_zero"), logging.getLogger("lightning")
+    try:
+        with served_by_ember():
+            from pytorch_lightning import Trainer
+            from pytorch_lightning.callbacks import EarlyStopping
+
+            # The Trainer's messages go; the model summary and EarlyStopping have loggers of their own.
+            rank_zero.setLevel(logging.WARNING)
+            stopping = EarlyStopping("train_loss", verbose=True, check_on_train_epoch_end=True)
+            Trainer(callbacks=[stopping], **quiet).fit(Regressor(), make_loader(16))
+            shown = capsys.readouterr().out
+            assert "Total params" in shown and "Metric train_loss improved" in shown
+            assert "`Trainer.fit` stopped" not in shown
+            package.setLevel(logging.ERROR)  # a package above silences all
+            Trainer(**quiet).fit(Regressor(), make_loader(16))
+            assert capsys.readouterr().out == ""
+        ember.Trainer(**quiet).fit(Regressor(), make_loader(16))  # Ember's own programs: Ember's logger decides
+        assert "`Trainer.fit` stopped" in capsys.readouterr().out
+    finally:
+        rank_zero.setLevel(logging.NOTSET)
+        package.setLevel(logging.NOTSET)
+
+
+def test_lightning_s_rank_zero_helpers_log_and_warn_in_lightning_s_categories(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with served_by_ember():
+        from lightning.pytorch.utilities import disable_possible_user_warnings
+        from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_deprecation, rank_zero_info
+        from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+        with pytest.deprecated_call(match="^old$"):
+            rank_zero_deprecation("old")
+        cache = WarningCache()
+        with pytest.warns(UserWarning) as caught:
+            for _ in range(2):
+                cache.warn("once")
+                cache.deprecation("deprecated once")
+                cache.info("said once")
+        rank_zero_info("%s of %d", "one", 2)  # logging's formatting
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+        try:
+            rank_zero_info("silenced")
+        finally:
+            logging.getLogger("lightning.pytorch").setLevel(logging.NOTSET)
+    assert [(warning.category.__name__, str(warning.message)) for warning in caught] == [
+        ("UserWarning", "once"),
+        ("EmberDeprecationWarning", "deprecated once"),
+    ]
+    assert capsys.readouterr().out == "said once\none of 2\n"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        disable_possible_user_warnings()
+        warnings.warn("perhaps a mistake", PossibleUserWarning, stacklevel=1)
+        warnings.warn("a mistake", UserWarning, stacklevel=1)
+    assert [str(warning.message) for warning in caught] == ["a mistake"]
 
 
 def test_installing_after_lightning_was_imported_is_refused() -> None:

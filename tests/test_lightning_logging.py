@@ -15,7 +15,8 @@ import pytest
 import torch
 import torchmetrics
 import yaml
-from conftest import Regressor, make_loader, quiet_trainer
+from conftest import Regressor, make_data, make_loader, quiet_trainer
+from torch.utils.data import DataLoader, default_collate
 
 import ember
 from ember.callbacks import Callback, DeviceStatsMonitor, StageThroughputMonitor, ThroughputMonitor
@@ -298,6 +299,22 @@ def test_logged_metrics_hold_the_step_and_the_epoch_values_whether_or_not_a_logg
     assert {"t_step", "t_epoch", "v_step", "v_epoch"} <= set(logged)
     assert logged["t_step"] == 1.0 and logged["v_step"] == 1.0 and logged["v_epoch"] == 0.5
     assert all(isinstance(value, torch.Tensor) for value in logged.values())
+
+
+def test_an_epoch_mean_warns_as_lightning_when_the_batch_s_tensors_disagree_on_its_size() -> None:
+    class WithIds(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("i", float(batch_idx), on_step=False, on_epoch=True)
+            return super().training_step(batch[:2], batch_idx)
+
+    # Each batch of 8 samples carries 3 ids: the mean is weighted by the first tensor's size, with Lightning's warning.
+    loader = DataLoader(
+        make_data(16), batch_size=8, collate_fn=lambda samples: [*default_collate(samples), torch.ones(3)]
+    )
+    trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    with pytest.warns(UserWarning, match="ambiguous collection. The batch size we found is 8. To avoid any"):
+        trainer.fit(WithIds(), loader)
+    assert trainer.callback_metrics["i"] == 0.5
 
 
 def test_an_epoch_logged_by_the_module_is_kept() -> None:

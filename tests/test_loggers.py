@@ -104,7 +104,7 @@ def test_mlflow_runs_read_back_from_the_local_store(tmp_path: Any) -> None:
     assert logger.log_dir is None and trainer.log_dir == store  # the run's files are MLflow's, as in Lightning
 
 
-def test_mlflow_marks_a_failed_run_and_cleans_metric_names(tmp_path: Any) -> None:
+def test_mlflow_marks_a_failed_run_and_prefixes_and_cleans_metric_names(tmp_path: Any) -> None:
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
@@ -116,11 +116,11 @@ def test_mlflow_marks_a_failed_run_and_cleans_metric_names(tmp_path: Any) -> Non
             return super().training_step(batch, batch_idx)
 
     store = str(tmp_path / "mlruns")
-    logger = MLflowLogger(save_dir=store)
+    logger = MLflowLogger(save_dir=store, prefix="train")
     with pytest.raises(RuntimeError, match="boom"):
         quiet_trainer(max_epochs=1, logger=logger, log_every_n_steps=1).fit(Failing(), make_loader(64))
     run = MlflowClient(tracking_uri="file:" + store).get_run(logger.version)
-    assert run.info.status == "FAILED" and "top_1 acc" in run.data.metrics
+    assert run.info.status == "FAILED" and "train-top_1 acc" in run.data.metrics  # prefix-name, as in Lightning
 
 
 def test_wandb_offline_run_holds_the_metrics_and_hyperparameters(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from enum import Enum
@@ -12,7 +11,7 @@ import torch
 
 from ember.callbacks.callback import Callback, settings_key
 from ember.exceptions import MisconfigurationException
-from ember.rank_zero import announce, rank_zero_warn
+from ember.rank_zero import announce, log_info, rank_zero_warn
 
 if TYPE_CHECKING:
     from ember.module import Module
@@ -136,10 +135,11 @@ class EarlyStopping(Callback):
             rank_zero_warn(missing, category=RuntimeWarning, stacklevel=4)
 
     def _log(self, trainer: Trainer, message: str) -> None:
+        where = "callbacks.early_stopping"  # Lightning's logger of these messages, whose level a program may set
         if trainer.world_size == 1:
-            announce(message)
+            announce(message, where)
         elif not self.log_rank_zero_only or trainer.global_rank == 0:
-            logging.getLogger("ember").info(f"[rank: {trainer.global_rank}] {message}")
+            log_info(f"[rank: {trainer.global_rank}] {message}", where)
 
     def _stopping_reason(self, current: torch.Tensor) -> tuple[EarlyStoppingReason, str | None]:
         """Why ``current`` stops training, and what to say about it (an improvement is said without stopping)."""

@@ -44,7 +44,7 @@ class ModelSummary(Callback):
         # Ember's shorter table runs nothing; a module with an example_input_array asks for each layer's sizes, and a
         # subclass that overrides summarize for Lightning's columns: both run the example once, as Lightning's does.
         if pl_module.example_input_array is None and not is_overridden("summarize", self, ModelSummary):
-            announce(summarize(pl_module, self.max_depth))
+            announce(summarize(pl_module, self.max_depth), "callbacks.model_summary")
             return
         summary = SummaryObject(pl_module, self.max_depth)
         if trainer.is_global_zero:
@@ -67,8 +67,10 @@ class ModelSummary(Callback):
         columns as (header, cells) pairs, as ``ember.model_summary.ModelSummary.summary_data`` gives them, and the
         totals. The callback calls it when a subclass overrides it or the module has an ``example_input_array``, and
         otherwise shows Ember's shorter table."""
-        announce(summary_table(summary_data, total_parameters, trainable_parameters, model_size,
-                               total_training_modes, total_flops))  # fmt: skip
+        table = summary_table(
+            summary_data, total_parameters, trainable_parameters, model_size, total_training_modes, total_flops
+        )
+        announce(table, "callbacks.model_summary")
 
 
 def summarize(model: nn.Module, max_depth: int = 1) -> str:

@@ -34,10 +34,15 @@ _DATAMODULE: Names = {"LightningDataModule": "ember.module:DataModule"}
 _TRAINER: Names = {"Trainer": "ember.trainer:Trainer"}
 _RANK_ZERO: Names = {
     "rank_zero_only": "ember.rank_zero:rank_zero_only",
-    "rank_zero_info": "ember.rank_zero:rank_zero_info",
+    "rank_zero_info": "ember.rank_zero:rank_zero_log_info",  # Lightning's logs (Ember's own prints)
     "rank_zero_warn": "ember.rank_zero:rank_zero_warn",
     "rank_zero_debug": "ember.rank_zero:rank_zero_debug",
-    "rank_zero_deprecation": "ember.rank_zero:rank_zero_warn",
+    "rank_zero_deprecation": "ember.rank_zero:rank_zero_deprecation",
+}
+_RANK_ZERO_MODULE: Names = {
+    **_RANK_ZERO,
+    "WarningCache": "ember.rank_zero:WarningCache",
+    "LightningDeprecationWarning": "ember.rank_zero:EmberDeprecationWarning",
 }
 _TYPES: Names = {
     name: f"ember.lightning_compat.extras:{name}"
@@ -139,6 +144,7 @@ _UTILITIES: Names = {
     "is_picklable": "ember.utilities:is_picklable",
     "CombinedLoader": "ember.combined_loader:CombinedLoader",
     "measure_flops": "ember.utilities:measure_flops",
+    "disable_possible_user_warnings": "ember.rank_zero:disable_possible_user_warnings",
 }
 
 _MODEL_SUMMARY: Names = {
@@ -278,7 +284,7 @@ PYTORCH: dict[str, Names] = {
     "tuner": {"Tuner": "ember.tuner:Tuner"},
     "tuner.tuning": {"Tuner": "ember.tuner:Tuner"},
     "utilities": _UTILITIES,
-    "utilities.rank_zero": _RANK_ZERO,
+    "utilities.rank_zero": _RANK_ZERO_MODULE,
     "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
     "utilities.grads": {"grad_norm": "ember.utilities:grad_norm"},
     "utilities.parsing": {
@@ -312,13 +318,17 @@ FABRIC: dict[str, Names] = {
     "": {"Fabric": Missing(_FABRIC), "seed_everything": "ember.seed:seed_everything"},
     "utilities": {
         "measure_flops": "ember.utilities:measure_flops",
+        "disable_possible_user_warnings": "ember.rank_zero:disable_possible_user_warnings",
         **{name: value for name, value in _RANK_ZERO.items() if name != "rank_zero_debug"},
     },
-    "utilities.rank_zero": _RANK_ZERO,
+    "utilities.rank_zero": _RANK_ZERO_MODULE,
     "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},
     "utilities.throughput": {"measure_flops": "ember.utilities:measure_flops"},
-    "utilities.warnings": {"PossibleUserWarning": "ember.exceptions:PossibleUserWarning"},
+    "utilities.warnings": {
+        "PossibleUserWarning": "ember.exceptions:PossibleUserWarning",
+        "disable_possible_user_warnings": "ember.rank_zero:disable_possible_user_warnings",
+    },
     "utilities.spike": {"TrainingSpikeException": "ember.callbacks:TrainingSpikeException"},
     "utilities.data": {"has_iterable_dataset": "ember.data:has_iterable_dataset"},
 }

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ember._utils import require
-from ember.loggers.logger import DEFAULT_NAME, Logger, default_name, flatten, params_dict
+from ember.loggers.logger import DEFAULT_NAME, Logger, default_name, flatten, params_dict, prefixed
 
 _STATUS = {"success": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 _NOT_ALLOWED_IN_KEYS = re.compile(r"[^\w\-. /:]")  # what MLflow accepts in metric and param names
@@ -25,8 +25,11 @@ class MLflowLogger(Logger):
     ``save_dir``, which ``mlflow ui --backend-store-uri ./mlruns`` shows. ``run_id`` continues an existing
     run. ``version`` is the run id and ``name`` the experiment id, as in MLflow. Needs the mlflow package
     (``pip install 'ember[mlflow]'``, which installs mlflow-skinny). Characters MLflow does not accept
-    in names become "_".
+    in names become "_". As in Lightning, ``prefix`` is put before each metric's name (``prefix-name``).
     """
+
+    #: What joins ``prefix`` and a metric's name (Lightning's class attribute: a subclass may change it).
+    LOGGER_JOIN_CHAR = "-"
 
     def __init__(
         self,
@@ -37,6 +40,7 @@ class MLflowLogger(Logger):
         save_dir: str | os.PathLike = "./mlruns",
         artifact_location: str | None = None,
         run_id: str | None = None,
+        prefix: str = "",
     ) -> None:
         require("mlflow", "mlflow", "MLflowLogger")
         tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -55,6 +59,7 @@ class MLflowLogger(Logger):
         self._tags = {key: str(value) for key, value in (tags or {}).items()}
         self._artifact_location = artifact_location
         self._run_id = run_id
+        self._prefix = prefix
         self._experiment_id: str | None = None
         self._client: Any = None
 
@@ -104,9 +109,10 @@ class MLflowLogger(Logger):
         from mlflow.entities import Metric
 
         timestamp = int(time.time() * 1000)
-        entries = [Metric(_key(name), float(value), timestamp, step or 0) for name, value in metrics.items()]
+        named = prefixed(metrics, self._prefix, self.LOGGER_JOIN_CHAR)
+        entries = [Metric(_key(name), float(value), timestamp, step or 0) for name, value in named.items()]
         for start in range(0, len(entries), _METRICS_PER_CALL):
-            self.experiment.log_batch(self.version, metrics=entries[start : start + _METRICS_PER_CALL])
+            self.experiment.log_batch(run_id=self.version, metrics=entries[start : start + _METRICS_PER_CALL])
 
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None, *args: Any, **kwargs: Any) -> None:
         from mlflow.entities import Param
@@ -114,7 +120,7 @@ class MLflowLogger(Logger):
         flat = flatten(params_dict(params))
         entries = [Param(_key(key), str(value)[:_MAX_PARAM_LENGTH]) for key, value in flat.items()]
         for start in range(0, len(entries), _PARAMS_PER_CALL):
-            self.experiment.log_batch(self.version, params=entries[start : start + _PARAMS_PER_CALL])
+            self.experiment.log_batch(run_id=self.version, params=entries[start : start + _PARAMS_PER_CALL])
 
     def finalize(self, status: str) -> None:
         if self._run_id is not None:
