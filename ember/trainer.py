@@ -545,6 +545,10 @@ class Trainer(LightningProperties):
                 self.profiler.detach(self, stage)  # its wrappers come off whatever teardown() did
             if self.is_global_zero:
                 for logger in self.loggers:
+                    # Saved first: a logger of one's own may override finalize without calling save (Lightning's
+                    # template does), and Lightning has saved each one after every write by then.
+                    if callable(save := getattr(logger, "save", None)):
+                        save()
                     logger.finalize(status)
         finally:
             for loader in self._stage_loaders:

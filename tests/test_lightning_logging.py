@@ -246,6 +246,27 @@ def test_values_are_labelled_and_handed_to_loggers_as_lightning_does() -> None:
     assert calls.calls == [({"v_step": 0.0}, 0), ({"v_step": 1.0}, 1), ({"v_epoch": 0.5, "epoch": 2}, 4)]
 
 
+def test_a_logger_whose_finalize_leaves_out_save_is_saved_at_each_stages_end() -> None:
+    # Lightning's template for a logger of one's own overrides finalize without calling super(): what save()
+    # writes out must still be written, once the stage's last values are handed over.
+    class Buffering(_Calls):
+        def __init__(self) -> None:
+            super().__init__()
+            self.saved: list[int] = []
+
+        def save(self) -> None:
+            self.saved.append(len(self.calls))
+
+        def finalize(self, status: str) -> None:
+            pass
+
+    logger = Buffering()
+    trainer = quiet_trainer(max_epochs=1, logger=logger, log_every_n_steps=1, enable_checkpointing=False)
+    trainer.fit(Regressor(), make_loader(16))
+    trainer.validate(trainer.lightning_module, make_loader(8), verbose=False)
+    assert logger.saved and logger.saved[-1] == len(logger.calls) and len(logger.saved) >= 2
+
+
 def test_log_every_n_steps_0_writes_the_epochs_values_only() -> None:
     calls = _Calls()
     callbacks = [DeviceStatsMonitor(), ThroughputMonitor(flops_per_sample=None)]  # they log at logging steps
