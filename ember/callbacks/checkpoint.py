@@ -52,7 +52,8 @@ class ModelCheckpoint(Callback):
         mode: ``"min"`` or ``"max"``: which direction of ``monitor`` is better.
         auto_insert_metric_name: ``"{epoch}"`` becomes ``"epoch=3"`` in file names.
         every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of them; 0 is off;
-            default every epoch).
+            default every epoch). A save due by step or time that ``monitor``s a value not logged yet, or falls
+            just before a validation, waits for that validation's end (as Lightning), to be ranked by a fresh value.
         save_on_train_epoch_end: True saves at the end of each epoch (after the epoch's validation, if any);
             False after each validation of ``fit`` instead, so an epoch without one saves nothing; None (the
             default) chooses as Lightning does: after each validation when there are validations but not one at
@@ -119,6 +120,7 @@ class ModelCheckpoint(Callback):
         self._steps_since_time_check = 0
         self._validated_at_epoch_end = False
         self._validated = False  # whether a validation of this fit has run (not the sanity check)
+        self._deferred = False  # a save due by step or time waits for the next validation's monitored value
 
     @property
     def state_key(self) -> str:
@@ -154,7 +156,7 @@ class ModelCheckpoint(Callback):
             run_dir = run_directory_of(first, root) if first is not None else None  # not a sub_dir
             self.dirpath = os.path.join(run_dir or root, "checkpoints")
         self._last_time_save = time.monotonic()
-        self._validated = False
+        self._validated = self._deferred = False
 
     def on_train_batch_end(
         self, trainer: "Trainer", pl_module: "Module", outputs: Any, batch: Any, batch_idx: int
@@ -162,34 +164,37 @@ class ModelCheckpoint(Callback):
         if self.every_n_train_steps:
             step = trainer.global_step
             if step > 0 and step % self.every_n_train_steps == 0:
-                self._save(trainer)
+                self._save_when_scored(trainer, batch_idx)
         elif self.train_time_interval is not None and trainer.fit_loop.stepped:
             # Every rank must take the same decision (saving involves all of them), so rank zero's
-            # clock decides; it is consulted every few steps to keep the communication rare.
+            # clock decides; with several processes it is consulted every few steps to keep the communication rare.
             self._steps_since_time_check += 1
-            if self._steps_since_time_check < self._TIME_CHECK_EVERY:
+            if self._steps_since_time_check < self._TIME_CHECK_EVERY and trainer.world_size > 1:
                 return
             self._steps_since_time_check = 0
             elapsed = time.monotonic() - self._last_time_save
             if trainer.strategy.broadcast(elapsed >= self.train_time_interval.total_seconds()):
-                self._save(trainer)
+                self._save_when_scored(trainer, batch_idx)
                 self._last_time_save = time.monotonic()
 
     def on_train_epoch_end(self, trainer: "Trainer", pl_module: "Module") -> None:
         validated, self._validated_at_epoch_end = self._validated_at_epoch_end, False
-        if self._epoch_due(trainer) and (validated or not self._after_validations(trainer)):
+        deferred = validated and self._deferred
+        if deferred or (self._epoch_due(trainer) and (validated or not self._after_validations(trainer))):
+            self._deferred = False
             self._save(trainer)
 
     def on_validation_end(self, trainer: "Trainer", pl_module: "Module") -> None:
         if trainer.stage != "fit" or trainer.sanity_checking:
             return
         self._validated = True
-        if not self._after_validations(trainer):
+        if not (self._deferred or (self._after_validations(trainer) and self._epoch_due(trainer))):
             return
         if trainer.fit_loop.at_epoch_end:
             # Saved at the epoch's end, just after this: a checkpoint then resumes at the next epoch.
             self._validated_at_epoch_end = True
-        elif self._epoch_due(trainer):
+        else:
+            self._deferred = False
             self._save(trainer)
 
     def on_train_end(self, trainer: "Trainer", pl_module: "Module") -> None:
@@ -210,6 +215,16 @@ class ModelCheckpoint(Callback):
             last = self._versioned(metrics, self.CHECKPOINT_NAME_LAST, self.last_model_path)
             checkpoint_io.link(path, last)
             self.last_model_path = last
+
+    def _save_when_scored(self, trainer: "Trainer", batch_idx: int) -> None:
+        """A save due by step count or time, put off to the end of the next validation when that validation gives
+        the monitored value (not logged yet, or validating right after this batch), as Lightning does: the
+        checkpoint is then ranked by a value of its own weights, not by a stale one."""
+        scored_later = self.monitor not in self._candidates(trainer) or _validates_after(trainer, batch_idx)
+        if self.monitor is not None and trainer.validation_enabled and scored_later:
+            self._deferred = True
+            return
+        self._save(trainer)
 
     def _epoch_due(self, trainer: "Trainer") -> bool:
         return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
@@ -460,6 +475,15 @@ def _check_options(
             f"every_n_epochs={every_n_epochs} and train_time_interval={train_time_interval} should be mutually "
             "exclusive (0 turns one off)"
         )
+
+
+def _validates_after(trainer: "Trainer", batch_idx: int) -> bool:
+    """Whether ``fit`` validates right after the training batch ``batch_idx`` of the current epoch."""
+    loop = trainer.fit_loop
+    if loop.data is None:
+        return False
+    schedule = loop.data.validation
+    return schedule.selects(loop.current_epoch) and schedule.due(loop.progress, batch_idx, loop.is_last_batch)
 
 
 def _local_or_url(dirpath: str | os.PathLike) -> str:
