@@ -214,11 +214,14 @@ def test_a_run_without_a_logger_keeps_its_checkpoints_in_the_root_checkpoints_di
     assert trainer.checkpoint_callback is not None
     assert trainer.checkpoint_callback.dirpath == os.path.join(root, "checkpoints") == trainer.checkpoint_dir
     assert _files(tmp_path) == {"checkpoints"}  # no run directory of its own
-    resumed = quiet_trainer(max_epochs=2, default_root_dir=root, logger=False, callbacks=[ModelCheckpoint()])
+    again = ModelCheckpoint(save_last=True)
+    resumed = quiet_trainer(max_epochs=2, default_root_dir=root, logger=False, callbacks=[again])
     assert checkpoint_state.find_checkpoint(resumed, "last") is not None
     resumed.fit(Regressor(), make_loader(16), ckpt_path="last")
     assert resumed.global_step == 4
+    # The run continued in place replaces its "last", which its first save made a link to the top-k file.
     assert _files(tmp_path / "checkpoints") == {"epoch=1-step=4.ckpt", "last.ckpt"}
+    assert again.last_model_path == os.path.join(root, "checkpoints", "last.ckpt")
 
 
 # ---------------------------------------------------------------------------------- resuming

@@ -341,9 +341,14 @@ class ModelCheckpoint(Callback):
         # The bookkeeping is final before each write, so each checkpoint carries its own save's state. With
         # async_checkpoint the write goes on in the background; the strategy links and removes files only
         # after it, so "last" and the top k never point at a file that is not complete.
+        previous_last = self.last_model_path
+        if self.save_last:
+            # Named first, so that the top-k file, which "last" may link to, records it: a run resumed from it
+            # then replaces that "last" rather than adding another (last-v1).
+            self.last_model_path = self._free_path(trainer, metrics, self.CHECKPOINT_NAME_LAST, previous_last)
         saved = self._save_top_k(trainer, metrics) if top_k and self.save_top_k else None
         if self.save_last:
-            self._save_last(trainer, metrics, saved)
+            self._save_last(trainer, previous_last, saved)
         trainer.strategy.barrier()
 
     def _save_top_k(self, trainer: "Trainer", metrics: dict[str, Any]) -> str | None:
@@ -385,9 +390,8 @@ class ModelCheckpoint(Callback):
         self._remove(trainer, evicted, path)
         return path
 
-    def _save_last(self, trainer: "Trainer", metrics: dict[str, Any], saved: str | None) -> None:
-        previous = self.last_model_path
-        path = self.last_model_path = self._free_path(trainer, metrics, self.CHECKPOINT_NAME_LAST, previous)
+    def _save_last(self, trainer: "Trainer", previous: str, saved: str | None) -> None:
+        path = self.last_model_path
         if saved is not None:
             # The same state as the top-k file just saved: a link to it rather than a second write.
             trainer.strategy.link_checkpoint(saved, path)
