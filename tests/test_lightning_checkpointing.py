@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import inspect
 import io
 import logging
 import os
+import threading
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -483,7 +486,7 @@ def test_verbose_checkpointing_says_what_ranks_in_lightnings_words(
     ]
 
 
-def test_load_from_checkpoint_reads_an_open_file_or_bytes_in_memory(tmp_path: Any) -> None:
+def test_load_from_checkpoint_reads_an_open_file_bytes_in_memory_or_a_url(tmp_path: Any, monkeypatch: Any) -> None:
     trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
     model = Regressor()
     trainer.fit(model, make_loader())
@@ -494,6 +497,15 @@ def test_load_from_checkpoint_reads_an_open_file_or_bytes_in_memory(tmp_path: An
     assert torch.equal(loaded.layer.weight, model.layer.weight)
     loaded = Regressor.load_from_checkpoint(io.BytesIO(path.read_bytes()))
     assert torch.equal(loaded.layer.weight, model.layer.weight)
+    # A URL: downloaded into torch hub's cache under $TORCH_HOME, as Lightning does.
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub-home"))
+    serve = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), serve) as server:
+        threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()  # polls: a quick stop
+        loaded = Regressor.load_from_checkpoint(f"http://127.0.0.1:{server.server_address[1]}/model.ckpt")
+        server.shutdown()
+    assert torch.equal(loaded.layer.weight, model.layer.weight)
+    assert os.path.isfile(tmp_path / "hub-home" / "hub" / "checkpoints" / "model.ckpt")
     with pytest.raises(checkpoint_io.CheckpointError, match="'not-a-checkpoint' is not a readable checkpoint"):
         named = io.BytesIO(b"PK\x03\x04 cut short")
         named.name = "not-a-checkpoint"  # type: ignore[misc]
