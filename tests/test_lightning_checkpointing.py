@@ -266,6 +266,17 @@ def test_save_on_exception_keeps_the_work_since_the_last_checkpoint(tmp_path: An
     assert resumed.global_step == 6
 
 
+def test_a_run_resumed_from_the_last_its_failure_saved_replaces_it(tmp_path: Any) -> None:
+    def run(*callbacks: Callback) -> ember.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, save_last=True)
+        return quiet_trainer(max_epochs=1, callbacks=[checkpoint, *callbacks], logger=False)
+
+    with pytest.raises(RuntimeError, match="trouble"):
+        run(_FailsAt(step=1)).fit(Regressor(), make_loader(16))  # before any other save
+    run().fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert _files(tmp_path) == {"epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"}
+
+
 def test_save_on_exception_saves_nothing_when_the_step_was_just_saved(tmp_path: Any) -> None:
     every_step = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_on_exception=True)
     trainer = quiet_trainer(max_epochs=1, callbacks=[every_step, _FailsAt(step=1)], logger=False)

@@ -208,13 +208,17 @@ class ModelCheckpoint(Callback):
         if not trainer.optimizers or self._last_saved_step == trainer.global_step:
             return  # training had not started, or nothing was trained since the last save
         metrics = self._candidates(trainer)
+        previous_last = self.last_model_path
+        linked = self.save_last and trainer.is_global_zero
+        if linked:  # named first, so that the file saved records it (as in ``_save``)
+            self.last_model_path = self._versioned(metrics, self.CHECKPOINT_NAME_LAST, previous_last)
         path = save_after_failure(trainer, pl_module, exception, self.format_checkpoint_name(metrics))
-        if path is not None and self.save_last and trainer.is_global_zero:
+        if path is None:
+            self.last_model_path = previous_last
+        elif linked:
             # At once, not through the strategy's writer, which may hold the failed stage's write; no rank waits
             # for the others after a failure.
-            last = self._versioned(metrics, self.CHECKPOINT_NAME_LAST, self.last_model_path)
-            checkpoint_io.link(path, last)
-            self.last_model_path = last
+            checkpoint_io.link(path, self.last_model_path)
 
     def _save_when_scored(self, trainer: "Trainer", batch_idx: int) -> None:
         """A save due by step count or time, put off to the end of the next validation when that validation gives
