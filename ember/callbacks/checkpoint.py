@@ -486,9 +486,11 @@ def _check_options(
 
 
 def _validates_after(trainer: "Trainer", batch_idx: int) -> bool:
-    """Whether ``fit`` validates right after the training batch ``batch_idx`` of the current epoch."""
+    """Whether ``fit`` validates right after the training batch ``batch_idx`` of the current epoch. Not known for a
+    ``val_check_interval`` that is a duration: each rank's clock would answer for itself, and ranks that disagree
+    about saving would wait for each other."""
     loop = trainer.fit_loop
-    if loop.data is None:
+    if loop.data is None or trainer.val_check_batch is None:
         return False
     schedule = loop.data.validation
     return schedule.selects(loop.current_epoch) and schedule.due(loop.progress, batch_idx, loop.is_last_batch)
