@@ -222,9 +222,10 @@ class ModelCheckpoint(Callback):
 
     def _save_when_scored(self, trainer: "Trainer", batch_idx: int) -> None:
         """A save due by step count or time, put off to the end of the next validation when that validation gives
-        the monitored value (not logged yet, or validating right after this batch), as Lightning does: the
-        checkpoint is then ranked by a value of its own weights, not by a stale one."""
-        scored_later = self.monitor not in self._candidates(trainer) or _validates_after(trainer, batch_idx)
+        the monitored value (not logged yet, or, when saving after validations, validating right after this batch),
+        as Lightning does: the checkpoint is then ranked by a value of its own weights, not by a stale one."""
+        follows = self._after_validations(trainer) and _validates_after(trainer, batch_idx)
+        scored_later = self.monitor not in self._candidates(trainer) or follows
         if self.monitor is not None and trainer.validation_enabled and scored_later:
             self._deferred = True
             return
