@@ -52,8 +52,9 @@ class ModelCheckpoint(Callback):
         mode: ``"min"`` or ``"max"``: which direction of ``monitor`` is better.
         auto_insert_metric_name: ``"{epoch}"`` becomes ``"epoch=3"`` in file names.
         every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of them; 0 is off;
-            default every epoch). A save due by step or time that ``monitor``s a value not logged yet, or falls
-            just before a validation, waits for that validation's end (as Lightning), to be ranked by a fresh value.
+            default every epoch). A save due by step or time that ``monitor``s a value not logged yet (or, saving
+            after validations, falls just before one) waits for the next validation's end, to be ranked by a fresh
+            value (as Lightning).
         save_on_train_epoch_end: True saves at the end of each epoch (after the epoch's validation, if any);
             False after each validation of ``fit`` instead, so an epoch without one saves nothing; None (the
             default) chooses as Lightning does: after each validation when there are validations but not one at
