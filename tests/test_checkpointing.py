@@ -324,6 +324,17 @@ def test_a_monitored_metric_missing_before_the_first_validation_warns_and_saves_
     assert checkpoint.best_k_models == {} and _files(str(tmp_path)) == ["last.ckpt"]
 
 
+@pytest.mark.parametrize("trigger", [{"every_n_train_steps": 2}, {"train_time_interval": timedelta(0)}])
+def test_a_save_due_by_step_or_time_waits_for_the_validation_that_scores_it(trigger: Any, tmp_path: Any) -> None:
+    # Validation every other epoch (2 steps each): a save due before it, or at the step just before it, is ranked
+    # by that validation's score, never by a stale one or none.
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", mode="max", **trigger)
+    trainer = quiet_trainer(max_epochs=4, check_val_every_n_epoch=2, callbacks=[checkpoint], logger=False)
+    trainer.fit(_Scripted([0.1, 0.5, 1.0, 3.0]), make_loader(16), make_loader(8))
+    assert checkpoint.best_model_score is not None and checkpoint.best_model_score.item() == 3.0
+    assert _files(str(tmp_path)) == ["epoch=3-step=8.ckpt"]
+
+
 class _Counter(ember.callbacks.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"count": 1}

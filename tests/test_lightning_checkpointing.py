@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import inspect
 import io
 import logging
 import os
+import threading
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -214,11 +217,14 @@ def test_a_run_without_a_logger_keeps_its_checkpoints_in_the_root_checkpoints_di
     assert trainer.checkpoint_callback is not None
     assert trainer.checkpoint_callback.dirpath == os.path.join(root, "checkpoints") == trainer.checkpoint_dir
     assert _files(tmp_path) == {"checkpoints"}  # no run directory of its own
-    resumed = quiet_trainer(max_epochs=2, default_root_dir=root, logger=False, callbacks=[ModelCheckpoint()])
+    again = ModelCheckpoint(save_last=True)
+    resumed = quiet_trainer(max_epochs=2, default_root_dir=root, logger=False, callbacks=[again])
     assert checkpoint_state.find_checkpoint(resumed, "last") is not None
     resumed.fit(Regressor(), make_loader(16), ckpt_path="last")
     assert resumed.global_step == 4
+    # The run continued in place replaces its "last", which its first save made a link to the top-k file.
     assert _files(tmp_path / "checkpoints") == {"epoch=1-step=4.ckpt", "last.ckpt"}
+    assert again.last_model_path == os.path.join(root, "checkpoints", "last.ckpt")
 
 
 # ---------------------------------------------------------------------------------- resuming
@@ -258,6 +264,17 @@ def test_save_on_exception_keeps_the_work_since_the_last_checkpoint(tmp_path: An
     resumed = quiet_trainer(max_epochs=3, callbacks=[ModelCheckpoint(dirpath=tmp_path)], logger=False)
     resumed.fit(Regressor(), make_loader(16), ckpt_path="last")
     assert resumed.global_step == 6
+
+
+def test_a_run_resumed_from_the_last_its_failure_saved_replaces_it(tmp_path: Any) -> None:
+    def run(*callbacks: Callback) -> ember.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, save_last=True)
+        return quiet_trainer(max_epochs=1, callbacks=[checkpoint, *callbacks], logger=False)
+
+    with pytest.raises(RuntimeError, match="trouble"):
+        run(_FailsAt(step=1)).fit(Regressor(), make_loader(16))  # before any other save
+    run().fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert _files(tmp_path) == {"epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"}
 
 
 def test_save_on_exception_saves_nothing_when_the_step_was_just_saved(tmp_path: Any) -> None:
@@ -480,7 +497,7 @@ def test_verbose_checkpointing_says_what_ranks_in_lightnings_words(
     ]
 
 
-def test_load_from_checkpoint_reads_an_open_file_or_bytes_in_memory(tmp_path: Any) -> None:
+def test_load_from_checkpoint_reads_an_open_file_bytes_in_memory_or_a_url(tmp_path: Any, monkeypatch: Any) -> None:
     trainer = quiet_trainer(max_epochs=1, logger=False, enable_checkpointing=False)
     model = Regressor()
     trainer.fit(model, make_loader())
@@ -491,6 +508,15 @@ def test_load_from_checkpoint_reads_an_open_file_or_bytes_in_memory(tmp_path: An
     assert torch.equal(loaded.layer.weight, model.layer.weight)
     loaded = Regressor.load_from_checkpoint(io.BytesIO(path.read_bytes()))
     assert torch.equal(loaded.layer.weight, model.layer.weight)
+    # A URL: downloaded into torch hub's cache under $TORCH_HOME, as Lightning does.
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub-home"))
+    serve = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), serve) as server:
+        threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()  # polls: a quick stop
+        loaded = Regressor.load_from_checkpoint(f"http://127.0.0.1:{server.server_address[1]}/model.ckpt")
+        server.shutdown()
+    assert torch.equal(loaded.layer.weight, model.layer.weight)
+    assert os.path.isfile(tmp_path / "hub-home" / "hub" / "checkpoints" / "model.ckpt")
     with pytest.raises(checkpoint_io.CheckpointError, match="'not-a-checkpoint' is not a readable checkpoint"):
         named = io.BytesIO(b"PK\x03\x04 cut short")
         named.name = "not-a-checkpoint"  # type: ignore[misc]

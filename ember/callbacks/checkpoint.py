@@ -52,7 +52,9 @@ class ModelCheckpoint(Callback):
         mode: ``"min"`` or ``"max"``: which direction of ``monitor`` is better.
         auto_insert_metric_name: ``"{epoch}"`` becomes ``"epoch=3"`` in file names.
         every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of them; 0 is off;
-            default every epoch).
+            default every epoch). A save due by step or time that ``monitor``s a value not logged yet (or, saving
+            after validations, falls just before one) waits for the next validation's end, to be ranked by a fresh
+            value (as Lightning).
         save_on_train_epoch_end: True saves at the end of each epoch (after the epoch's validation, if any);
             False after each validation of ``fit`` instead, so an epoch without one saves nothing; None (the
             default) chooses as Lightning does: after each validation when there are validations but not one at
@@ -119,6 +121,7 @@ class ModelCheckpoint(Callback):
         self._steps_since_time_check = 0
         self._validated_at_epoch_end = False
         self._validated = False  # whether a validation of this fit has run (not the sanity check)
+        self._deferred = False  # a save due by step or time waits for the next validation's monitored value
 
     @property
     def state_key(self) -> str:
@@ -154,7 +157,7 @@ class ModelCheckpoint(Callback):
             run_dir = run_directory_of(first, root) if first is not None else None  # not a sub_dir
             self.dirpath = os.path.join(run_dir or root, "checkpoints")
         self._last_time_save = time.monotonic()
-        self._validated = False
+        self._validated = self._deferred = False
 
     def on_train_batch_end(
         self, trainer: "Trainer", pl_module: "Module", outputs: Any, batch: Any, batch_idx: int
@@ -162,34 +165,37 @@ class ModelCheckpoint(Callback):
         if self.every_n_train_steps:
             step = trainer.global_step
             if step > 0 and step % self.every_n_train_steps == 0:
-                self._save(trainer)
+                self._save_when_scored(trainer, batch_idx)
         elif self.train_time_interval is not None and trainer.fit_loop.stepped:
             # Every rank must take the same decision (saving involves all of them), so rank zero's
-            # clock decides; it is consulted every few steps to keep the communication rare.
+            # clock decides; with several processes it is consulted every few steps to keep the communication rare.
             self._steps_since_time_check += 1
-            if self._steps_since_time_check < self._TIME_CHECK_EVERY:
+            if self._steps_since_time_check < self._TIME_CHECK_EVERY and trainer.world_size > 1:
                 return
             self._steps_since_time_check = 0
             elapsed = time.monotonic() - self._last_time_save
             if trainer.strategy.broadcast(elapsed >= self.train_time_interval.total_seconds()):
-                self._save(trainer)
+                self._save_when_scored(trainer, batch_idx)
                 self._last_time_save = time.monotonic()
 
     def on_train_epoch_end(self, trainer: "Trainer", pl_module: "Module") -> None:
         validated, self._validated_at_epoch_end = self._validated_at_epoch_end, False
-        if self._epoch_due(trainer) and (validated or not self._after_validations(trainer)):
+        deferred = validated and self._deferred
+        if deferred or (self._epoch_due(trainer) and (validated or not self._after_validations(trainer))):
+            self._deferred = False
             self._save(trainer)
 
     def on_validation_end(self, trainer: "Trainer", pl_module: "Module") -> None:
         if trainer.stage != "fit" or trainer.sanity_checking:
             return
         self._validated = True
-        if not self._after_validations(trainer):
+        if not (self._deferred or (self._after_validations(trainer) and self._epoch_due(trainer))):
             return
         if trainer.fit_loop.at_epoch_end:
             # Saved at the epoch's end, just after this: a checkpoint then resumes at the next epoch.
             self._validated_at_epoch_end = True
-        elif self._epoch_due(trainer):
+        else:
+            self._deferred = False
             self._save(trainer)
 
     def on_train_end(self, trainer: "Trainer", pl_module: "Module") -> None:
@@ -203,13 +209,28 @@ class ModelCheckpoint(Callback):
         if not trainer.optimizers or self._last_saved_step == trainer.global_step:
             return  # training had not started, or nothing was trained since the last save
         metrics = self._candidates(trainer)
+        previous_last = self.last_model_path
+        linked = self.save_last and trainer.is_global_zero
+        if linked:  # named first, so that the file saved records it (as in ``_save``)
+            self.last_model_path = self._versioned(metrics, self.CHECKPOINT_NAME_LAST, previous_last)
         path = save_after_failure(trainer, pl_module, exception, self.format_checkpoint_name(metrics))
-        if path is not None and self.save_last and trainer.is_global_zero:
+        if path is None:
+            self.last_model_path = previous_last
+        elif linked:
             # At once, not through the strategy's writer, which may hold the failed stage's write; no rank waits
             # for the others after a failure.
-            last = self._versioned(metrics, self.CHECKPOINT_NAME_LAST, self.last_model_path)
-            checkpoint_io.link(path, last)
-            self.last_model_path = last
+            checkpoint_io.link(path, self.last_model_path)
+
+    def _save_when_scored(self, trainer: "Trainer", batch_idx: int) -> None:
+        """A save due by step count or time, put off to the end of the next validation when that validation gives
+        the monitored value (not logged yet, or, when saving after validations, validating right after this batch),
+        as Lightning does: the checkpoint is then ranked by a value of its own weights, not by a stale one."""
+        follows = self._after_validations(trainer) and _validates_after(trainer, batch_idx)
+        scored_later = self.monitor not in self._candidates(trainer) or follows
+        if self.monitor is not None and trainer.validation_enabled and scored_later:
+            self._deferred = True
+            return
+        self._save(trainer)
 
     def _epoch_due(self, trainer: "Trainer") -> bool:
         return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
@@ -326,9 +347,14 @@ class ModelCheckpoint(Callback):
         # The bookkeeping is final before each write, so each checkpoint carries its own save's state. With
         # async_checkpoint the write goes on in the background; the strategy links and removes files only
         # after it, so "last" and the top k never point at a file that is not complete.
+        previous_last = self.last_model_path
+        if self.save_last:
+            # Named first, so that the top-k file, which "last" may link to, records it: a run resumed from it
+            # then replaces that "last" rather than adding another (last-v1).
+            self.last_model_path = self._free_path(trainer, metrics, self.CHECKPOINT_NAME_LAST, previous_last)
         saved = self._save_top_k(trainer, metrics) if top_k and self.save_top_k else None
         if self.save_last:
-            self._save_last(trainer, metrics, saved)
+            self._save_last(trainer, previous_last, saved)
         trainer.strategy.barrier()
 
     def _save_top_k(self, trainer: "Trainer", metrics: dict[str, Any]) -> str | None:
@@ -370,9 +396,8 @@ class ModelCheckpoint(Callback):
         self._remove(trainer, evicted, path)
         return path
 
-    def _save_last(self, trainer: "Trainer", metrics: dict[str, Any], saved: str | None) -> None:
-        previous = self.last_model_path
-        path = self.last_model_path = self._free_path(trainer, metrics, self.CHECKPOINT_NAME_LAST, previous)
+    def _save_last(self, trainer: "Trainer", previous: str, saved: str | None) -> None:
+        path = self.last_model_path
         if saved is not None:
             # The same state as the top-k file just saved: a link to it rather than a second write.
             trainer.strategy.link_checkpoint(saved, path)
@@ -460,6 +485,17 @@ def _check_options(
             f"every_n_epochs={every_n_epochs} and train_time_interval={train_time_interval} should be mutually "
             "exclusive (0 turns one off)"
         )
+
+
+def _validates_after(trainer: "Trainer", batch_idx: int) -> bool:
+    """Whether ``fit`` validates right after the training batch ``batch_idx`` of the current epoch. Not known for a
+    ``val_check_interval`` that is a duration: each rank's clock would answer for itself, and ranks that disagree
+    about saving would wait for each other."""
+    loop = trainer.fit_loop
+    if loop.data is None or trainer.val_check_batch is None:
+        return False
+    schedule = loop.data.validation
+    return schedule.selects(loop.current_epoch) and schedule.due(loop.progress, batch_idx, loop.is_last_batch)
 
 
 def _local_or_url(dirpath: str | os.PathLike) -> str:
