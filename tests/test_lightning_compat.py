@@ -186,8 +186,6 @@ def test_measure_flops_counts_a_meta_model_as_lightnings_does() -> None:
 @pytest.mark.parametrize(
     ("statement", "message"),
     [
-        ("from lightning.pytorch.callbacks import EMAWeightAveraging",
-         r"lightning.pytorch.callbacks.EMAWeightAveraging is not covered by Ember: use StochasticWeightAveraging, or"),
         ("from pytorch_lightning.loggers import CometLogger",
          r"CometLogger is not covered.*subclass ember.loggers.Logger"),
         ("from lightning.pytorch.plugins.environments import SLURMEnvironment",
@@ -199,8 +197,6 @@ def test_measure_flops_counts_a_meta_model_as_lightnings_does() -> None:
         ("import lightning_fabric.strategies", r"lightning_fabric.strategies is a part of Lightning that Ember does"),
         ("import lightning.pytorch.trainer.connectors", r"Ember covers lightning.pytorch's callbacks, cli, core"),
         ("from lightning.pytorch.callbacks import Nonexistent", r"callbacks.Nonexistent is not covered.*has Callback"),
-        ("from lightning.pytorch.callbacks.weight_averaging import WeightAveraging",
-         r"callbacks.weight_averaging is a part of Lightning that Ember does not cover: use StochasticWeightAveraging"),
         ("from lightning.pytorch.loops import FitLoop", r"loops is a part .*override the module's hooks"),
         ("from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy",
          r"strategies.deepspeed .*FSDPStrategy"),

@@ -19,10 +19,6 @@ class Missing:
 
 Names = dict[str, "str | Missing"]
 
-_SWA = (
-    "use StochasticWeightAveraging, or average weights with torch.optim.swa_utils.AveragedModel in a callback of "
-    "your own (an exponential moving average: torch.optim.swa_utils.get_ema_multi_avg_fn)"
-)
 _PLUGINS = (
     "Ember has no plugins: pick the precision with Trainer(precision=...), the launcher and cluster are found "
     "by themselves (torchelastic, SLURM, MPI), checkpoints are written atomically by the strategy"
@@ -74,6 +70,8 @@ _CALLBACKS: Names = {
             "RichProgressBar",
             "SpikeDetection",
             "ModelPruning",
+            "WeightAveraging",
+            "EMAWeightAveraging",
         )
     },
     # Lightning's ThroughputMonitor logs each stage's counts and rates under its names; Ember's logs TFLOP/s and MFU.
@@ -82,8 +80,6 @@ _CALLBACKS: Names = {
     "ProgressBar": "ember.callbacks:ProgressBarBase",
     "RichModelSummary": "ember.callbacks:ModelSummary",
     "Checkpoint": "ember.callbacks:ModelCheckpoint",
-    "WeightAveraging": Missing(_SWA),
-    "EMAWeightAveraging": Missing(_SWA),
     "LearningRateFinder": "ember.tuner:LearningRateFinder",
     "BatchSizeFinder": "ember.tuner:BatchSizeFinder",
 }
@@ -219,6 +215,9 @@ PYTORCH: dict[str, Names] = {
         "WriteInterval": "ember.callbacks.prediction_writer:WriteInterval",
     },
     "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
+    "callbacks.weight_averaging": {
+        name: f"ember.callbacks:{name}" for name in ("WeightAveraging", "EMAWeightAveraging")
+    },
     "callbacks.stochastic_weight_avg": {"StochasticWeightAveraging": "ember.callbacks:StochasticWeightAveraging"},
     "callbacks.gradient_accumulation_scheduler": {
         "GradientAccumulationScheduler": "ember.callbacks:GradientAccumulationScheduler"
@@ -334,7 +333,6 @@ MISSING_MODULES = {
     "loggers.comet": _LOGGER,
     "loggers.neptune": _LOGGER,
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
-    "callbacks.weight_averaging": _SWA,
     "strategies.deepspeed": "use ember.strategies.FSDPStrategy, which shards parameters, gradients and optimizer "
     "state (ZeRO 3)",
     "strategies.xla": "Ember runs on CUDA, MPS and CPU devices, not on TPUs",
