@@ -68,13 +68,17 @@ def test_lightning_names_are_embers_own_objects() -> None:
         import lightning.pytorch as pl
         import pytorch_lightning as ptl
         from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+        from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
         from lightning.pytorch.strategies import DDPStrategy
         from lightning.pytorch.utilities import grad_norm, rank_zero_info
+        from lightning.pytorch.utilities.memory import recursive_detach
 
         assert L.LightningModule is pl.LightningModule is ptl.LightningModule is ember.Module
         assert L.Trainer is ember.Trainer and pl.LightningDataModule is ember.DataModule
         assert ModelCheckpoint is ember.callbacks.ModelCheckpoint and DDPStrategy is ember.strategies.DDPStrategy
         assert BasePredictionWriter is ember.callbacks.BasePredictionWriter and callable(grad_norm)
+        assert EMAWeightAveraging is ember.callbacks.EMAWeightAveraging
+        assert recursive_detach is ember.utilities.recursive_detach
         assert (
             rank_zero_info is ember.rank_zero.rank_zero_info
             and pl.callbacks.EarlyStopping is ptl.callbacks.EarlyStopping

@@ -275,6 +275,7 @@ PYTORCH: dict[str, Names] = {
     "utilities.rank_zero": _RANK_ZERO,
     "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
     "utilities.grads": {"grad_norm": "ember.utilities:grad_norm"},
+    "utilities.memory": {"recursive_detach": "ember.utilities:recursive_detach"},
     "utilities.parsing": {
         **{name: f"ember.utilities:{name}" for name in ("AttributeDict", "is_picklable")},
         "lightning_hasattr": "ember.hparams:has_field",
