@@ -294,13 +294,16 @@ def test_ema_validates_on_the_average_leaves_it_in_the_module_and_checkpoints_bo
     assert int(checkpoint["averaging_state"]["n_averaged"]) == 4
 
 
-def test_when_the_ema_takes_the_weights() -> None:
+def test_when_the_ema_takes_the_weights_and_what_it_refuses() -> None:
     ema = EMAWeightAveraging(update_every_n_steps=3, update_starting_at_step=4, update_starting_at_epoch=1)
     assert [step for step in range(12) if ema.should_update(step_idx=step)] == [6, 9]
     assert [ema.should_update(epoch_idx=epoch) for epoch in range(3)] == [False, True, True]
     assert not WeightAveraging().should_update(epoch_idx=0) and WeightAveraging().should_update(step_idx=0)
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['decay'\]"):
         WeightAveraging(decay=0.9)
+    trainer = quiet_trainer(logger=False, strategy=_Sharding(), callbacks=[EMAWeightAveraging()], max_epochs=1)
+    with pytest.raises(MisconfigurationException, match="EMAWeightAveraging does not support sharded models"):
+        trainer.fit(Regressor(), make_loader(16))
 
 
 def test_a_resumed_fit_continues_the_weight_average_exactly() -> None:
