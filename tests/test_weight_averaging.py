@@ -286,12 +286,18 @@ def test_ema_validates_on_the_average_leaves_it_in_the_module_and_checkpoints_bo
     assert ema.average_model is not None and int(ema.average_model.n_averaged) == 4
     torch.testing.assert_close(recorder.validated[0], _ema(steps[0:4:2], 0.5))  # epoch 0 validated the average
     torch.testing.assert_close(parameters_of(module)[0], _ema(steps[0::2], 0.5))
+    first_average = ema.average_model
     trainer.save_checkpoint(tmp_path / "ema.ckpt")
     checkpoint = torch.load(tmp_path / "ema.ckpt", weights_only=False)
     torch.testing.assert_close(checkpoint["state_dict"]["layer.weight"], _ema(steps[0::2], 0.5))
     # After the fit the module holds the average too (a checkpoint made during the fit keeps the trained weights).
     torch.testing.assert_close(checkpoint["current_model_state"]["layer.weight"], _ema(steps[0::2], 0.5))
     assert int(checkpoint["averaging_state"]["n_averaged"]) == 4
+    # Another fit averages its own module from its first step.
+    quiet_trainer(max_steps=3, logger=False, enable_checkpointing=False, callbacks=[ema]).fit(
+        Regressor(), make_loader(32)
+    )
+    assert ema.average_model is not first_average and int(ema.average_model.n_averaged) == 2
 
 
 def test_when_the_ema_takes_the_weights_and_what_it_refuses() -> None:

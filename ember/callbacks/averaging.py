@@ -65,11 +65,15 @@ class WeightAveraging(Callback):
 
     # --------------------------------------------------------------------------------- the hooks
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
-        if stage == "fit" and not trainer.strategy.holds_whole_model:
+        if stage != "fit":
+            return
+        if not trainer.strategy.holds_whole_model:
             raise MisconfigurationException(
                 f"{type(self).__name__} does not support sharded models (strategy={trainer.strategy.name!r}): each "
                 "process must hold every parameter to average them; use strategy='ddp'"
             )
+        # Each fit averages its own module, from its first step (a resumed fit's state is loaded after this).
+        self.average_model, self.latest_update_step, self.latest_update_epoch = None, 0, -1
 
     def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None:
         self._average_of(pl_module)  # before the sanity check, which validates on the average as every validation
