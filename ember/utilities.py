@@ -1,4 +1,5 @@
-"""Helpers for the code of a module or callback: rank-zero output, gradient norms, FLOPs, moving data, pickling."""
+"""Helpers for the code of a module or callback: rank-zero output, gradient norms, FLOPs, moving and detaching
+data, pickling."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember._utils import AttributeDict, batch_size_of, move_to_device
+from ember._utils import AttributeDict, apply_to_tensors, batch_size_of, move_to_device
 from ember.exceptions import MisconfigurationException
 from ember.rank_zero import (
     rank_zero_debug,
@@ -37,6 +38,7 @@ __all__ = [
     "rank_zero_only",
     "rank_zero_print",
     "rank_zero_warn",
+    "recursive_detach",
 ]
 
 
@@ -104,6 +106,12 @@ def is_picklable(obj: object) -> bool:
     except (pickle.PickleError, AttributeError, RuntimeError, TypeError):
         return False
     return True
+
+
+def recursive_detach(in_dict: Any, to_cpu: bool = False) -> Any:
+    """``in_dict`` with every tensor in it (through nested dicts, lists, tuples and dataclasses) detached from its
+    graph, and copied to the CPU with ``to_cpu``; what is not a tensor is kept as it is."""
+    return apply_to_tensors(in_dict, lambda tensor: tensor.detach().cpu() if to_cpu else tensor.detach())
 
 
 def extract_batch_size(batch: Any) -> int:

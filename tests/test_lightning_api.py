@@ -337,6 +337,14 @@ def test_grad_norm_names_each_gradient_s_norm_and_refuses_a_norm_type_not_positi
         ember.utilities.grad_norm(model, norm_type=-1)
 
 
+def test_recursive_detach_detaches_every_tensor_and_copies_it_to_the_cpu_when_asked() -> None:
+    weight = torch.ones(2, requires_grad=True)
+    detached = ember.utilities.recursive_detach({"a": weight * 2, "b": [weight, 3]}, to_cpu=True)
+    assert not detached["a"].requires_grad and not detached["b"][0].requires_grad and detached["b"][1] == 3
+    assert detached["a"].device.type == "cpu" and weight.requires_grad
+    torch.testing.assert_close(detached["a"], torch.full((2,), 2.0))
+
+
 def test_logger_and_loggers_of_the_module() -> None:
     model = Regressor()
     assert model.logger is None and model.loggers == []

@@ -70,13 +70,17 @@ def test_lightning_names_are_embers_own_objects() -> None:
         import lightning.pytorch as pl
         import pytorch_lightning as ptl
         from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+        from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
         from lightning.pytorch.strategies import DDPStrategy
         from lightning.pytorch.utilities import grad_norm, rank_zero_info
+        from lightning.pytorch.utilities.memory import recursive_detach
 
         assert L.LightningModule is pl.LightningModule is ptl.LightningModule is ember.Module
         assert L.Trainer is ember.Trainer and pl.LightningDataModule is ember.DataModule
         assert ModelCheckpoint is ember.callbacks.ModelCheckpoint and DDPStrategy is ember.strategies.DDPStrategy
         assert BasePredictionWriter is ember.callbacks.BasePredictionWriter and callable(grad_norm)
+        assert EMAWeightAveraging is ember.callbacks.EMAWeightAveraging
+        assert recursive_detach is ember.utilities.recursive_detach
         assert (
             rank_zero_info is ember.rank_zero.rank_zero_log_info  # Lightning's logs, Ember's own prints
             and pl.callbacks.EarlyStopping is ptl.callbacks.EarlyStopping
@@ -192,8 +196,6 @@ def test_measure_flops_counts_a_meta_model_as_lightnings_does() -> None:
 @pytest.mark.parametrize(
     ("statement", "message"),
     [
-        ("from lightning.pytorch.callbacks import EMAWeightAveraging",
-         r"lightning.pytorch.callbacks.EMAWeightAveraging is not covered by Ember: use StochasticWeightAveraging, or"),
         ("from pytorch_lightning.loggers import CometLogger",
          r"CometLogger is not covered.*subclass ember.loggers.Logger"),
         ("from lightning.pytorch.plugins.environments import SLURMEnvironment",
@@ -205,8 +207,6 @@ def test_measure_flops_counts_a_meta_model_as_lightnings_does() -> None:
         ("import lightning_fabric.strategies", r"lightning_fabric.strategies is a part of Lightning that Ember does"),
         ("import lightning.pytorch.trainer.connectors", r"Ember covers lightning.pytorch's callbacks, cli, core"),
         ("from lightning.pytorch.callbacks import Nonexistent", r"callbacks.Nonexistent is not covered.*has Callback"),
-        ("from lightning.pytorch.callbacks.weight_averaging import WeightAveraging",
-         r"callbacks.weight_averaging is a part of Lightning that Ember does not cover: use StochasticWeightAveraging"),
         ("from lightning.pytorch.loops import FitLoop", r"loops is a part .*override the module's hooks"),
         ("from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy",
          r"strategies.deepspeed .*FSDPStrategy"),

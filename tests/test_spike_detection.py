@@ -68,6 +68,7 @@ def test_what_is_no_spike(tmp_path: Any, losses: list[float], settings: dict[str
     [
         ([1.0, 1.0, 7.0, 1.0], {"atol": 5.0, "rtol": None}, 2),
         ([1.0, 1.0, float("inf"), 1.0], {}, 2),  # finite_only: a loss that is not finite is a spike
+        ([1.0, 1.0, float("inf"), 1.0], {"finite_only": False}, 2),  # above any mean
         ([1.0, 1.0, 1.0, 10.0], {"window": 2, "rtol": 1.0}, 3),
     ],
 )

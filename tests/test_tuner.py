@@ -40,11 +40,16 @@ class _Sized(ember.Module):
         return DataLoader(make_data(256), batch_size=self.hparams.batch_size, shuffle=True)
 
 
-@pytest.mark.parametrize(("mode", "found"), [("power", 32), ("binsearch", 40)])
-def test_the_largest_batch_that_fits_is_found_and_set(mode: str, found: int) -> None:
+@pytest.mark.parametrize(
+    ("mode", "init_val", "found"),
+    # From a size that does not fit, power mode halves it until one fits, then keeps it when its double does not
+    # fit (Lightning's: init_val times a power of two); binsearch bisects.
+    [("power", 2, 32), ("binsearch", 2, 40), ("power", 100, 25), ("binsearch", 100, 40)],
+)
+def test_the_largest_batch_that_fits_is_found_and_set(mode: str, init_val: int, found: int) -> None:
     model = _Sized(limit=40)
     before = parameters_of(model)
-    size = Tuner(quiet_trainer()).scale_batch_size(model, mode=mode, init_val=2, steps_per_trial=2, margin=0.0)
+    size = Tuner(quiet_trainer()).scale_batch_size(model, mode=mode, init_val=init_val, steps_per_trial=2, margin=0.0)
     assert size == found and model.hparams.batch_size == found
     assert all(torch.equal(a, b) for a, b in zip(parameters_of(model), before, strict=True))  # weights put back
 

@@ -1,5 +1,5 @@
 """StochasticWeightAveraging: its settings, the average and the schedule it makes, the BatchNorm pass, its
-refusals, and a resumed fit that continues the average."""
+refusals, and a resumed fit that continues the average; WeightAveraging and EMAWeightAveraging."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_loader, quiet_trainer
+from conftest import Regressor, make_loader, parameters_of, quiet_trainer
 from torch import nn
 from torch.optim.swa_utils import SWALR
 
 import ember
-from ember.callbacks import ModelCheckpoint, StochasticWeightAveraging
+from ember.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging, WeightAveraging
 from ember.exceptions import MisconfigurationException
 from ember.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
@@ -253,3 +253,77 @@ def test_the_average_and_the_batchnorm_pass_run_on_the_gpu() -> None:
     norm = module.net[1]
     assert norm.running_mean.device.type == "cuda" and int(norm.num_batches_tracked) > 0
     assert bool(norm.running_var.isfinite().all())
+
+
+class _Recorder(Callback):
+    """The module's weights after each training batch, and at each validation (before the averaging callback
+    that follows it in the list swaps them: so on_validation_epoch_end, after)."""
+
+    def __init__(self) -> None:
+        self.after_steps: list[torch.Tensor] = []
+        self.validated: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.after_steps.append(parameters_of(pl_module)[0])
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.validated.append(parameters_of(pl_module)[0])
+
+
+def _ema(weights: list[torch.Tensor], decay: float) -> torch.Tensor:
+    average = weights[0]
+    for current in weights[1:]:
+        average = decay * average + (1 - decay) * current
+    return average
+
+
+def test_ema_validates_on_the_average_leaves_it_in_the_module_and_checkpoints_both(tmp_path: Any) -> None:
+    recorder, ema = _Recorder(), EMAWeightAveraging(decay=0.5, update_every_n_steps=2)
+    trainer = quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False, callbacks=[recorder, ema])
+    module = Regressor()
+    trainer.fit(module, make_loader(32), make_loader(16))
+    steps = recorder.after_steps  # 4 steps an epoch; steps 0, 2, 4 and 6 (counted from 0) are averaged
+    assert ema.average_model is not None and int(ema.average_model.n_averaged) == 4
+    torch.testing.assert_close(recorder.validated[0], _ema(steps[0:4:2], 0.5))  # epoch 0 validated the average
+    torch.testing.assert_close(parameters_of(module)[0], _ema(steps[0::2], 0.5))
+    first_average = ema.average_model
+    trainer.save_checkpoint(tmp_path / "ema.ckpt")
+    checkpoint = torch.load(tmp_path / "ema.ckpt", weights_only=False)
+    torch.testing.assert_close(checkpoint["state_dict"]["layer.weight"], _ema(steps[0::2], 0.5))
+    # After the fit the module holds the average too (a checkpoint made during the fit keeps the trained weights).
+    torch.testing.assert_close(checkpoint["current_model_state"]["layer.weight"], _ema(steps[0::2], 0.5))
+    assert int(checkpoint["averaging_state"]["n_averaged"]) == 4
+    # Another fit averages its own module from its first step.
+    quiet_trainer(max_steps=3, logger=False, enable_checkpointing=False, callbacks=[ema]).fit(
+        Regressor(), make_loader(32)
+    )
+    assert ema.average_model is not first_average and int(ema.average_model.n_averaged) == 2
+
+
+def test_when_the_ema_takes_the_weights_and_what_it_refuses() -> None:
+    ema = EMAWeightAveraging(update_every_n_steps=3, update_starting_at_step=4, update_starting_at_epoch=1)
+    assert [step for step in range(12) if ema.should_update(step_idx=step)] == [6, 9]
+    assert [ema.should_update(epoch_idx=epoch) for epoch in range(3)] == [False, True, True]
+    assert not WeightAveraging().should_update(epoch_idx=0) and WeightAveraging().should_update(step_idx=0)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['decay'\]"):
+        WeightAveraging(decay=0.9)
+    trainer = quiet_trainer(logger=False, strategy=_Sharding(), callbacks=[EMAWeightAveraging()], max_epochs=1)
+    with pytest.raises(MisconfigurationException, match="EMAWeightAveraging does not support sharded models"):
+        trainer.fit(Regressor(), make_loader(16))
+
+
+def test_a_resumed_fit_continues_the_weight_average_exactly() -> None:
+    def run(max_steps: int, ckpt_path: str | None = None) -> tuple[ember.Module, WeightAveraging]:
+        module, averaging = Regressor(), WeightAveraging()
+        every = ModelCheckpoint(dirpath="averaged", every_n_train_steps=3, save_top_k=-1)
+        quiet_trainer(max_steps=max_steps, logger=False, callbacks=[averaging, every]).fit(
+            module, make_loader(32), ckpt_path=ckpt_path
+        )
+        return module, averaging
+
+    whole, whole_averaging = run(8)
+    resumed, resumed_averaging = run(8, ckpt_path="averaged/epoch=0-step=3.ckpt")
+    assert resumed_averaging.average_model is not None and whole_averaging.average_model is not None
+    assert int(resumed_averaging.average_model.n_averaged) == 8
+    for expected, actual in zip(parameters_of(whole), parameters_of(resumed)):
+        assert torch.equal(expected, actual)

@@ -1,5 +1,6 @@
 """Callbacks: code that hooks into the Trainer's loop."""
 
+from ember.callbacks.averaging import EMAWeightAveraging, WeightAveraging
 from ember.callbacks.callback import Callback
 from ember.callbacks.checkpoint import ModelCheckpoint
 from ember.callbacks.device_stats import DeviceStatsMonitor
@@ -27,6 +28,7 @@ __all__ = [
     "BasePredictionWriter",
     "Callback",
     "DeviceStatsMonitor",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "EarlyStoppingReason",
     "GradientAccumulationScheduler",
@@ -46,4 +48,5 @@ __all__ = [
     "ThroughputMonitor",
     "Timer",
     "TrainingSpikeException",
+    "WeightAveraging",
 ]

@@ -31,7 +31,8 @@ class SpikeDetection(Callback):
     A loss spikes when it is not an improvement on the last loss (lower, with ``mode="min"``) and differs from the
     mean of the last ``window`` losses by at least ``atol`` and by at least ``rtol`` times that mean (a tolerance
     of None always holds), from batch ``warmup`` of an epoch on. With ``finite_only``, a NaN or infinite loss is a
-    spike too; without, it is ignored. Each process checks its own loss, and a spike on any stops them all.
+    spike too; without, only an infinity on the wrong side (``+inf`` with ``mode="min"``) is. Each process checks
+    its own loss, and a spike on any stops them all.
 
     Before raising, the batch and the one before it (which may have damaged the weights) are added to
     ``bad_batches`` and written, as a JSON list of batch indices, to ``exclude_batches_path``: a ``.json`` file,
@@ -82,8 +83,10 @@ class SpikeDetection(Callback):
             self.last_val = value
 
     def _is_spike(self, value: float) -> bool:
-        if not math.isfinite(value):
-            return self.finite_only
+        if self.finite_only and not math.isfinite(value):
+            return True
+        # Otherwise a NaN is no spike (it compares with nothing) and -inf is an improvement, but +inf is as far
+        # above the mean as a loss can be, as in Lightning.
         difference = value - self.last_val
         if (difference <= 0) if self.mode == "min" else (difference >= 0):
             return False

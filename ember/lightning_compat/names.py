@@ -19,10 +19,6 @@ class Missing:
 
 Names = dict[str, "str | Missing"]
 
-_SWA = (
-    "use StochasticWeightAveraging, or average weights with torch.optim.swa_utils.AveragedModel in a callback of "
-    "your own (an exponential moving average: torch.optim.swa_utils.get_ema_multi_avg_fn)"
-)
 _PLUGINS = (
     "Ember has no plugins: pick the precision with Trainer(precision=...), the launcher and cluster are found "
     "by themselves (torchelastic, SLURM, MPI), checkpoints are written atomically by the strategy"
@@ -79,6 +75,8 @@ _CALLBACKS: Names = {
             "RichProgressBar",
             "SpikeDetection",
             "ModelPruning",
+            "WeightAveraging",
+            "EMAWeightAveraging",
         )
     },
     # Lightning's ThroughputMonitor logs each stage's counts and rates under its names; Ember's logs TFLOP/s and MFU.
@@ -87,8 +85,6 @@ _CALLBACKS: Names = {
     "ProgressBar": "ember.callbacks:ProgressBarBase",
     "RichModelSummary": "ember.callbacks:ModelSummary",
     "Checkpoint": "ember.callbacks:ModelCheckpoint",
-    "WeightAveraging": Missing(_SWA),
-    "EMAWeightAveraging": Missing(_SWA),
     "LearningRateFinder": "ember.tuner:LearningRateFinder",
     "BatchSizeFinder": "ember.tuner:BatchSizeFinder",
 }
@@ -227,6 +223,9 @@ PYTORCH: dict[str, Names] = {
         "WriteInterval": "ember.callbacks.prediction_writer:WriteInterval",
     },
     "callbacks.lambda_function": {"LambdaCallback": "ember.callbacks:LambdaCallback"},
+    "callbacks.weight_averaging": {
+        name: f"ember.callbacks:{name}" for name in ("WeightAveraging", "EMAWeightAveraging")
+    },
     "callbacks.stochastic_weight_avg": {"StochasticWeightAveraging": "ember.callbacks:StochasticWeightAveraging"},
     "callbacks.gradient_accumulation_scheduler": {
         "GradientAccumulationScheduler": "ember.callbacks:GradientAccumulationScheduler"
@@ -287,6 +286,7 @@ PYTORCH: dict[str, Names] = {
     "utilities.rank_zero": _RANK_ZERO_MODULE,
     "utilities.seed": {"seed_everything": "ember.seed:seed_everything"},
     "utilities.grads": {"grad_norm": "ember.utilities:grad_norm"},
+    "utilities.memory": {"recursive_detach": "ember.utilities:recursive_detach"},
     "utilities.parsing": {
         **{name: f"ember.utilities:{name}" for name in ("AttributeDict", "is_picklable")},
         "lightning_hasattr": "ember.hparams:has_field",
@@ -349,7 +349,6 @@ MISSING_MODULES = {
     "loggers.comet": _LOGGER,
     "loggers.neptune": _LOGGER,
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
-    "callbacks.weight_averaging": _SWA,
     "strategies.deepspeed": "use ember.strategies.FSDPStrategy, which shards parameters, gradients and optimizer "
     "state (ZeRO 3)",
     "strategies.xla": "Ember runs on CUDA, MPS and CPU devices, not on TPUs",

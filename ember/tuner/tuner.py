@@ -66,7 +66,8 @@ class Tuner:
     ) -> int | None:
         """The largest batch size that trains without running out of memory; set on the module/datamodule.
 
-        ``mode="power"`` doubles the size until a trial fails; ``"binsearch"`` then bisects between the
+        ``mode="power"`` doubles the size until a trial fails (halves it until one fits, from an ``init_val``
+        that does not); ``"binsearch"`` then bisects between the
         last size that fit and the first that did not. A trial runs ``steps_per_trial`` optimizer steps.
         ``max_memory`` (bytes) also counts a trial whose peak tensor memory exceeds it as failed: on a
         CPU, where running out of memory is not an error but swapping, it is the budget to give.
@@ -391,9 +392,10 @@ class _Trials:
 def _largest_fit(
     fits: _Trials, owner: Any, batch_arg_name: str, power: bool, init_val: int, max_trials: int, max_val: int
 ) -> tuple[int, int]:
-    """The largest batch size that fit (0: none did) and the last size tried. ``power``: doubling stops at the
-    first size that does not fit; else the search bisects between the largest that fit and the smallest that
-    did not."""
+    """The largest batch size that fit (0: none did) and the last size tried. ``power``: the size doubles after a
+    trial that fits and halves after one that does not, and the search stops at a size that fits next to one that
+    did not, as Lightning's (sizes of ``init_val`` times a power of two); else it bisects between the largest size
+    that fit and the smallest that did not."""
     good, bad = 0, 0  # the largest size that fit, the smallest that did not (0: none yet)
     size = min(init_val, max_val)
     for trial in range(1, max_trials + 1):
@@ -404,7 +406,7 @@ def _largest_fit(
             good = size
             largest = min(fits.dataset_size, max_val)  # (the data set's size is known once a trial ran)
             # Nothing larger to try once a batch holds the whole data set (or max_val is reached).
-            size = tried if size >= largest else int(min(size * 2, largest)) if not bad else (good + bad) // 2
+            size = tried if size >= largest else int(min(size * 2, largest)) if power or not bad else (good + bad) // 2
         else:
             bad = size
             size = tried if power and good else (good + bad) // 2 if good else size // 2
