@@ -10,7 +10,7 @@ import inspect
 import operator
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Generic, TypeVar, overload
 
@@ -46,6 +46,7 @@ class AttributeDict(dict):
 
 
 T = TypeVar("T")
+Key = TypeVar("Key", bound=Hashable)
 
 #: How many graph traces are under way (``tracing_graph``).
 graph_traces = 0
@@ -266,3 +267,19 @@ def takes_batch_idx(step: Callable[..., Any]) -> bool:
     parameters = inspect.signature(step).parameters.values()
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL or p.name == "batch_idx" for p in parameters)
+
+
+def to_floats(values: Mapping[Key, torch.Tensor | float]) -> dict[Key, float]:
+    """Python floats for ``values``, with one host-device transfer per device instead of one per value."""
+    floats = {name: float(value) for name, value in values.items() if not isinstance(value, torch.Tensor)}
+    tensors = {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
+    by_device: dict[torch.device, list[Key]] = {}
+    for name, tensor in tensors.items():
+        by_device.setdefault(tensor.device, []).append(name)
+    for names in by_device.values():
+        if len(names) == 1:  # the usual case (the loss alone): read as it is, without stacking
+            floats[names[0]] = float(tensors[names[0]].item())
+            continue
+        stacked = torch.stack([tensors[name].detach().float().reshape(()) for name in names])
+        floats.update(zip(names, stacked.tolist()))
+    return {name: floats[name] for name in values}

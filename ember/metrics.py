@@ -10,12 +10,13 @@ import contextlib
 import dataclasses
 import inspect
 import numbers
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import CodeType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 
+from ember._utils import to_floats
 from ember.exceptions import MisconfigurationException
 from ember.loggers import Logger
 from ember.rank_zero import rank_zero_warn_once
@@ -29,7 +30,6 @@ _REDUCE_FX: dict[Any, ReduceFx] = {
     torch.mean: "mean", torch.sum: "sum", sum: "sum", torch.max: "max", max: "max", torch.min: "min", min: "min",
 }  # fmt: skip
 Number = torch.Tensor | float
-_Key = TypeVar("_Key", bound=Hashable)
 
 
 def _logging_function() -> CodeType | None:
@@ -65,6 +65,7 @@ class _Logged:
         "prog_bar",
         "reduce_fx",
         "step_fresh",
+        "step_since_epoch",
         "step_value",
         "sync_dist",
         "to_logger",
@@ -86,6 +87,7 @@ class _Logged:
         self.loaders: set[int] = set()  # the evaluation loaders whose steps logged it (none: all of them)
         self.step_value: Number | None = None
         self.step_fresh = False
+        self.step_since_epoch = False  # logged per step since its epoch value was reduced: the newer of the two
         self.total: Number | None = None
         self.weight = 0
         self.metric: Any = None
@@ -120,13 +122,14 @@ class MetricStore:
             cached = getattr(value, "_forward_cache", None)
             if entry.on_step and cached is not None:
                 entry.step_value, entry.step_fresh = _as_number(entry.name, cached), True
+                entry.step_since_epoch = True
             return
         else:
             value = _as_number(entry.name, value)
         if self.copy_values and isinstance(value, torch.Tensor):
             value = value.clone()
         if entry.on_step:
-            entry.step_value, entry.step_fresh = value, True
+            entry.step_value, entry.step_fresh, entry.step_since_epoch = value, True, True
         if entry.on_epoch:
             self._add_to_epoch(entry, value, batch_size)
 
@@ -163,6 +166,12 @@ class MetricStore:
             values[_step_name(key, entry)] = entry.step_value
         return values
 
+    def newer_step_values(self) -> dict[str, Number]:
+        """Under its plain name, the step value of each name logged per step and per epoch that is newer than its epoch
+        value (Lightning's callback metrics hold it there while an epoch trains)."""
+        return {key: entry.step_value for key, entry in self._entries.items()
+                if entry.step_since_epoch and entry.on_epoch and entry.step_value is not None}  # fmt: skip
+
     def prog_bar_step_values(self) -> dict[str, Number]:
         return {
             _step_name(key, entry): entry.step_value
@@ -189,7 +198,7 @@ class MetricStore:
                 continue
             else:
                 value = self._reduce_epoch(entry)
-            entry.total, entry.weight = None, 0
+            entry.total, entry.weight, entry.step_since_epoch = None, 0, False
             values[key] = (value, entry)
         return values
 
@@ -281,22 +290,6 @@ def _accumulate(total: Number | None, value: Number, reduce_fx: ReduceFx, weight
     if reduce_fx == "sum":
         return total + value
     return max(total, value) if reduce_fx == "max" else min(total, value)
-
-
-def to_floats(values: Mapping[_Key, Number]) -> dict[_Key, float]:
-    """Python floats for ``values``, with one host-device transfer per device instead of one per value."""
-    floats = {name: float(value) for name, value in values.items() if not isinstance(value, torch.Tensor)}
-    tensors = {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
-    by_device: dict[torch.device, list[_Key]] = {}
-    for name, tensor in tensors.items():
-        by_device.setdefault(tensor.device, []).append(name)
-    for names in by_device.values():
-        if len(names) == 1:  # the usual case (the loss alone): read as it is, without stacking
-            floats[names[0]] = float(tensors[names[0]].item())
-            continue
-        stacked = torch.stack([tensors[name].detach().float().reshape(()) for name in names])
-        floats.update(zip(names, stacked.tolist()))
-    return {name: floats[name] for name in values}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,8 +466,9 @@ class RunMetrics:
         return {name: _as_tensor(value) for name, value in {**self._logged, **live}.items()}
 
     def callback_metrics(self) -> dict[str, torch.Tensor]:
-        """The latest value of every logged metric (the epoch value where there is one), as tensors."""
-        metrics = {**self._epoch_values, **self.train.step_values(fresh_only=False)}
+        """The latest value of every logged metric, as tensors; of a name logged per step and per epoch, the newer."""
+        train = self.train
+        metrics = {**self._epoch_values, **train.step_values(fresh_only=False), **train.newer_step_values()}
         return {name: _as_tensor(value) for name, value in metrics.items()}
 
     def progress_bar_metrics(self) -> dict[str, float]:

@@ -85,6 +85,28 @@ def test_reduce_fx_takes_names_in_any_case_and_the_reducing_functions(reduce_fx:
     assert trainer.logged_metrics["batch"] == expected
 
 
+def test_a_value_logged_per_step_and_per_epoch_is_the_newer_of_the_two_under_its_plain_name() -> None:
+    class Logs(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("g", float(self.global_step), on_step=True, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+    class Reads(Callback):
+        seen: list[tuple[str, float, float | None]] = []
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            metrics = trainer.callback_metrics
+            self.seen.append(("batch", float(metrics["g"]), float(metrics["g_step"])))
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            self.seen.append(("epoch end", float(trainer.callback_metrics["g"]), None))
+
+    quiet_trainer(max_epochs=2, logger=False, callbacks=[Reads()]).fit(Logs(), make_loader(24))  # 3 batches
+    # While an epoch trains, the latest step's value (checkpoints saved by step rank by it); at its end, the mean.
+    assert Reads.seen == [("batch", 0.0, 0.0), ("batch", 1.0, 1.0), ("batch", 2.0, 2.0), ("epoch end", 1.0, None),
+                          ("batch", 3.0, 3.0), ("batch", 4.0, 4.0), ("batch", 5.0, 5.0), ("epoch end", 4.0, None)]  # fmt: skip
+
+
 def test_another_reduction_is_refused() -> None:
     with pytest.raises(MisconfigurationException, match=r"^Only `self.log\(..., reduce_fx=\{min,max,mean,sum\}\)` are"):
         _fit(_LogsInStep(reduce_fx=torch.argmax))

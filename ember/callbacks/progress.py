@@ -11,10 +11,10 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from ember._utils import batch_size_of, is_overridden
+from ember._utils import batch_size_of, is_overridden, to_floats
 from ember.callbacks.progress_base import ProgressBarBase
 from ember.exceptions import MisconfigurationException
-from ember.metrics import Number, to_floats
+from ember.metrics import Number
 
 if TYPE_CHECKING:
     from ember.module import Module

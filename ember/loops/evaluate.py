@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
-from ember._utils import apply_to_tensors, takes_batch_idx
+from ember._utils import apply_to_tensors, takes_batch_idx, to_floats
 from ember.data import count_batches, limited
 from ember.data_failures import named_failures
-from ember.metrics import Number, to_floats
+from ember.metrics import Number
 from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
