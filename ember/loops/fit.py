@@ -157,9 +157,11 @@ class FitLoop:
         fit.loss_divisor = accumulate if isinstance(accumulate, int) else 1
         # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         hooks.call("on_train_epoch_start")
-        # Closed early, the batches end the loader's workers. The steps and the hooks of each batch log per step.
-        with contextlib.closing(self._epoch_batches()) as batches, hooks.scope("training_step"):
-            outcome = self._train_batches(batches, fit)
+        outcome = _Outcome.EPOCH_DONE  # as Lightning: a stop asked for by then (if it may happen) trains no batch
+        if not (self.stopping.requested and self.stopping.may_stop(self.trainer)):
+            # Closed early, the batches end the loader's workers. The steps and the hooks of each batch log per step.
+            with contextlib.closing(self._epoch_batches()) as batches, hooks.scope("training_step"):
+                outcome = self._train_batches(batches, fit)
         if outcome is not _Outcome.PREEMPTED:  # the process exits: no end-of-epoch work for half an epoch
             self._end_epoch(fit, completed=outcome in (_Outcome.EPOCH_DONE, _Outcome.DATA_ENDED))
         self.stopping.inside_epoch = outcome is _Outcome.STOP  # (a preempted epoch resumes: it is not done)
