@@ -72,6 +72,9 @@ class EvaluationLoop:
 
     def _make(self, make_loaders: Callable[[], list[Iterable]], given: Any) -> list[Iterable]:
         self._make_loaders, self.loaders_given, self._remake = make_loaders, given is not None, False
+        # As Lightning: a stage its limit turns off (0) never asks for its loaders (costly to load, or absent).
+        if getattr(self.trainer.config, f"limit_{self.kind}_batches") == 0:
+            return []
         return make_loaders()
 
     def reload(self) -> None:
