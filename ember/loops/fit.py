@@ -217,12 +217,13 @@ class FitLoop:
             validated = validation is not None and validation.due(progress, batch_idx, is_last)
             if validated or runner.watched_step:
                 self._validate_and_schedule(runner, validated, is_last, result.closes_window)
-            if is_last:
-                return _Outcome.EPOCH_DONE
             due = result.closes_window and stopping.interruptions.due()  # once per step boundary: it counts
             if (due or stopping.requested or progress.global_step >= fit.max_steps) \
                     and (outcome := self._stop(due, fit, validated)) is not None:  # fmt: skip
-                return outcome
+                # Signals and the deadline are seen at an epoch's last batch too (epochs of one batch), which ends it.
+                return _Outcome.EPOCH_DONE if is_last and outcome is _Outcome.STOP else outcome
+            if is_last:
+                return _Outcome.EPOCH_DONE
         return self._loader_ended(window)
 
     def _first_window(self) -> Window | None:
