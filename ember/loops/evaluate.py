@@ -275,9 +275,9 @@ def _eval_mode(hooks: Hooks, model: torch.nn.Module, module: torch.nn.Module,
     mode each had, so that frozen parts left in evaluation mode stay there afterwards."""
     modes = [(submodule, submodule.training) for submodule in model.modules()]
     hooks.call_module(f"on_{hook}_model_eval")  # the base class's puts the module in evaluation mode
-    inner = set(module.modules())
+    inner = {id(submodule) for submodule in module.modules()}  # (by identity: a module may define __eq__)
     for submodule, _ in modes:
-        if submodule not in inner:
+        if id(submodule) not in inner:
             submodule.training = False
     return modes
 
@@ -289,9 +289,9 @@ def _restore_mode(hooks: Hooks, module: torch.nn.Module, hook: str,
     overridden = hook != "predict" and hooks.module_hook(f"on_{hook}_model_train") is not None
     if overridden:
         hooks.call_module(f"on_{hook}_model_train")
-    inner = set(module.modules()) if overridden else set()
+    inner = {id(submodule) for submodule in module.modules()} if overridden else set()
     for submodule, training in modes:
-        if submodule not in inner:
+        if id(submodule) not in inner:
             submodule.training = training
 
 
