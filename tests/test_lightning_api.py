@@ -7,6 +7,7 @@ import csv
 import functools
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -17,12 +18,13 @@ import torch.nn.functional as F
 import yaml
 from conftest import Regressor, make_data, make_loader, quiet_trainer
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 import ember
 from ember.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
 from ember.exceptions import MisconfigurationException
 from ember.loggers import CSVLogger
+from ember.loops import evaluate as evaluation_loop
 from ember.optim import LightningOptimizer
 
 
@@ -760,17 +762,23 @@ def test_a_loader_hook_that_returns_none_is_refused_with_lightnings_type_error()
         quiet_trainer(logger=False).fit(NoData(), make_loader(8))
 
 
-def test_a_writer_is_given_the_batch_indices_of_loaders_with_a_batch_sampler_only() -> None:
+def test_a_writer_is_given_the_batch_indices_of_loaders_that_sample_indices_only() -> None:
     given: list[Any] = []
 
     class Writer(BasePredictionWriter):
         def write_on_epoch_end(self, trainer: Any, module: Any, predictions: Any, batch_indices: Any) -> None:
             given.append(batch_indices)
 
+    class Stream(IterableDataset):
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            return iter(torch.randn(3, 4))
+
     unbatched = DataLoader(torch.randn(2, 3, 4), batch_size=None)  # two batches, no batch sampler
+    streamed = DataLoader(Stream(), batch_size=2)  # a batch sampler of placeholders, no sample indices
+    loaders = [DataLoader(torch.randn(3, 4), batch_size=2), unbatched, streamed]
     trainer = quiet_trainer(logger=False, callbacks=[Writer(write_interval="epoch")])
-    trainer.predict(Regressor(), [DataLoader(torch.randn(3, 4), batch_size=2), unbatched], return_predictions=False)
-    assert given == [[[[0, 1], [2]], []]]
+    trainer.predict(Regressor(), loaders, return_predictions=False)
+    assert given == [[[[0, 1], [2]], [], []]]
 
 
 def test_configure_model_and_configure_callbacks() -> None:
@@ -1273,6 +1281,19 @@ def test_validation_leaves_frozen_parts_in_evaluation_mode() -> None:
     trainer = quiet_trainer(max_epochs=2, logger=False, num_sanity_val_steps=1)
     trainer.fit(Frozen(), make_loader(16), make_loader(16))
     assert modes == [False] * 4
+
+
+def test_evaluation_puts_the_strategys_wrapper_of_the_module_in_evaluation_mode_too() -> None:
+    """As Lightning's ``trainer.model.eval()``: a wrapper around the module (DDP's) is in evaluation mode while a
+    stage evaluates, then back in its mode. Checked on the loop's helpers: a DDP run needs a process group."""
+    module = Regressor()
+    trainer = quiet_trainer(logger=False)
+    trainer.validate(module, make_loader(8), verbose=False)
+    wrapper = nn.Sequential(module)
+    modes = evaluation_loop._eval_mode(trainer.hooks, wrapper, module, "validation")
+    assert (wrapper.training, module.training) == (False, False)
+    evaluation_loop._restore_mode(trainer.hooks, module, "validation", modes)
+    assert (wrapper.training, module.training) == (True, True)
 
 
 def test_gradients_are_cleared_before_a_validation_between_optimizer_steps() -> None:

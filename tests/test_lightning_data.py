@@ -321,6 +321,15 @@ def test_loaders_are_asked_for_when_first_needed(sanity_steps: int, steps_in_con
     assert model.calls == calls
 
 
+def test_a_stage_its_limit_turns_off_never_asks_for_its_loaders() -> None:
+    model = _Recording()
+    flags = dict(max_epochs=1, logger=False, enable_checkpointing=False, num_sanity_val_steps=2)
+    quiet_trainer(limit_train_batches=0, **flags).fit(model)
+    trainer = quiet_trainer(logger=False, limit_val_batches=0)
+    assert trainer.validate(model, verbose=False) == [] and trainer.num_val_batches == []
+    assert model.calls == [("val", 0, True)]  # the sanity check's, as in Lightning: the training loader is not made
+
+
 def test_validation_loaders_are_reloaded_at_the_validations_due() -> None:
     model = _Recording()
     trainer = quiet_trainer(max_epochs=9, logger=False, enable_checkpointing=False, num_sanity_val_steps=1,

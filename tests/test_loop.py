@@ -359,6 +359,34 @@ def test_a_stop_inside_an_epoch_validates_and_counts_the_epoch_done(flags: dict[
     assert trainer.current_epoch == seen[-1][1]
 
 
+def test_the_deadline_is_seen_at_the_last_batch_of_an_epoch_too() -> None:
+    """Epochs of one batch (a full-batch fit) stop at ``max_time`` too, as a signal stops them: each step is checked."""
+
+    class Slow(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            time.sleep(0.2)  # the deadline passes during the first step
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(max_epochs=5, max_time={"milliseconds": 100}, limit_train_batches=1, logger=False)
+    trainer.fit(Slow(), make_loader(16))
+    assert (trainer.global_step, trainer.current_epoch) == (1, 1)
+
+
+@pytest.mark.parametrize(("min_epochs", "steps", "epochs"), [(None, 2, 2), (3, 6, 3)])
+def test_a_stop_asked_as_an_epoch_starts_trains_none_of_its_batches_yet_ends_it(
+    min_epochs: int | None, steps: int, epochs: int
+) -> None:
+    """As Lightning: ``should_stop`` set in ``on_train_epoch_start`` (when it may stop) ends that epoch at once."""
+
+    class StopsAsEpochOneStarts(Regressor):
+        def on_train_epoch_start(self) -> None:
+            self.trainer.should_stop = self.current_epoch >= 1
+
+    trainer = quiet_trainer(max_epochs=5, min_epochs=min_epochs, limit_train_batches=2, logger=False)
+    trainer.fit(StopsAsEpochOneStarts(), make_loader(16))
+    assert (trainer.global_step, trainer.current_epoch) == (steps, epochs)
+
+
 def test_max_steps_inside_an_epoch_counts_it_done_and_a_checkpoint_still_resumes_inside_it(tmp_path: Any) -> None:
     model = _StopsAt(-1)
     trainer = quiet_trainer(max_steps=5, logger=False)

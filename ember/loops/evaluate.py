@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from ember._utils import apply_to_tensors, takes_batch_idx, to_floats
 from ember.data import count_batches, limited
@@ -72,6 +72,9 @@ class EvaluationLoop:
 
     def _make(self, make_loaders: Callable[[], list[Iterable]], given: Any) -> list[Iterable]:
         self._make_loaders, self.loaders_given, self._remake = make_loaders, given is not None, False
+        # As Lightning: a stage its limit turns off (0) never asks for its loaders (costly to load, or absent).
+        if getattr(self.trainer.config, f"limit_{self.kind}_batches") == 0:
+            return []
         return make_loaders()
 
     def reload(self) -> None:
@@ -109,7 +112,7 @@ class EvaluationLoop:
         try:
             with no_grad:
                 self._begin(len(loaders))
-                modes = _eval_mode(hooks, module, hook)
+                modes = _eval_mode(hooks, trainer.model or module, module, hook)
                 hooks.call(f"on_{hook}_start")
                 if self._remake and self._make_loaders is not None:
                     loaders = self._make_loaders()
@@ -265,23 +268,31 @@ class _StepArguments:
         return (dataloader_idx,) if self._several else ()
 
 
-def _eval_mode(hooks: Hooks, module: torch.nn.Module, hook: str) -> list[tuple[torch.nn.Module, bool]]:
-    """Put the module in evaluation mode (through its ``on_<hook>_model_eval`` if it overrides it); returns
-    the mode each submodule had, so that frozen parts left in evaluation mode stay there afterwards."""
-    modes = [(submodule, submodule.training) for submodule in module.modules()]
+def _eval_mode(hooks: Hooks, model: torch.nn.Module, module: torch.nn.Module,
+               hook: str) -> list[tuple[torch.nn.Module, bool]]:  # fmt: skip
+    """Put the module in evaluation mode (through its ``on_<hook>_model_eval`` if it overrides it), and the
+    strategy's wrappers around it (``model``, ``trainer.model``: a DDP module) too, as Lightning does; returns the
+    mode each had, so that frozen parts left in evaluation mode stay there afterwards."""
+    modes = [(submodule, submodule.training) for submodule in model.modules()]
     hooks.call_module(f"on_{hook}_model_eval")  # the base class's puts the module in evaluation mode
+    inner = {id(submodule) for submodule in module.modules()}  # (by identity: a module may define __eq__)
+    for submodule, _ in modes:
+        if id(submodule) not in inner:
+            submodule.training = False
     return modes
 
 
 def _restore_mode(hooks: Hooks, module: torch.nn.Module, hook: str,
                   modes: list[tuple[torch.nn.Module, bool]]) -> None:  # fmt: skip
-    """Back to the modes of ``_eval_mode`` (or what the module's ``on_<hook>_model_train`` does; prediction has
-    no such hook)."""
-    if hook != "predict" and hooks.module_hook(f"on_{hook}_model_train") is not None:
+    """Back to the modes of ``_eval_mode``, the module's own through its ``on_<hook>_model_train`` if it overrides
+    it (prediction has no such hook)."""
+    overridden = hook != "predict" and hooks.module_hook(f"on_{hook}_model_train") is not None
+    if overridden:
         hooks.call_module(f"on_{hook}_model_train")
-        return
+    inner = {id(submodule) for submodule in module.modules()} if overridden else set()
     for submodule, training in modes:
-        submodule.training = training
+        if id(submodule) not in inner:
+            submodule.training = training
 
 
 class _RecordingBatchSampler:
@@ -302,8 +313,13 @@ class _RecordingBatchSampler:
 
 
 def _recording_indices(loader: Iterable) -> tuple[Iterable, list[list[int]] | None]:
-    """A copy of ``loader`` that records the sample indices of each batch (None: it has no batch sampler)."""
-    if not isinstance(loader, DataLoader) or loader.batch_sampler is None:
+    """A copy of ``loader`` that records the sample indices of each batch (None: it has none to record)."""
+    # An iterable data set's batch sampler yields placeholders, not sample indices: as Lightning, none are listed.
+    if (
+        not isinstance(loader, DataLoader)
+        or isinstance(loader.dataset, IterableDataset)
+        or loader.batch_sampler is None
+    ):
         return loader, None
     recorder = _RecordingBatchSampler(loader.batch_sampler)
     recording = copy.copy(loader)

@@ -157,9 +157,11 @@ class FitLoop:
         fit.loss_divisor = accumulate if isinstance(accumulate, int) else 1
         # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         hooks.call("on_train_epoch_start")
-        # Closed early, the batches end the loader's workers. The steps and the hooks of each batch log per step.
-        with contextlib.closing(self._epoch_batches()) as batches, hooks.scope("training_step"):
-            outcome = self._train_batches(batches, fit)
+        outcome = _Outcome.EPOCH_DONE  # as Lightning: a stop asked for by then (if it may happen) trains no batch
+        if not (self.stopping.requested and self.stopping.may_stop(self.trainer)):
+            # Closed early, the batches end the loader's workers. The steps and the hooks of each batch log per step.
+            with contextlib.closing(self._epoch_batches()) as batches, hooks.scope("training_step"):
+                outcome = self._train_batches(batches, fit)
         if outcome is not _Outcome.PREEMPTED:  # the process exits: no end-of-epoch work for half an epoch
             self._end_epoch(fit, completed=outcome in (_Outcome.EPOCH_DONE, _Outcome.DATA_ENDED))
         self.stopping.inside_epoch = outcome is _Outcome.STOP  # (a preempted epoch resumes: it is not done)
@@ -215,12 +217,13 @@ class FitLoop:
             validated = validation is not None and validation.due(progress, batch_idx, is_last)
             if validated or runner.watched_step:
                 self._validate_and_schedule(runner, validated, is_last, result.closes_window)
-            if is_last:
-                return _Outcome.EPOCH_DONE
             due = result.closes_window and stopping.interruptions.due()  # once per step boundary: it counts
             if (due or stopping.requested or progress.global_step >= fit.max_steps) \
                     and (outcome := self._stop(due, fit, validated)) is not None:  # fmt: skip
-                return outcome
+                # Signals and the deadline are seen at an epoch's last batch too (epochs of one batch), which ends it.
+                return _Outcome.EPOCH_DONE if is_last and outcome is _Outcome.STOP else outcome
+            if is_last:
+                return _Outcome.EPOCH_DONE
         return self._loader_ended(window)
 
     def _first_window(self) -> Window | None:

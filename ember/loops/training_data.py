@@ -65,6 +65,8 @@ class TrainingData:
             return
         trainer = self._trainer
         config = trainer.config
+        if config.limit_train_batches == 0:  # as Lightning: training turned off never asks for its loader
+            return
         self.loader = loader = self._load()
         self.num_batches = count_batches(loader, config.limit_train_batches, "limit_train_batches", trainer.strategy)
         self._replicas = data_replicas(loader)
