@@ -304,7 +304,7 @@ class Trainer(LightningProperties):
 
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
-        """The latest value of every logged metric (the epoch value where there is one), as tensors."""
+        """The latest value of every logged metric, as tensors; of a name logged per step and per epoch, the newer."""
         return self.run_metrics.callback_metrics()
 
     @property
@@ -482,10 +482,7 @@ class Trainer(LightningProperties):
                 status = "interrupted"
             hints.explain(exception)  # a note on what a common mistake (a batch's structure, ...) looks like
             earlier = self.strategy.announce_failure(exception) if isinstance(exception, Exception) else None
-            self.state.end(interrupted=True)  # as Lightning, before on_exception
-            if self._hooks is not None:
-                self._hooks.call_callbacks("on_exception", exception)
-                self._hooks.call_datamodule("on_exception", exception)
+            self._call_exception_hooks(exception)
             if earlier is not None:  # the traceback to read is that rank's, not this consequence's
                 print(f"[rank{self.global_rank}]: stopping because {earlier}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
@@ -541,15 +538,13 @@ class Trainer(LightningProperties):
             try:
                 if self._hooks is not None and teardown_hooks:  # as Lightning: a stage that raised skips teardown()
                     self._hooks.teardown(stage)
+            except BaseException as exception:
+                status = "failed"  # as Lightning: a teardown() that raises fails the stage
+                self._call_exception_hooks(exception)
+                raise
             finally:
                 self.profiler.detach(self, stage)  # its wrappers come off whatever teardown() did
-            if self.is_global_zero:
-                for logger in self.loggers:
-                    # Saved first: a logger of one's own may override finalize without calling save (Lightning's
-                    # template does), and Lightning has saved each one after every write by then.
-                    if callable(save := getattr(logger, "save", None)):
-                        save()
-                    logger.finalize(status)
+                self._finalize_loggers(status)
         finally:
             for loader in self._stage_loaders:
                 release_workers(loader)
@@ -557,6 +552,21 @@ class Trainer(LightningProperties):
             self.strategy.teardown()
             self.stage = None
             self.state.end(interrupted=status != "success")
+
+    def _call_exception_hooks(self, exception: BaseException) -> None:
+        self.state.end(interrupted=True)  # as Lightning, before on_exception
+        if self._hooks is not None:
+            self._hooks.call_callbacks("on_exception", exception)
+            self._hooks.call_datamodule("on_exception", exception)
+
+    def _finalize_loggers(self, status: str) -> None:
+        if self.is_global_zero:
+            for logger in self.loggers:
+                # Saved first: a logger of one's own may override finalize without calling save (Lightning's
+                # template does), and Lightning has saved each one after every write by then.
+                if callable(save := getattr(logger, "save", None)):
+                    save()
+                logger.finalize(status)
 
     def _position(self) -> str:
         """Where the run is, in words (for the messages of a parallel strategy's watchdog)."""

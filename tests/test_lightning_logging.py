@@ -103,8 +103,9 @@ def test_a_value_logged_per_step_and_per_epoch_is_the_newer_of_the_two_under_its
 
     quiet_trainer(max_epochs=2, logger=False, callbacks=[Reads()]).fit(Logs(), make_loader(24))  # 3 batches
     # While an epoch trains, the latest step's value (checkpoints saved by step rank by it); at its end, the mean.
-    assert Reads.seen == [("batch", 0.0, 0.0), ("batch", 1.0, 1.0), ("batch", 2.0, 2.0), ("epoch end", 1.0, None),
-                          ("batch", 3.0, 3.0), ("batch", 4.0, 4.0), ("batch", 5.0, 5.0), ("epoch end", 4.0, None)]  # fmt: skip
+    first = [("batch", 0.0, 0.0), ("batch", 1.0, 1.0), ("batch", 2.0, 2.0), ("epoch end", 1.0, None)]
+    second = [("batch", 3.0, 3.0), ("batch", 4.0, 4.0), ("batch", 5.0, 5.0), ("epoch end", 4.0, None)]
+    assert Reads.seen == first + second
 
 
 def test_another_reduction_is_refused() -> None:
@@ -287,6 +288,30 @@ def test_a_logger_whose_finalize_leaves_out_save_is_saved_at_each_stages_end() -
     trainer.fit(Regressor(), make_loader(16))
     trainer.validate(trainer.lightning_module, make_loader(8), verbose=False)
     assert logger.saved and logger.saved[-1] == len(logger.calls) and len(logger.saved) >= 2
+
+
+def test_a_teardown_that_raises_fails_the_stage_for_the_callbacks_and_loggers() -> None:
+    class Finalized(_Calls):
+        status: list[str] = []
+
+        def finalize(self, status: str) -> None:
+            self.status.append(status)
+
+    class Seen(Callback):
+        exceptions: list[BaseException] = []
+
+        def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+            self.exceptions.append(exception)
+
+    class Failing(Regressor):
+        def teardown(self, stage: str) -> None:
+            raise RuntimeError("teardown failed")
+
+    trainer = quiet_trainer(max_epochs=1, logger=Finalized(), callbacks=[Seen()], enable_checkpointing=False)
+    with pytest.raises(RuntimeError, match="teardown failed"):
+        trainer.fit(Failing(), make_loader(16))
+    assert Finalized.status == ["failed"] and [str(error) for error in Seen.exceptions] == ["teardown failed"]
+    assert trainer.state.status == "interrupted"
 
 
 def test_log_every_n_steps_0_writes_the_epochs_values_only() -> None:
