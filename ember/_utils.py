@@ -283,3 +283,16 @@ def to_floats(values: Mapping[Key, torch.Tensor | float]) -> dict[Key, float]:
         stacked = torch.stack([tensors[name].detach().float().reshape(()) for name in names])
         floats.update(zip(names, stacked.tolist()))
     return {name: floats[name] for name in values}
+
+
+# What an allocator says when it raises a plain RuntimeError rather than torch.OutOfMemoryError (the CPU's does), and
+# cuDNN's failure to find a workspace, which Lightning's batch-size search also counts as running out of memory.
+_OUT_OF_MEMORY_TEXTS = ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory",
+                        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED")  # fmt: skip
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is memory running out: ``torch.OutOfMemoryError``, or an allocator's ``RuntimeError``."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _OUT_OF_MEMORY_TEXTS)

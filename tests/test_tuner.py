@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_data, parameters_of, quiet_trainer
+from conftest import make_data, make_loader, parameters_of, quiet_trainer
 from torch.utils.data import DataLoader
 
 import ember
@@ -52,6 +52,30 @@ def test_the_largest_batch_that_fits_is_found_and_set(mode: str, init_val: int, 
     size = Tuner(quiet_trainer()).scale_batch_size(model, mode=mode, init_val=init_val, steps_per_trial=2, margin=0.0)
     assert size == found and model.hparams.batch_size == found
     assert all(torch.equal(a, b) for a, b in zip(parameters_of(model), before, strict=True))  # weights put back
+
+
+class _CpuBound(_Sized):
+    """Above ``limit`` samples, asks the CPU's allocator for a petabyte (the plain RuntimeError it raises), or, when
+    ``broken``, feeds its layer the wrong number of features (a RuntimeError that is no lack of memory)."""
+
+    def __init__(self, limit: int, broken: bool = False) -> None:
+        super().__init__(limit=limit)
+        self.broken = broken
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if len(x) > self.hparams.limit:
+            x = x[:, :3] if self.broken else torch.empty(2**50, dtype=torch.uint8)
+        return F.mse_loss(self.layers(x), y)
+
+
+def test_the_cpu_allocators_error_is_running_out_of_memory_and_other_errors_are_raised() -> None:
+    assert Tuner(quiet_trainer()).scale_batch_size(_CpuBound(limit=40), init_val=2, steps_per_trial=1) == 32
+    auto = quiet_trainer(max_epochs=1, accumulate_grad_batches="auto", logger=False)
+    auto.fit(_CpuBound(limit=8), make_loader(32, batch_size=32))
+    assert auto.fit_loop.runner.micro_batches == 4
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        Tuner(quiet_trainer()).scale_batch_size(_CpuBound(limit=40, broken=True), init_val=2, steps_per_trial=1)
 
 
 def test_a_binary_search_keeps_a_margin_and_no_size_passes_max_val() -> None:

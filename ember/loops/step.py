@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ember._utils import batch_size_of, split_batch, takes_batch_idx
+from ember._utils import batch_size_of, is_out_of_memory, split_batch, takes_batch_idx
 from ember.exceptions import MisconfigurationException
 from ember.loops.loss import training_loss
 from ember.loops.progress import Progress
@@ -464,7 +464,9 @@ class StepRunner:
             try:
                 output, loss = self._pieces(batch, batch_idx, total)
                 out_of_memory = False
-            except torch.OutOfMemoryError:
+            except RuntimeError as error:  # torch.OutOfMemoryError, or a CPU allocator's RuntimeError
+                if not is_out_of_memory(error):
+                    raise
                 output = loss = None
                 out_of_memory = True
             if strategy.world_size > 1:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ember._utils import is_out_of_memory
 from ember.exceptions import MisconfigurationException
 from ember.loops import StepRunner
 from ember.loops.hooks import Hooks
@@ -312,7 +313,9 @@ class _Trials:
                 held = torch.empty(strategy.training_memory(self.module), dtype=torch.uint8, device=device)
                 self.run()
                 del held
-        except torch.OutOfMemoryError:
+        except RuntimeError as error:  # torch.OutOfMemoryError is one; on a CPU the allocator raises a plain one
+            if not is_out_of_memory(error):
+                raise
             self.trainer.strategy.release_memory()
             return False, "runs out of memory"
         ran = f"{self.steps} steps in {time.monotonic() - started:.2f} s"
