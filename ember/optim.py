@@ -353,6 +353,18 @@ def check_automatic(optimizers: list[torch.optim.Optimizer]) -> None:
         )
 
 
+def refuse_optimizer_idx(training_step: Callable[..., Any] | None) -> None:
+    """Refuse Lightning 1.x's ``training_step(batch, batch_idx, optimizer_idx)``: nothing passes that argument now (as
+    in Lightning 2, several optimizers are stepped by the module itself)."""
+    if training_step is not None and "optimizer_idx" in inspect.signature(training_step).parameters:
+        raise RuntimeError(
+            f"{training_step.__qualname__}(..., optimizer_idx) is the signature of Lightning 1.x, whose automatic "
+            "optimization looped over several optimizers. Training with multiple optimizers is only supported with "
+            "manual optimization. Remove the `optimizer_idx` argument from `training_step`, set "
+            "`self.automatic_optimization = False` and step each of `opt1, opt2, ... = self.optimizers()` there"
+        )
+
+
 def check_optimization_flags(
     strategy: Strategy, module: Module, accumulate: int | Literal["auto"], clip_val: float | None
 ) -> None:

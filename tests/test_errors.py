@@ -307,3 +307,16 @@ def test_compile_is_refused_with_data_parallel_over_several_gpus() -> None:
             environment=None,
             compile_options={},
         )
+
+
+def test_a_lightning_1_training_step_taking_optimizer_idx_is_refused_before_training() -> None:
+    class OldStyle(Regressor):
+        def training_step(self, batch: Any, batch_idx: int, optimizer_idx: int = 0) -> torch.Tensor:
+            return super().training_step(batch, batch_idx)
+
+    model = OldStyle()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    message = r"OldStyle.training_step\(..., optimizer_idx\) is .* Remove the `optimizer_idx` argument from"
+    with pytest.raises(RuntimeError, match=message):
+        quiet_trainer(max_epochs=1, logger=False).fit(model, make_loader(16))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -29,6 +29,7 @@ from ember.optim import (
     clear_gradients,
     monitored_value,
     needs_closure,
+    refuse_optimizer_idx,
 )
 
 if TYPE_CHECKING:
@@ -188,6 +189,7 @@ class StepRunner:
         self.dropped_steps = 0
         self._dropped = False  # the step under way was dropped
         step = getattr(module, "training_step", None)
+        refuse_optimizer_idx(step)
         #: ``training_step(batch, batch_idx)`` as the strategy runs it (a step may leave ``batch_idx`` out).
         self.training_step = _calling(calls.forward, with_index=step is None or takes_batch_idx(step))
         # A window of one that is not a plain forward, backward and step: manual optimization, a batch split
