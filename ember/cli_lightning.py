@@ -460,7 +460,9 @@ class EmberCLI:
         run = getattr(self, subcommand, getattr(self.trainer, subcommand))
         section = self.config_init[subcommand]
         arguments = {key: section[key] for key in self._method_arguments[subcommand] if key in section}
-        run(model=self.model, datamodule=self.datamodule, **arguments)
+        if self.datamodule is not None:  # as Lightning: none given, none passed, so a method without one runs
+            arguments["datamodule"] = self.datamodule
+        run(model=self.model, **arguments)
         after = getattr(self, f"after_{subcommand}", None)
         if callable(after):
             after()

@@ -338,6 +338,20 @@ def test_a_function_that_builds_the_module_or_trainer() -> None:
         EmberCLI(dict, Data, args=[], run=False)  # type: ignore[arg-type]
 
 
+def test_a_subcommand_is_given_no_datamodule_when_none_is_configured() -> None:
+    received: dict[str, Any] = {}
+
+    class Recording(EmberCLI):
+        def fit(self, **kwargs: Any) -> None:
+            received.clear()
+            received.update(kwargs)
+
+    Recording(Regressor, args=["fit", "--trainer.logger=false"], save_config_callback=None)
+    assert "datamodule" not in received and isinstance(received["model"], Regressor)
+    Recording(Regressor, Data, args=["fit", "--trainer.logger=false"], save_config_callback=None)
+    assert isinstance(received["datamodule"], Data)
+
+
 def test_save_to_log_dir_false_needs_a_save_config_of_its_own() -> None:
     with pytest.raises(ValueError, match="only makes sense when subclassing SaveConfigCallback"):
         EmberCLI(Regressor, Data, args=[], run=False, save_config_kwargs={"save_to_log_dir": False})
