@@ -31,7 +31,7 @@ from ember import checkpoint as checkpoint_io
 from ember._utils import is_overridden
 from ember.callbacks import Callback
 from ember.exceptions import MisconfigurationException
-from ember.hparams import INSTANTIATOR_KEY, given_hyperparameters
+from ember.hparams import CLASS_PATH_KEY, INSTANTIATOR_KEY, given_hyperparameters
 from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.module import DataModule, Module
 from ember.rank_zero import rank_zero_warn
@@ -348,8 +348,8 @@ class EmberCLI:
         hparams.pop(INSTANTIATOR_KEY, None)
         if not hparams:
             return
-        if "_class_path" in hparams:  # the module was chosen by class path
-            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        if CLASS_PATH_KEY in hparams:  # the module was chosen by class path
+            hparams = {"class_path": hparams.pop(CLASS_PATH_KEY), "dict_kwargs": hparams}
         try:
             self.config = self.parser.parse_object({self.subcommand: {"model": hparams}}, self.config)
         except SystemExit:
@@ -493,7 +493,7 @@ class _ConfiguredBuilder:
         dumped = self.cli.parser.dump(self.cli.config, skip_link_targets=False, skip_unset=False, format="json")
         hparams = dict(self.cli._section(json.loads(dumped)).get(self.key) or {})
         if "class_path" in hparams:  # chosen by class path: its arguments, with the class under _class_path
-            hparams = {"_class_path": hparams["class_path"], **hparams.get("init_args", {}),
+            hparams = {CLASS_PATH_KEY: hparams["class_path"], **hparams.get("init_args", {}),
                        **hparams.get("dict_kwargs", {})}  # fmt: skip
         prefix = f"{self.key}."
         for target, value in applied_instantiation_links.items():  # links applied as the objects are built

@@ -222,6 +222,24 @@ def test_validate_and_predict_with_the_datamodule_chosen_by_class_path(capsys: p
     assert predicted.trainer.num_predict_batches == [4]
 
 
+class SavedData(Data):
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__(batch_size)
+        self.save_hyperparameters()
+
+
+def test_a_model_and_data_chosen_by_class_path_log_their_hyperparameters(tmp_path: Any) -> None:
+    args = ["fit", f"--model={Wider.__module__}.Wider", f"--data={SavedData.__module__}.SavedData",
+            "--trainer.max_steps=1", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}",
+            *_QUIET]  # fmt: skip
+    cli = EmberCLI(args=args)
+    # Each records the class it was chosen by: the loggers are given both, not refused a conflict.
+    assert cli.model.hparams._class_path != cli.datamodule.hparams._class_path
+    with open(os.path.join(cli.trainer.log_dir, "hparams.yaml")) as file:
+        logged = file.read()
+    assert "batch_size: 8" in logged and "scale: 2.0" in logged
+
+
 class Wide(ember.Module):
     """A module whose shape is a hyperparameter."""
 
