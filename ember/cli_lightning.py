@@ -521,10 +521,15 @@ def _instantiator_name() -> str:
 
 def instantiate_module(cls: type[_T], config: dict[str, Any]) -> _T:
     """A ``cls`` built from the configuration that the command line recorded as its hyperparameters: how
-    ``load_from_checkpoint`` rebuilds a module or datamodule that ``EmberCLI`` configured."""
+    ``load_from_checkpoint`` rebuilds a module or datamodule that ``EmberCLI`` configured. One chosen by class path
+    is rebuilt as that class, which must be a ``cls``: ``Module.load_from_checkpoint`` gives the configured model."""
     parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, "module", fail_untyped=False)
-    arguments = {name: value for name, value in config.items() if name != "_class_path"}
+    arguments: dict[str, Any] = {name: value for name, value in config.items() if name != CLASS_PATH_KEY}
+    if CLASS_PATH_KEY in config:
+        parser.add_subclass_arguments(cls, "module", fail_untyped=False)
+        arguments = {"class_path": config[CLASS_PATH_KEY], "dict_kwargs": arguments}
+    else:
+        parser.add_class_arguments(cls, "module", fail_untyped=False)
     built: _T = parser.instantiate(parser.parse_object({"module": arguments})).module
     return built
 

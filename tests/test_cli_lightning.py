@@ -228,8 +228,8 @@ class SavedData(Data):
         self.save_hyperparameters()
 
 
-def test_a_model_and_data_chosen_by_class_path_log_their_hyperparameters(tmp_path: Any) -> None:
-    args = ["fit", f"--model={Wider.__module__}.Wider", f"--data={SavedData.__module__}.SavedData",
+def test_a_model_and_data_chosen_by_class_path_log_and_reload_their_hyperparameters(tmp_path: Any) -> None:
+    args = ["fit", f"--model={Wider.__module__}.Wider", "--model.scale=3.0", f"--data={SavedData.__module__}.SavedData",
             "--trainer.max_steps=1", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}",
             *_QUIET]  # fmt: skip
     cli = EmberCLI(args=args)
@@ -237,7 +237,10 @@ def test_a_model_and_data_chosen_by_class_path_log_their_hyperparameters(tmp_pat
     assert cli.model.hparams._class_path != cli.datamodule.hparams._class_path
     with open(os.path.join(cli.trainer.log_dir, "hparams.yaml")) as file:
         logged = file.read()
-    assert "batch_size: 8" in logged and "scale: 2.0" in logged
+    assert "batch_size: 8" in logged and "scale: 3.0" in logged
+    # The class it was chosen by is rebuilt, as configured, from any class above it.
+    loaded = ember.Module.load_from_checkpoint(cli.trainer.checkpoint_callback.best_model_path)
+    assert type(loaded) is Wider and loaded.hparams.scale == 3.0
 
 
 class Wide(ember.Module):
