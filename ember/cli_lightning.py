@@ -31,7 +31,7 @@ from ember import checkpoint as checkpoint_io
 from ember._utils import is_overridden
 from ember.callbacks import Callback
 from ember.exceptions import MisconfigurationException
-from ember.hparams import INSTANTIATOR_KEY, given_hyperparameters
+from ember.hparams import CLASS_PATH_KEY, INSTANTIATOR_KEY, given_hyperparameters
 from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.module import DataModule, Module
 from ember.rank_zero import rank_zero_warn
@@ -348,8 +348,8 @@ class EmberCLI:
         hparams.pop(INSTANTIATOR_KEY, None)
         if not hparams:
             return
-        if "_class_path" in hparams:  # the module was chosen by class path
-            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        if CLASS_PATH_KEY in hparams:  # the module was chosen by class path
+            hparams = {"class_path": hparams.pop(CLASS_PATH_KEY), "dict_kwargs": hparams}
         try:
             self.config = self.parser.parse_object({self.subcommand: {"model": hparams}}, self.config)
         except SystemExit:
@@ -460,7 +460,9 @@ class EmberCLI:
         run = getattr(self, subcommand, getattr(self.trainer, subcommand))
         section = self.config_init[subcommand]
         arguments = {key: section[key] for key in self._method_arguments[subcommand] if key in section}
-        run(model=self.model, datamodule=self.datamodule, **arguments)
+        if self.datamodule is not None:  # as Lightning: none given, none passed, so a method without one runs
+            arguments["datamodule"] = self.datamodule
+        run(model=self.model, **arguments)
         after = getattr(self, f"after_{subcommand}", None)
         if callable(after):
             after()
@@ -491,7 +493,7 @@ class _ConfiguredBuilder:
         dumped = self.cli.parser.dump(self.cli.config, skip_link_targets=False, skip_unset=False, format="json")
         hparams = dict(self.cli._section(json.loads(dumped)).get(self.key) or {})
         if "class_path" in hparams:  # chosen by class path: its arguments, with the class under _class_path
-            hparams = {"_class_path": hparams["class_path"], **hparams.get("init_args", {}),
+            hparams = {CLASS_PATH_KEY: hparams["class_path"], **hparams.get("init_args", {}),
                        **hparams.get("dict_kwargs", {})}  # fmt: skip
         prefix = f"{self.key}."
         for target, value in applied_instantiation_links.items():  # links applied as the objects are built
@@ -519,10 +521,15 @@ def _instantiator_name() -> str:
 
 def instantiate_module(cls: type[_T], config: dict[str, Any]) -> _T:
     """A ``cls`` built from the configuration that the command line recorded as its hyperparameters: how
-    ``load_from_checkpoint`` rebuilds a module or datamodule that ``EmberCLI`` configured."""
+    ``load_from_checkpoint`` rebuilds a module or datamodule that ``EmberCLI`` configured. One chosen by class path
+    is rebuilt as that class, which must be a ``cls``: ``Module.load_from_checkpoint`` gives the configured model."""
     parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, "module", fail_untyped=False)
-    arguments = {name: value for name, value in config.items() if name != "_class_path"}
+    arguments: dict[str, Any] = {name: value for name, value in config.items() if name != CLASS_PATH_KEY}
+    if CLASS_PATH_KEY in config:
+        parser.add_subclass_arguments(cls, "module", fail_untyped=False)
+        arguments = {"class_path": config[CLASS_PATH_KEY], "dict_kwargs": arguments}
+    else:
+        parser.add_class_arguments(cls, "module", fail_untyped=False)
     built: _T = parser.instantiate(parser.parse_object({"module": arguments})).module
     return built
 

@@ -27,6 +27,8 @@ _T = TypeVar("_T")
 
 #: The hyperparameter that names the function rebuilding its object from the others (see ``given_hyperparameters``).
 INSTANTIATOR_KEY = "_instantiator"
+#: The hyperparameter in which the command line records the class it chose by class path (``--model=...``).
+CLASS_PATH_KEY = "_class_path"
 #: The functions a checkpoint may name there, and what runs for each: Ember's command line records its own, and a
 #: checkpoint of Lightning's CLI names Lightning's, whose work Ember's does. No other name is imported: a checkpoint
 #: must not choose the code that loading it runs.

@@ -29,6 +29,7 @@ from ember.config import FlagError, TrainerConfig
 from ember.data import count_batches
 from ember.exceptions import MisconfigurationException, PossibleUserWarning
 from ember.hints import closest
+from ember.hparams import CLASS_PATH_KEY
 from ember.lightning_compat.hook import is_installed as lightning_names_served
 from ember.loggers import CSVLogger, DummyLogger, Logger, TensorBoardLogger
 from ember.loops.hooks import Hooks
@@ -212,7 +213,9 @@ def log_hyperparameters(trainer: Trainer) -> None:
     if trainer.config.enable_autolog_hparams:
         own, data = module.hparams_for_logger, datamodule.hparams_for_logger if datamodule else {}
         # Sorted as text: names may be of several types ({1: ..., "lr": ...}).
-        differing = sorted((name for name in own.keys() & data.keys() if not _same(own[name], data[name])), key=str)
+        # The command line's record of each one's class differs by nature, and Lightning skips it too.
+        shared = own.keys() & data.keys() - {CLASS_PATH_KEY}
+        differing = sorted((name for name in shared if not _same(own[name], data[name])), key=str)
         if differing:
             raise RuntimeError(
                 f"Error while merging hparams: the keys {differing} are present in both the LightningModule's and "

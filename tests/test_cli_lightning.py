@@ -222,6 +222,27 @@ def test_validate_and_predict_with_the_datamodule_chosen_by_class_path(capsys: p
     assert predicted.trainer.num_predict_batches == [4]
 
 
+class SavedData(Data):
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__(batch_size)
+        self.save_hyperparameters()
+
+
+def test_a_model_and_data_chosen_by_class_path_log_and_reload_their_hyperparameters(tmp_path: Any) -> None:
+    args = ["fit", f"--model={Wider.__module__}.Wider", "--model.scale=3.0", f"--data={SavedData.__module__}.SavedData",
+            "--trainer.max_steps=1", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}",
+            *_QUIET]  # fmt: skip
+    cli = EmberCLI(args=args)
+    # Each records the class it was chosen by: the loggers are given both, not refused a conflict.
+    assert cli.model.hparams._class_path != cli.datamodule.hparams._class_path
+    with open(os.path.join(cli.trainer.log_dir, "hparams.yaml")) as file:
+        logged = file.read()
+    assert "batch_size: 8" in logged and "scale: 3.0" in logged
+    # The class it was chosen by is rebuilt, as configured, from any class above it.
+    loaded = ember.Module.load_from_checkpoint(cli.trainer.checkpoint_callback.best_model_path)
+    assert type(loaded) is Wider and loaded.hparams.scale == 3.0
+
+
 class Wide(ember.Module):
     """A module whose shape is a hyperparameter."""
 
@@ -336,6 +357,20 @@ def test_a_function_that_builds_the_module_or_trainer() -> None:
     assert isinstance(cli.model, Regressor) and cli.model.hparams.lr == 0.2 and cli.trainer.global_step == 2
     with pytest.raises(ember.exceptions.MisconfigurationException, match="Cannot add arguments from"):
         EmberCLI(dict, Data, args=[], run=False)  # type: ignore[arg-type]
+
+
+def test_a_subcommand_is_given_no_datamodule_when_none_is_configured() -> None:
+    received: dict[str, Any] = {}
+
+    class Recording(EmberCLI):
+        def fit(self, **kwargs: Any) -> None:
+            received.clear()
+            received.update(kwargs)
+
+    Recording(Regressor, args=["fit", "--trainer.logger=false"], save_config_callback=None)
+    assert "datamodule" not in received and isinstance(received["model"], Regressor)
+    Recording(Regressor, Data, args=["fit", "--trainer.logger=false"], save_config_callback=None)
+    assert isinstance(received["datamodule"], Data)
 
 
 def test_save_to_log_dir_false_needs_a_save_config_of_its_own() -> None:
