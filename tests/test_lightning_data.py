@@ -255,8 +255,17 @@ def test_a_loader_that_is_not_iterable_is_refused_when_the_stage_starts() -> Non
     with pytest.raises(TypeError, match=r"An invalid dataloader was passed to `Trainer.fit\(train_dataloaders=...\)`. "
                        "Found 5"):  # fmt: skip
         trainer.fit(Regressor(), 5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="An invalid dataloader was passed to the test dataloaders. Found 3.5"):
+    with pytest.raises(TypeError, match=r"passed to `Trainer.test\(dataloaders=...\)`. Found 3.5"):
         trainer.test(Regressor(), 3.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"passed to `Trainer.fit\(val_dataloaders=...\)`. Found \[1, <object"):
+        trainer.fit(Regressor(), make_loader(8), [1, object()])
+
+    class Returns(Regressor):
+        def val_dataloader(self) -> Any:
+            return 2
+
+    with pytest.raises(TypeError, match=r"returned from `Returns.val_dataloader\(\)`. Found 2"):
+        trainer.validate(Returns())
 
 
 def test_an_evaluation_without_batches_is_skipped_with_its_hooks() -> None:
