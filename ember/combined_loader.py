@@ -33,11 +33,24 @@ class CombinedLoader:
 
     def __init__(self, iterables: Any, mode: Mode = "min_size") -> None:
         if mode not in MODES:
-            raise ValueError(f"CombinedLoader(mode={mode!r}): the modes are {', '.join(MODES)}")
+            # (Lightning's words first)
+            raise ValueError(f"Unsupported mode {mode!r} for CombinedLoader: the modes are {', '.join(MODES)}")
         self.iterables = iterables
         self.mode = mode
-        #: The loaders, in the order a combined batch lists them (depth first).
-        self.flattened: list[Iterable] = _leaves(iterables)
+
+    @property
+    def flattened(self) -> list[Iterable]:
+        """The loaders, in the order a combined batch lists them (depth first). Setting it replaces them, in
+        ``iterables`` too (its structure kept), as in Lightning: a list of as many loaders."""
+        return _leaves(self.iterables)
+
+    @flattened.setter
+    def flattened(self, loaders: list[Iterable]) -> None:
+        count = len(self.flattened)
+        if len(loaders) != count:  # (Lightning's words first)
+            raise ValueError(f"Mismatch in flattened length ({len(loaders)}) and existing length ({count}): give "
+                             "one loader for each of this CombinedLoader's")  # fmt: skip
+        self.iterables = _rebuilt(self.iterables, iter(loaders))
 
     def __iter__(self) -> Iterator[tuple[Any, int, int]]:
         if self.mode == "sequential":

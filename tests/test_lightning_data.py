@@ -115,6 +115,13 @@ def test_a_combined_loader_gives_its_loaders_samplers_in_their_structure() -> No
     assert combined.sampler == {"a": shuffled.sampler, "b": [ordered.sampler, None]}
     assert combined.batch_sampler == {"a": shuffled.batch_sampler, "b": [ordered.batch_sampler, None]}
     assert CombinedLoader(ordered).sampler is ordered.sampler
+    with pytest.raises(ValueError, match=r"Mismatch in flattened length \(1\) and existing length \(3\)"):
+        combined.flattened = [ordered]
+    combined.flattened = [ordered, range(2), shuffled]  # replaced in its structure, as Lightning's setter does
+    assert combined.iterables == {"a": ordered, "b": [range(2), shuffled]}
+    assert combined.sampler == {"a": ordered.sampler, "b": [None, shuffled.sampler]}
+    with pytest.raises(ValueError, match="Unsupported mode 'cycle' for CombinedLoader: the modes are min_size, "):
+        CombinedLoader([ordered], "cycle")  # type: ignore[arg-type]
 
 
 def test_combined_loader_is_served_at_lightnings_paths() -> None:
