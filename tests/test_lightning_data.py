@@ -100,6 +100,24 @@ def test_a_list_of_numbers_in_a_combined_loader_is_one_iterable() -> None:
     assert list(sequential) == [(1, 0, 0), (2, 1, 0), (0, 0, 2)] and len(sequential) == 3
 
 
+def test_iter_of_a_combined_loader_starts_its_loaders_at_once() -> None:
+    started: list[str] = []
+
+    class Loader:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __iter__(self) -> Any:
+            started.append(self.name)
+            return iter([self.name])
+
+    for mode, first in (("min_size", ["a", "b"]), ("max_size", ["a", "b"]), ("sequential", ["a"])):
+        started.clear()
+        batches = iter(CombinedLoader({"a": Loader("a"), "b": Loader("b")}, mode))
+        assert started == first  # (the sequential mode starts the others in their turn)
+        assert [batch for batch, _, _ in batches] == ([{"a": "a", "b": "b"}] if mode != "sequential" else ["a", "b"])
+
+
 def test_prediction_takes_a_combined_loader_in_the_sequential_mode_only() -> None:
     inputs = DataLoader(torch.randn(4, 4), batch_size=2)
     trainer = quiet_trainer(logger=False)
