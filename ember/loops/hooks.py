@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember._utils import is_overridden, replaces
 from ember.callbacks import Callback
-from ember.data import check_iterable
+from ember.data import all_iterable, invalid_loaders
 from ember.loops.step import StepHooks
 from ember.metrics import LogScope
 from ember.module import DataModule, Module
@@ -208,7 +208,8 @@ class Hooks:
         if found is None:
             return None
         loaders = self._call_owner(found, f"{kind}_dataloader", (), {})
-        check_iterable(loaders, f"returned from `{type(found).__name__}.{kind}_dataloader()`")
+        if not all_iterable(loaders):
+            raise invalid_loaders(loaders, f"returned from `{type(found).__name__}.{kind}_dataloader()`")
         return loaders
 
     def has_loaders(self, kind: str) -> bool:
