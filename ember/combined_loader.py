@@ -33,20 +33,34 @@ class CombinedLoader:
 
     def __init__(self, iterables: Any, mode: Mode = "min_size") -> None:
         if mode not in MODES:
-            raise ValueError(f"CombinedLoader(mode={mode!r}): the modes are {', '.join(MODES)}")
+            # (Lightning's words first)
+            raise ValueError(f"Unsupported mode {mode!r} for CombinedLoader: the modes are {', '.join(MODES)}")
         self.iterables = iterables
         self.mode = mode
-        #: The loaders, in the order a combined batch lists them (depth first).
-        self.flattened: list[Iterable] = _leaves(iterables)
+
+    @property
+    def flattened(self) -> list[Iterable]:
+        """The loaders, in the order a combined batch lists them (depth first). Setting it replaces them, in
+        ``iterables`` too (its structure kept), as in Lightning: a list of as many loaders."""
+        return _leaves(self.iterables)
+
+    @flattened.setter
+    def flattened(self, loaders: list[Iterable]) -> None:
+        count = len(self.flattened)
+        if len(loaders) != count:  # (Lightning's words first)
+            raise ValueError(f"Mismatch in flattened length ({len(loaders)}) and existing length ({count}): give "
+                             "one loader for each of this CombinedLoader's")  # fmt: skip
+        self.iterables = _rebuilt(self.iterables, iter(loaders))
 
     def __iter__(self) -> Iterator[tuple[Any, int, int]]:
-        if self.mode == "sequential":
-            for dataloader_idx, iterable in enumerate(self.flattened):
-                for batch_idx, batch in enumerate(iterable):
-                    yield batch, batch_idx, dataloader_idx
-        else:
-            for batch_idx, batch in enumerate(self.batches()):
-                yield batch, batch_idx, 0
+        """As Lightning's, ``iter()`` starts the loaders' iterators (and their workers) at once: all of them, or in
+        the sequential mode the first, the others when their turn comes."""
+        loaders = self.flattened
+        if self.mode != "sequential":
+            started = [iter(loader) for loader in loaders]
+            return ((batch, batch_idx, 0) for batch_idx, batch in enumerate(self._combined(iter, started)))
+        first = [iter(loader) for loader in loaders[:1]]
+        return _in_turn(chain(first, (iter(loader) for loader in loaders[1:])))
 
     def __len__(self) -> int:
         lengths = [sized_len(iterable) for iterable in self.flattened]
@@ -64,8 +78,10 @@ class CombinedLoader:
             return chain.from_iterable(open_loader(iterable) for iterable in self.flattened)
         return self._combined(open_loader)
 
-    def _combined(self, open_loader: Callable[[Iterable], Iterator[Any]]) -> Iterator[Any]:
-        iterators = [open_loader(iterable) for iterable in self.flattened]
+    def _combined(self, open_loader: Callable[[Iterable], Iterator[Any]],
+                  started: list[Iterator[Any]] | None = None) -> Iterator[Any]:  # fmt: skip
+        """The combined batches, from the loaders' iterators (``started``, else started at the first batch)."""
+        iterators = started if started is not None else [open_loader(iterable) for iterable in self.flattened]
         ended = [False] * len(iterators)
         try:
             while iterators:
@@ -108,6 +124,13 @@ class CombinedLoader:
     def replaced(self, loaders: list[Iterable]) -> CombinedLoader:
         """A ``CombinedLoader`` of the same structure and mode over ``loaders`` (in the order of ``flattened``)."""
         return CombinedLoader(_rebuilt(self.iterables, iter(loaders)), self.mode)
+
+
+def _in_turn(iterators: Iterable[Iterator[Any]]) -> Iterator[tuple[Any, int, int]]:
+    """The sequential mode's ``(batch, batch_idx, dataloader_idx)``: each loader's batches after the other's."""
+    for dataloader_idx, iterator in enumerate(iterators):
+        for batch_idx, batch in enumerate(iterator):
+            yield batch, batch_idx, dataloader_idx
 
 
 def _holds_loaders(tree: Any) -> bool:

@@ -176,11 +176,9 @@ def prepare_loaders(
     if kind == "predict" and combined is not None and combined.mode != "sequential":
         raise ValueError('`trainer.predict()` only supports the `CombinedLoader(mode="sequential")` mode: got '
                          f'mode="{combined.mode}"; prediction reads its loaders one after the other')  # fmt: skip
+    if not all_iterable(given):
+        raise invalid_loaders(given, f"passed to `Trainer.{_argument(kind, strategy)}=...)`")
     loaders = combined.flattened if combined is not None else [given]
-    if not all(isinstance(loader, Iterable) for loader in loaders):  # refused now, not at the first batch
-        place = "`Trainer.fit(train_dataloaders=...)`" if kind == "train" else f"the {kind} dataloaders"
-        raise TypeError(f"An invalid dataloader was passed to {place}. Found {given}: pass a DataLoader (or another "
-                        "iterable of batches)")  # (Lightning's words first)  # fmt: skip
     if overfit_batches and kind in ("train", "val"):
         loaders = [in_order(loader, kind) for loader in loaders]
     if kind != "train" and any(isinstance(getattr(loader, "sampler", None), RandomSampler) for loader in loaders):
@@ -197,6 +195,30 @@ def prepare_loaders(
     if kind != "train" and combined.mode == "sequential":
         return shown, prepared
     return shown, [combined.replaced(prepared)]
+
+
+def all_iterable(given: Any) -> bool:
+    """Whether each of the loaders ``given`` is an iterable (checked when a stage starts, not at its first batch).
+    A dict, list or tuple holding more than numbers or strings is a structure of loaders."""
+    loaders = given.flattened if isinstance(given, CombinedLoader) else CombinedLoader(given).flattened
+    return all(isinstance(loader, Iterable) for loader in loaders)
+
+
+def invalid_loaders(given: Any, place: str) -> TypeError:
+    """The error for loaders that are not ``all_iterable``, ``place`` saying where they came from ("passed to
+    ...", "returned from ...")."""
+    return TypeError(f"An invalid dataloader was {place}. Found {given}: a DataLoader (or another iterable of "
+                     "batches, or a dict, list or tuple of them) is needed")  # (Lightning's words first)  # fmt: skip
+
+
+def _argument(kind: str, strategy: Strategy) -> str:
+    """The Trainer's method and argument that take the loaders of ``kind``, as in ``fit(val_dataloaders``: "val"
+    loaders are fit's or validate's, as the stage in progress says."""
+    trainer = getattr(strategy.lightning_module, "_trainer", None)  # (none: the stage is unknown)
+    stage = trainer.state.fn if trainer is not None else None
+    if kind == "train" or (kind == "val" and stage == "fit"):
+        return f"fit({kind}_dataloaders"
+    return f"{stage or kind}(dataloaders"
 
 
 def _combined(given: Any, kind: str) -> CombinedLoader | None:

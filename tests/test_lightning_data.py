@@ -100,6 +100,24 @@ def test_a_list_of_numbers_in_a_combined_loader_is_one_iterable() -> None:
     assert list(sequential) == [(1, 0, 0), (2, 1, 0), (0, 0, 2)] and len(sequential) == 3
 
 
+def test_iter_of_a_combined_loader_starts_its_loaders_at_once() -> None:
+    started: list[str] = []
+
+    class Loader:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __iter__(self) -> Any:
+            started.append(self.name)
+            return iter([self.name])
+
+    for mode, first in (("min_size", ["a", "b"]), ("max_size", ["a", "b"]), ("sequential", ["a"])):
+        started.clear()
+        batches = iter(CombinedLoader({"a": Loader("a"), "b": Loader("b")}, mode))
+        assert started == first  # (the sequential mode starts the others in their turn)
+        assert [batch for batch, _, _ in batches] == ([{"a": "a", "b": "b"}] if mode != "sequential" else ["a", "b"])
+
+
 def test_prediction_takes_a_combined_loader_in_the_sequential_mode_only() -> None:
     inputs = DataLoader(torch.randn(4, 4), batch_size=2)
     trainer = quiet_trainer(logger=False)
@@ -115,6 +133,13 @@ def test_a_combined_loader_gives_its_loaders_samplers_in_their_structure() -> No
     assert combined.sampler == {"a": shuffled.sampler, "b": [ordered.sampler, None]}
     assert combined.batch_sampler == {"a": shuffled.batch_sampler, "b": [ordered.batch_sampler, None]}
     assert CombinedLoader(ordered).sampler is ordered.sampler
+    with pytest.raises(ValueError, match=r"Mismatch in flattened length \(1\) and existing length \(3\)"):
+        combined.flattened = [ordered]
+    combined.flattened = [ordered, range(2), shuffled]  # replaced in its structure, as Lightning's setter does
+    assert combined.iterables == {"a": ordered, "b": [range(2), shuffled]}
+    assert combined.sampler == {"a": ordered.sampler, "b": [None, shuffled.sampler]}
+    with pytest.raises(ValueError, match="Unsupported mode 'cycle' for CombinedLoader: the modes are min_size, "):
+        CombinedLoader([ordered], "cycle")  # type: ignore[arg-type]
 
 
 def test_combined_loader_is_served_at_lightnings_paths() -> None:
@@ -255,8 +280,17 @@ def test_a_loader_that_is_not_iterable_is_refused_when_the_stage_starts() -> Non
     with pytest.raises(TypeError, match=r"An invalid dataloader was passed to `Trainer.fit\(train_dataloaders=...\)`. "
                        "Found 5"):  # fmt: skip
         trainer.fit(Regressor(), 5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="An invalid dataloader was passed to the test dataloaders. Found 3.5"):
+    with pytest.raises(TypeError, match=r"passed to `Trainer.test\(dataloaders=...\)`. Found 3.5"):
         trainer.test(Regressor(), 3.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"passed to `Trainer.fit\(val_dataloaders=...\)`. Found \[1, <object"):
+        trainer.fit(Regressor(), make_loader(8), [1, object()])
+
+    class Returns(Regressor):
+        def val_dataloader(self) -> Any:
+            return 2
+
+    with pytest.raises(TypeError, match=r"returned from `Returns.val_dataloader\(\)`. Found 2"):
+        trainer.validate(Returns())
 
 
 def test_an_evaluation_without_batches_is_skipped_with_its_hooks() -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember._utils import is_overridden, replaces
 from ember.callbacks import Callback
+from ember.data import all_iterable, invalid_loaders
 from ember.loops.step import StepHooks
 from ember.metrics import LogScope
 from ember.module import DataModule, Module
@@ -207,9 +208,8 @@ class Hooks:
         if found is None:
             return None
         loaders = self._call_owner(found, f"{kind}_dataloader", (), {})
-        if loaders is None:  # (Lightning's words first)
-            raise TypeError(f"An invalid dataloader was returned from `{type(found).__name__}.{kind}_dataloader()`. "
-                            "Found None: return a DataLoader (or several), or leave the hook out")  # fmt: skip
+        if not all_iterable(loaders):
+            raise invalid_loaders(loaders, f"returned from `{type(found).__name__}.{kind}_dataloader()`")
         return loaders
 
     def has_loaders(self, kind: str) -> bool:
