@@ -9,7 +9,7 @@ import importlib
 import inspect
 import os
 from argparse import Namespace
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -296,7 +296,8 @@ def _field_holders(module: Any, name: str) -> list[Any]:
         if hasattr(owner, name):
             holders.append(owner)
         hparams = getattr(owner, "hparams", None)
-        if isinstance(hparams, Mapping) and name in hparams:
+        # Any container counts, as in Lightning: a dict, or a namespace answering `in` (argparse.Namespace).
+        if isinstance(hparams, Container) and name in hparams:
             holders.append(hparams)
     return holders
 

@@ -229,6 +229,14 @@ def test_fields_are_found_on_the_module_its_hparams_and_its_datamodule() -> None
     assert model.seen == [16, 99, 99]
     assert _served("pytorch_lightning.utilities.parsing", "lightning_setattr") is set_field
 
+    class NamespaceModel(BoringModel):  # hparams as a namespace answering `in`, as Lightning accepts
+        hparams = Namespace(lr=0.1)
+
+    spaced = NamespaceModel()
+    assert has_field(spaced, "lr") and get_field(spaced, "lr") == 0.1
+    set_field(spaced, "lr", 0.2)
+    assert spaced.hparams.lr == 0.2
+
 
 @pytest.mark.parametrize("value", [42, 3.5, True])
 def test_a_primitive_is_no_config(value: Any) -> None:
