@@ -71,6 +71,7 @@ def test_simple_profiler_table_adds_up_to_the_step_time(tmp_path: Any, capsys: p
     in_epoch = sum(record.total for action, record in records.items() if not action.endswith("configure_optimizers"))
     assert 0.9 < in_epoch / clock.seconds < 1.1, (in_epoch, clock.seconds)
 
+    assert trainer.profiler.dirpath == trainer.log_dir  # made without one, it keeps the run's directory
     path = os.path.join(trainer.log_dir, "fit-profile.txt")
     with open(path) as file:
         report = file.read()
@@ -157,7 +158,7 @@ def test_an_action_may_start_in_one_hook_and_stop_in_another() -> None:
     trainer.fit(Regressor(), make_loader(32))
     assert trainer.profiler.records["epoch"].calls == 2
     assert trainer.profiler.records["training_step"].calls == 8
-    with pytest.raises(ValueError, match=r"stop\('never'\) without a matching start\('never'\)"):
+    with pytest.raises(ValueError, match=r"Attempting to stop recording an action \('never'\) which was never started"):
         trainer.profiler.stop("never")
 
 

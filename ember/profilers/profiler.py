@@ -32,7 +32,7 @@ class Profiler:
     own with ``with self.trainer.profiler.profile("name"):``. At the end of the stage ``detach``
     removes the wrappers, and ``describe`` writes ``summary()`` to ``<dirpath>/<stage>-<filename>.txt`` (one file
     per rank, ``-rank<N>`` added when there are several), prints it on the global-zero process and calls
-    ``teardown``. ``dirpath`` defaults to the run's log directory.
+    ``teardown``. ``dirpath`` defaults to the run's log directory, which it keeps after the run.
     """
 
     #: Whether it records anything (the hook caller times the hooks of a stage only then).
@@ -106,6 +106,7 @@ class Profiler:
             for name in ("state_dict", "load_state_dict"):
                 self._wrap(datamodule, name, hook_action("LightningDataModule", type(datamodule).__name__, name))
         directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
+        self.dirpath = directory  # as Lightning's, a profiler without one keeps the run's directory afterwards
         rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         if self.filename is not None:  # None: printed only, as Lightning's profilers without a filename
             self._report_path = os.path.join(directory, f"{stage}-{self.filename}{rank}.txt")
@@ -189,4 +190,4 @@ def latest_start(started: list, action: str) -> int:
     for index in range(len(started) - 1, -1, -1):
         if started[index][0] == action:
             return index
-    raise ValueError(f"profiler: stop({action!r}) without a matching start({action!r})")
+    raise ValueError(f"Attempting to stop recording an action ({action!r}) which was never started.")
