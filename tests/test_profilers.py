@@ -194,8 +194,26 @@ def test_pytorch_profiler_writes_a_trace_with_the_trainers_actions(tmp_path: Any
     assert any(name.startswith("aten::") for name in names if name)
     with open(os.path.join(trainer.log_dir, "fit-profile.txt")) as file:
         assert "Self CPU" in file.read()
+    assert "training_step" in {event.name for event in trainer.profiler.function_events}  # Lightning's attribute
     with pytest.warns(UserWarning, match="recorded no trace of fit"):
         quiet_trainer(max_steps=1, profiler="pytorch", logger=False).fit(Regressor(), make_loader())
+
+
+def test_pytorch_profiler_records_on_its_own_until_describe(tmp_path: Any) -> None:
+    profiler = PyTorchProfiler(dirpath=tmp_path, filename="alone")
+    with profiler.profile("outer"):
+        ones = torch.ones(4)
+        with profiler.profile("inner"):
+            ones.sum()
+    profiler.describe()
+    names = {event.name for event in profiler.function_events}
+    assert {"outer", "inner", "aten::ones", "aten::sum"} <= names
+    assert "aten::sum" in profiler.summary()  # the report stays after describe, as Lightning's
+    assert sorted(os.listdir(tmp_path)) == ["alone.pt.trace.json", "alone.txt"]
+    profiler.start("again")  # a new recording
+    profiler.stop("again")
+    profiler.describe()
+    assert {event.name for event in profiler.function_events} == {"again"}
 
 
 def test_pytorch_profiler_takes_lightnings_arguments(tmp_path: Any) -> None:
