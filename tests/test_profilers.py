@@ -210,6 +210,7 @@ def test_pytorch_profiler_records_on_its_own_until_describe(tmp_path: Any) -> No
     assert {"outer", "inner", "aten::ones", "aten::sum"} <= names
     assert "aten::sum" in profiler.summary()  # the report stays after describe, as Lightning's
     assert sorted(os.listdir(tmp_path)) == ["alone.pt.trace.json", "alone.txt"]
+    assert profiler.dirpath is tmp_path  # kept as given, as Lightning's: a Path stays one
     profiler.start("again")  # a new recording
     profiler.stop("again")
     profiler.describe()

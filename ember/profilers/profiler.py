@@ -39,7 +39,7 @@ class Profiler:
     enabled: ClassVar[bool] = True
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = "profile") -> None:
-        self.dirpath = os.fspath(dirpath) if dirpath is not None else None
+        self.dirpath = dirpath  # kept as given, as Lightning's (a Path stays one)
         self.filename = filename
         self._patches = Patches()
         self._phase = "train"  # the kind of loader the latest batch came from
@@ -105,8 +105,9 @@ class Profiler:
         if datamodule is not None:
             for name in ("state_dict", "load_state_dict"):
                 self._wrap(datamodule, name, hook_action("LightningDataModule", type(datamodule).__name__, name))
-        directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
-        self.dirpath = directory  # as Lightning's, a profiler without one keeps the run's directory afterwards
+        directory = run_directory(self.dirpath, trainer)
+        if self.dirpath is None:  # as Lightning's, a profiler without one keeps the run's directory afterwards
+            self.dirpath = directory
         rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         if self.filename is not None:  # None: printed only, as Lightning's profilers without a filename
             self._report_path = os.path.join(directory, f"{stage}-{self.filename}{rank}.txt")
@@ -175,6 +176,11 @@ class PassThroughProfiler(Profiler):
 
     def timed_batches(self, batches: Iterable, kind: str) -> Iterator[Any]:
         return iter(batches)
+
+
+def run_directory(dirpath: str | os.PathLike | None, trainer: Trainer) -> str:
+    """Where a profiler's files go: its ``dirpath``, else the run's log directory."""
+    return os.fspath(dirpath) if dirpath is not None else trainer.log_dir or trainer.config.root_dir
 
 
 def hook_action(kind: str, owner: str, hook: str) -> str:

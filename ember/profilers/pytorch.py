@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.exceptions import MisconfigurationException
-from ember.profilers.profiler import Profiler, latest_start
+from ember.profilers.profiler import Profiler, latest_start, run_directory
 from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class PyTorchProfiler(Profiler):
         self._step_kind = _STEP_LOADER[stage]
         self.function_events = None
         self._steps_begun = self._traces_written = 0
-        directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
+        directory = run_directory(self.dirpath, trainer)
         write_trace = torch.profiler.tensorboard_trace_handler(
             directory, worker_name=f"{stage}-rank{trainer.global_rank}"
         )
