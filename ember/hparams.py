@@ -9,7 +9,7 @@ import importlib
 import inspect
 import os
 from argparse import Namespace
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -276,13 +276,24 @@ def init_arguments(
 
 def drop_unpicklable(hparams: dict[str, Any]) -> None:
     """Remove, with a warning each, the hyperparameters that cannot be pickled (a lambda, ...): nothing could save
-    them."""
+    them (Lightning's ``clean_namespace``)."""
     for name in [name for name, value in hparams.items() if not is_picklable(value)]:
         rank_zero_warn(
             f"Attribute {name!r} removed from hparams because it cannot be pickled; leave it out with "
             f"save_hyperparameters(ignore=[{name!r}])"
         )
         del hparams[name]
+
+
+def init_keys(cls: type) -> tuple[str, str | None, str | None]:
+    """The names ``cls.__init__`` gives ``self``, ``*args`` and ``**kwargs`` (None where it takes none), as
+    Lightning's ``parse_class_init_keys``."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())  # type: ignore[misc]
+
+    def first(kind: inspect._ParameterKind) -> str | None:
+        return next((parameter.name for parameter in parameters if parameter.kind == kind), None)
+
+    return parameters[0].name, first(inspect.Parameter.VAR_POSITIONAL), first(inspect.Parameter.VAR_KEYWORD)
 
 
 # ------------------------------------------------------------------------------- fields
@@ -298,7 +309,8 @@ def _field_holders(module: Any, name: str) -> list[Any]:
         if hasattr(owner, name):
             holders.append(owner)
         hparams = getattr(owner, "hparams", None)
-        if isinstance(hparams, Mapping) and name in hparams:
+        # Any container counts, as in Lightning: a dict, or a namespace answering `in` (argparse.Namespace).
+        if isinstance(hparams, Container) and name in hparams:
             holders.append(hparams)
     return holders
 

@@ -229,6 +229,27 @@ def test_fields_are_found_on_the_module_its_hparams_and_its_datamodule() -> None
     assert model.seen == [16, 99, 99]
     assert _served("pytorch_lightning.utilities.parsing", "lightning_setattr") is set_field
 
+    class NamespaceModel(BoringModel):  # hparams as a namespace answering `in`, as Lightning accepts
+        hparams = Namespace(lr=0.1)
+
+    spaced = NamespaceModel()
+    assert has_field(spaced, "lr") and get_field(spaced, "lr") == 0.1
+    set_field(spaced, "lr", 0.2)
+    assert spaced.hparams.lr == 0.2
+
+
+def test_lightnings_parsing_helpers_inspect_init_and_drop_unpicklable_values() -> None:
+    class Net:
+        def __init__(self, config: Any, *rest: Any, depth: int = 2, **extra: Any) -> None: ...
+
+    parse_class_init_keys = _served("pytorch_lightning.utilities.parsing", "parse_class_init_keys")
+    assert parse_class_init_keys(Net) == ("self", "rest", "extra")
+    assert parse_class_init_keys(BoringModel) == ("self", None, None)
+    hparams = {"depth": 2, "act": lambda x: x}
+    with pytest.warns(UserWarning, match="'act' removed from hparams"):
+        _served("pytorch_lightning.utilities.parsing", "clean_namespace")(hparams)
+    assert hparams == {"depth": 2}
+
 
 @pytest.mark.parametrize("value", [42, 3.5, True])
 def test_a_primitive_is_no_config(value: Any) -> None:

@@ -71,6 +71,7 @@ def test_simple_profiler_table_adds_up_to_the_step_time(tmp_path: Any, capsys: p
     in_epoch = sum(record.total for action, record in records.items() if not action.endswith("configure_optimizers"))
     assert 0.9 < in_epoch / clock.seconds < 1.1, (in_epoch, clock.seconds)
 
+    assert trainer.profiler.dirpath == trainer.log_dir  # made without one, it keeps the run's directory
     path = os.path.join(trainer.log_dir, "fit-profile.txt")
     with open(path) as file:
         report = file.read()
@@ -157,7 +158,7 @@ def test_an_action_may_start_in_one_hook_and_stop_in_another() -> None:
     trainer.fit(Regressor(), make_loader(32))
     assert trainer.profiler.records["epoch"].calls == 2
     assert trainer.profiler.records["training_step"].calls == 8
-    with pytest.raises(ValueError, match=r"stop\('never'\) without a matching start\('never'\)"):
+    with pytest.raises(ValueError, match=r"Attempting to stop recording an action \('never'\) which was never started"):
         trainer.profiler.stop("never")
 
 
@@ -193,8 +194,27 @@ def test_pytorch_profiler_writes_a_trace_with_the_trainers_actions(tmp_path: Any
     assert any(name.startswith("aten::") for name in names if name)
     with open(os.path.join(trainer.log_dir, "fit-profile.txt")) as file:
         assert "Self CPU" in file.read()
+    assert "training_step" in {event.name for event in trainer.profiler.function_events}  # Lightning's attribute
     with pytest.warns(UserWarning, match="recorded no trace of fit"):
         quiet_trainer(max_steps=1, profiler="pytorch", logger=False).fit(Regressor(), make_loader())
+
+
+def test_pytorch_profiler_records_on_its_own_until_describe(tmp_path: Any) -> None:
+    profiler = PyTorchProfiler(dirpath=tmp_path, filename="alone")
+    with profiler.profile("outer"):
+        ones = torch.ones(4)
+        with profiler.profile("inner"):
+            ones.sum()
+    profiler.describe()
+    names = {event.name for event in profiler.function_events}
+    assert {"outer", "inner", "aten::ones", "aten::sum"} <= names
+    assert "aten::sum" in profiler.summary()  # the report stays after describe, as Lightning's
+    assert sorted(os.listdir(tmp_path)) == ["alone.pt.trace.json", "alone.txt"]
+    assert profiler.dirpath is tmp_path  # kept as given, as Lightning's: a Path stays one
+    profiler.start("again")  # a new recording
+    profiler.stop("again")
+    profiler.describe()
+    assert {event.name for event in profiler.function_events} == {"again"}
 
 
 def test_pytorch_profiler_takes_lightnings_arguments(tmp_path: Any) -> None:

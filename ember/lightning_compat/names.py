@@ -292,6 +292,8 @@ PYTORCH: dict[str, Names] = {
         "lightning_hasattr": "ember.hparams:has_field",
         "lightning_getattr": "ember.hparams:get_field",
         "lightning_setattr": "ember.hparams:set_field",
+        "clean_namespace": "ember.hparams:drop_unpicklable",
+        "parse_class_init_keys": "ember.hparams:init_keys",
     },
     "utilities.types": {**_TYPES, **_OPTIMIZER_TYPES},
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},

@@ -32,14 +32,14 @@ class Profiler:
     own with ``with self.trainer.profiler.profile("name"):``. At the end of the stage ``detach``
     removes the wrappers, and ``describe`` writes ``summary()`` to ``<dirpath>/<stage>-<filename>.txt`` (one file
     per rank, ``-rank<N>`` added when there are several), prints it on the global-zero process and calls
-    ``teardown``. ``dirpath`` defaults to the run's log directory.
+    ``teardown``. ``dirpath`` defaults to the run's log directory, which it keeps after the run.
     """
 
     #: Whether it records anything (the hook caller times the hooks of a stage only then).
     enabled: ClassVar[bool] = True
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = "profile") -> None:
-        self.dirpath = os.fspath(dirpath) if dirpath is not None else None
+        self.dirpath = dirpath  # kept as given, as Lightning's (a Path stays one)
         self.filename = filename
         self._patches = Patches()
         self._phase = "train"  # the kind of loader the latest batch came from
@@ -105,7 +105,9 @@ class Profiler:
         if datamodule is not None:
             for name in ("state_dict", "load_state_dict"):
                 self._wrap(datamodule, name, hook_action("LightningDataModule", type(datamodule).__name__, name))
-        directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
+        directory = run_directory(self.dirpath, trainer)
+        if self.dirpath is None:  # as Lightning's, a profiler without one keeps the run's directory afterwards
+            self.dirpath = directory
         rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         if self.filename is not None:  # None: printed only, as Lightning's profilers without a filename
             self._report_path = os.path.join(directory, f"{stage}-{self.filename}{rank}.txt")
@@ -176,6 +178,11 @@ class PassThroughProfiler(Profiler):
         return iter(batches)
 
 
+def run_directory(dirpath: str | os.PathLike | None, trainer: Trainer) -> str:
+    """Where a profiler's files go: its ``dirpath``, else the run's log directory."""
+    return os.fspath(dirpath) if dirpath is not None else trainer.log_dir or trainer.config.root_dir
+
+
 def hook_action(kind: str, owner: str, hook: str) -> str:
     """The action a hook is timed as, named as Lightning names it: ``[LightningModule]Net.on_train_start``,
     ``[LightningDataModule]Data.setup``, ``[Callback]<the callback's state_key>.on_train_epoch_end``."""
@@ -189,4 +196,4 @@ def latest_start(started: list, action: str) -> int:
     for index in range(len(started) - 1, -1, -1):
         if started[index][0] == action:
             return index
-    raise ValueError(f"profiler: stop({action!r}) without a matching start({action!r})")
+    raise ValueError(f"Attempting to stop recording an action ({action!r}) which was never started.")

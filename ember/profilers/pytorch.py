@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.exceptions import MisconfigurationException
-from ember.profilers.profiler import Profiler, latest_start
+from ember.profilers.profiler import Profiler, latest_start, run_directory
 from ember.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -34,7 +34,9 @@ class PyTorchProfiler(Profiler):
     ``export_to_chrome=False`` writes no trace, ``record_module_names`` marks each submodule's forward in the
     trace, ``sort_by_key`` orders the summary (by default the operators' own time) and ``table_kwargs`` are
     further arguments of its table; ``group_by_input_shapes`` (with ``record_shapes=True``) keeps the calls of
-    each input shape apart.
+    each input shape apart. Used without a Trainer (``with profiler.profile("name"):``), it records everything from
+    the first action to ``describe``, which writes ``<dirpath>/<filename>.pt.trace.json`` too. ``function_events``
+    holds the events of the latest recording once its summary is made, as in Lightning.
     """
 
     def __init__(
@@ -73,11 +75,19 @@ class PyTorchProfiler(Profiler):
         self._step_kind = "train"
         self._steps_begun = 0
         self._traces_written = 0
+        self._on_its_own = False  # recording without a Trainer, from the first `start` on
+        #: The events of the latest recording (Lightning's attribute), once its summary is made.
+        self.function_events: torch.autograd.profiler_util.EventList | None = None
 
     def attach(self, trainer: Trainer, stage: str) -> None:
+        if self._on_its_own and self._profiler is not None:
+            # A hook the Trainer runs before the stage (configure_callbacks) started one: the stage's takes over.
+            self._profiler.stop()
+            self._on_its_own = False
         self._step_kind = _STEP_LOADER[stage]
+        self.function_events = None
         self._steps_begun = self._traces_written = 0
-        directory = self.dirpath or trainer.log_dir or trainer.config.root_dir
+        directory = run_directory(self.dirpath, trainer)
         write_trace = torch.profiler.tensorboard_trace_handler(
             directory, worker_name=f"{stage}-rank{trainer.global_rank}"
         )
@@ -96,15 +106,8 @@ class PyTorchProfiler(Profiler):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if trainer.strategy.root_device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(
-            activities=activities,
-            schedule=self.schedule or torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
-            on_trace_ready=trace_ready,
-            record_shapes=self.record_shapes,
-            profile_memory=self.profile_memory,
-            with_stack=self.with_stack,
-            **{name: value for name, value in self.profiler_kwargs.items() if name != "on_trace_ready"},
-        )
+        schedule = self.schedule or torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1)
+        self._profiler = self._new_profiler(activities, schedule, trace_ready)
         if self.record_module_names and trainer.lightning_module is not None:
             self._mark_modules(trainer.lightning_module)
         super().attach(trainer, stage)
@@ -124,13 +127,44 @@ class PyTorchProfiler(Profiler):
             )
         self._profiler = None
 
+    def _new_profiler(
+        self, activities: list[torch.profiler.ProfilerActivity], schedule: Any, on_trace_ready: Any
+    ) -> torch.profiler.profile:
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            **{name: value for name, value in self.profiler_kwargs.items() if name != "on_trace_ready"},
+        )
+
     def start(self, action: str) -> None:
+        if self._profiler is None:  # used without a Trainer, as Lightning's: it records everything until `describe`
+            self._profiler = self._new_profiler(self.activities or [torch.profiler.ProfilerActivity.CPU], None, None)
+            self._profiler.start()
+            self._on_its_own = True
         marker = torch.profiler.record_function(action)
         marker.__enter__()
         self._ranges.append((action, marker))
 
     def stop(self, action: str) -> None:
         self._ranges.pop(latest_start(self._ranges, action))[1].__exit__(None, None, None)
+
+    def _stop_on_its_own(self) -> None:
+        for _, marker in reversed(self._ranges):
+            marker.__exit__(None, None, None)
+        self._ranges = []
+        assert self._profiler is not None
+        self._profiler.stop()
+        if self.export_to_chrome and self.dirpath is not None:
+            os.makedirs(self.dirpath, exist_ok=True)
+            self._profiler.export_chrome_trace(
+                os.path.join(self.dirpath, f"{self.filename or 'profile'}.pt.trace.json")
+            )
+        self._on_its_own = False
+        self._profiler = None  # a later action starts a new recording
 
     def _mark_modules(self, module: torch.nn.Module) -> None:
         """Each submodule's forward as a range of its own, named as Lightning names it."""
@@ -156,9 +190,14 @@ class PyTorchProfiler(Profiler):
             self._steps_begun += 1
 
     def summary(self) -> str:
-        if self._profiler is None or self._profiler.profiler is None:
+        if self._profiler is not None and self._profiler.profiler is not None:
+            profiler = self._profiler
+            if self._on_its_own:  # its report ends a recording made without a Trainer, the open actions with it
+                self._stop_on_its_own()
+            self.function_events = profiler.events()
+        if not self.function_events:
             return ""
-        events = self._profiler.key_averages(group_by_input_shape=self.group_by_input_shapes)
+        events = self.function_events.key_averages(group_by_input_shapes=self.group_by_input_shapes)
         if not events:
             return ""
         sort_by = self.sort_by_key
