@@ -160,7 +160,7 @@ def prepare_loader(loader: Iterable, strategy: Strategy, *, train: bool, shard: 
 
 
 def prepare_loaders(
-    given: Any, kind: str, strategy: Strategy, overfit_batches: float, shard: bool
+    given: Any, kind: str, strategy: Strategy, overfit_batches: float, shard: bool, stage: str | None = None
 ) -> tuple[Any, list[Iterable]]:
     """The loaders of ``kind`` ("train", "val", ...) that a Trainer's method was given (or a module made): as the
     Trainer shows them (``trainer.train_dataloader``, ...: what was given, in its structure), and each prepared
@@ -170,14 +170,15 @@ def prepare_loaders(
     other; training reads them together, as one ``CombinedLoader`` (in its "max_size_cycle" mode unless one is
     given), so that the loop reads one loader whatever their number. Any other iterable (even a list of batches)
     is one loader. ``overfit_batches`` reads the training and validation data in order (the same batches each
-    epoch): the loaders shown are then copies that do.
+    epoch): the loaders shown are then copies that do. ``stage`` (the Trainer's: "fit", "validate", ...) names, in
+    the error for loaders that are not iterable, the method they were given to.
     """
     combined = _combined(given, kind)
     if kind == "predict" and combined is not None and combined.mode != "sequential":
         raise ValueError('`trainer.predict()` only supports the `CombinedLoader(mode="sequential")` mode: got '
                          f'mode="{combined.mode}"; prediction reads its loaders one after the other')  # fmt: skip
     if not all_iterable(given):
-        raise invalid_loaders(given, f"passed to `Trainer.{_argument(kind, strategy)}=...)`")
+        raise invalid_loaders(given, f"passed to `Trainer.{_argument(kind, stage)}=...)`")
     loaders = combined.flattened if combined is not None else [given]
     if overfit_batches and kind in ("train", "val"):
         loaders = [in_order(loader, kind) for loader in loaders]
@@ -211,11 +212,9 @@ def invalid_loaders(given: Any, place: str) -> TypeError:
                      "batches, or a dict, list or tuple of them) is needed")  # (Lightning's words first)  # fmt: skip
 
 
-def _argument(kind: str, strategy: Strategy) -> str:
+def _argument(kind: str, stage: str | None) -> str:
     """The Trainer's method and argument that take the loaders of ``kind``, as in ``fit(val_dataloaders``: "val"
-    loaders are fit's or validate's, as the stage in progress says."""
-    trainer = getattr(strategy.lightning_module, "_trainer", None)  # (none: the stage is unknown)
-    stage = trainer.state.fn if trainer is not None else None
+    loaders are fit's or validate's, as ``stage`` (the one in progress) says."""
     if kind == "train" or (kind == "val" and stage == "fit"):
         return f"fit({kind}_dataloaders"
     return f"{stage or kind}(dataloaders"

@@ -592,7 +592,7 @@ class Trainer(LightningProperties):
             return []
         config = self.config
         shown, prepared = prepare_loaders(given, kind, self.strategy, config.overfit_batches,
-                                          config.use_distributed_sampler)  # fmt: skip
+                                          config.use_distributed_sampler, self.stage)  # fmt: skip
         self._stage_loaders += prepared
         self._latest_loaders[kind] = shown
         return prepared
