@@ -13,7 +13,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
 from ember.callbacks.callback import Callback
-from ember.exceptions import MisconfigurationException
+from ember.callbacks.weight_averaging import refuse_sharded_models
 from ember.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
@@ -67,11 +67,7 @@ class WeightAveraging(Callback):
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         if stage != "fit":
             return
-        if not trainer.strategy.holds_whole_model:
-            raise MisconfigurationException(
-                f"{type(self).__name__} does not support sharded models (strategy={trainer.strategy.name!r}): each "
-                "process must hold every parameter to average them; use strategy='ddp'"
-            )
+        refuse_sharded_models(trainer, f"{type(self).__name__} does not support")
         # Each fit averages its own module, from its first step (a resumed fit's state is loaded after this).
         self.average_model, self.latest_update_step, self.latest_update_epoch = None, 0, -1
 

@@ -134,11 +134,7 @@ class StochasticWeightAveraging(Callback):
     def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
         if stage != "fit":
             return
-        if not trainer.strategy.holds_whole_model:
-            raise MisconfigurationException(
-                f"SWA does not currently support sharded models (strategy={trainer.strategy.name!r}): each process "
-                "must hold every parameter to average them; use strategy='ddp'"
-            )
+        refuse_sharded_models(trainer, "SWA does not currently support")
         # Before the module reaches its device (a copy of a Module leaves its trainer, and the loaders, out).
         self.average_model = copy.deepcopy(pl_module)
 
@@ -298,3 +294,13 @@ def _check_settings(
         raise MisconfigurationException(f"The `avg_fn` should be callable. Got {avg_fn!r}")
     if device is not None and not isinstance(device, (torch.device, str)):
         raise MisconfigurationException(f"device is expected to be a torch.device or a str. Found {device}")
+
+
+def refuse_sharded_models(trainer: Trainer, refusal: str) -> None:
+    """Refuse a strategy that shards the model, ``refusal`` saying who refuses ("SWA does not support"): averaging
+    weights needs every parameter in each process."""
+    if not trainer.strategy.holds_whole_model:
+        raise MisconfigurationException(
+            f"{refusal} sharded models (strategy={trainer.strategy.name!r}): each process must hold every parameter "
+            "to average them; use strategy='ddp'"
+        )
