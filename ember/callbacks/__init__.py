@@ -13,13 +13,14 @@ from ember.callbacks.model_summary import ModelSummary
 from ember.callbacks.on_exception import OnExceptionCheckpoint
 from ember.callbacks.prediction_writer import BasePredictionWriter
 from ember.callbacks.progress import ProgressBar
-from ember.callbacks.progress_bars import RichProgressBar, TQDMProgressBar
+from ember.callbacks.progress_bars import RichProgressBar
 from ember.callbacks.progress_base import ProgressBarBase
 from ember.callbacks.pruning import ModelPruning
 from ember.callbacks.spike import SpikeDetection, TrainingSpikeException
 from ember.callbacks.stage_throughput import StageThroughputMonitor
 from ember.callbacks.throughput import ThroughputMonitor
 from ember.callbacks.timer import Timer
+from ember.callbacks.tqdm_progress import TQDMProgressBar
 from ember.callbacks.weight_averaging import StochasticWeightAveraging
 
 __all__ = [

@@ -1,13 +1,13 @@
-"""Lightning's progress bar classes, as Ember's ``ProgressBar`` with their arguments.
+"""Lightning's ``RichProgressBar``, as Ember's ``ProgressBar`` with its arguments (``TQDMProgressBar`` is Lightning's
+own, in ``tqdm_progress``).
 
-Both draw Ember's bar: tqdm on a terminal, a compact line every few seconds elsewhere. It is redrawn by
-time, not every ``refresh_rate`` batches; ``refresh_rate=0`` turns it off, as in Lightning.
+It draws Ember's bar: tqdm on a terminal, a compact line every few seconds elsewhere. It is redrawn by time, not
+every ``refresh_rate`` batches; ``refresh_rate=0`` turns it off, as in Lightning.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,16 +29,6 @@ class _SwitchableBar(ProgressBar):
     @property
     def is_enabled(self) -> bool:
         return self._enabled and self.refresh_rate > 0
-
-
-class TQDMProgressBar(_SwitchableBar):
-    """Lightning's ``TQDMProgressBar(refresh_rate, process_position, leave)``: Ember's bar (see the module)."""
-
-    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
-        super().__init__(refresh_rate)
-        self.refresh_rate = _tqdm_refresh_rate(refresh_rate)
-        self.process_position = process_position
-        self.leave = leave
 
 
 @dataclasses.dataclass
@@ -73,12 +63,3 @@ class RichProgressBar(_SwitchableBar):
         self.leave = leave
         self.theme = theme if theme is not None else RichProgressBarTheme()
         self.console_kwargs = dict(console_kwargs or {})
-
-
-def _tqdm_refresh_rate(refresh_rate: int) -> int:
-    """``refresh_rate`` as Lightning's TQDMProgressBar resolves it: 20 for the default on Google Colab (``COLAB_GPU``
-    set), and at least tqdm's own ``TQDM_MINITERS`` when that is set."""
-    if os.environ.get("COLAB_GPU") and refresh_rate == 1:
-        return 20
-    miniters = os.environ.get("TQDM_MINITERS", "")
-    return max(int(miniters), refresh_rate) if miniters.isdigit() else refresh_rate

@@ -15,7 +15,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from ember.lightning_compat.names import FABRIC, LIGHTNING, MISSING_MODULES, PYTORCH, Missing, Names
+from ember.lightning_compat.names import FABRIC, LIGHTNING, MISSING_MODULES, MODULES, PYTORCH, Missing, Names
 
 #: The packages served; Lightning's own, when installed, stays hidden while the hook is installed.
 ROOTS = ("lightning", "pytorch_lightning", "lightning_fabric")
@@ -46,6 +46,16 @@ def table_of(fullname: str) -> Names:
         + (hint or f"Ember covers lightning.pytorch's {covered_parts}"),
         name=fullname,
     )
+
+
+def ember_module_of(fullname: str) -> str | None:
+    """The Ember module that served module ``fullname`` is (see ``names.MODULES``), or None for a table's."""
+    root, _, rest = fullname.partition(".")
+    if root == "lightning":
+        if rest != "pytorch" and not rest.startswith("pytorch."):
+            return None
+        rest = rest.removeprefix("pytorch").removeprefix(".")
+    return MODULES.get(rest) if root != "lightning_fabric" else None
 
 
 def _fabric_key(root: str, rest: str) -> str | None:
@@ -111,10 +121,11 @@ class LightningFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if fullname.partition(".")[0] not in ROOTS:
             return None
         table_of(fullname)  # an uncovered module fails here, at its import
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=ember_module_of(fullname) is None)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _ServedModule(spec.name, table_of(spec.name))
+        module = ember_module_of(spec.name)
+        return importlib.import_module(module) if module else _ServedModule(spec.name, table_of(spec.name))
 
     def exec_module(self, module: types.ModuleType) -> None:
         """Nothing to run: the attributes come from the table when first used."""
@@ -145,7 +156,8 @@ def uninstall() -> None:
     """Stop serving Lightning's names, and forget the modules served so far."""
     if _finder in sys.meta_path:
         sys.meta_path.remove(_finder)
-    for name in [name for name, module in sys.modules.items() if isinstance(module, _ServedModule)]:
+    served = [name for name, module in sys.modules.items() if isinstance(module, _ServedModule)]
+    for name in served + [name for name in sys.modules if name.partition(".")[0] in ROOTS and ember_module_of(name)]:
         del sys.modules[name]
 
 

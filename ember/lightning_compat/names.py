@@ -249,7 +249,9 @@ PYTORCH: dict[str, Names] = {
         "ProgressBar": "ember.callbacks:ProgressBarBase",
         "get_standard_metrics": "ember.callbacks.progress_base:standard_metrics",
     },
-    "callbacks.progress.tqdm_progress": {"TQDMProgressBar": "ember.callbacks:TQDMProgressBar"},
+    "callbacks.progress.tqdm_progress": {
+        name: f"ember.callbacks.tqdm_progress:{name}" for name in ("TQDMProgressBar", "Tqdm")
+    },
     "callbacks.progress.rich_progress": {
         "RichProgressBar": "ember.callbacks:RichProgressBar",
         "RichProgressBarTheme": "ember.callbacks.progress_bars:RichProgressBarTheme",
@@ -316,6 +318,11 @@ PYTORCH: dict[str, Names] = {
 _FABRIC = "use ember.Trainer with an ember.Module: Ember has no Fabric"
 #: The parts of Lightning Fabric (``lightning_fabric``, the same as ``lightning.fabric``) that Lightning programs import
 #: beside ``lightning.pytorch``; Fabric itself is not covered.
+#: Modules of ``PYTORCH`` that are Ember's modules themselves rather than tables of their names, so that replacing
+#: one of their attributes (``mock.patch("lightning.pytorch.callbacks.progress.tqdm_progress.Tqdm", ...)``, as
+#: Lightning's own tests do) reaches the code that uses it.
+MODULES: dict[str, str] = {"callbacks.progress.tqdm_progress": "ember.callbacks.tqdm_progress"}
+
 FABRIC: dict[str, Names] = {
     "": {"Fabric": Missing(_FABRIC), "seed_everything": "ember.seed:seed_everything"},
     "utilities": {
