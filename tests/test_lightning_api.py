@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import csv
 import functools
+import logging
 import os
 import signal
 from collections.abc import Iterator
@@ -1679,6 +1680,17 @@ def test_seed_everything_quiet(capsys: pytest.CaptureFixture[str], monkeypatch: 
     monkeypatch.delenv("PL_GLOBAL_SEED")
     ember.seed_everything()
     assert "no seed given" in capsys.readouterr().out
+
+
+def test_seed_everything_logs_its_seed(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.INFO, logger="ember"):
+        ember.seed_everything(3)
+        monkeypatch.setenv("RANK", "1")  # every process seeds, and says which it is
+        ember.seed_everything(4)
+        ember.seed_everything(5, verbose=False)
+    assert [record.getMessage() for record in caplog.records] == ["Seed set to 3", "[rank: 1] Seed set to 4"]
 
 
 def test_seed_everything_sets_and_reads_lightnings_variables(monkeypatch: pytest.MonkeyPatch) -> None:
