@@ -5,8 +5,10 @@ from __future__ import annotations
 import collections
 import csv
 import functools
+import io
 import logging
 import os
+import pickle
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -1669,6 +1671,15 @@ def test_the_tuner_runs_the_modules_step_hooks() -> None:
 
     Tuner(quiet_trainer(logger=False)).lr_find(Hooked(), num_training=5, early_stop_threshold=None)
     assert calls == [0, 1, 2, 3, 4]
+
+
+def test_a_trainer_pickles_after_fit() -> None:
+    trainer = quiet_trainer(max_steps=2, logger=False, enable_checkpointing=False)
+    trainer.fit(Regressor(), make_loader(32), make_loader(16))
+    copy = pickle.loads(pickle.dumps(trainer))
+    assert copy.global_step == 2 and isinstance(copy.optimizers[0], torch.optim.SGD)
+    assert pickle.loads(pickle.dumps(trainer.lightning_module.optimizers())).param_groups[0]["lr"] == 0.05
+    torch.save(trainer, io.BytesIO())  # as Lightning users save one
 
 
 def test_seed_everything_quiet(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
