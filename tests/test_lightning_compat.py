@@ -219,6 +219,16 @@ def test_names_ember_lacks_fail_at_import_with_what_to_use(statement: str, messa
         exec(statement, {})
 
 
+def test_fabric_s_get_filesystem_is_served(tmp_path: Any) -> None:
+    with served_by_ember():
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
+        assert get_filesystem is ember.utilities.get_filesystem
+        assert get_filesystem(tmp_path).exists(str(tmp_path)) and "memory" in get_filesystem("memory://a").protocol
+        with pytest.raises(ImportError, match=r"cloud_io._load is not covered by Ember: read a checkpoint with"):
+            exec("from lightning_fabric.utilities.cloud_io import _load", {})
+
+
 def test_a_name_ember_lacks_read_as_an_attribute_is_an_attribute_error() -> None:
     with served_by_ember():
         import pytorch_lightning as pl
