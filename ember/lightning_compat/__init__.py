@@ -14,6 +14,6 @@ name that Ember does not cover raises ``ImportError`` when it is imported, namin
 equivalent. ``docs/lightning.md`` lists what maps to what.
 """
 
-from ember.lightning_compat.hook import LightningAttributeError, LightningNameError, install, is_installed, uninstall
+from ember.lightning_compat.hook import LightningNameError, install, is_installed, uninstall
 
-__all__ = ["LightningAttributeError", "LightningNameError", "install", "is_installed", "uninstall"]
+__all__ = ["LightningNameError", "install", "is_installed", "uninstall"]

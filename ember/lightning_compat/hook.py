@@ -2,8 +2,7 @@
 
 Each served module is built from a table of ``names``: its attributes are Ember's own objects, imported
 when first used, so ``lightning.pytorch.LightningModule is ember.Module``. A module or name Ember does not
-cover raises ``ImportError`` at import, naming it and what to use instead, never later (read as an attribute of
-a served module, it is an ``AttributeError``).
+cover raises ``ImportError`` at import, naming it and what to use instead, never later.
 """
 
 from __future__ import annotations
@@ -26,12 +25,6 @@ LIGHTNING_VERSION = "2.6.0"
 
 class LightningNameError(ImportError):
     """A Lightning module or name that Ember does not cover."""
-
-
-class LightningAttributeError(AttributeError):
-    """An uncovered name read as an attribute of a served module (``pytorch_lightning.utilities.imports``): an
-    ``AttributeError``, so that ``hasattr`` and ``getattr(module, name, default)`` answer as for any module that
-    lacks the name. Imported, the name is a ``LightningNameError`` (see ``_import_error``)."""
 
 
 def table_of(fullname: str) -> Names:
@@ -85,21 +78,13 @@ class _ServedModule(types.ModuleType):
         submodule = f"{self.__name__}.{name}"
         if self._has_submodule(name):
             return importlib.import_module(submodule)
-        raise LightningAttributeError(self.not_covered(name), name=name, obj=self)
-
-    def not_covered(self, name: str) -> str:
-        """Why ``name`` is not an attribute here, and what to use instead."""
-        target = self.__names.get(name)
         instead = target.instead if isinstance(target, Missing) else _module_hint(self.__name__)
-        return (
+        raise LightningNameError(
             f"{self.__name__}.{name} is not covered by Ember"
             + (f": {instead}" if instead else "")
-            + (f" ({self.__name__} has {', '.join(self.__all__)})" if self.__all__ else "")
+            + (f" ({self.__name__} has {', '.join(self.__all__)})" if self.__all__ else ""),
+            name=self.__name__,
         )
-
-    def lists(self, name: str) -> bool:
-        """Whether the table names ``name`` as one of Lightning's that Ember lacks."""
-        return isinstance(self.__names.get(name), Missing)
 
     def _has_submodule(self, name: str) -> bool:
         try:
@@ -117,20 +102,6 @@ def _module_hint(fullname: str) -> str:
     return MISSING_MODULES.get(key, "")
 
 
-def _import_error(fullname: str, error: LightningNameError) -> LightningNameError:
-    """The error of importing uncovered ``fullname``. ``from package import name`` looks for a submodule when the
-    package lacks the attribute, and ends here: a name the package's table lists as missing gets its advice,
-    another the package's names, beside what ``table_of`` says of the module."""
-    parent, _, name = fullname.rpartition(".")
-    package = sys.modules.get(parent)
-    if not isinstance(package, _ServedModule):
-        return error
-    if package.lists(name):
-        return LightningNameError(package.not_covered(name), name=fullname)
-    names = ", ".join(package.__all__)
-    return LightningNameError(f"{error.msg} ({parent} has {names})" if names else error.msg, name=fullname)
-
-
 class LightningFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the served packages (``ROOTS``) before any installed copy of Lightning."""
 
@@ -139,10 +110,7 @@ class LightningFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname.partition(".")[0] not in ROOTS:
             return None
-        try:
-            table_of(fullname)  # an uncovered module fails here, at its import
-        except LightningNameError as error:
-            raise _import_error(fullname, error) from None
+        table_of(fullname)  # an uncovered module fails here, at its import
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
