@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 import numbers
 from collections.abc import Callable, Iterator, Mapping
-from types import CodeType
 from typing import Any, Literal
 
 import torch
@@ -32,18 +31,22 @@ _REDUCE_FX: dict[Any, ReduceFx] = {
 Number = torch.Tensor | float
 
 
-def _logging_function() -> CodeType | None:
+def _logging_function() -> tuple[str, int, str] | None:
     """The code of the function outside Ember that called ``self.log`` (or ``log_dict``, or a callback's ``log``).
 
     The hooks of a training batch share the step's logging scope (one scope per epoch, not one per hook and
     batch, keeps the loop's per-batch cost down), so the scope alone cannot tell a name logged twice in one hook,
     which Lightning refuses with other options, from the same name logged in ``training_step`` and in
     ``on_train_batch_end``, which it takes. Only looked up when a call's options differ from the previous call's.
+    The function is named by its place, not its code object, which would keep the Trainer from pickling.
     """
     frame = inspect.currentframe()
     while frame is not None and frame.f_globals.get("__name__", "").startswith("ember."):
         frame = frame.f_back
-    return frame.f_code if frame is not None else None
+    if frame is None:
+        return None
+    code = frame.f_code
+    return code.co_filename, code.co_firstlineno, code.co_name
 
 
 def is_metric_object(value: Any) -> bool:
@@ -83,7 +86,7 @@ class _Logged:
     def __init__(self, name: str) -> None:
         self.name = name  # as self.log got it (without a loader's suffix)
         self.options: tuple[Any, ...] = ()  # the scope and the arguments of the self.log call that set them
-        self.caller: CodeType | None = None  # the function that made that call (see _logging_function)
+        self.caller: tuple[str, int, str] | None = None  # the function that made that call (see _logging_function)
         self.loaders: set[int] = set()  # the evaluation loaders whose steps logged it (none: all of them)
         self.step_value: Number | None = None
         self.step_fresh = False

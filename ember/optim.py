@@ -79,6 +79,10 @@ class LightningOptimizer:
         # A class of both, so that what checks the optimizer's class (isinstance, its repr) holds for the wrapper.
         self.__class__ = type(f"Lightning{type(optimizer).__name__}", (LightningOptimizer, type(optimizer)), {})
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Its class is made here, so pickle could not find it by name: it is made again from what it wraps.
+        return LightningOptimizer, (self._wrapped, self._trainer_step)
+
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The wrapped optimizer, as ``configure_optimizers`` returned it."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ember.lightning_compat.hook import is_installed as lightning_names_served
-from ember.rank_zero import rank_zero_print, rank_zero_warn
+from ember.rank_zero import log_info, rank_zero_print, rank_zero_warn
 
 _MAX_SEED = 2**32 - 1
 
@@ -25,7 +25,8 @@ def seed_everything(seed: int | str | None = None, workers: bool = False, verbos
     The Trainer derives its data order and DataLoader workers' seeds from the seed as well, so ``workers``
     changes nothing: workers are always seeded. As Lightning's, it sets ``PL_GLOBAL_SEED`` and
     ``PL_SEED_WORKERS`` (``"1"`` with ``workers=True``), which Lightning programs read.
-    ``verbose=False`` keeps a drawn seed unprinted.
+    Each process logs ``Seed set to N`` (with its rank where a launcher set one), as Lightning does;
+    ``verbose=False`` keeps that and a drawn seed unprinted.
     """
     if seed is None:
         seed = _seed_from_environment(verbose)
@@ -42,7 +43,15 @@ def seed_everything(seed: int | str | None = None, workers: bool = False, verbos
         pass
     else:
         numpy.random.seed(seed)
+    if verbose:
+        log_info(_rank_prefixed(f"Seed set to {seed}"), lightning_module="utilities.seed")
     return seed
+
+
+def _rank_prefixed(message: str) -> str:
+    """``message`` led by this process's rank where a launcher set one: every process seeds, and logs it."""
+    rank = next((os.environ[name] for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID") if name in os.environ), None)
+    return message if rank is None else f"[rank: {rank}] {message}"
 
 
 def _seed_from_environment(verbose: bool) -> int:

@@ -33,7 +33,6 @@ from ember.loops.fit import FitLoop
 from ember.loops.hooks import Hooks
 from ember.metrics import RunMetrics
 from ember.module import DataModule, Module, data_source
-from ember.module_hooks import not_implemented
 from ember.profilers import Profiler, select_profiler
 from ember.rank_zero import announce, rank_zero_only
 from ember.run_directory import RunDirectory
@@ -369,11 +368,12 @@ class Trainer(LightningProperties):
     def _fit(self, model: Module, train_dataloaders: _Loaders, val_dataloaders: _Loaders, datamodule: DataModule | None,
              ckpt_path: str | None, weights_only: bool | None) -> None:  # fmt: skip
         given = train_dataloaders is not None
-        self.fit_loop.prepare(lambda: self._loaders("train", train_dataloaders, required=True)[0], given)
+        self.fit_loop.prepare(functools.partial(self._loaders, "train", train_dataloaders, required=True), given)
         with self._stage("fit", model, datamodule, ckpt_path) as path:
             validates = validates_in_fit(model, val_dataloaders is not None or self.hooks.has_loaders("val"))
             restore = functools.partial(checkpoint_state.resume_from, self, path, weights_only) if path else None
-            self.fit_loop.run((lambda: self._loaders("val", val_dataloaders)) if validates else None, restore)
+            # Partials, not lambdas, as the loop keeps them: a Trainer pickles, as Lightning's does.
+            self.fit_loop.run(functools.partial(self._loaders, "val", val_dataloaders) if validates else None, restore)
         if self.preempted:
             self.print(self.fit_loop.stopping.report(self.global_step))  # once the progress bar has ended
             # The usual status of a process ended by that signal (143 for SIGTERM, 130 for Ctrl-C), so that
@@ -586,9 +586,8 @@ class Trainer(LightningProperties):
         if given is None:
             given = self.hooks.data_loaders(kind)
         if given is None:
-            if required:  # (the default hooks raise the same error)
-                raise not_implemented(f"{kind}_dataloader", f": no {kind} data; pass dataloaders to the Trainer's "
-                                      "method, or define it on the DataModule given (else the Module)")  # fmt: skip
+            if required:  # only fit's training loaders are (the default hooks raise the same error)
+                raise self.hooks.no_training_loaders()
             return []
         config = self.config
         shown, prepared = prepare_loaders(given, kind, self.strategy, config.overfit_batches,

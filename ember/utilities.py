@@ -4,10 +4,11 @@ data, pickling."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,12 +24,24 @@ from ember.rank_zero import (
     rank_zero_warn_once,
 )
 
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
 move_data_to_device = move_to_device  # Lightning's name
+
+
+def get_filesystem(path: str | os.PathLike, **kwargs: Any) -> AbstractFileSystem:
+    """The fsspec file system that holds ``path`` (a URL's, ``s3://...``, or the local one for a plain path);
+    ``kwargs`` go to it (credentials, ...). Lightning's ``lightning_fabric.utilities.cloud_io.get_filesystem``."""
+    import fsspec  # (comes with torch; imported here, as few programs need it)
+
+    return fsspec.core.url_to_fs(os.fspath(path), **kwargs)[0]
 
 __all__ = [
     "AttributeDict",
     "GradClipAlgorithmType",
     "extract_batch_size",
+    "get_filesystem",
     "grad_norm",
     "is_picklable",
     "measure_flops",

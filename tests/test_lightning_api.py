@@ -5,7 +5,10 @@ from __future__ import annotations
 import collections
 import csv
 import functools
+import io
+import logging
 import os
+import pickle
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -1670,6 +1673,15 @@ def test_the_tuner_runs_the_modules_step_hooks() -> None:
     assert calls == [0, 1, 2, 3, 4]
 
 
+def test_a_trainer_pickles_after_fit() -> None:
+    trainer = quiet_trainer(max_steps=2, logger=False, enable_checkpointing=False)
+    trainer.fit(Regressor(), make_loader(32), make_loader(16))
+    copy = pickle.loads(pickle.dumps(trainer))
+    assert copy.global_step == 2 and isinstance(copy.optimizers[0], torch.optim.SGD)
+    assert pickle.loads(pickle.dumps(trainer.lightning_module.optimizers())).param_groups[0]["lr"] == 0.05
+    torch.save(trainer, io.BytesIO())  # as Lightning users save one
+
+
 def test_seed_everything_quiet(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("EMBER_GLOBAL_SEED", "PL_GLOBAL_SEED"):
         monkeypatch.delenv(name, raising=False)
@@ -1679,6 +1691,17 @@ def test_seed_everything_quiet(capsys: pytest.CaptureFixture[str], monkeypatch: 
     monkeypatch.delenv("PL_GLOBAL_SEED")
     ember.seed_everything()
     assert "no seed given" in capsys.readouterr().out
+
+
+def test_seed_everything_logs_its_seed(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.INFO, logger="ember"):
+        ember.seed_everything(3)
+        monkeypatch.setenv("RANK", "1")  # every process seeds, and says which it is
+        ember.seed_everything(4)
+        ember.seed_everything(5, verbose=False)
+    assert [record.getMessage() for record in caplog.records] == ["Seed set to 3", "[rank: 1] Seed set to 4"]
 
 
 def test_seed_everything_sets_and_reads_lightnings_variables(monkeypatch: pytest.MonkeyPatch) -> None:

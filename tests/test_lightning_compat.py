@@ -217,6 +217,16 @@ def test_names_ember_lacks_fail_at_import_with_what_to_use(statement: str, messa
         exec(statement, {})
 
 
+def test_fabric_s_get_filesystem_is_served(tmp_path: Any) -> None:
+    with served_by_ember():
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
+        assert get_filesystem is ember.utilities.get_filesystem
+        assert get_filesystem(tmp_path).exists(str(tmp_path)) and "memory" in get_filesystem("memory://a").protocol
+        with pytest.raises(ImportError, match=r"cloud_io._load is not covered by Ember: read a checkpoint with"):
+            exec("from lightning_fabric.utilities.cloud_io import _load", {})
+
+
 def test_a_program_using_lightning_s_names_keeps_its_runs_in_lightning_logs(tmp_path: Any) -> None:
     root = str(tmp_path)
     with served_by_ember():

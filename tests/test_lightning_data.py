@@ -54,6 +54,23 @@ def test_a_loader_hook_set_to_none_is_absent() -> None:
         trainer.test(model, make_loader(8))
 
 
+def test_a_training_loader_hook_set_to_none_is_lightnings_type_error() -> None:
+    model = Regressor()
+    model.train_dataloader = None  # type: ignore[attr-defined]
+    trainer = quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(TypeError, match=r"passed to `Trainer.fit\(train_dataloaders=...\)`. Found None. Either pass"):
+        trainer.fit(model)
+    with pytest.raises(MisconfigurationException, match="`train_dataloader` must be implemented"):
+        trainer.fit(Regressor())  # not defined at all: the hook's own error
+
+
+def test_the_training_batches_are_unbounded_before_fit() -> None:
+    trainer = quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False)
+    assert math.isinf(trainer.num_training_batches) and trainer.num_val_batches == []
+    trainer.fit(Regressor(), make_loader(16))
+    assert trainer.num_training_batches == 2
+
+
 # --------------------------------------------------------------------------- several training loaders
 class _TwoSources(Regressor):
     """Trains on the batch of source "a"; records the structure of each combined batch."""

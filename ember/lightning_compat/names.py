@@ -340,6 +340,11 @@ FABRIC: dict[str, Names] = {
     },
     "utilities.spike": {"TrainingSpikeException": "ember.callbacks:TrainingSpikeException"},
     "utilities.data": {"has_iterable_dataset": "ember.data:has_iterable_dataset"},
+    "utilities.cloud_io": {
+        "get_filesystem": "ember.utilities:get_filesystem",
+        "_load": Missing("read a checkpoint with torch.load(path, map_location=..., weights_only=True), a URL's "
+                         "from get_filesystem(url).open(url, 'rb')"),
+    },
 }
 
 #: The top-level ``lightning`` package; ``lightning.pytorch`` is served from ``PYTORCH``.

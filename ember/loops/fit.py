@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any, Literal
@@ -81,9 +82,9 @@ class FitLoop:
         self.sanity_checking = False
 
     # ---------------------------------------------------------------------------------- a fit
-    def prepare(self, load_train: Callable[[], Iterable], train_given: bool) -> None:
+    def prepare(self, load_train: Callable[[], list[Iterable]], train_given: bool) -> None:
         """Before a fit's ``setup`` (where ``estimated_stepping_batches`` may ask for the training loader): it trains
-        on what ``load_train`` gives (``train_given``: the loaders passed to ``fit``)."""
+        on the loader ``load_train`` gives (``train_given``: the loaders passed to ``fit``)."""
         self.last_result, self.last_loss, self.accumulate = None, None, self.trainer.config.accumulate_grad_batches
         self.data = TrainingData(self.trainer, load_train, train_given)
 
@@ -135,8 +136,8 @@ class FitLoop:
             strategy, module, optimizers, scheduler_configs, self.progress, accumulate=config.accumulate_grad_batches,
             clip_val=config.gradient_clip_val, clip_algorithm=config.gradient_clip_algorithm,
             before_step_hooks=hooks.implementations("on_before_optimizer_step"),
-            metrics=lambda: trainer.callback_metrics, hooks=hooks.step_hooks(),
-        )  # fmt: skip
+            metrics=functools.partial(getattr, trainer, "callback_metrics"), hooks=hooks.step_hooks(),
+        )  # fmt: skip  (a partial, not a lambda: the Trainer keeps the runner, and pickles)
 
     def _look_up(self, runner: StepRunner) -> _Fit:
         trainer, config, hooks = self.trainer, self.trainer.config, self.trainer.hooks
@@ -356,7 +357,8 @@ class FitLoop:
 
     @property
     def num_training_batches(self) -> float:
-        return self.data.num_batches if self.data is not None else 0
+        """The training batches of an epoch; ``inf`` before ``fit`` has its data, as Lightning's."""
+        return self.data.num_batches if self.data is not None else math.inf
 
     @property
     def validation_enabled(self) -> bool:

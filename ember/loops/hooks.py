@@ -16,6 +16,7 @@ from ember.data import all_iterable, invalid_loaders
 from ember.loops.step import StepHooks
 from ember.metrics import LogScope
 from ember.module import DataModule, Module
+from ember.module_hooks import not_implemented
 from ember.profilers.profiler import hook_action
 from ember.trainer_state import TrainerFn
 
@@ -211,6 +212,17 @@ class Hooks:
         if not all_iterable(loaders):
             raise invalid_loaders(loaders, f"returned from `{type(found).__name__}.{kind}_dataloader()`")
         return loaders
+
+    def no_training_loaders(self) -> Exception:
+        """The error of a ``fit`` without training loaders, in Lightning's words: a ``TypeError`` where the
+        ``train_dataloader`` hook was set to None (as Lightning finds None there), else the hook's own error."""
+        owner = self._datamodule if self._datamodule is not None else self._module
+        if owner is not None and getattr(owner, "train_dataloader", False) is None:
+            return TypeError("An invalid dataloader was passed to `Trainer.fit(train_dataloaders=...)`. Found None. "
+                             "Either pass the dataloader to the `.fit()` method OR implement "
+                             "`def train_dataloader(self):` in your LightningModule/LightningDataModule.")  # fmt: skip
+        return not_implemented("train_dataloader", ": no train data; pass dataloaders to the Trainer's method, or "
+                               "define it on the DataModule given (else the Module)")  # fmt: skip
 
     def has_loaders(self, kind: str) -> bool:
         """Whether the datamodule (or without one the module) defines ``<kind>_dataloader()``."""

@@ -39,7 +39,7 @@ class TrainingData:
     ``reload_dataloaders_every_n_epochs`` epochs, counted from the first epoch that reads it.
     """
 
-    def __init__(self, trainer: Trainer, load: Callable[[], Iterable], loaders_given: bool) -> None:
+    def __init__(self, trainer: Trainer, load: Callable[[], list[Iterable]], loaders_given: bool) -> None:
         self._trainer = trainer
         self._load = load
         #: Whether the training loaders were passed to ``fit`` (else the module or the datamodule makes them).
@@ -67,7 +67,7 @@ class TrainingData:
         config = trainer.config
         if config.limit_train_batches == 0:  # as Lightning: training turned off never asks for its loader
             return
-        self.loader = loader = self._load()
+        self.loader = loader = self._load()[0]  # the one loader (a CombinedLoader of several) the fit gets
         self.num_batches = count_batches(loader, config.limit_train_batches, "limit_train_batches", trainer.strategy)
         self._replicas = data_replicas(loader)
         self._order = order_reads(loader)
