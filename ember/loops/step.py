@@ -260,6 +260,11 @@ class StepRunner:
         self._manual_steps = 0
         output = self.training_step(batch, batch_idx)
         loss = output.get("loss") if isinstance(output, Mapping) else output
+        if output is not None and not isinstance(output, (Mapping, torch.Tensor)):
+            raise MisconfigurationException(
+                "In manual optimization, `training_step` must either return a Tensor or have no return (or a dict): "
+                f"{type(self.module).__name__}.training_step returned a {type(output).__name__}"
+            )
         # Under manual optimization a returned loss is only shown and checked, so any scalar tensor will do.
         kept = self._kept(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
         return StepResult(output, kept, self._manual_steps)

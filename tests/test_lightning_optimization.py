@@ -1,0 +1,45 @@
+"""Lightning's public behaviour of a training step's optimization: what ``training_step`` may return under manual
+and automatic optimization, the closure an optimizer runs, and a skipped step with several processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import Regressor, make_loader, quiet_trainer
+
+from ember.exceptions import MisconfigurationException
+
+
+class _Manual(Regressor):
+    """Steps its optimizer itself, then returns ``returned`` from ``training_step``."""
+
+    def __init__(self, returned: Any) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.returned = returned
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return self.returned(loss) if callable(self.returned) else self.returned
+
+
+@pytest.mark.parametrize("returned", [5, "loss", 0.5])
+def test_a_manual_training_step_that_returns_neither_a_tensor_nor_a_dict_is_refused(returned: Any) -> None:
+    with pytest.raises(MisconfigurationException, match="must either return a Tensor or have no return") as error:
+        quiet_trainer(max_steps=1, logger=False).fit(_Manual(returned), make_loader())
+    assert type(returned).__name__ in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "returned", [None, lambda loss: loss, lambda loss: {"loss": loss, "other": 1}, lambda loss: {"other": 1}]
+)
+def test_a_manual_training_step_may_return_a_tensor_a_dict_or_nothing(returned: Callable[..., Any] | None) -> None:
+    trainer = quiet_trainer(max_steps=2, logger=False, enable_checkpointing=False)
+    trainer.fit(_Manual(returned), make_loader())
+    assert trainer.global_step == 2
