@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import Regressor, make_loader, quiet_trainer
+import torch
+from conftest import Regressor, make_loader, parameters_of, quiet_trainer
 
 from ember.exceptions import MisconfigurationException
 
@@ -43,3 +44,32 @@ def test_a_manual_training_step_may_return_a_tensor_a_dict_or_nothing(returned: 
     trainer = quiet_trainer(max_steps=2, logger=False, enable_checkpointing=False)
     trainer.fit(_Manual(returned), make_loader())
     assert trainer.global_step == 2
+
+
+class _NoGradClosureSGD(torch.optim.SGD):
+    """An optimizer whose ``step`` runs under ``torch.no_grad()`` and requires its closure (no default), as some
+    third-party optimizers do."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any]) -> Any:  # type: ignore[override]
+        loss = closure()
+        super().step()
+        return loss
+
+
+def test_the_closure_an_optimizer_runs_under_no_grad_still_builds_a_graph() -> None:
+    grad_enabled: list[bool] = []
+
+    class Module(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            grad_enabled.append(torch.is_grad_enabled())
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return _NoGradClosureSGD(self.parameters(), lr=0.1)
+
+    module = Module()
+    before = parameters_of(module)
+    quiet_trainer(max_steps=2, logger=False, enable_checkpointing=False).fit(module, make_loader())
+    assert grad_enabled == [True, True]
+    assert not torch.equal(before[0], module.layer.weight)

@@ -542,10 +542,12 @@ class _Closure:
         if again and not runner.closure_steps:
             raise RuntimeError("optimizer_closure was called twice; each micro-batch runs its step once")
         self.ran = True
-        # An optimizer that runs the closure again (LBFGS) asks for the loss and gradients afresh each time.
-        self.output, loss = runner.forward_backward(
-            self._batch, self._batch_idx, divisor=window.size, sync=window.closing, reset=window.seen == 1 or again
-        )
+        # An optimizer that runs the closure again (LBFGS) asks for the loss and gradients afresh each time. One
+        # whose step is decorated with torch.no_grad() (Hugging Face's AdamW) runs it there: the step needs a graph.
+        with torch.enable_grad():
+            self.output, loss = runner.forward_backward(
+                self._batch, self._batch_idx, divisor=window.size, sync=window.closing, reset=window.seen == 1 or again
+            )
         if loss is not None:
             window.has_gradients = True
             self.loss = runner._kept(loss)
