@@ -11,6 +11,8 @@ import torch
 from conftest import Regressor, make_loader, parameters_of, quiet_trainer
 
 from ember.exceptions import MisconfigurationException
+from ember.loops import StepRunner
+from ember.strategies import SingleDeviceStrategy
 
 
 class _Manual(Regressor):
@@ -73,3 +75,29 @@ def test_the_closure_an_optimizer_runs_under_no_grad_still_builds_a_graph() -> N
     quiet_trainer(max_steps=2, logger=False, enable_checkpointing=False).fit(module, make_loader())
     assert grad_enabled == [True, True]
     assert not torch.equal(before[0], module.layer.weight)
+
+
+class _OneOfTwoRanks(SingleDeviceStrategy):
+    """A strategy that says it is rank 1 of 2, without another process."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    @property
+    def global_rank(self) -> int:
+        return 1
+
+
+def test_a_skipped_training_step_is_refused_with_several_processes() -> None:
+    class Skips(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            return None
+
+    module = Skips()
+    strategy = _OneOfTwoRanks()
+    strategy.setup_module(module, training=True)
+    runner = StepRunner(strategy, module, [torch.optim.SGD(module.parameters(), lr=0.1)])
+    with pytest.raises(RuntimeError, match=r"Skipping the `training_step` by returning None in distributed training "
+                       r"is not supported: Skips.training_step returned None on rank 1 of 2"):  # fmt: skip
+        runner.step(next(iter(make_loader(8, batch_size=4))), 0)

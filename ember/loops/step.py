@@ -287,6 +287,14 @@ class StepRunner:
         if reset:
             self.zero_grad(batch_idx)
         if loss is None:
+            if self.strategy.world_size > 1:
+                # The other ranks' backward would wait for this one's gradients forever: refuse, as Lightning does.
+                raise RuntimeError(
+                    "Skipping the `training_step` by returning None in distributed training is not supported: "
+                    f"{type(self.module).__name__}.training_step returned None on rank {self.strategy.global_rank} of "
+                    f"{self.strategy.world_size}. Rewrite the training logic so that every rank returns a loss "
+                    "(multiply it by 0 to make a batch count for nothing)"
+                )
             return output, None
         try:
             # Dividing by the window's size makes k micro-batches of b the same as one batch of k*b.
