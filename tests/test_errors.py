@@ -111,7 +111,12 @@ class _Returns(Regressor):
 @pytest.mark.parametrize(
     ("returned", "error", "message"),
     [
-        ("a string", TypeError, r"training_step must return the loss tensor.*it returned str"),
+        ("a string", MisconfigurationException, r"must return a Tensor, a dict, or None .*: it returned str"),
+        (
+            {"loss": 0.5},
+            MisconfigurationException,
+            r"must return a Tensor, a dict, or None .*: it returned a dict whose 'loss' is a float",
+        ),
         (
             {"logits": torch.ones(1)},
             MisconfigurationException,

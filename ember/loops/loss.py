@@ -26,10 +26,11 @@ def training_loss(output: Any, module: torch.nn.Module | None = None) -> torch.T
                 "In automatic_optimization, when `training_step` returns a dict, the 'loss' key needs to be present "
                 f"(its keys: {list(output)})"
             )
-        raise TypeError(
-            "training_step must return the loss tensor, a dict with a 'loss' tensor, or None to skip the "
-            f"batch; it returned {type(output).__name__}"
-            + (f" without a 'loss' key (keys: {sorted(output)})" if isinstance(output, Mapping) else "")
+        # Lightning's exception and words; the dict case names the key's value, the only part that was wrong.
+        what = f"a dict whose 'loss' is a {type(loss).__name__}" if loss is not output else type(output).__name__
+        raise MisconfigurationException(
+            "In automatic optimization, `training_step` must return a Tensor, a dict, or None (where the step will "
+            f"be skipped): it returned {what}; return the loss tensor, or a dict with a 'loss' tensor"
         )
     if loss.numel() != 1:
         raise ValueError(

@@ -260,6 +260,11 @@ class StepRunner:
         self._manual_steps = 0
         output = self.training_step(batch, batch_idx)
         loss = output.get("loss") if isinstance(output, Mapping) else output
+        if output is not None and not isinstance(output, (Mapping, torch.Tensor)):
+            raise MisconfigurationException(
+                "In manual optimization, `training_step` must either return a Tensor or have no return (or a dict): "
+                f"{type(self.module).__name__}.training_step returned a {type(output).__name__}"
+            )
         # Under manual optimization a returned loss is only shown and checked, so any scalar tensor will do.
         kept = self._kept(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
         return StepResult(output, kept, self._manual_steps)
@@ -282,6 +287,14 @@ class StepRunner:
         if reset:
             self.zero_grad(batch_idx)
         if loss is None:
+            if self.strategy.world_size > 1:
+                # The other ranks' backward would wait for this one's gradients forever: refuse, as Lightning does.
+                raise RuntimeError(
+                    "Skipping the `training_step` by returning None in distributed training is not supported: "
+                    f"{type(self.module).__name__}.training_step returned None on rank {self.strategy.global_rank} of "
+                    f"{self.strategy.world_size}. Rewrite the training logic so that every rank returns a loss "
+                    "(multiply it by 0 to make a batch count for nothing)"
+                )
             return output, None
         try:
             # Dividing by the window's size makes k micro-batches of b the same as one batch of k*b.
@@ -537,10 +550,12 @@ class _Closure:
         if again and not runner.closure_steps:
             raise RuntimeError("optimizer_closure was called twice; each micro-batch runs its step once")
         self.ran = True
-        # An optimizer that runs the closure again (LBFGS) asks for the loss and gradients afresh each time.
-        self.output, loss = runner.forward_backward(
-            self._batch, self._batch_idx, divisor=window.size, sync=window.closing, reset=window.seen == 1 or again
-        )
+        # An optimizer that runs the closure again (LBFGS) asks for the loss and gradients afresh each time. One
+        # whose step is decorated with torch.no_grad() (Hugging Face's AdamW) runs it there: the step needs a graph.
+        with torch.enable_grad():
+            self.output, loss = runner.forward_backward(
+                self._batch, self._batch_idx, divisor=window.size, sync=window.closing, reset=window.seen == 1 or again
+            )
         if loss is not None:
             window.has_gradients = True
             self.loss = runner._kept(loss)
