@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+from unittest import mock
+
 import pytest
 from conftest import Regressor, make_loader, quiet_trainer
+
+import ember
+from ember.callbacks import Callback
 
 
 @pytest.mark.parametrize(
@@ -21,3 +27,62 @@ def test_fit_loop_done_once_the_fit_reached_its_limit() -> None:
     trainer = quiet_trainer(max_steps=2, logger=False, enable_checkpointing=False)
     trainer.fit(Regressor(), make_loader(8), make_loader(8))
     assert trainer.global_step == 2 and trainer.fit_loop.done is True
+
+
+class _Interrupting(Callback):
+    """Raises ``error`` where a stage starts its batches (as a hook that is interrupted does)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.seen: list[BaseException] = []
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        raise self.error
+
+    def on_test_batch_start(self, *_: Any) -> None:
+        raise self.error
+
+    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+        self.seen.append(exception)
+
+
+class _Data(ember.DataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[BaseException] = []
+
+    def train_dataloader(self) -> Any:
+        return make_loader(8)
+
+    def test_dataloader(self) -> Any:
+        return make_loader(8)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.seen.append(exception)
+
+
+@pytest.mark.parametrize("stage", ["fit", "test"])
+def test_a_keyboard_interrupt_runs_the_exception_hooks_then_exits_with_1(stage: str) -> None:
+    interrupt = KeyboardInterrupt()
+    callback, data = _Interrupting(interrupt), _Data()
+    trainer = quiet_trainer(max_epochs=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                            callbacks=[callback])  # fmt: skip
+    patched = mock.patch.object(type(trainer.strategy), "on_exception")
+    with patched as on_exception, pytest.raises(SystemExit) as exited:
+        getattr(trainer, stage)(Regressor(), datamodule=data)
+    assert exited.value.code == 1 and exited.value.__cause__ is interrupt
+    assert callback.seen == data.seen == [interrupt]
+    on_exception.assert_called_once_with(interrupt)
+    assert trainer.interrupted and trainer.state.status == "interrupted"
+
+
+def test_another_exception_reaches_the_strategys_on_exception_and_propagates() -> None:
+    error = RuntimeError("in a hook")
+    trainer = quiet_trainer(max_epochs=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                            callbacks=[_Interrupting(error)])  # fmt: skip
+    patched = mock.patch.object(type(trainer.strategy), "on_exception")
+    with patched as on_exception, pytest.raises(RuntimeError) as raised:
+        trainer.fit(Regressor(), make_loader(8))
+    assert raised.value is error
+    on_exception.assert_called_once_with(error)
+    assert trainer.interrupted
