@@ -10,6 +10,7 @@ from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
 from ember.callbacks import Callback
+from ember.trainer_state import RunningStage, TrainerFn, TrainerState, TrainerStatus
 
 
 @pytest.mark.parametrize(
@@ -86,3 +87,13 @@ def test_another_exception_reaches_the_strategys_on_exception_and_propagates() -
     assert raised.value is error
     on_exception.assert_called_once_with(error)
     assert trainer.interrupted
+
+
+def test_the_trainers_state_compares_with_a_record_built_from_keywords() -> None:
+    trainer = quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False, limit_val_batches=0)
+    assert trainer.state == TrainerState(status=TrainerStatus.INITIALIZING, fn=None, stage=None)
+    trainer.fit(Regressor(), make_loader(8))
+    assert trainer.state == TrainerState(status=TrainerStatus.FINISHED, fn=TrainerFn.FITTING)
+    assert trainer.state != TrainerState(status=TrainerStatus.FINISHED, fn=TrainerFn.TESTING)
+    record = TrainerState(status=TrainerStatus.RUNNING, fn=TrainerFn.TESTING, stage=RunningStage.TESTING)
+    assert record.stage == RunningStage.TESTING and record.testing and not record.finished
