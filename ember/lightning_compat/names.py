@@ -207,7 +207,8 @@ PYTORCH: dict[str, Names] = {
     "core.mixins.hparams_mixin": {"HyperparametersMixin": "ember.hparams:HyperparametersMixin"},
     "core.optimizer": {"LightningOptimizer": "ember.optim:LightningOptimizer"},
     "core.saving": {
-        name: f"ember.loggers.logger:{name}" for name in ("save_hparams_to_yaml", "load_hparams_from_yaml")
+        **{name: f"ember.loggers.logger:{name}" for name in ("save_hparams_to_yaml", "load_hparams_from_yaml")},
+        **{name: f"ember.hparams:{name}" for name in ("save_hparams_to_tags_csv", "load_hparams_from_tags_csv")},
     },
     "trainer": _TRAINER,
     "trainer.trainer": _TRAINER,
