@@ -3,7 +3,9 @@ the way a checkpoint keeps them and rebuilds an object from them."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import csv
 import functools
 import importlib
 import inspect
@@ -18,7 +20,7 @@ from torch import nn
 
 from ember._utils import AttributeDict
 from ember.checkpoint.io import plain_values
-from ember.loggers.logger import load_hparams_from_yaml
+from ember.loggers.logger import load_hparams_from_yaml, params_dict
 from ember.rank_zero import rank_zero_warn
 from ember.utilities import is_picklable
 
@@ -348,3 +350,36 @@ def set_field(module: Any, name: str, value: Any) -> None:
             holder[name] = value  # type: ignore[index]  # hparams are a dict
         else:
             setattr(holder, name, value)
+
+
+def save_hparams_to_tags_csv(tags_csv: str | os.PathLike, hparams: Mapping[str, Any] | Namespace) -> None:
+    """Write ``hparams`` to a CSV file of ``key,value`` rows after that header (Lightning 1's ``meta_tags.csv``,
+    which ``load_hparams_from_tags_csv`` reads back); its folder must exist, as Lightning's requires."""
+    path = os.fspath(tags_csv)
+    folder = os.path.dirname(path)
+    if folder and not os.path.isdir(folder):
+        raise RuntimeError(f"save_hparams_to_tags_csv: there is no folder {folder!r} to write {path!r} in")
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["key", "value"])
+        writer.writerows(params_dict(hparams).items())
+
+
+def load_hparams_from_tags_csv(tags_csv: str | os.PathLike) -> dict[str, Any]:
+    """The hyperparameters of a CSV file that ``save_hparams_to_tags_csv`` wrote: each value a Python literal where
+    its text is one (``1``, ``2.0``, ``True``), else the text; with a ``RuntimeWarning``, none when there is no such
+    file (Lightning's ``core.saving`` function)."""
+    path = os.fspath(tags_csv)
+    if not os.path.isfile(path):
+        rank_zero_warn(f"load_hparams_from_tags_csv: there is no file {path!r}; no hyperparameters", RuntimeWarning)
+        return {}
+    with open(path, newline="") as file:
+        rows = list(csv.reader(file))[1:]  # after the header
+    return {key: _literal(value) for key, value in rows}
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):  # a word, not a literal: the text itself
+        return text

@@ -12,14 +12,12 @@ import functools
 import math
 import os
 import signal
-import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 
-from ember import hints
 from ember._utils import Reads
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBarBase
 from ember.checkpoint import state as checkpoint_state
@@ -37,6 +35,7 @@ from ember.profilers import Profiler, select_profiler
 from ember.rank_zero import announce, rank_zero_only
 from ember.run_directory import RunDirectory
 from ember.strategies import FaultTolerance, Strategy, select_strategy
+from ember.trainer_failure import call_exception_hooks, stage_failed
 from ember.trainer_parts import (
     check_module,
     checked_path,
@@ -480,12 +479,7 @@ class Trainer(LightningProperties):
             raised = True
             if isinstance(exception, KeyboardInterrupt):  # Ctrl-C outside training, or a second one in it
                 status = "interrupted"
-            hints.explain(exception)  # a note on what a common mistake (a batch's structure, ...) looks like
-            earlier = self.strategy.announce_failure(exception) if isinstance(exception, Exception) else None
-            self._call_exception_hooks(exception)
-            if earlier is not None:  # the traceback to read is that rank's, not this consequence's
-                print(f"[rank{self.global_rank}]: stopping because {earlier}", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
+            stage_failed(self, self._hooks, exception)  # the on_exception hooks; an exit instead, where Lightning exits
             raise
         finally:
             self._end_stage(stage, status, teardown_hooks=not raised)
@@ -540,7 +534,7 @@ class Trainer(LightningProperties):
                     self._hooks.teardown(stage)
             except BaseException as exception:
                 status = "failed"  # as Lightning: a teardown() that raises fails the stage
-                self._call_exception_hooks(exception)
+                call_exception_hooks(self, self._hooks, exception)
                 raise
             finally:
                 self.profiler.detach(self, stage)  # its wrappers come off whatever teardown() did
@@ -552,12 +546,6 @@ class Trainer(LightningProperties):
             self.strategy.teardown()
             self.stage = None
             self.state.end(interrupted=status != "success")
-
-    def _call_exception_hooks(self, exception: BaseException) -> None:
-        self.state.end(interrupted=True)  # as Lightning, before on_exception
-        if self._hooks is not None:
-            self._hooks.call_callbacks("on_exception", exception)
-            self._hooks.call_datamodule("on_exception", exception)
 
     def _finalize_loggers(self, status: str) -> None:
         if self.is_global_zero:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +64,56 @@ class Accelerator:
         return f"Accelerator({self.device_type!r})"
 
 
+# One class per kind of device, as Lightning's, so that ``isinstance(trainer.accelerator, CUDAAccelerator)`` says
+# where the run is; its class methods answer for that kind without a Trainer (``CUDAAccelerator.is_available()``).
+class CPUAccelerator(Accelerator):
+    def __init__(self) -> None:
+        super().__init__("cpu")
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1  # one process: more CPU processes are asked for with devices=N
+
+
+class CUDAAccelerator(Accelerator):
+    def __init__(self) -> None:
+        super().__init__("cuda")
+
+    @staticmethod
+    def is_available() -> bool:
+        return torch.cuda.is_available()
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return torch.cuda.device_count()
+
+
+class MPSAccelerator(Accelerator):
+    def __init__(self) -> None:
+        super().__init__("mps")
+
+    @staticmethod
+    def is_available() -> bool:
+        return torch.backends.mps.is_available()
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+
+_KINDS: dict[str, Callable[[], Accelerator]] = {"cpu": CPUAccelerator, "cuda": CUDAAccelerator, "mps": MPSAccelerator}
+
+
+def accelerator_of(device_type: str) -> Accelerator:
+    """The accelerator of a device of type ``device_type`` (``torch.device.type``)."""
+    make = _KINDS.get(device_type)
+    return make() if make is not None else Accelerator(device_type)
+
+
 class LightningProperties:
     """The Trainer's attributes in Lightning's names that only forward what its parts hold (a base of ``Trainer``)."""
 
@@ -81,7 +131,7 @@ class LightningProperties:
     distributed_sampler_kwargs: Reads[dict[str, int] | None] = Reads("strategy.distributed_sampler_kwargs")
     #: The gradient scaler of "16-mixed" (None under another precision).
     scaler: Reads[torch.amp.GradScaler | None] = Reads("strategy.precision", lambda p: getattr(p, "scaler", None))
-    accelerator: Reads[Accelerator] = Reads("strategy.root_device.type", Accelerator)
+    accelerator: Reads[Accelerator] = Reads("strategy.root_device.type", accelerator_of)
 
     @property
     def loggers(self) -> list[Logger]:

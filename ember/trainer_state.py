@@ -50,12 +50,21 @@ class TrainerStatus(str, enum.Enum):
 
 class TrainerState:
     """Read from the Trainer's parts: ``fn`` and ``status`` are the latest entry point's (they stay once it has
-    returned), ``stage`` the loop running now (None outside one)."""
+    returned), ``stage`` the loop running now (None outside one). Built from keywords without a Trainer, it holds
+    the values given, as Lightning's record, to compare a Trainer's with (``trainer.state == TrainerState(...)``)."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(
+        self,
+        trainer: Trainer | None = None,
+        *,
+        status: TrainerStatus = TrainerStatus.INITIALIZING,
+        fn: TrainerFn | None = None,
+        stage: RunningStage | None = None,
+    ) -> None:
         self._trainer = trainer
-        self.fn: TrainerFn | None = None
-        self.status = TrainerStatus.INITIALIZING
+        self.fn = fn
+        self.status = status
+        self._stage = stage  # the stage of a record made without a Trainer
 
     def begin(self, stage: str) -> None:
         """An entry point starts (the Trainer's stage, ``"fit"``, ...)."""
@@ -67,6 +76,8 @@ class TrainerState:
     @property
     def stage(self) -> RunningStage | None:
         trainer = self._trainer
+        if trainer is None:
+            return self._stage
         if trainer.stage is None:
             return None
         if trainer.stage != "fit":
@@ -106,6 +117,11 @@ class TrainerState:
     def evaluating(self) -> bool:
         """Whether a validation (sanity check included) or a test runs."""
         return self.stage is not None and self.stage.evaluating
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TrainerState):
+            return NotImplemented
+        return (self.status, self.fn, self.stage) == (other.status, other.fn, other.stage)
 
     def __repr__(self) -> str:
         return f"TrainerState(fn={self.fn}, stage={self.stage}, status={self.status})"

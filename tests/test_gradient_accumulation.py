@@ -143,7 +143,7 @@ def test_a_resumed_run_follows_the_schedule_of_its_epoch_exactly(
     _fit(reference, scheduler())
     path = str(tmp_path / "run.ckpt")
     ember.seed_everything(3)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit):
         _fit(DropoutRegressor(), scheduler(), _StopAt(epoch, batch, path))
     capsys.readouterr()
     resumed = DropoutRegressor()
@@ -157,7 +157,7 @@ def test_a_run_resumed_with_another_factor_for_its_epoch_runs_the_unfinished_win
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = str(tmp_path / "run.ckpt")
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit):
         _fit(Regressor(), GradientAccumulationScheduler({1: 4}), _StopAt(1, 5, path))  # 2 batches of a window of 4
     capsys.readouterr()
     trainer = _fit(Regressor(), GradientAccumulationScheduler({1: 2}), ckpt_path=path)

@@ -193,6 +193,19 @@ def test_measure_flops_counts_a_meta_model_as_lightnings_does() -> None:
     assert measure_flops(model, lambda: model(x), lambda y: y.sum()) == 24064
 
 
+def test_the_trainers_accelerator_is_an_instance_of_lightnings_class_for_its_device() -> None:
+    with served_by_ember():
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator, MPSAccelerator
+        from pytorch_lightning.accelerators.cpu import CPUAccelerator as served_twice
+
+        accelerator = Trainer(accelerator="cpu", logger=False).accelerator
+        assert isinstance(accelerator, CPUAccelerator) and isinstance(accelerator, Accelerator)
+        assert not isinstance(accelerator, (CUDAAccelerator, MPSAccelerator)) and served_twice is CPUAccelerator
+        assert CPUAccelerator.is_available() and CPUAccelerator.auto_device_count() == 1  # asked of the class
+        assert CUDAAccelerator.is_available() == torch.cuda.is_available()
+
+
 @pytest.mark.parametrize(
     ("statement", "message"),
     [
@@ -205,7 +218,8 @@ def test_measure_flops_counts_a_meta_model_as_lightnings_does() -> None:
         ("from lightning import Fabric", r"lightning.Fabric is not covered by Ember: use ember.Trainer"),
         ("from lightning.fabric import Fabric", r"lightning.fabric.Fabric is not covered by Ember: use ember.Trainer"),
         ("import lightning_fabric.strategies", r"lightning_fabric.strategies is a part of Lightning that Ember does"),
-        ("import lightning.pytorch.trainer.connectors", r"Ember covers lightning.pytorch's callbacks, cli, core"),
+        ("import lightning.pytorch.trainer.connectors", r"Ember covers lightning.pytorch's accelerators, callbacks"),
+        ("from lightning.pytorch.accelerators import XLAAccelerator", r"XLAAccelerator is not covered.*not on TPUs"),
         ("from lightning.pytorch.callbacks import Nonexistent", r"callbacks.Nonexistent is not covered.*has Callback"),
         ("from lightning.pytorch.loops import FitLoop", r"loops is a part .*override the module's hooks"),
         ("from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy",

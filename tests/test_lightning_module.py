@@ -656,3 +656,18 @@ def test_a_datamodule_prints_what_each_loader_hook_gives() -> None:
     )
     data.setup("test")
     assert str(data).splitlines()[2] == "{Test dataloader: size=8}"
+
+
+def test_hyperparameters_round_trip_through_a_tags_csv_file(tmp_path: Any) -> None:
+    from ember.hparams import load_hparams_from_tags_csv, save_hparams_to_tags_csv
+
+    path = tmp_path / "meta_tags.csv"
+    save_hparams_to_tags_csv(path, Namespace(name="adam", lr=0.008, layers=32, frozen=True, sizes=[2, 3]))
+    assert path.read_text().splitlines()[0] == "key,value"
+    loaded = load_hparams_from_tags_csv(path)
+    assert loaded == {"name": "adam", "lr": 0.008, "layers": 32, "frozen": True, "sizes": [2, 3]}
+    assert _served("pytorch_lightning.core.saving", "load_hparams_from_tags_csv") is load_hparams_from_tags_csv
+    with pytest.warns(RuntimeWarning, match="no file"):
+        assert load_hparams_from_tags_csv(tmp_path / "missing.csv") == {}
+    with pytest.raises(RuntimeError, match="no folder"):
+        save_hparams_to_tags_csv(tmp_path / "absent" / "meta_tags.csv", {"lr": 0.1})

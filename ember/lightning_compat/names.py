@@ -24,6 +24,8 @@ _PLUGINS = (
     "by themselves (torchelastic, SLURM, MPI), checkpoints are written atomically by the strategy"
 )
 _LOGGER = "subclass ember.loggers.Logger (log_metrics and log_hyperparams) to write anywhere"
+_DEVICES = "Ember runs on CUDA, MPS and CPU devices, not on TPUs"
+_ACCELERATORS = ("Accelerator", "CPUAccelerator", "CUDAAccelerator", "MPSAccelerator")
 
 _MODULE: Names = {"LightningModule": "ember.module:Module"}
 _DATAMODULE: Names = {"LightningDataModule": "ember.module:DataModule"}
@@ -205,7 +207,8 @@ PYTORCH: dict[str, Names] = {
     "core.mixins.hparams_mixin": {"HyperparametersMixin": "ember.hparams:HyperparametersMixin"},
     "core.optimizer": {"LightningOptimizer": "ember.optim:LightningOptimizer"},
     "core.saving": {
-        name: f"ember.loggers.logger:{name}" for name in ("save_hparams_to_yaml", "load_hparams_from_yaml")
+        **{name: f"ember.loggers.logger:{name}" for name in ("save_hparams_to_yaml", "load_hparams_from_yaml")},
+        **{name: f"ember.hparams:{name}" for name in ("save_hparams_to_tags_csv", "load_hparams_from_tags_csv")},
     },
     "trainer": _TRAINER,
     "trainer.trainer": _TRAINER,
@@ -312,7 +315,15 @@ PYTORCH: dict[str, Names] = {
     "demos.boring_classes": {name: value for name, value in _DEMOS.items() if "Transformer" not in name},
     "demos.transformer": {name: _DEMOS[name] for name in ("Transformer", "LightningTransformer", "WikiText2")},
     "plugins": {},
-    "accelerators": {},
+    "accelerators": {
+        **{name: f"ember.trainer_properties:{name}" for name in _ACCELERATORS},
+        "XLAAccelerator": Missing(_DEVICES),
+    },
+    "accelerators.accelerator": {"Accelerator": "ember.trainer_properties:Accelerator"},
+    **{
+        f"accelerators.{module}": {name: f"ember.trainer_properties:{name}"}
+        for module, name in (("cpu", "CPUAccelerator"), ("cuda", "CUDAAccelerator"), ("mps", "MPSAccelerator"))
+    },
 }
 
 _FABRIC = "use ember.Trainer with an ember.Module: Ember has no Fabric"
@@ -354,18 +365,17 @@ LIGHTNING: Names = {
 }
 
 #: Parts of Lightning Ember leaves out, by module prefix (under lightning.pytorch, or a top-level package), with
-#: what to use instead. "plugins" and "accelerators" are served empty, so that the message names the class.
+#: what to use instead. "plugins" is served empty, so that the message names the class.
 MISSING_MODULES = {
     "plugins": _PLUGINS,
-    "accelerators": "pass Trainer(accelerator='cpu' | 'gpu' | 'mps' | 'auto'); trainer.accelerator is Ember's one "
-    "Accelerator class, whose device_type says which",
+    "accelerators.xla": _DEVICES,
     "loggers.wandb": _LOGGER,
     "loggers.comet": _LOGGER,
     "loggers.neptune": _LOGGER,
     "demos.mnist_datamodule": "use a dataset of your own: Ember's demos download nothing",
     "strategies.deepspeed": "use ember.strategies.FSDPStrategy, which shards parameters, gradients and optimizer "
     "state (ZeRO 3)",
-    "strategies.xla": "Ember runs on CUDA, MPS and CPU devices, not on TPUs",
+    "strategies.xla": _DEVICES,
     "profilers.advanced": "use Trainer(profiler='simple') for where the time goes, 'pytorch' for a trace",
     "loops": "Ember's loops are not replaceable: override the module's hooks, or write a callback",
     "fabric": _FABRIC,

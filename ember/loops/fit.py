@@ -108,19 +108,25 @@ class FitLoop:
         self.stopping.start(trainer.world_size, trainer.callbacks)
         fit = self._look_up(self.runner)
         with self.stopping.interruptions.catching_signals():
-            while not self.done():
+            while not self._finished():
                 self.data.start_epoch(progress.epoch)
                 if not self.data.num_batches or self._run_epoch(fit) in (_Outcome.PREEMPTED, _Outcome.DATA_ENDED):
                     break
         hooks.call("on_train_end")
         hooks.call("on_fit_end")
 
+    @property
     def done(self) -> bool:
-        """Whether a limit is reached (``max_steps``, ``max_epochs``: said, as Lightning says it, or that there was
-        nothing to train) or stopping was asked for and may happen."""
+        """Whether ``fit`` has nothing left to train (Lightning's ``trainer.fit_loop.done``): a limit is reached
+        (``max_steps``, ``max_epochs``), or stopping was asked for and ``min_epochs``/``min_steps`` allow it."""
+        limit = reached_limit(self.trainer.config, self.progress)
+        return limit is not None or (self.stopping.requested and self.stopping.may_stop(self.trainer))
+
+    def _finished(self) -> bool:
+        """``done``, saying which limit ended the fit, as Lightning says it (or that there was nothing to train)."""
         if (limit := reached_limit(self.trainer.config, self.progress)) is not None:
             announce(limit_message(limit, self.progress, trained=self.last_result is not None))
-        return limit is not None or (self.stopping.requested and self.stopping.may_stop(self.trainer))
+        return self.done
 
     def _start_optimization(self) -> StepRunner:
         """The optimizers of ``configure_optimizers``, set up by the strategy, in the step runner of this fit."""

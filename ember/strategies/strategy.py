@@ -284,6 +284,10 @@ class Strategy:
         what failed first on another process, when this failure is a consequence of that one."""
         return None
 
+    def on_exception(self, exception: BaseException) -> None:
+        """A stage ended with ``exception``, after the callbacks' and the datamodule's ``on_exception`` (Lightning's
+        hook, for a strategy of one's own to release what it holds; the Trainer tears the stage down after it)."""
+
     def batch_transfer(self) -> Callable[[Any], Any] | None:
         """``batch_to_device``, or None where it would leave every batch as it is and count nothing anyone reads
         (batches on the CPU, a precision that converts no input, one process, no profiler timing it): the
