@@ -574,8 +574,8 @@ class Trainer(LightningProperties):
         if given is None:
             given = self.hooks.data_loaders(kind)
         if given is None:
-            if required:  # only fit's training loaders are (the default hooks raise the same error)
-                raise self.hooks.no_training_loaders()
+            if required:  # the default hooks raise the same error
+                raise self.hooks.no_loaders(kind)
             return []
         config = self.config
         shown, prepared = prepare_loaders(given, kind, self.strategy, config.overfit_batches,

@@ -108,25 +108,21 @@ class FitLoop:
         self.stopping.start(trainer.world_size, trainer.callbacks)
         fit = self._look_up(self.runner)
         with self.stopping.interruptions.catching_signals():
-            while not self._finished():
+            while not self.done:
                 self.data.start_epoch(progress.epoch)
                 if not self.data.num_batches or self._run_epoch(fit) in (_Outcome.PREEMPTED, _Outcome.DATA_ENDED):
                     break
+            else:  # no break: a limit or a stop ended the fit; which limit is said, as Lightning says it
+                if (limit := reached_limit(config, progress)) is not None:  # (or that there was nothing to train)
+                    announce(limit_message(limit, progress, trained=self.last_result is not None))
         hooks.call("on_train_end")
         hooks.call("on_fit_end")
 
     @property
     def done(self) -> bool:
-        """Whether ``fit`` has nothing left to train (Lightning's ``trainer.fit_loop.done``): a limit is reached
-        (``max_steps``, ``max_epochs``), or stopping was asked for and ``min_epochs``/``min_steps`` allow it."""
+        """Whether ``fit`` has nothing left to train: a limit is reached, or a stop was asked for that may happen."""
         limit = reached_limit(self.trainer.config, self.progress)
-        return limit is not None or (self.stopping.requested and self.stopping.may_stop(self.trainer))
-
-    def _finished(self) -> bool:
-        """``done``, saying which limit ended the fit, as Lightning says it (or that there was nothing to train)."""
-        if (limit := reached_limit(self.trainer.config, self.progress)) is not None:
-            announce(limit_message(limit, self.progress, trained=self.last_result is not None))
-        return self.done
+        return limit is not None or self.stopping.stop_allowed(self.trainer)
 
     def _start_optimization(self) -> StepRunner:
         """The optimizers of ``configure_optimizers``, set up by the strategy, in the step runner of this fit."""
@@ -142,8 +138,8 @@ class FitLoop:
             strategy, module, optimizers, scheduler_configs, self.progress, accumulate=config.accumulate_grad_batches,
             clip_val=config.gradient_clip_val, clip_algorithm=config.gradient_clip_algorithm,
             before_step_hooks=hooks.implementations("on_before_optimizer_step"),
-            metrics=functools.partial(getattr, trainer, "callback_metrics"), hooks=hooks.step_hooks(),
-        )  # fmt: skip  (a partial, not a lambda: the Trainer keeps the runner, and pickles)
+            metrics=functools.partial(getattr, trainer, "callback_metrics"), hooks=hooks.step_hooks(),  # pickles
+        )  # fmt: skip
 
     def _look_up(self, runner: StepRunner) -> _Fit:
         trainer, config, hooks = self.trainer, self.trainer.config, self.trainer.hooks
@@ -165,7 +161,7 @@ class FitLoop:
         # The module's (and each submodule's) mode is the user's: validation restores it, nothing else sets it.
         hooks.call("on_train_epoch_start")
         outcome = _Outcome.EPOCH_DONE  # as Lightning: a stop asked for by then (if it may happen) trains no batch
-        if not (self.stopping.requested and self.stopping.may_stop(self.trainer)):
+        if not self.stopping.stop_allowed(self.trainer):
             # Closed early, the batches end the loader's workers. The steps and the hooks of each batch log per step.
             with contextlib.closing(self._epoch_batches()) as batches, hooks.scope("training_step"):
                 outcome = self._train_batches(batches, fit)
@@ -261,7 +257,7 @@ class FitLoop:
         """Whether training stops after this batch: a stop asked for (``should_stop``) that may happen, ``max_steps``
         reached, or ``interruptions_due`` (a step boundary: signals and the deadline checked by a collective)."""
         trainer, stopping, progress, data = self.trainer, self.stopping, self.progress, self.data
-        asked = stopping.requested and stopping.may_stop(trainer)
+        asked = stopping.stop_allowed(trainer)
         if not asked and progress.global_step >= fit.max_steps:
             return _Outcome.STOP
         if not asked and not (interruptions_due and stopping.interrupted(trainer.strategy)):
@@ -320,11 +316,10 @@ class FitLoop:
     def _sanity_check(self) -> None:
         """Run a few validation batches before training, so a broken validation_step fails in seconds; as in
         Lightning, the random generators are as if it had not run."""
-        trainer = self.trainer
         assert self.data is not None
         self.sanity_checking, generators = True, random_state()
         try:
-            self.data.validation.sanity_check(trainer.validate_loop)
+            self.data.validation.sanity_check(self.trainer.validate_loop)
         finally:
             set_random_state(generators)
             self.sanity_checking = False
@@ -363,8 +358,7 @@ class FitLoop:
 
     @property
     def num_training_batches(self) -> float:
-        """The training batches of an epoch; ``inf`` before ``fit`` has its data, as Lightning's."""
-        return self.data.num_batches if self.data is not None else math.inf
+        return self.data.num_batches if self.data is not None else math.inf  # inf before fit, as Lightning's
 
     @property
     def validation_enabled(self) -> bool:

@@ -213,16 +213,16 @@ class Hooks:
             raise invalid_loaders(loaders, f"returned from `{type(found).__name__}.{kind}_dataloader()`")
         return loaders
 
-    def no_training_loaders(self) -> Exception:
-        """The error of a ``fit`` without training loaders, in Lightning's words: a ``TypeError`` where the
+    def no_loaders(self, kind: str) -> Exception:
+        """The error of a stage without ``kind`` loaders, in Lightning's words: a ``TypeError`` where fit's
         ``train_dataloader`` hook was set to None (as Lightning finds None there), else the hook's own error."""
         owner = self._datamodule if self._datamodule is not None else self._module
-        if owner is not None and getattr(owner, "train_dataloader", False) is None:
+        if kind == "train" and owner is not None and getattr(owner, "train_dataloader", False) is None:
             return TypeError("An invalid dataloader was passed to `Trainer.fit(train_dataloaders=...)`. Found None. "
                              "Either pass the dataloader to the `.fit()` method OR implement "
                              "`def train_dataloader(self):` in your LightningModule/LightningDataModule.")  # fmt: skip
-        return not_implemented("train_dataloader", ": no train data; pass dataloaders to the Trainer's method, or "
-                               "define it on the DataModule given (else the Module)")  # fmt: skip
+        return not_implemented(f"{kind}_dataloader", f": no {kind} data; pass dataloaders to the Trainer's method, "
+                               "or define it on the DataModule given (else the Module)")  # fmt: skip
 
     def has_loaders(self, kind: str) -> bool:
         """Whether the datamodule (or without one the module) defines ``<kind>_dataloader()``."""

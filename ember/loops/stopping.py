@@ -149,8 +149,11 @@ class Stopping:
         deadlines = [timer.deadline for timer in timers]
         self.interruptions.reset(min(deadlines, default=math.inf), world_size)
 
-    def may_stop(self, trainer: Trainer) -> bool:
-        """Whether a request to stop may be followed: ``min_epochs`` and ``min_steps`` are done (said once if not)."""
+    def stop_allowed(self, trainer: Trainer) -> bool:
+        """Whether a stop was asked for (``should_stop``) and may happen: ``min_epochs`` and ``min_steps`` are done
+        (said once if not)."""
+        if not self.requested:
+            return False
         config, progress = trainer.config, trainer.fit_loop.progress
         if (config.min_epochs or 0) <= progress.epoch and (config.min_steps or 0) <= progress.global_step:
             return True
