@@ -45,6 +45,25 @@ class Tqdm(tqdm):
         return text + "0" * (_PADDED - len(text))
 
 
+class _LoopBar:
+    """A bar attribute of ``TQDMProgressBar`` (``train_progress_bar``, ...): the bar its loop made, settable."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.loop = name.removesuffix("_progress_bar")
+
+    def __get__(self, progress: TQDMProgressBar | None, owner: type) -> Any:
+        if progress is None:
+            return self
+        bar = progress._bars.get(self.loop)
+        if bar is None:
+            raise TypeError(f"The `{type(progress).__name__}.{self.loop}_progress_bar` has not been made yet: its loop "
+                            "makes it")  # fmt: skip
+        return bar
+
+    def __set__(self, progress: TQDMProgressBar, bar: Any) -> None:
+        progress._bars[self.loop] = bar
+
+
 class TQDMProgressBar(ProgressBarBase):
     """Lightning's ``TQDMProgressBar(refresh_rate=1, process_position=0, leave=False)``.
 
@@ -83,43 +102,10 @@ class TQDMProgressBar(ProgressBarBase):
         return self._enabled and self.refresh_rate > 0
 
     # The bars, as Lightning names them; reading one before its loop has made it is a TypeError, as in Lightning.
-    @property
-    def train_progress_bar(self) -> Any:
-        return self._bar("train")
-
-    @train_progress_bar.setter
-    def train_progress_bar(self, bar: Any) -> None:
-        self._bars["train"] = bar
-
-    @property
-    def val_progress_bar(self) -> Any:
-        return self._bar("val")
-
-    @val_progress_bar.setter
-    def val_progress_bar(self, bar: Any) -> None:
-        self._bars["val"] = bar
-
-    @property
-    def test_progress_bar(self) -> Any:
-        return self._bar("test")
-
-    @test_progress_bar.setter
-    def test_progress_bar(self, bar: Any) -> None:
-        self._bars["test"] = bar
-
-    @property
-    def predict_progress_bar(self) -> Any:
-        return self._bar("predict")
-
-    @predict_progress_bar.setter
-    def predict_progress_bar(self, bar: Any) -> None:
-        self._bars["predict"] = bar
-
-    def _bar(self, loop: str) -> Any:
-        bar = self._bars.get(loop)
-        if bar is None:
-            raise TypeError(f"The `{type(self).__name__}.{loop}_progress_bar` has not been made yet: its loop makes it")
-        return bar
+    train_progress_bar = _LoopBar()
+    val_progress_bar = _LoopBar()
+    test_progress_bar = _LoopBar()
+    predict_progress_bar = _LoopBar()
 
     # The bars' makers: a subclass may override them to change how a bar looks.
     def init_sanity_tqdm(self) -> Any:
