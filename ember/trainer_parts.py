@@ -156,13 +156,11 @@ def default_callbacks(config: TrainerConfig) -> list[Callback]:
 
 
 def in_lightning_order(callbacks: list[Callback]) -> list[Callback]:
-    """``callbacks`` in Lightning's order, each group in the given order: the tuner's (``BatchSizeFinder``,
+    """``callbacks`` in Lightning's order, each group in the given order: those that tune the run (``BatchSizeFinder``,
     ``LearningRateFinder``) first, so that the run they tune is the one the other callbacks see, and the
     ``ModelCheckpoint``s last, so that a checkpoint saved in a hook holds what the other callbacks (early stopping)
     did in that hook. Two callbacks with a state that share a ``state_key`` are refused, as in Lightning: a
     checkpoint would keep only one's."""
-    from ember.tuner.callback import BatchSizeFinder, LearningRateFinder  # the tuner, only once a Trainer is made
-
     stateful = [callback for callback in callbacks if is_overridden("state_dict", callback, Callback)]
     keys = [callback.state_key for callback in stateful]
     shared = next((callback for callback, key in zip(stateful, keys) if keys.count(key) > 1), None)
@@ -173,8 +171,8 @@ def in_lightning_order(callbacks: list[Callback]) -> list[Callback]:
             f"type: both would be saved as {shared.state_key!r}. HINT: The `callback.state_key` must be unique "
             "among all callbacks in the Trainer (a ModelCheckpoint's differs by its monitor, mode and schedule)."
         )
-    tuners = (BatchSizeFinder, LearningRateFinder)
-    return sorted(callbacks, key=lambda callback: isinstance(callback, ModelCheckpoint) - isinstance(callback, tuners))
+    # (`is True`: a Mock standing in for a callback has every attribute)
+    return sorted(callbacks, key=lambda each: isinstance(each, ModelCheckpoint) - (each.tunes_the_run is True))
 
 
 def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
