@@ -332,15 +332,15 @@ class LogScope:
         )
 
     def check(self, name: str, on_step: bool, on_epoch: bool, add_dataloader_idx: bool) -> str | None:
-        """Why ``self.log(name, on_step=..., on_epoch=...)`` (defaults resolved) is refused here, or None."""
-        if not on_step and not on_epoch:
-            return f"`self.log(on_step=False, on_epoch=False)` is not useful: `self.log({name!r})` is kept nowhere"
+        """Why ``self.log(name, on_step=..., on_epoch=...)`` is refused here (what the hook allows first), or None."""
         if self.epoch_only and (on_step or not on_epoch):
             given, allowed = ("on_step=True", "False") if on_step else ("on_epoch=False", "True")
             return (
                 f"You can't `self.log({given})` inside `{self.hook}`, must be one of ({allowed},): it logs epoch "
                 f"values only (`self.log({name!r}, on_step=False, on_epoch=True)`)"
             )
+        if not on_step and not on_epoch:
+            return f"`self.log(on_step=False, on_epoch=False)` is not useful: `self.log({name!r})` is kept nowhere"
         if add_dataloader_idx and "/dataloader_idx_" in name:
             return (
                 f"You called `self.log` with the key `{name}`, which names a dataloader_idx: with several loaders "

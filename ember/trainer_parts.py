@@ -152,13 +152,15 @@ def default_callbacks(config: TrainerConfig) -> list[Callback]:
         given.append(ModelSummary())
     if config.enable_checkpointing and not checkpointing:
         given.append(ModelCheckpoint())
-    return checkpoints_last(given)
+    return in_lightning_order(given)
 
 
-def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
-    """``callbacks`` with the ``ModelCheckpoint``s moved to the end, in the given order, as Lightning orders them: a
-    checkpoint saved in a hook holds what the other callbacks (early stopping) did in that hook. Two callbacks with
-    a state that share a ``state_key`` are refused, as in Lightning: a checkpoint would keep only one's."""
+def in_lightning_order(callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` in Lightning's order, each group in the given order: those that tune the run (``BatchSizeFinder``,
+    ``LearningRateFinder``) first, so that the run they tune is the one the other callbacks see, and the
+    ``ModelCheckpoint``s last, so that a checkpoint saved in a hook holds what the other callbacks (early stopping)
+    did in that hook. Two callbacks with a state that share a ``state_key`` are refused, as in Lightning: a
+    checkpoint would keep only one's."""
     stateful = [callback for callback in callbacks if is_overridden("state_dict", callback, Callback)]
     keys = [callback.state_key for callback in stateful]
     shared = next((callback for callback, key in zip(stateful, keys) if keys.count(key) > 1), None)
@@ -169,7 +171,8 @@ def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
             f"type: both would be saved as {shared.state_key!r}. HINT: The `callback.state_key` must be unique "
             "among all callbacks in the Trainer (a ModelCheckpoint's differs by its monitor, mode and schedule)."
         )
-    return sorted(callbacks, key=lambda callback: isinstance(callback, ModelCheckpoint))
+    # (`is True`: a Mock standing in for a callback has every attribute)
+    return sorted(callbacks, key=lambda each: isinstance(each, ModelCheckpoint) - (each.tunes_the_run is True))
 
 
 def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
@@ -245,7 +248,7 @@ def with_module_callbacks(callbacks: list[Callback], returned: Callback | Sequen
         announce("The following callbacks returned in `LightningModule.configure_callbacks` will override existing "
                  f"callbacks passed to Trainer: {', '.join(sorted(kind.__name__ for kind in replaced))}")  # fmt: skip
     kept = [callback for callback in callbacks if type(callback) not in replaced]
-    return checkpoints_last(kept + added)
+    return in_lightning_order(kept + added)
 
 
 def checked_path(ckpt_path: str | os.PathLike | None) -> str | None:

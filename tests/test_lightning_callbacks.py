@@ -39,7 +39,8 @@ from ember.callbacks import (
 )
 from ember.callbacks.progress_base import standard_metrics
 from ember.exceptions import MisconfigurationException
-from ember.tuner import LearningRateFinder, Tuner
+from ember.trainer_parts import with_module_callbacks
+from ember.tuner import BatchSizeFinder, LearningRateFinder, Tuner
 
 
 # --------------------------------------------------------------------------- LearningRateMonitor
@@ -349,6 +350,16 @@ def test_the_defaults_follow_the_given_callbacks_in_lightnings_order() -> None:
     assert kinds == [LambdaCallback, Timer, ProgressBar, ModelSummary, ember.callbacks.ModelCheckpoint]
     summary = ModelSummary(max_depth=3)  # a given one takes the default's place, wherever it is given
     assert ember.Trainer(callbacks=[summary, given]).callbacks[:2] == [summary, given]
+
+
+def test_the_tuner_s_callbacks_go_first_and_checkpoints_last_also_among_the_module_s() -> None:
+    other, lr_finder, batch_size_finder = LambdaCallback(), LearningRateFinder(), BatchSizeFinder()
+    checkpoint = ember.callbacks.ModelCheckpoint()
+    trainer = ember.Trainer(callbacks=[checkpoint, other, lr_finder, batch_size_finder], enable_progress_bar=False)
+    assert trainer.callbacks == [lr_finder, batch_size_finder, other, trainer.callbacks[3], checkpoint]
+    returned = [ember.callbacks.ModelCheckpoint(monitor="loss"), BatchSizeFinder()]
+    merged = with_module_callbacks([other, lr_finder, checkpoint], returned)
+    assert merged == [lr_finder, returned[1], other, returned[0]]
 
 
 def test_the_module_s_callbacks_replace_the_trainer_s_of_their_class_or_its_bases(

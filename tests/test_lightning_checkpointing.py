@@ -20,6 +20,7 @@ from conftest import Regressor, make_loader, quiet_trainer
 import ember
 from ember import checkpoint as checkpoint_io
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from ember.callbacks.callback import settings_key
 from ember.checkpoint import state as checkpoint_state
 from ember.exceptions import MisconfigurationException
 
@@ -298,6 +299,27 @@ def test_callback_states_are_keyed_as_lightning_keys_them() -> None:
         pass
 
     assert Subclass(monitor="val_loss").state_key.startswith(Subclass.__qualname__ + "{'monitor': 'val_loss'")
+
+
+def test_a_checkpoint_holds_the_states_of_the_callbacks_that_have_one(tmp_path: Any) -> None:
+    class Counting(Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        @property
+        def state_key(self) -> str:
+            return settings_key(self, name=self.name)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"name": self.name}
+
+    saving = ModelCheckpoint(dirpath=tmp_path, filename="all")
+    callbacks = [Counting("one"), saving, ember.callbacks.LambdaCallback(), Counting("two")]
+    quiet_trainer(max_steps=1, logger=False, callbacks=callbacks).fit(Regressor(), make_loader(8))
+    saved = checkpoint_io.load(str(tmp_path / "all.ckpt"))["callbacks"]
+    one, two = callbacks[0].state_key, callbacks[3].state_key
+    assert sorted(saved) == sorted([saving.state_key, one, two]) and two.endswith("Counting{'name': 'two'}")
+    assert saved[two] == {"name": "two"}
 
 
 def test_model_checkpoints_state_takes_lightnings_and_holds_its_keys_and_types(tmp_path: Any) -> None:

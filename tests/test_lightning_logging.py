@@ -118,6 +118,16 @@ def test_a_value_kept_neither_per_step_nor_per_epoch_is_refused() -> None:
         _fit(_LogsInStep(on_step=False, on_epoch=False))
 
 
+def test_a_hook_that_logs_epoch_values_only_names_what_it_allows_before_anything_else() -> None:
+    class LogsAtStart(Regressor):
+        def on_train_start(self) -> None:
+            self.log("x", 1.0, on_epoch=False)
+
+    refusal = r"^You can't `self.log\(on_epoch=False\)` inside `on_train_start`, must be one of \(True,\)"
+    with pytest.raises(MisconfigurationException, match=refusal):
+        quiet_trainer(max_steps=1, logger=False).fit(LogsAtStart(), make_loader(8))
+
+
 def test_logging_in_prediction_is_refused_with_lightnings_words() -> None:
     class LogsInPredict(Regressor):
         def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

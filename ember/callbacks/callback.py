@@ -21,6 +21,9 @@ class Callback:
     #: Whether the callback reads ``trainer.predict_loop.predictions`` when prediction ends (a prediction
     #: writer): the outputs are then kept even with ``predict(return_predictions=False)``.
     wants_predictions = False
+    #: Whether the callback tunes the run (the batch size or learning rate finders): such callbacks come first in
+    #: ``trainer.callbacks``, as in Lightning, so that the run they tune is the one the others see.
+    tunes_the_run = False
     #: ``self.log`` and ``self.log_dict`` of a callback: the module's own, which the hook caller gives each callback
     #: when a stage starts (as Lightning attaches them), so that a callback logs from the hooks where the module
     #: may. They are attributes, not methods: the functions of ``Callback`` are the hooks that ``LambdaCallback`` takes.

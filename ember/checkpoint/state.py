@@ -56,7 +56,8 @@ def training_state(trainer: Trainer, *, weights_only: bool, gather: bool = True)
             optimizer_states=[strategy.optimizer_state_dict(optimizer) for optimizer in trainer.optimizers],
             lr_schedulers=[config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             precision=strategy.precision.state_dict(),
-            callbacks={callback.state_key: callback.state_dict() for callback in trainer.callbacks},
+            # As Lightning's, only the callbacks with a state: an empty one restores nothing.
+            callbacks={callback.state_key: state for callback in trainer.callbacks if (state := callback.state_dict())},
             loggers=[{"version": logger.version} for logger in trainer.loggers],
             data=resume.data_layout(trainer, fit_loop.progress.epoch + fit_loop.progress.epoch_finished),
             ranks=dict(enumerate(strategy.all_gather_object(own))) if gather else {trainer.global_rank: own},

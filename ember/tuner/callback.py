@@ -29,6 +29,8 @@ class LearningRateFinder(Callback):
     Subclasses may call ``lr_find(trainer, pl_module)`` from other hooks (at given epochs, say).
     """
 
+    tunes_the_run = True
+
     def __init__(
         self,
         min_lr: float = 1e-8,
@@ -82,6 +84,8 @@ class BatchSizeFinder(Callback):
     ``scale_batch_size(trainer, pl_module)`` from other hooks (``on_train_epoch_start`` at chosen epochs, say):
     the stage's loaders are then made again at the new size.
     """
+
+    tunes_the_run = True
 
     SUPPORTED_MODES = ("power", "binsearch")
 
