@@ -338,7 +338,9 @@ def test_log_every_n_steps_0_writes_the_epochs_values_only() -> None:
 
 def test_lightnings_throughput_monitor_logs_each_stages_counts_then_rates_at_its_logging_steps() -> None:
     calls = _Calls()
-    monitor = StageThroughputMonitor(lambda batch: len(batch[0]), length_fn=lambda batch: 3, window_size=3)
+    monitor = StageThroughputMonitor(
+        lambda batch: len(batch[0]), length_fn=lambda batch: 3 * len(batch[0]), window_size=3
+    )
     trainer = quiet_trainer(max_steps=4, logger=calls, log_every_n_steps=2, val_check_interval=2, limit_val_batches=2,
                             enable_checkpointing=False, callbacks=[monitor])  # fmt: skip
     model = Regressor()
@@ -355,7 +357,7 @@ def test_lightnings_throughput_monitor_logs_each_stages_counts_then_rates_at_its
         (validate, 4),
     ]  # fmt: skip
     assert [metrics["train/samples"] for metrics, _ in calls.calls if "train/samples" in metrics] == [16, 32]
-    assert [metrics["validate/lengths"] for metrics, _ in calls.calls if "validate/lengths" in metrics] == [6, 6]
+    assert [metrics["validate/lengths"] for metrics, _ in calls.calls if "validate/lengths" in metrics] == [48, 48]
     model.flops_per_batch = 100
     calls.calls.clear()
     trainer.test(model, make_loader(32), verbose=False)  # 4 batches: the rates from the 3rd, FLOPs among them
@@ -368,6 +370,27 @@ def test_lightnings_throughput_monitor_logs_each_stages_counts_then_rates_at_its
     assert table_of("pytorch_lightning.callbacks")["ThroughputMonitor"] == "ember.callbacks:StageThroughputMonitor"
     with pytest.raises(ValueError, match=r"ThroughputMonitor\(window_size=1\): expected an int >= 2"):
         StageThroughputMonitor(len, window_size=1)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ({"batch_size_fn": lambda batch: 0}, r"Expected samples \(0\) to be greater or equal than batches \(1\)"),
+        (
+            {"batch_size_fn": lambda batch: 3, "length_fn": lambda batch: 2},
+            r"Expected lengths \(2\) to be greater or equal than samples \(3\).*length_fn",
+        ),
+    ],
+)
+def test_lightnings_throughput_monitor_refuses_fewer_samples_than_batches_or_items_than_samples(
+    sizes: dict[str, Any], message: str
+) -> None:
+    # Lightning's check: a batch holds at least one sample, a sample at least one item (by the running totals).
+    monitor = StageThroughputMonitor(**sizes, window_size=2)
+    trainer = quiet_trainer(max_steps=1, logger=False, enable_checkpointing=False, callbacks=[monitor])
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=message):
+        warnings.simplefilter("ignore")  # no flops_per_batch: not what this is about
+        trainer.fit(Regressor(), make_loader(16))
 
 
 def test_logged_metrics_hold_the_step_and_the_epoch_values_whether_or_not_a_logger_wrote_them() -> None:

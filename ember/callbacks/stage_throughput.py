@@ -133,6 +133,7 @@ class StageThroughputMonitor(Callback):
         window.samples += self.batch_size_fn(batch)
         if self.length_fn is not None:
             window.lengths += self.length_fn(batch)
+        self._check_counts(window)
         window.points.append((window.last - window.start, window.batches, window.samples, window.lengths))
         flops = getattr(pl_module, "flops_per_batch", None)
         if flops is not None:
@@ -144,6 +145,21 @@ class StageThroughputMonitor(Callback):
                 f"{type(pl_module).__name__} to compute the FLOPs."
             )
         return window
+
+    def _check_counts(self, window: _Window) -> None:
+        """Refuse running totals that cannot be, as Lightning does: a sample holds at least one item, a batch at
+        least one sample (by the totals, so that one empty batch among full ones passes, as there)."""
+        if window.samples < window.batches:
+            raise ValueError(
+                f"Expected samples ({window.samples}) to be greater or equal than batches ({window.batches}): "
+                "ThroughputMonitor(batch_size_fn=...) must give the number of samples in a batch"
+            )
+        if self.length_fn is not None and window.lengths < window.samples:
+            raise ValueError(
+                f"Expected lengths ({window.lengths}) to be greater or equal than samples ({window.samples}): "
+                "ThroughputMonitor(length_fn=...) must give the number of items (such as tokens) in a batch, all "
+                "its samples' together"
+            )
 
     def _log(self, stage: str, trainer: Trainer, step: int, epoch: int | None) -> None:
         figures = {f"{stage}{self.separator}{name}": value for name, value in self._figures(stage, trainer).items()}
