@@ -287,6 +287,27 @@ def drop_unpicklable(hparams: dict[str, Any]) -> None:
         del hparams[name]
 
 
+def init_arguments_by_frame(
+    frame: FrameType, path_args: list[dict[str, Any]], inside: bool = False, classes: tuple[type, ...] = ()
+) -> list[dict[str, Any]]:
+    """The arguments of each method of a class (of one of ``classes``, when given) running in ``frame`` and the
+    frames that called it, appended to ``path_args``, innermost first: from the first such frame out to the next
+    that is none (``inside``: ``frame`` is already within them), as Lightning's ``collect_init_args``. A method is
+    known by its ``__class__`` cell, which a method that calls ``super()`` has."""
+    current: FrameType | None = frame
+    while current is not None and current.f_back is not None:  # the outermost frame (the script's) is no method
+        owner_class = current.f_locals.get("__class__")
+        if isinstance(owner_class, type) and (not classes or issubclass(owner_class, classes)):
+            code = current.f_code
+            owner = current.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+            path_args.append(_frame_arguments(current, owner))
+            inside = True
+        elif inside:
+            break
+        current = current.f_back
+    return path_args
+
+
 def init_keys(cls: type) -> tuple[str, str | None, str | None]:
     """The names ``cls.__init__`` gives ``self``, ``*args`` and ``**kwargs`` (None where it takes none), as
     Lightning's ``parse_class_init_keys``."""

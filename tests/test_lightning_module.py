@@ -251,6 +251,34 @@ def test_lightnings_parsing_helpers_inspect_init_and_drop_unpicklable_values() -
     assert hparams == {"depth": 2}
 
 
+class _Base:
+    def __init__(self, size: int, scale: float = 1.0, **options: Any) -> None:
+        super().__init__()
+        self.levels = self.record([])
+
+    def record(self, levels: list[dict[str, Any]], only: tuple[type, ...] = ()) -> list[dict[str, Any]]:
+        import inspect
+
+        frame = inspect.currentframe()
+        assert frame is not None
+        collect = _served("pytorch_lightning.utilities.parsing", "collect_init_args")
+        return collect(frame, levels, classes=only)  # type: ignore[no-any-return]
+
+
+class _Derived(_Base):
+    def __init__(self, size: int, name: str, scale: float = 1.0, **options: Any) -> None:
+        super().__init__(size, scale=scale, **options)
+
+
+def test_collect_init_args_gives_each_init_in_the_chain_innermost_first() -> None:
+    built = _Derived(3, "net", scale=0.5, extra=True)
+    assert built.levels == [
+        {"size": 3, "scale": 0.5, "extra": True},
+        {"size": 3, "name": "net", "scale": 0.5, "extra": True},
+    ]
+    assert built.record([], only=(int,)) == []  # no frame of a class among those asked for
+
+
 @pytest.mark.parametrize("value", [42, 3.5, True])
 def test_a_primitive_is_no_config(value: Any) -> None:
     class Model(ember.Module):

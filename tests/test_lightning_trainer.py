@@ -30,6 +30,36 @@ def test_fit_loop_done_once_the_fit_reached_its_limit() -> None:
     assert trainer.global_step == 2 and trainer.fit_loop.done is True
 
 
+class _EpochRecorder(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: list[int] = []
+
+    def on_train_epoch_end(self) -> None:
+        self.epochs.append(self.current_epoch)
+
+
+def test_raising_the_fit_loops_limits_lets_the_next_fit_train_on() -> None:
+    trainer = quiet_trainer(max_epochs=2, logger=False, enable_checkpointing=False, limit_val_batches=0)
+    first, second = _EpochRecorder(), _EpochRecorder()
+    trainer.fit(first, make_loader(16))
+    trainer.fit_loop.max_epochs = 4
+    assert trainer.max_epochs == trainer.fit_loop.max_epochs == 4
+    trainer.fit(second, make_loader(16))
+    assert (first.epochs, second.epochs, trainer.global_step) == ([0, 1], [2, 3], 8)
+    trainer.fit_loop.max_steps = 9
+    trainer.fit_loop.max_epochs = -1
+    trainer.fit(second, make_loader(16))
+    assert trainer.global_step == trainer.max_steps == 9
+
+
+def test_a_fit_loop_limit_out_of_range_is_refused_by_name() -> None:
+    trainer = quiet_trainer(max_epochs=1, logger=False)
+    with pytest.raises(ember.exceptions.MisconfigurationException, match="max_epochs"):
+        trainer.fit_loop.max_epochs = -5
+    assert trainer.fit_loop.max_epochs == 1
+
+
 class _Interrupting(Callback):
     """Raises ``error`` where a stage starts its batches (as a hook that is interrupted does)."""
 

@@ -299,6 +299,7 @@ PYTORCH: dict[str, Names] = {
         "lightning_setattr": "ember.hparams:set_field",
         "clean_namespace": "ember.hparams:drop_unpicklable",
         "parse_class_init_keys": "ember.hparams:init_keys",
+        "collect_init_args": "ember.hparams:init_arguments_by_frame",
     },
     "utilities.types": {**_TYPES, **_OPTIMIZER_TYPES},
     "utilities.exceptions": {"MisconfigurationException": "ember.exceptions:MisconfigurationException"},

@@ -118,6 +118,25 @@ class FitLoop:
         hooks.call("on_train_end")
         hooks.call("on_fit_end")
 
+    # Lightning's ``trainer.fit_loop.max_epochs`` / ``.max_steps``: set between two fits of one Trainer, the next fit
+    # trains on to the new limit from where the last one ended. The flag is replaced in the config, validated anew,
+    # so that ``trainer.max_epochs`` and the loop read the one value.
+    @property
+    def max_epochs(self) -> int | None:
+        return self.trainer.config.max_epochs
+
+    @max_epochs.setter
+    def max_epochs(self, value: int) -> None:
+        self.trainer.config = dataclasses.replace(self.trainer.config, max_epochs=value)
+
+    @property
+    def max_steps(self) -> int:
+        return self.trainer.config.max_steps
+
+    @max_steps.setter
+    def max_steps(self, value: int) -> None:
+        self.trainer.config = dataclasses.replace(self.trainer.config, max_steps=value)
+
     @property
     def done(self) -> bool:
         """Whether ``fit`` has nothing left to train: a limit is reached, or a stop was asked for that may happen."""
