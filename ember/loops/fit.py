@@ -24,7 +24,7 @@ from ember.exceptions import PossibleUserWarning
 from ember.loops.loss import LossCheck, batch_end_output
 from ember.loops.progress import Progress
 from ember.loops.step import StepResult, StepRunner, Window
-from ember.loops.stopping import Stopping, limit_message, reached_limit
+from ember.loops.stopping import FitLimits, Stopping, limit_message, reached_limit
 from ember.loops.training_data import TrainingData
 from ember.optim import LightningOptimizer, configure_optimization, drop_gradients
 from ember.rank_zero import announce, rank_zero_warn, rank_zero_warn_once
@@ -62,7 +62,7 @@ class _Fit:
     told_of_idle_epoch: bool = False
 
 
-class FitLoop:
+class FitLoop(FitLimits):
     """Trains ``trainer.lightning_module``: ``run`` is one ``fit``."""
 
     def __init__(self, trainer: Trainer) -> None:
@@ -117,25 +117,6 @@ class FitLoop:
                     announce(limit_message(limit, progress, trained=self.last_result is not None))
         hooks.call("on_train_end")
         hooks.call("on_fit_end")
-
-    # Lightning's ``trainer.fit_loop.max_epochs`` / ``.max_steps``: set between two fits of one Trainer, the next fit
-    # trains on to the new limit from where the last one ended. The flag is replaced in the config, validated anew,
-    # so that ``trainer.max_epochs`` and the loop read the one value.
-    @property
-    def max_epochs(self) -> int | None:
-        return self.trainer.config.max_epochs
-
-    @max_epochs.setter
-    def max_epochs(self, value: int) -> None:
-        self.trainer.config = dataclasses.replace(self.trainer.config, max_epochs=value)
-
-    @property
-    def max_steps(self) -> int:
-        return self.trainer.config.max_steps
-
-    @max_steps.setter
-    def max_steps(self, value: int) -> None:
-        self.trainer.config = dataclasses.replace(self.trainer.config, max_steps=value)
 
     @property
     def done(self) -> bool:

@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -195,6 +195,30 @@ class Stopping:
             f"  {relative if len(relative) < len(path) else path}\n"
             'Trainer.fit(..., ckpt_path="last") continues from it'
         )
+
+
+class _LimitFlag:
+    """A limit flag of the Trainer's config, read and set on the fit loop (see ``FitLimits``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, loop: FitLimits | None, owner: type) -> Any:
+        return self if loop is None else getattr(loop.trainer.config, self.name)
+
+    def __set__(self, loop: FitLimits, value: int) -> None:
+        # The flag is replaced in the config, checked anew, so that the Trainer and the loop read the one value.
+        changed: dict[str, Any] = {self.name: value}
+        loop.trainer.config = dataclasses.replace(loop.trainer.config, **changed)
+
+
+class FitLimits:
+    """Lightning's ``trainer.fit_loop.max_epochs`` and ``.max_steps``: set between two fits of one Trainer, the next
+    fit trains on to the new limit from where the last one ended."""
+
+    trainer: Trainer
+    max_epochs = _LimitFlag()
+    max_steps = _LimitFlag()
 
 
 def reached_limit(config: TrainerConfig, progress: Progress) -> str | None:
