@@ -42,6 +42,19 @@ def training_loss(output: Any, module: torch.nn.Module | None = None) -> torch.T
     return loss
 
 
+def shown_manual_loss(output: Any, module: torch.nn.Module) -> torch.Tensor | None:
+    """The loss to show of what a manual-optimization ``training_step`` returned (a tensor, or a dict's "loss"), or
+    None; anything but a tensor, a dict or None is refused, as Lightning refuses it. The module stepped already, so
+    any scalar tensor will do."""
+    if output is not None and not isinstance(output, (Mapping, torch.Tensor)):
+        raise MisconfigurationException(
+            "In manual optimization, `training_step` must either return a Tensor or have no return (or a dict): "
+            f"{type(module).__name__}.training_step returned a {type(output).__name__}"
+        )
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
 def _why_no_grad(module: torch.nn.Module | None) -> str:
     if module is not None and not any(parameter.requires_grad for parameter in module.parameters()):
         return "every parameter of the module is frozen (requires_grad=False), so there is nothing to train"

@@ -20,7 +20,7 @@ import torch
 
 from ember._utils import batch_size_of, is_out_of_memory, split_batch, takes_batch_idx
 from ember.exceptions import MisconfigurationException
-from ember.loops.loss import training_loss
+from ember.loops.loss import shown_manual_loss, training_loss
 from ember.loops.progress import Progress
 from ember.optim import (
     LightningOptimizer,
@@ -259,15 +259,8 @@ class StepRunner:
         """A training step that steps its optimizers itself (``LightningOptimizer.step``)."""
         self._manual_steps = 0
         output = self.training_step(batch, batch_idx)
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        if output is not None and not isinstance(output, (Mapping, torch.Tensor)):
-            raise MisconfigurationException(
-                "In manual optimization, `training_step` must either return a Tensor or have no return (or a dict): "
-                f"{type(self.module).__name__}.training_step returned a {type(output).__name__}"
-            )
-        # Under manual optimization a returned loss is only shown and checked, so any scalar tensor will do.
-        kept = self._kept(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
-        return StepResult(output, kept, self._manual_steps)
+        loss = shown_manual_loss(output, self.module)
+        return StepResult(output, self._kept(loss) if loss is not None else None, self._manual_steps)
 
     # ----------------------------------------------------------- forward, backward and step
     def forward_backward(
