@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
@@ -91,7 +92,7 @@ def test_the_loop_never_empties_the_cache_or_synchronizes(monkeypatch: pytest.Mo
 
 
 def _run(*args: str, **kwargs: Any) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, **kwargs)
+    return warm_processes.run([sys.executable, *args], capture_output=True, text=True, timeout=120, **kwargs)
 
 
 def test_command_line_help_and_version() -> None:

@@ -4,12 +4,12 @@ themselves are measured, not tested)."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_processes
 from torch.utils.data import DataLoader, TensorDataset
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -53,7 +53,7 @@ def test_breakdown_figures_wider_than_their_column_stay_apart() -> None:
     ],
 )
 def test_bad_overhead_flags_are_refused(flags: list[str], message: str) -> None:
-    result = subprocess.run(
+    result = warm_processes.run(
         [sys.executable, str(BENCH / "overhead.py"), *flags], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2
@@ -101,7 +101,7 @@ def test_the_busy_workers_scenario_and_the_extra_seconds_of_each_round() -> None
 @pytest.mark.slow
 def test_the_checkpoint_bench_runs_with_busy_workers() -> None:
     tiny = ["--rounds", "1", "--steps", "8", "--every", "3", "--width", "16", "--layers", "1", "--batch-size", "2"]
-    result = subprocess.run(
+    result = warm_processes.run(
         [sys.executable, str(BENCH / "checkpoint.py"), *tiny, "--busy-workers", "1", "--burn-ms", "0.1"],
         capture_output=True, text=True, timeout=110,
     )  # fmt: skip

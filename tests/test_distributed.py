@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import quiet_trainer, wait_for_workers
 from torch.utils.data import DataLoader
 
@@ -31,7 +32,7 @@ import train_ddp  # noqa: E402
 
 def _start(command: list[str], out: str, **kwargs: Any) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
+    return warm_processes.Popen(
         command, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, **kwargs,
     )  # fmt: skip
@@ -609,13 +610,13 @@ def test_data_parallel_needs_cuda_and_multi_node_needs_a_launcher() -> None:
 
 
 def test_ember_run_help_explains_every_flag() -> None:
-    result = subprocess.run(
+    result = warm_processes.run(
         [sys.executable, "-m", "ember", "run", "--help"], capture_output=True, text=True, timeout=60
     )
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts",
                  "--module"):  # fmt: skip
         assert flag in result.stdout
-    bad = subprocess.run([sys.executable, "-m", "ember", "run", "--nproc-per-node", "zero", "x.py"],
+    bad = warm_processes.run([sys.executable, "-m", "ember", "run", "--nproc-per-node", "zero", "x.py"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--nproc-per-node='zero'" in bad.stderr
 

@@ -6,13 +6,13 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, make_loader, quiet_trainer
 from torch.overrides import _get_current_function_mode_stack
 
@@ -27,7 +27,7 @@ DIGITS = os.path.join(os.path.dirname(HERE), "examples", "digits.py")
 def _doctor(*arguments: str, processes: int = 1, cwd: str, steps: int = 30) -> dict[str, Any]:
     command = [sys.executable, "-m", "ember", "doctor", "--json", "--nproc-per-node", str(processes)]
     command += ["--steps", str(steps), *arguments]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=cwd)
+    result = warm_processes.run(command, capture_output=True, text=True, timeout=180, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     text = result.stdout
     return json.loads(text[text.index("{\n") : text.rindex("}") + 1])
@@ -137,11 +137,11 @@ def test_doctor_options_are_checked(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="more than 5 steps"):
         Doctor(steps=5)
     help_text = [sys.executable, "-m", "ember", "doctor", "--help"]
-    result = subprocess.run(help_text, capture_output=True, text=True, timeout=60)
+    result = warm_processes.run(help_text, capture_output=True, text=True, timeout=60)
     for flag in ("--steps", "--json", "--nproc-per-node", "--module"):
         assert flag in result.stdout
     command = [sys.executable, "-m", "ember", "doctor", "--steps", "3", CASES]
-    bad = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    bad = warm_processes.run(command, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--steps=3" in bad.stderr
 
 

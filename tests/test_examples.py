@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import pytest
+import warm_processes
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def _run(arguments: list[str], cwd: Any, timeout: float) -> subprocess.CompletedProcess:
     """``python ARGUMENTS`` in ``cwd``; kills everything it started if it runs longer than ``timeout`` seconds."""
-    process = subprocess.Popen(
+    process = warm_processes.Popen(
         [sys.executable, *arguments],
         cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},

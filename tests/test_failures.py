@@ -4,13 +4,13 @@ reported, a loss without a graph says why."""
 from __future__ import annotations
 
 import multiprocessing
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, make_data, make_loader, quiet_trainer
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -104,7 +104,7 @@ def test_a_script_whose_step_raises_with_workers_exits(tmp_path: Any) -> None:
         "loader = DataLoader(make_data(64), batch_size=4, num_workers=2)\n"
         "quiet_trainer(max_epochs=1, logger=False).fit(_FailsAtStep2(), loader)\n"
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=45, cwd=tmp_path)
+    done = warm_processes.run([sys.executable, str(script)], capture_output=True, text=True, timeout=45, cwd=tmp_path)
     assert done.returncode == 1 and "RuntimeError: a bug in training_step" in done.stderr
 
 

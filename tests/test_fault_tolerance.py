@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, descendants, make_loader, quiet_trainer
 
 import ember
@@ -140,7 +141,7 @@ def _needs_torchft() -> None:
 def _launch(out: Path, *arguments: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "ember", "run", "--replica-groups", "2", *arguments[:2], SCRIPT, "--out", str(out),
                *arguments[2:]]  # fmt: skip
-    return subprocess.Popen(command, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return warm_processes.Popen(command, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _summaries(out: Path) -> dict[tuple[int, int], dict[str, Any]]:

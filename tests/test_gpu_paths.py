@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from torch.utils.data import DataLoader
 
 import ember
@@ -410,7 +411,7 @@ def test_float16_loss_scaling_agrees_across_ranks_when_every_gradient_is_sharded
     DTensor gradient, with its placements."""
     script = os.path.join(SCRIPTS, "scaler_dtensor.py")
     command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", script, "--out", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    result = warm_processes.run(command, capture_output=True, text=True, timeout=100, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [rank["fsdp"] for rank in ranks] == [{"stepped": False, "scale": 32768.0}] * 2  # both skip
@@ -695,7 +696,7 @@ def test_pipeline_stages_on_two_gpus_each_get_the_output_on_their_own_gpu(tmp_pa
     script = tmp_path / "pipeline_on_gpus.py"
     script.write_text(PIPELINE_ON_GPUS.format(scripts=SCRIPTS, out=str(tmp_path)))
     command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", str(script)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    result = warm_processes.run(command, capture_output=True, text=True, timeout=170, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [rank["device"] for rank in ranks] == ["cuda:0", "cuda:1"]
@@ -843,7 +844,7 @@ def test_the_smoke_run_of_two_processes_sharing_one_device_trains_over_gloo() ->
     # gpu_check.sh's command on a machine with one GPU, on CPU here: the launcher starts both processes.
     smoke = os.path.join(os.path.dirname(GPU_CHECK), "gpu_smoke.py")
     command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", smoke, "--backend", "gloo", "fsdp"]
-    result = subprocess.run([*command, "--accelerator", "cpu"], capture_output=True, text=True, timeout=110)
+    result = warm_processes.run([*command, "--accelerator", "cpu"], capture_output=True, text=True, timeout=110)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "smoke: fsdp ok: " in result.stdout and "2 process(es) on cpu over gloo" in result.stdout
 

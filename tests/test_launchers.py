@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.machinery
 import os
-import subprocess
 import sys
 import time
 import types
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import warm_processes
 from conftest import Regressor, make_loader, parameters_of, quiet_trainer
 from torch.utils.data import DataLoader
 
@@ -269,6 +269,6 @@ def test_a_lightning_script_run_under_the_hook_spawns_workers_that_import_it_wit
     (tmp_path / "train.py").write_text(LIGHTNING_SCRIPT)
     launcher = "import ember.lightning, runpy; runpy.run_path('train.py', run_name='__main__')"
     command = [sys.executable, "-c", launcher]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    result = warm_processes.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=110)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("after fit:") == 1 and "after fit: 4 True True ['train_loss'] True" in result.stdout

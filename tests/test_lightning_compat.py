@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, make_data, make_loader, quiet_trainer
 
 import ember
@@ -444,7 +445,7 @@ def test_ember_run_lightning_runs_an_unchanged_script(tmp_path: Any) -> None:
         "trainer.fit(BoringModel())\nprint('trained on', type(trainer).__module__, trainer.global_step)\n"
     )
     command = [sys.executable, "-m", "ember", "run", "--lightning", str(script), str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    result = warm_processes.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained on ember.trainer 3" in result.stdout
 
@@ -637,7 +638,7 @@ def _start(command: list[str], root: str) -> subprocess.Popen:
     environment = {name: value for name, value in os.environ.items()
                    if name not in _JOB_VARIABLES and not name.startswith("TORCHELASTIC_")}  # fmt: skip
     environment["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
-    return subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return warm_processes.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
 
 

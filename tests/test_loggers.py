@@ -7,7 +7,6 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import sys
 import warnings
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import numpy
 import pytest
 import torch
+import warm_processes
 import yaml
 from conftest import Regressor, make_loader, quiet_trainer
 
@@ -297,7 +297,7 @@ def test_two_gloo_ranks_sync_metrics_and_only_rank_zero_writes(tmp_path: Any) ->
     pytest.importorskip("tensorboard")
     pytest.importorskip("mlflow")
     out = str(tmp_path)
-    result = subprocess.run(
+    result = warm_processes.run(
         [sys.executable, os.path.join(SCRIPTS, "train_observe.py"), "--out", out], cwd=out,
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

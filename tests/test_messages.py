@@ -4,13 +4,13 @@ a machine without the hardware asked for says what to pass instead."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import warnings
 from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
@@ -67,7 +67,7 @@ def _workspace(directory: Any) -> None:
 )  # fmt: skip
 def test_a_bad_command_line_is_one_line_and_status_2(arguments: list[str], message: str, tmp_path: Any) -> None:
     _workspace(tmp_path)
-    result = subprocess.run(
+    result = warm_processes.run(
         [sys.executable, "-m", "ember", *arguments], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2 and result.stdout == "", result
@@ -93,7 +93,7 @@ def test_each_command_checks_its_arguments_before_it_starts(
 
 def test_a_script_that_fails_under_the_doctor_shows_its_own_traceback(tmp_path: Any) -> None:
     (tmp_path / "crash.py").write_text("def main():\n    raise RuntimeError('boom')\n\nmain()\n")
-    result = subprocess.run(
+    result = warm_processes.run(
         [sys.executable, "-m", "ember", "doctor", "crash.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 1, result

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
 import sys
 from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, built_once, make_loader, quiet_trainer
 from test_distributed import _run
 from torch import nn
@@ -97,7 +97,7 @@ def test_sharded_checkpoints_resume_reshard_and_consolidate(sharded_run: str, tm
     # An ordinary file made by the command line resumes too, and loads into a module.
     consolidated = str(tmp_path / "model.ckpt")
     command = [sys.executable, "-m", "ember", "checkpoint", "consolidate", last, consolidated]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    result = warm_processes.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     state = checkpoint_io.load(consolidated)
     assert state["optimizer_states"][0]["param_groups"][0]["lr"] == 0.05
@@ -399,7 +399,7 @@ def test_sharded_checkpoints_run_no_code_from_their_files(tmp_path: Any) -> None
     with pytest.raises(checkpoint_io.CheckpointError, match="holds pickled objects other than tensors"):
         checkpoint_io.load(path)
     command = [sys.executable, "-m", "ember", "checkpoint", "consolidate", path, str(tmp_path / "out.ckpt")]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    refused = warm_processes.run(command, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "--trust-pickles" in refused.stderr
     torch.save(state, state_file)
     with open(os.path.join(path, ".metadata"), "wb") as file:
@@ -407,12 +407,14 @@ def test_sharded_checkpoints_run_no_code_from_their_files(tmp_path: Any) -> None
     with pytest.raises(pickle.UnpicklingError, match=r"references posix.system, which is refused"):
         checkpoint_io.load(path)
     assert not os.path.exists("pwned")
-    not_sharded = subprocess.run([*command[:-2], str(tmp_path), "x.ckpt"], capture_output=True, text=True, timeout=60)
+    not_sharded = warm_processes.run(
+        [*command[:-2], str(tmp_path), "x.ckpt"], capture_output=True, text=True, timeout=60
+    )
     assert not_sharded.returncode == 2 and "is not a sharded checkpoint" in not_sharded.stderr
 
 
 def test_checkpoint_command_help() -> None:
     command = [sys.executable, "-m", "ember", "checkpoint", "consolidate", "--help"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    result = warm_processes.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "DIR" in result.stdout and "OUT" in result.stdout
     assert "Trainer.fit(ckpt_path=OUT)" in result.stdout

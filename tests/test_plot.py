@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
+import warm_processes
 from conftest import Regressor, make_loader, quiet_trainer
 
 from ember.cli import main
@@ -71,7 +71,7 @@ def test_plot_errors_name_the_problem(tmp_path: Any, capsys: pytest.CaptureFixtu
 
 
 def test_plot_help_explains_every_flag() -> None:
-    result = subprocess.run([sys.executable, "-m", "ember", "plot", "--help"], capture_output=True, text=True,
+    result = warm_processes.run([sys.executable, "-m", "ember", "plot", "--help"], capture_output=True, text=True,
                             timeout=60)  # fmt: skip
     assert result.returncode == 0
     for flag in ("RUN", "-o FILE, --output FILE", "--metrics A,B", "--x {step,epoch}"):

@@ -12,7 +12,6 @@ import re
 import select
 import signal
 import struct
-import subprocess
 import sys
 import termios
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
@@ -102,7 +102,7 @@ def _run_in_terminal(arguments: list[str], columns: int, cwd: Any, timeout: floa
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     env = {name: value for name, value in os.environ.items() if name != "COLUMNS"}
     with open(os.path.join(cwd, "stderr.txt"), "w") as errors:
-        process = subprocess.Popen(
+        process = warm_processes.Popen(
             [sys.executable, *arguments], stdin=child, stdout=child, stderr=errors, cwd=cwd,
             env={**env, "OMP_NUM_THREADS": "1"}, start_new_session=True,
         )  # fmt: skip

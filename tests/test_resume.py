@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import (
     DropoutRegressor,
     Regressor,
@@ -53,7 +54,7 @@ def _job(
     if restarts:
         launcher = [*launcher, "--max-restarts", str(restarts)]
     command = [*launcher, SCRIPT, "--out", out, *args]
-    return subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=timeout)
+    return warm_processes.run(command, cwd=out, capture_output=True, text=True, timeout=timeout)
 
 
 def _final(out: str, rank: int = 0) -> list[torch.Tensor]:
@@ -283,7 +284,7 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(
     launcher = [sys.executable]
     if processes > 1:
         launcher += ["-m", "ember", "run", "--nproc-per-node", str(processes)]
-    job = subprocess.Popen(
+    job = warm_processes.Popen(
         [*launcher, SCRIPT, "--out", out, "--pause", "0.05", "--accumulate", str(accumulate)],
         cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -321,7 +322,7 @@ def test_a_signal_to_the_whole_job_with_loader_workers_saves_and_resumes_exactly
     workers first, as SLURM's scancel does, after which the agent passes its own on: a worker gets two."""
     out = str(tmp_path)
     launcher = [sys.executable] + (["-m", "ember", "run", "--nproc-per-node", str(processes)] if processes > 1 else [])
-    job = subprocess.Popen(
+    job = warm_processes.Popen(
         [*launcher, SCRIPT, "--out", out, "--pause", "0.05", "--accumulate", "2"],
         cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, make_data, make_loader, parameters_of, quiet_trainer
 from torch.utils.data import DataLoader, default_collate
 
@@ -30,7 +31,7 @@ def _launch(out: str, devices: int, *args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "ember", "run", "--nproc-per-node", str(devices)] if devices > 1 else [sys.executable]
     )
     command = [*launcher, SCRIPT, "--out", out, "--devices", str(devices), *args]
-    return subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=150)
+    return warm_processes.run(command, cwd=out, capture_output=True, text=True, timeout=150)
 
 
 def _rows(out: str, tag: str, devices: int) -> list[list[Any]]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import Regressor, make_loader, quiet_trainer
 
 import ember
@@ -55,7 +56,7 @@ def test_two_runs_started_together_in_one_folder_never_share_a_directory(tmp_pat
     script = tmp_path / "run.py"
     script.write_text(_RUN.format(tests=os.path.dirname(__file__), root=root))
     runs = [
-        subprocess.Popen([sys.executable, str(script), lr], stdout=subprocess.PIPE, text=True)
+        warm_processes.Popen([sys.executable, str(script), lr], stdout=subprocess.PIPE, text=True)
         for lr in ("0.01", "0.02")
     ]
     log_dirs = []
@@ -384,7 +385,7 @@ def test_a_read_only_default_root_dir_fails_before_the_first_step(tmp_path: Any)
     mount.mkdir()
     command = f"mount -t tmpfs -o ro tmpfs {mount} && exec {sys.executable} {script} {mount}"
     try:
-        result = subprocess.run(
+        result = warm_processes.run(
             ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", command],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
@@ -554,7 +555,7 @@ _PERSISTENT = textwrap.dedent(
 def test_a_preempted_run_with_persistent_loader_workers_saves_and_exits(tmp_path: Any) -> None:
     script = tmp_path / "persistent.py"
     script.write_text(_PERSISTENT.format(tests=os.path.dirname(__file__), root=str(tmp_path)))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    result = warm_processes.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
     assert "stopped by SIGTERM at global step" in result.stdout
 
@@ -614,5 +615,5 @@ def test_a_process_that_still_holds_a_loader_iterator_exits(tmp_path: Any) -> No
     """At exit, multiprocessing ends the iterator's workers with SIGTERM from the main process: they must obey."""
     script = tmp_path / "holds.py"
     script.write_text(_HOLDS_AN_ITERATOR.format(tests=os.path.dirname(__file__)))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    result = warm_processes.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "trained" in result.stdout, result.stderr[-2000:]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_processes
 from conftest import built_once
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "strategy_cases.py")
@@ -41,8 +42,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
     def build(out: str) -> None:
         command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", SCRIPT, "--out", out,
                    "--cases", ",".join(CASES)]  # fmt: skip
-        process = subprocess.Popen(command, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)  # fmt: skip
+        process = warm_processes.Popen(command, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         start_new_session=True)  # fmt: skip
         try:
             _, stderr = process.communicate(timeout=180)
         except subprocess.TimeoutExpired:
@@ -130,7 +131,7 @@ def test_manual_optimization_under_ddp_on_two_gpus(tmp_path: Any) -> None:
     cases = ["manual", "manual_no_sync", "gan"]
     command = [sys.executable, "-m", "ember", "run", "--nproc-per-node", "2", SCRIPT, "--out", str(tmp_path),
                "--cases", ",".join(cases), "--accelerator", "cuda"]  # fmt: skip
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    result = warm_processes.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     for case in cases:
         rank0, rank1 = (torch.load(tmp_path / f"{case}-devices2-rank{rank}.pt") for rank in range(2))

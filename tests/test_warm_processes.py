@@ -1,0 +1,92 @@
+"""The tests' warm process starts behave as fresh ``python`` processes: what a program sees of its command line,
+directory, environment and streams, how it exits, and what is left to a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import warm_processes
+
+PROBE = textwrap.dedent(
+    """
+    import atexit, json, os, sys, threading, time
+
+    def later():
+        time.sleep(0.2)
+        print("thread done", flush=True)
+
+    atexit.register(lambda: print("atexit ran"))
+    threading.Thread(target=later).start()  # not a daemon: Python waits for it before the exit functions
+    seen = {
+        "name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "probe": os.environ.get("PROBE"),
+        "stdin": sys.stdin.readline(), "main_file": sys.modules["__main__"].__file__,
+    }
+    print(json.dumps(seen))
+    if sys.argv[1] == "raise":
+        raise ValueError("planted")
+    if sys.argv[1] == "wait":
+        time.sleep(60)
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def _both(tmp_path: Path, *arguments: str, **kwargs: Any) -> tuple[Any, Any]:
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    command = [sys.executable, str(probe), *arguments]
+    options: dict[str, Any] = dict(capture_output=True, text=True, timeout=60, cwd=tmp_path, input="line\n",
+                                   env={**os.environ, "PROBE": "yes"}, **kwargs)  # fmt: skip
+    return warm_processes.run(command, **options), subprocess.run(command, **options)
+
+
+@pytest.mark.parametrize("status", ["0", "3", "raise"])
+def test_a_warm_start_is_seen_and_ends_as_a_fresh_python_process(status: str, tmp_path: Path) -> None:
+    warm, cold = _both(tmp_path, status)
+    assert warm.returncode == cold.returncode == {"0": 0, "3": 3, "raise": 1}[status]
+    assert warm.stdout == cold.stdout
+    assert json.loads(warm.stdout.splitlines()[0])["stdin"] == "line\n"
+    assert warm.stdout.endswith("thread done\natexit ran\n")
+    if status == "raise":
+        assert warm.stderr.splitlines()[-1] == cold.stderr.splitlines()[-1] == "ValueError: planted"
+        assert "Traceback (most recent call last)" in warm.stderr
+    else:
+        assert warm.stderr == cold.stderr == ""
+
+
+def test_a_warm_process_is_signalled_and_waited_for_as_any_other(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    process = warm_processes.Popen([sys.executable, str(probe), "wait"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    assert process._warm
+    process.stdin.write("line\n")  # type: ignore[union-attr]
+    process.stdin.flush()  # type: ignore[union-attr]
+    assert json.loads(process.stdout.readline())["argv"][1] == "wait"  # type: ignore[union-attr]
+    assert os.getsid(process.pid) == process.pid and process.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(timeout=0.1)
+    os.killpg(process.pid, signal.SIGTERM)
+    assert process.wait(timeout=30) == -signal.SIGTERM
+    process.stdin.close()  # type: ignore[union-attr]
+    process.stdout.close()  # type: ignore[union-attr]
+
+
+def test_what_a_fresh_interpreter_would_see_otherwise_starts_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    script = [sys.executable, "-m", "ember", "--version"]
+    assert warm_processes.runs_warm(script, {})
+    assert not warm_processes.runs_warm([sys.executable, "-c", "print(1)"], {})  # not a program the helper runs
+    assert not warm_processes.runs_warm([sys.executable, "-X", "importtime", "-m", "ember"], {})
+    assert not warm_processes.runs_warm(["bash", "-c", "true"], {})
+    assert not warm_processes.runs_warm(script, {"env": {**os.environ, "PYTHONPATH": "/elsewhere"}})  # read at start
+    assert not warm_processes.runs_warm(script, {"preexec_fn": os.setpgrp})
+    monkeypatch.setenv("EMBER_TESTS_COLD_START", "1")
+    assert not warm_processes.runs_warm(script, {})
