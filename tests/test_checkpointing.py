@@ -104,6 +104,30 @@ def test_resume_continues_where_the_run_stopped(tmp_path: Any) -> None:
         assert torch.equal(a, b)
 
 
+def test_where_a_run_resumes_is_said_while_other_processes_write_and_remove_files_beside_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another rank's write check, or a save replacing a file, can vanish between the listing of the checkpoint
+    directory and the look at each name: where the run resumes is still said, with the names "last" also has."""
+    first = quiet_trainer(max_epochs=1, logger=False, default_root_dir=str(tmp_path),
+                          callbacks=[ModelCheckpoint(save_last=True)])  # fmt: skip
+    first.fit(Regressor(), make_loader(16))
+    directory = str(tmp_path / "checkpoints")
+    listdir = os.listdir
+
+    def listing_with_files_removed_meanwhile(path: Any = ".") -> list[str]:
+        names = listdir(path)
+        vanished = [".write-check.1.0a1b2c3d", "epoch=7-step=99.ckpt"]
+        return sorted(names + vanished) if os.path.abspath(path) == directory else names
+
+    monkeypatch.setattr(os, "listdir", listing_with_files_removed_meanwhile)
+    trainer = quiet_trainer(max_epochs=2, logger=False, default_root_dir=str(tmp_path))
+    trainer.fit(Regressor(), make_loader(16), ckpt_path="last")
+    assert trainer.current_epoch == 2
+    said = capsys.readouterr().out
+    assert f"resuming from {directory}/last.ckpt (also epoch=0-step=2.ckpt)" in said, said
+
+
 def test_weights_only_checkpoint_cannot_resume_but_loads_into_a_module(tmp_path: Any) -> None:
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path), save_weights_only=True)
     trained = Regressor(lr=0.07)

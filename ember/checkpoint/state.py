@@ -152,9 +152,18 @@ def _with_other_names(path: str) -> str:
     if not os.path.isfile(path) or os.stat(path).st_nlink < 2:
         return path
     directory, name = os.path.split(path)
-    others = [other for other in sorted(os.listdir(directory or "."))
-              if other != name and os.path.samefile(os.path.join(directory, other), path)]  # fmt: skip
+    # Hidden names are work in progress (a save being written, another rank's write check): they come and go
+    # while this one lists the directory, as may any file that a save replaces.
+    candidates = [other for other in sorted(os.listdir(directory or ".")) if other != name and other[0] != "."]
+    others = [other for other in candidates if _same_file(os.path.join(directory, other), path)]
     return f"{path} (also {', '.join(others)})" if others else path
+
+
+def _same_file(candidate: str, path: str) -> bool:
+    try:
+        return os.path.samefile(candidate, path)
+    except OSError:  # gone since the directory was listed
+        return False
 
 
 def _check_best_is_known(trainer: Trainer) -> None:
