@@ -15,6 +15,13 @@ from typing import Any
 import pytest
 import warm_processes
 
+
+@pytest.fixture(autouse=True)
+def _warm_starts_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compare warm starts with fresh ones, also in a run told to start every process fresh."""
+    monkeypatch.delenv("EMBER_TESTS_COLD_START", raising=False)
+
+
 PROBE = textwrap.dedent(
     """
     import atexit, json, os, sys, threading, time
