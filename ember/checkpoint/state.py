@@ -141,7 +141,7 @@ def resolve(trainer: Trainer, ckpt_path: str | None) -> str | None:
             "will be loaded: this run has saved none yet",
             stacklevel=10 if trainer.stage == "fit" else 11,
         )
-    else:
+    elif trainer.is_global_zero:  # the line is said there alone: the other ranks need not list the directory
         announce(f"resuming from {_with_other_names(found)}")
     return found
 
