@@ -39,6 +39,8 @@ PROBE = textwrap.dedent(
     print(json.dumps(seen))
     if sys.argv[1] == "raise":
         raise ValueError("planted")
+    if sys.argv[1] == "interrupt":
+        raise KeyboardInterrupt
     if sys.argv[1] == "wait":
         time.sleep(60)
     sys.exit(int(sys.argv[1]))
@@ -55,15 +57,16 @@ def _both(tmp_path: Path, *arguments: str, **kwargs: Any) -> tuple[Any, Any]:
     return warm_processes.run(command, **options), subprocess.run(command, **options)
 
 
-@pytest.mark.parametrize("status", ["0", "3", "raise"])
+@pytest.mark.parametrize("status", ["0", "3", "raise", "interrupt"])
 def test_a_warm_start_is_seen_and_ends_as_a_fresh_python_process(status: str, tmp_path: Path) -> None:
     warm, cold = _both(tmp_path, status)
-    assert warm.returncode == cold.returncode == {"0": 0, "3": 3, "raise": 1}[status]
+    assert warm.returncode == cold.returncode == {"0": 0, "3": 3, "raise": 1, "interrupt": -signal.SIGINT}[status]
     assert warm.stdout == cold.stdout
     assert json.loads(warm.stdout.splitlines()[0])["stdin"] == "line\n"
     assert warm.stdout.endswith("thread done\natexit ran\n")
-    if status == "raise":
-        assert warm.stderr.splitlines()[-1] == cold.stderr.splitlines()[-1] == "ValueError: planted"
+    if status in ("raise", "interrupt"):
+        last_line = "ValueError: planted" if status == "raise" else "KeyboardInterrupt"
+        assert warm.stderr.splitlines()[-1] == cold.stderr.splitlines()[-1] == last_line
         assert "Traceback (most recent call last)" in warm.stderr
     else:
         assert warm.stderr == cold.stderr == ""

@@ -305,16 +305,13 @@ def _child(request: dict[str, Any], fds: list[int], base_path: list[str]) -> int
         status = 0
     except SystemExit as exit:
         status = _exit_status(exit.code)
-    except KeyboardInterrupt:
+    except BaseException as error:
         sys.excepthook(*sys.exc_info())
-        _finish()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as Python ends on an uncaught Ctrl-C: killed by SIGINT
-        os.kill(os.getpid(), signal.SIGINT)
-        status = 130
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        status = 1
+        status = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     _finish()
+    if status == -signal.SIGINT:  # as Python ends on an uncaught Ctrl-C: killed by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     return status
 
 
