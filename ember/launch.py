@@ -7,13 +7,16 @@ Processes are started by PyTorch's elastic agent (``torch.distributed.run``, the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -155,6 +158,26 @@ def die_with_parent() -> None:
         return
     if parent == 1:  # the launcher died before the request was registered
         os._exit(1)
+
+
+@contextlib.contextmanager
+def ctrl_c_ends_at_once() -> Iterator[None]:
+    """Within the block, Ctrl-C (SIGINT) ends the process at once, as an uncaught ``KeyboardInterrupt`` would.
+
+    Meeting the other ranks waits inside C++, where Python runs no signal handler: a ``KeyboardInterrupt`` would
+    be raised only once every rank has arrived, never if another rank was stopped by the same Ctrl-C before it
+    came. The job would then wait for the launcher's 30-second grace before it kills the rank. Nothing is lost:
+    training has not begun. A handler the program installed itself is left alone."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def close_process_group() -> None:

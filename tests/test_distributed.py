@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(SCRIPT))
 import train_ddp  # noqa: E402
 
 
-def _start(command: list[str], out: str, **kwargs: Any) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _start(command: list[str], out: str, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return warm_processes.Popen(
         command, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, **kwargs,
@@ -252,6 +252,14 @@ def test_a_rank_that_hangs_is_named_and_the_job_ends_within_the_timeout(tmp_path
 
 def _listening_addresses(pids: list[int]) -> set[str]:
     """The local addresses of the TCP sockets these processes listen on (from /proc)."""
+    addresses = set()
+    for address, _ in _listening(pids):
+        addresses.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]) if len(address) == 8 else address)
+    return addresses
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int]]:
+    """(hexadecimal address as /proc has it, port) of each TCP socket these processes listen on."""
     inodes: set[str] = set()
     for pid in pids:
         try:
@@ -261,15 +269,15 @@ def _listening_addresses(pids: list[int]) -> set[str]:
                     inodes.add(target[8:-1])
         except OSError:
             continue
-    addresses = set()
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as file:
             for line in file.readlines()[1:]:
                 fields = line.split()
                 if fields[3] == "0A" and fields[9] in inodes:  # state 0A is LISTEN
-                    address = fields[1].split(":")[0]
-                    addresses.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]) if len(address) == 8 else address)
-    return addresses
+                    address, port = fields[1].split(":")
+                    found.append((address, int(port, 16)))
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -286,7 +294,9 @@ def _alive(pid: int) -> bool:
 def test_ctrl_c_ends_every_rank_and_the_job_listens_on_loopback_only(tmp_path: Any) -> None:
     out = str(tmp_path)
     job = _start([*LAUNCHES["ember run"](), "--out", out, "--epochs", "1000", "--sleep", "0.01"], out)
-    workers = wait_for_workers(job, "train_ddp", 2)
+    workers = wait_for_workers(job, "train_ddp", 2, settle=0)
+    while not all(_listening([worker]) for worker in workers):  # until the ranks have met: their sockets are open
+        time.sleep(0.1)
     addresses = _listening_addresses([job.pid, *workers])
     assert addresses and addresses <= {"127.0.0.1"}, addresses
     os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
@@ -294,6 +304,32 @@ def test_ctrl_c_ends_every_rank_and_the_job_listens_on_loopback_only(tmp_path: A
     assert job.returncode != 0
     time.sleep(1)
     assert not [pid for pid in workers if _alive(pid)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_ends_a_rank_that_waits_for_the_others_to_meet(tmp_path: Any) -> None:
+    # Rank zero of two, alone: it serves the rendezvous and waits inside C++ for a rank that never comes (in a job,
+    # one the same Ctrl-C stopped first). A KeyboardInterrupt would wait for that rank too; the launcher would
+    # kill the job only after its 30-second grace.
+    out, port = str(tmp_path), _free_port()
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}  # fmt: skip
+    job = _start([sys.executable, SCRIPT, "--out", out], out, env=env)
+    deadline = time.monotonic() + 45
+    while all(listening != port for _, listening in _listening([job.pid])) and time.monotonic() < deadline:
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.1)
+    time.sleep(0.5)  # from the store's start to the wait for the other rank
+    os.kill(job.pid, signal.SIGINT)
+    try:
+        job.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.communicate()
+        pytest.fail("a Ctrl-C did not end a rank waiting for the others")
+    assert job.returncode == -signal.SIGINT
 
 
 @pytest.mark.slow

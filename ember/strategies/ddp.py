@@ -16,6 +16,7 @@ from torch import nn
 from ember.launch import (
     ClusterEnvironment,
     close_process_group,
+    ctrl_c_ends_at_once,
     die_with_parent,
     listening_socket,
     loopback_interface,
@@ -147,15 +148,9 @@ class ParallelStrategy(Strategy):
         if environment is None:
             # A group of one process, so that the strategy's collectives and device meshes work without a launcher.
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
-        elif environment.launcher == "torchelastic":
-            _listen_on_loopback(environment)
-            dist.init_process_group(**options)  # rendezvous through the agent's store (env://)
         else:
-            _listen_on_loopback(environment)
-            store = _make_store(environment, self.timeout)
-            dist.init_process_group(
-                store=store, rank=environment.global_rank, world_size=environment.world_size, **options
-            )
+            with ctrl_c_ends_at_once():
+                _meet_the_other_ranks(environment, options, self.timeout)
         atexit.register(close_process_group)
         if self.world_size > 1:
             default_store: Any = dist.distributed_c10d._get_default_store()
@@ -391,6 +386,17 @@ def _listen_on_loopback(environment: ClusterEnvironment) -> None:
         if interface is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+
+
+def _meet_the_other_ranks(environment: ClusterEnvironment, options: dict[str, Any], timeout: timedelta) -> None:
+    import torch.distributed as dist
+
+    _listen_on_loopback(environment)
+    if environment.launcher == "torchelastic":
+        dist.init_process_group(**options)  # rendezvous through the agent's store (env://)
+    else:
+        store = _make_store(environment, timeout)
+        dist.init_process_group(store=store, rank=environment.global_rank, world_size=environment.world_size, **options)
 
 
 def _make_store(environment: ClusterEnvironment, timeout: timedelta) -> Any:
