@@ -37,6 +37,7 @@ def get_filesystem(path: str | os.PathLike, **kwargs: Any) -> AbstractFileSystem
 
     return fsspec.core.url_to_fs(os.fspath(path), **kwargs)[0]
 
+
 __all__ = [
     "AttributeDict",
     "GradClipAlgorithmType",

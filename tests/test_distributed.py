@@ -293,7 +293,9 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_ends_every_rank_and_the_job_listens_on_loopback_only(tmp_path: Any) -> None:
     out = str(tmp_path)
-    job = _start([*LAUNCHES["ember run"](), "--out", out, "--epochs", "1000", "--sleep", "0.01"], out)
+    # The workers' own sockets are read: real processes, not the warm starts' stand-ins (tests/warm_processes.py)
+    real_workers = {warm_processes.COLD_START: "1"}
+    job = _start([*LAUNCHES["ember run"](), "--out", out, "--epochs", "1000", "--sleep", "0.01"], out, real_workers)
     workers = wait_for_workers(job, "train_ddp", 2, settle=0)
     while not all(_listening([worker]) for worker in workers):  # until the ranks have met: their sockets are open
         time.sleep(0.1)
@@ -337,7 +339,9 @@ def test_ctrl_c_ends_a_rank_that_waits_for_the_others_to_meet(tmp_path: Any) -> 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses the parent-death signal")
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path: Any) -> None:
     out = str(tmp_path)
-    job = _start([*LAUNCHES["ember run"](), "--out", out, "--epochs", "1000", "--sleep", "0.01"], out)
+    # Real workers, not the warm starts' stand-ins: what ends them is the parent-death signal Ember asks for.
+    real_workers = {warm_processes.COLD_START: "1"}
+    job = _start([*LAUNCHES["ember run"](), "--out", out, "--epochs", "1000", "--sleep", "0.01"], out, real_workers)
     workers = wait_for_workers(job, "train_ddp", 2)
     os.kill(job.pid, signal.SIGKILL)  # the launcher dies without a chance to stop its workers
     job.communicate(timeout=30)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,69 @@ def test_what_a_fresh_interpreter_would_see_otherwise_starts_one(monkeypatch: py
     assert not warm_processes.runs_warm(script, {"preexec_fn": os.setpgrp})
     monkeypatch.setenv("EMBER_TESTS_COLD_START", "1")
     assert not warm_processes.runs_warm(script, {})
+
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    print(os.getpid(), sys.argv[1:], flush=True)
+    if sys.argv[1] == "wait":
+        time.sleep(60)
+    if sys.argv[1] == "interrupt":
+        raise KeyboardInterrupt
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def _as_a_launcher_starts_it(tmp_path: Path, argument: str, cold: bool = False) -> subprocess.Popen:
+    """The worker script started as torchrun's agent starts it: ``PYTHON_EXEC -u SCRIPT ...`` in a new session."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, **warm_processes.worker_environment()}
+    if cold:
+        env[warm_processes.COLD_START] = "1"
+    return subprocess.Popen([env["PYTHON_EXEC"], "-u", str(script), argument], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] == "Z"  # ended, not yet waited for
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("status", ["0", "3", "interrupt"])
+def test_a_launcher_s_worker_started_warm_ends_as_a_fresh_one(status: str, tmp_path: Path) -> None:
+    warm = _as_a_launcher_starts_it(tmp_path, status)
+    stdout, stderr = warm.communicate(timeout=60)
+    cold = subprocess.run([sys.executable, "-u", str(tmp_path / "worker.py"), status], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert warm.returncode == cold.returncode == {"0": 0, "3": 3, "interrupt": -signal.SIGINT}[status]
+    worker, seen = stdout.split(" ", 1)
+    assert int(worker) != warm.pid  # forked by the helper: the launcher's child stands in for it
+    assert seen == cold.stdout.split(" ", 1)[1]
+    assert stderr.splitlines()[-1:] == cold.stderr.splitlines()[-1:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_signal_to_a_warm_worker_s_stand_in_reaches_the_worker(number: int, tmp_path: Path) -> None:
+    stand_in = _as_a_launcher_starts_it(tmp_path, "wait")
+    worker = int(stand_in.stdout.readline().split()[0])  # type: ignore[union-attr]
+    os.kill(stand_in.pid, number)
+    assert stand_in.wait(timeout=30) == -number  # as the worker ended (SIGKILL: the stand-in itself)
+    deadline = time.monotonic() + 10
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(worker)
+    stand_in.communicate()
+
+
+def test_a_worker_told_to_start_cold_is_the_stand_in_s_own_process(tmp_path: Path) -> None:
+    process = _as_a_launcher_starts_it(tmp_path, "3", cold=True)
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 3 and int(stdout.split()[0]) == process.pid

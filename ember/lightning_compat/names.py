@@ -354,8 +354,10 @@ FABRIC: dict[str, Names] = {
     "utilities.data": {"has_iterable_dataset": "ember.data:has_iterable_dataset"},
     "utilities.cloud_io": {
         "get_filesystem": "ember.utilities:get_filesystem",
-        "_load": Missing("read a checkpoint with torch.load(path, map_location=..., weights_only=True), a URL's "
-                         "from get_filesystem(url).open(url, 'rb')"),
+        "_load": Missing(
+            "read a checkpoint with torch.load(path, map_location=..., weights_only=True), a URL's "
+            "from get_filesystem(url).open(url, 'rb')"
+        ),
     },
 }
 
