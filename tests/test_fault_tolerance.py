@@ -198,6 +198,9 @@ def test_a_dead_lighthouse_ends_the_job_with_a_checkpoint_that_a_new_job_resumes
     first, second = summaries[0, 0], summaries[1, 0]
     assert first["started_at"] == second["started_at"] == saved and first["global_step"] == saved + 5
     assert first["ckpt_path"] == str(last) and second["ckpt_path"] is None
+    # Group 1 heals in the job's first quorum; group 0 must count it among the groups alive and go on with it, not
+    # ask for another quorum while group 1 waits for it in the step's allreduce (a step dropped after a 20 s wait).
+    assert first["dropped"] == second["dropped"] == 0
     assert first["parameters"] == second["parameters"]
 
 

@@ -86,6 +86,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         super().__init__(**options)
         self.fault_tolerance = fault_tolerance or FaultTolerance()
         self._manager: Any = None  # torchft's Manager, for the fit in progress
+        self._replica_groups_pg: Any = None  # the process group torchft reconfigures to each quorum's groups
         self._quorum_held = False  # a quorum was reached for the step under way (its vote has not been taken)
         self._trainer: Trainer | None = None
         self._joined = False  # the first quorum of the fit is done: later heals happen in the middle of a run
@@ -137,8 +138,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         options = self.fault_tolerance
         timeout = timedelta(seconds=options.timeout)
         self._trainer, self._joined, self._quorum_held, self._lighthouse_lost = trainer, False, False, False
+        self._replica_groups_pg = self._replica_process_group(timeout)
         self._manager = Manager(
-            pg=self._replica_process_group(timeout),
+            pg=self._replica_groups_pg,
             load_state_dict=self._load_live_state,
             state_dict=self._live_state,
             min_replica_size=options.min_replicas,
@@ -173,7 +175,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self._manager is not None:
             self._manager.shutdown(wait=False)
-            self._manager = None
+            self._manager = self._replica_groups_pg = None
         super().teardown()
         if self._lighthouse_lost:
             # The checkpoint is saved; torchft's thread still waits on the lost lighthouse, and the interpreter's
@@ -222,11 +224,11 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         while True:
             try:
                 manager.start_quorum()
-                healed = self._await_quorum()
+                self._await_quorum()
             except Exception as error:
                 self._lose_lighthouse(error)
                 break
-            alive = manager.num_participants() + healed  # (torchft counts the groups that were not behind)
+            alive = self._groups_in_quorum()
             out_of_time = time.monotonic() > deadline
             if alive >= wanted or (out_of_time and alive >= required):
                 break
@@ -238,22 +240,27 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             time.sleep(0.1)
         self._quorum_held = True
 
-    def _await_quorum(self) -> bool:
+    def _groups_in_quorum(self) -> int:
+        """The groups of the quorum just reached, those healing included (torchft's ``num_participants()`` leaves
+        them out). The groups of one quorum must decide alike whether it is enough: a healing group goes on into the
+        step's allreduce, where a peer that asked for another quorum instead would leave it waiting until timeout."""
+        if self._manager.errored() is not None:  # its process group did not form: the step is dropped anyway
+            return int(self._manager.num_participants())
+        return int(self._replica_groups_pg.size())
+
+    def _await_quorum(self) -> None:
         """Wait for the quorum torchft forms on its own thread, then heal when this group is behind, as torchft's
         synchronous quorum does (``use_async_quorum=False``). Waited for here, since torchft's wait has no timeout:
         a quorum asked of a lighthouse that is gone fails only after ``quorum_timeout``, too late for a checkpoint
-        (a launcher gives its workers 30 s to stop), so the lighthouse is probed while a quorum takes long. Returns
-        whether this group healed."""
+        (a launcher gives its workers 30 s to stop), so the lighthouse is probed while a quorum takes long."""
         manager = self._manager
         quorum = manager._quorum_future
         while not concurrent.futures.wait([quorum], timeout=1.0).done:
             self._probe_lighthouse()
         quorum.result()  # what the quorum raised
-        if not manager._healing:
-            return False
-        manager._apply_pending_state_dict()
-        manager._healing = False  # this step then runs on the peer's state, its gradients left out of the average
-        return True
+        if manager._healing:
+            manager._apply_pending_state_dict()
+            manager._healing = False  # this step then runs on the peer's state, its gradients left out of the average
 
     def _probe_lighthouse(self) -> None:
         """Raise ``ConnectionError`` when nothing listens at the lighthouse's address."""
