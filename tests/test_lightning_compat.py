@@ -637,7 +637,6 @@ def _start(command: list[str], root: str) -> subprocess.Popen:
     """Start ``command`` as a user would from a shell: no variables of a running job."""
     environment = {name: value for name, value in os.environ.items()
                    if name not in _JOB_VARIABLES and not name.startswith("TORCHELASTIC_")}  # fmt: skip
-    environment["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
     return warm_processes.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
 
