@@ -135,6 +135,17 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _state(pid: int) -> str:
+    """A live process's state, parent and command line, to say which process is still there."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
+            command = cmdline.read().replace(bytes(1), b" ").decode()
+    except OSError:
+        return f"pid {pid}: gone"
+    return f"pid {pid}: state {state}, parent {parent}, {command!r}"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("status", ["0", "3", "interrupt"])
 def test_a_launcher_s_worker_started_warm_ends_as_a_fresh_one(status: str, tmp_path: Path) -> None:
@@ -159,7 +170,7 @@ def test_a_signal_to_a_warm_worker_s_stand_in_reaches_the_worker(number: int, tm
     deadline = time.monotonic() + 10
     while not _gone(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _gone(worker)
+    assert _gone(worker), _state(worker)
     stand_in.communicate()
 
 
