@@ -127,23 +127,31 @@ def _as_a_launcher_starts_it(tmp_path: Path, argument: str, cold: bool = False) 
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
 
 
-def _gone(pid: int) -> bool:
+def _status(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state, parent, ...); None when there is no such pid."""
     try:
         with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0] == "Z"  # ended, not yet waited for
+            return file.read().rsplit(")", 1)[1].split()
     except OSError:
-        return True
+        return None
+
+
+def _gone(pid: int) -> bool:
+    status = _status(pid)
+    return status is None or status[0] == "Z"  # Z: ended, not yet waited for
 
 
 def _state(pid: int) -> str:
     """A live process's state, parent and command line, to say which process is still there."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
-            command = cmdline.read().replace(bytes(1), b" ").decode()
-    except OSError:
+    status = _status(pid)
+    if status is None:
         return f"pid {pid}: gone"
-    return f"pid {pid}: state {state}, parent {parent}, {command!r}"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            command = file.read().replace(bytes(1), b" ").decode()
+    except OSError:
+        command = "?"
+    return f"pid {pid}: state {status[0]}, parent {status[1]}, {command!r}"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
